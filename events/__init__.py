@@ -1,0 +1,48 @@
+"""The session log: its event vocabulary, codec, errors and stores.
+
+This package imports nothing else of the project's.
+"""
+
+from events.clock import Clock, FixedClock, IdSource, SequentialIds, SystemClock, UuidIds
+from events.codec import decode, decode_json, encode, encode_json, event_tag, restamp
+from events.errors import (
+    AgentError,
+    ConcurrencyConflict,
+    ConfigError,
+    CorruptEvent,
+    InvalidBatch,
+    ReplayError,
+    StoreError,
+)
+from events.schema import *  # noqa: F403 -- the vocabulary is re-exported whole
+from events.schema import __all__ as _schema_all
+from events.sqlite import SqliteEventStore
+from events.store import EventStore, InMemoryEventStore, Recorded, check_batch
+
+__all__ = [
+    *_schema_all,
+    "AgentError",
+    "Clock",
+    "ConcurrencyConflict",
+    "ConfigError",
+    "CorruptEvent",
+    "EventStore",
+    "FixedClock",
+    "IdSource",
+    "InMemoryEventStore",
+    "InvalidBatch",
+    "Recorded",
+    "ReplayError",
+    "SequentialIds",
+    "SqliteEventStore",
+    "StoreError",
+    "SystemClock",
+    "UuidIds",
+    "check_batch",
+    "decode",
+    "decode_json",
+    "encode",
+    "encode_json",
+    "event_tag",
+    "restamp",
+]

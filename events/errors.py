@@ -1,0 +1,68 @@
+"""The project's exceptions, under one root.
+
+    AgentError
+    ├── ConfigError (ValueError)        bad configuration or settings values
+    ├── StoreError
+    │   ├── ConcurrencyConflict         an append's expected_seq did not match the log
+    │   ├── InvalidBatch (ValueError)   a batch that cannot be appended as given
+    │   └── CorruptEvent                a stored row that does not decode
+    └── ReplayError                     a log that cannot be replayed as asked
+
+Developer misuse (a wrong argument) raises the builtin-flavoured subclasses; failures of
+a run (a conflict, a corrupt row) raise the others.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgentError",
+    "ConcurrencyConflict",
+    "ConfigError",
+    "CorruptEvent",
+    "InvalidBatch",
+    "ReplayError",
+    "StoreError",
+]
+
+
+class AgentError(Exception):
+    """Root of every error this project raises on purpose."""
+
+
+class ConfigError(AgentError, ValueError):
+    """A configuration or settings value that is refused; the message names the key."""
+
+
+class StoreError(AgentError):
+    """An event store could not do what was asked."""
+
+
+class ConcurrencyConflict(StoreError):
+    """Another writer appended first: the log's last seq is not the one expected."""
+
+    def __init__(self, session_id: str, expected_seq: int, actual_seq: int) -> None:
+        super().__init__(
+            f"session {session_id!r}: expected last seq {expected_seq}, "
+            f"but the log is at seq {actual_seq}"
+        )
+        self.session_id = session_id
+        self.expected_seq = expected_seq
+        self.actual_seq = actual_seq
+
+
+class InvalidBatch(StoreError, ValueError):
+    """A batch whose events do not belong to the session or do not follow expected_seq."""
+
+
+class CorruptEvent(StoreError):
+    """A stored row that cannot be decoded into a known event."""
+
+    def __init__(self, session_id: str, seq: int, reason: str) -> None:
+        super().__init__(f"session {session_id!r} seq {seq}: cannot decode event: {reason}")
+        self.session_id = session_id
+        self.seq = seq
+        self.reason = reason
+
+
+class ReplayError(AgentError):
+    """A replay request that cannot be served (no such session, bad --at)."""

@@ -1,0 +1,419 @@
+"""The session log's vocabulary: every event a session actor appends.
+
+Rules (schema evolution): events are frozen, kw_only msgspec Structs on one base with an
+explicit, stable ``tag``; a new field always has a default; a field's type never changes;
+a tag is never reused; unknown fields are tolerated on decode. Old logs under
+``tests/golden/`` must keep decoding.
+
+Every event carries ``session_id``, its per-session ``seq`` (1, 2, 3, ... with no gaps),
+``at`` (milliseconds since the epoch, from the injected clock) and ``v``, the schema
+version it was written with. Events are encoded without default values, so ``v`` absent
+means version 1; a later version sets ``v`` explicitly and the default stays 1 forever.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeAlias
+
+import msgspec
+
+__all__ = [
+    "CONTROL_KINDS",
+    "SCHEMA_VERSION",
+    "ChatMessage",
+    "ContextCleared",
+    "Event",
+    "HostNotice",
+    "Input",
+    "InputHeld",
+    "InputJoined",
+    "InputQueued",
+    "InputReceived",
+    "InputReleased",
+    "MessageMeta",
+    "MessageSaved",
+    "ModelCallEnded",
+    "ModelCallStarted",
+    "ModelRef",
+    "ReleaseReason",
+    "Sender",
+    "SessionDeleted",
+    "SessionEvent",
+    "SettingsChanged",
+    "StopMarkerSaved",
+    "StopRequested",
+    "TokenBreakdown",
+    "TokenPart",
+    "TokenUsage",
+    "ToolCall",
+    "ToolFinished",
+    "ToolStarted",
+    "TurnEntry",
+    "TurnOutcome",
+    "TurnRecord",
+    "TurnOpened",
+    "TurnRecorded",
+    "TurnSettings",
+    "UsageRecorded",
+]
+
+SCHEMA_VERSION = 1
+"""The version new events are written with."""
+
+TurnEntry: TypeAlias = Literal["opened", "joined"]
+TurnOutcome: TypeAlias = Literal["replied", "silent", "aborted", "error"]
+TriggerType: TypeAlias = Literal["direct", "immediate", "interval", "idle", "proactive"]
+ReleaseReason: TypeAlias = Literal[
+    "stop-all", "mute", "shutdown", "delete", "clear", "stale-generation"
+]
+Role: TypeAlias = Literal["system", "user", "assistant", "tool"]
+
+CONTROL_KINDS: frozenset[str] = frozenset({"turn-record", "compaction", "notice"})
+"""Message kinds that are event markers: never sent to the model, never counted as history."""
+
+
+class _Value(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Base of value objects nested in events."""
+
+
+# --- value objects -------------------------------------------------------------------
+
+
+class Sender(_Value):
+    """Who said an input: the platform account and the name shown for it."""
+
+    user_id: str | None = None
+    nickname: str | None = None
+
+
+class HostNotice(_Value):
+    """A notice from the host (INS2): its body is archived, the untrusted part never is."""
+
+    kind: str
+    id: str
+    untrusted: str | None = None
+    reply_to: str | None = None
+
+
+class Input(_Value):
+    """One inbound message: a human message, or an injection that carries a ``source``."""
+
+    id: str
+    content: str
+    sender: Sender = Sender()
+    actor: str | None = None
+    platform: str = "cli"
+    group_id: str | None = None
+    group_name: str | None = None
+    session_type: str | None = None
+    message_id: str | None = None
+    trigger_type: TriggerType | None = None
+    source: str | None = None
+    addressed: bool = True
+    mentions: tuple[str, ...] = ()
+    timestamp: int | None = None
+    gateway_seq: int | None = None
+    host_notice: HostNotice | None = None
+    from_turn: str | None = None
+
+    @property
+    def is_human(self) -> bool:
+        """Human messages carry no ``source``; injections do (SCH2, SCH3)."""
+        return self.source is None
+
+
+class ToolCall(_Value):
+    """A tool call as an assistant message carries it; ``arguments`` as stored (FLOW13)."""
+
+    id: str
+    name: str
+    arguments: str = ""
+
+
+class TurnRecord(_Value):
+    """The record of how a turn ended (SAVE5)."""
+
+    turn_id: str
+    outcome: TurnOutcome
+    source: str | None = None
+
+
+class MessageMeta(_Value):
+    """Metadata saved with a message (SAVE1-SAVE3)."""
+
+    turn_id: str | None = None
+    entry: TurnEntry | None = None
+    input_id: str | None = None
+    call_id: str | None = None
+    visible_content: str | None = None
+    injector: str | None = None
+    sender: Sender | None = None
+    platform: str | None = None
+    timestamp: int | None = None
+    turn_record: TurnRecord | None = None
+    extra: dict[str, Any] = {}
+
+
+class ChatMessage(_Value):
+    """One archived message. ``kind`` marks control markers and stop markers."""
+
+    id: str
+    role: Role
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning: str | None = None
+    kind: str | None = None
+    meta: MessageMeta = MessageMeta()
+
+    @property
+    def is_control(self) -> bool:
+        """Event markers never go to the model and never count as history."""
+        return self.kind is not None and self.kind in CONTROL_KINDS
+
+
+class ModelRef(_Value):
+    """A model chosen by provider instance id and model id (SET1)."""
+
+    provider: str
+    model: str
+
+    def __str__(self) -> str:
+        return f"{self.provider}/{self.model}"
+
+
+class TurnSettings(_Value):
+    """Settings read once when a turn opens (SCH5)."""
+
+    model: ModelRef | None = None
+    think: str | None = None
+    max_tool_iterations: int | None = None
+    history_limit: int = 0
+    tool_groups: tuple[str, ...] | None = None
+    persona: str | None = None
+    multi_party: bool = False
+
+
+class TokenBreakdown(_Value, rename="camel"):
+    """The ``breakdown`` of a ``token:usage`` payload (ACC2)."""
+
+    system: int = 0
+    persona: int = 0
+    memory_summary: int = 0
+    memory_vector: int = 0
+    skills: int = 0
+    platform: int = 0
+    subtask: int = 0
+    system_other: int = 0
+    history: int = 0
+    tool_results: int = 0
+    tool_defs: int = 0
+    reserved_for_reply: int = 0
+    injectors: dict[str, int] = {}
+
+
+class TokenPart(_Value):
+    """One labelled row of the ``parts`` table of a ``token:usage`` payload."""
+
+    label: str
+    tokens: int
+    injectors: dict[str, int] | None = None
+
+
+class TokenUsage(_Value, rename="camel"):
+    """The ``token:usage`` payload (ACC2); camelCase on the wire, as the source has it."""
+
+    session_id: str
+    turn_id: str | None = None
+    platform: str | None = None
+    context_window: int = 0
+    max_tokens: int = 0
+    token_budget: int = 0
+    used: int = 0
+    usage_ratio: float = 0.0
+    trimmed: bool = False
+    untrimmed_history: int = 0
+    history_messages: int = 0
+    breakdown: TokenBreakdown = TokenBreakdown()
+    parts: tuple[TokenPart, ...] = ()
+
+
+# --- events --------------------------------------------------------------------------
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type"):
+    """Base of every logged event."""
+
+    session_id: str
+    seq: int
+    at: int
+    v: int = 1
+
+
+class InputReceived(Event, tag="input_received"):
+    """An input was accepted by the session; ``generation`` is the one it arrived in (DEL2)."""
+
+    input: Input
+    generation: int = 0
+
+
+class InputQueued(Event, tag="input_queued"):
+    """The input waits in the queue for a later turn (SCH3)."""
+
+    input_id: str
+
+
+class InputHeld(Event, tag="input_held"):
+    """The input waits to join the running turn at its next insertion point (SCH2)."""
+
+    input_id: str
+    turn_id: str
+
+
+class InputJoined(Event, tag="input_joined"):
+    """The input entered a turn: it opened it or joined it at an insertion point."""
+
+    input_id: str
+    turn_id: str
+    entry: TurnEntry
+
+
+class InputReleased(Event, tag="input_released"):
+    """The input left without entering a turn (SCH6, DEL1-DEL2)."""
+
+    input_id: str
+    reason: ReleaseReason
+    archived: bool = False
+
+
+class TurnOpened(Event, tag="turn_opened"):
+    """A turn opened for ``input_ids`` (in arrival order) with its settings read once."""
+
+    turn_id: str
+    input_ids: tuple[str, ...]
+    source: str | None = None
+    platform: str | None = None
+    settings: TurnSettings = TurnSettings()
+    from_queue: bool = False
+
+
+class ModelCallStarted(Event, tag="model_call_started"):
+    """The turn called the model; ``index`` counts calls within the turn from 1."""
+
+    turn_id: str
+    index: int
+    model: str | None = None
+    purpose: str = "对话"
+    format_retry: bool = False
+
+
+class ModelCallEnded(Event, tag="model_call_ended"):
+    """The model call returned (``ok``), threw (``error``) or was abandoned (``aborted``)."""
+
+    turn_id: str
+    index: int
+    status: Literal["ok", "error", "aborted"] = "ok"
+    tool_calls: int = 0
+    error: str | None = None
+
+
+class MessageSaved(Event, tag="message_saved"):
+    """A message was archived: an input, a tool-call group member, a reply or a marker."""
+
+    message: ChatMessage
+
+
+class ToolStarted(Event, tag="tool_started"):
+    """``tool:execute`` start: the call with its arguments as stored (FLOW13)."""
+
+    turn_id: str
+    call_id: str
+    name: str
+    arguments: str = ""
+
+
+class ToolFinished(Event, tag="tool_finished"):
+    """``tool:execute`` end: the result or the error returned to the model."""
+
+    turn_id: str
+    call_id: str
+    name: str
+    result: str | None = None
+    error: str | None = None
+    metadata: dict[str, Any] = {}
+
+
+class UsageRecorded(Event, tag="usage_recorded"):
+    """A ``token:usage`` payload emitted after a model call (ACC2)."""
+
+    usage: TokenUsage
+
+
+class StopRequested(Event, tag="stop_requested"):
+    """Someone asked the running turn to stop; ``by`` is who, when anyone (SCH6)."""
+
+    turn_id: str
+    by: str | None = None
+    reason: str = "stop"
+
+
+class StopMarkerSaved(Event, tag="stop_marker_saved"):
+    """The ``turn-stopped`` marker written before an aborted turn's record (SAVE6)."""
+
+    turn_id: str
+    message: ChatMessage
+
+
+class TurnRecorded(Event, tag="turn_recorded"):
+    """The turn ended; written before ``agent:turn:after`` (SAVE5)."""
+
+    turn_id: str
+    outcome: TurnOutcome
+    source: str | None = None
+    reason: str | None = None
+    duration_ms: int = 0
+
+
+class SessionDeleted(Event, tag="session_deleted"):
+    """The session was deleted; inputs of an older generation are dropped (DEL2)."""
+
+    generation: int
+
+
+class ContextCleared(Event, tag="context_cleared"):
+    """``/clear`` of the message history: the active history starts empty again."""
+
+    kinds: tuple[str, ...] = ()
+
+
+class SettingsChanged(Event, tag="settings_changed"):
+    """A session-layer setting was set (``value``) or reset (``reset``)."""
+
+    key: str
+    value: Any = None
+    reset: bool = False
+    by: str | None = None
+
+
+SessionEvent: TypeAlias = (
+    InputReceived
+    | InputQueued
+    | InputHeld
+    | InputJoined
+    | InputReleased
+    | TurnOpened
+    | ModelCallStarted
+    | ModelCallEnded
+    | MessageSaved
+    | ToolStarted
+    | ToolFinished
+    | UsageRecorded
+    | StopRequested
+    | StopMarkerSaved
+    | TurnRecorded
+    | SessionDeleted
+    | ContextCleared
+    | SettingsChanged
+)
+"""Every event a session log may hold."""

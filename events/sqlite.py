@@ -1,0 +1,179 @@
+"""``SqliteEventStore``: the durable default store.
+
+One table, ``events``: primary key ``(session_id, seq)`` is the concurrency check, a
+unique global ``position`` orders ``read_all``, ``type`` is the event's tag (handy in SQL),
+``data`` the MessagePack-encoded event. WAL journal with ``synchronous=NORMAL``: an
+append is acknowledged after its transaction commits. A batch is one transaction.
+
+The schema is made with sqlite-utils; the hot paths use the raw connection, since
+sqlite-utils commits every call on its own.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import sqlite_utils
+
+from events.codec import decode, encode, event_tag
+from events.errors import ConcurrencyConflict, CorruptEvent, StoreError
+from events.schema import SessionEvent
+from events.store import CorruptHandler, Recorded, check_batch
+
+__all__ = ["SqliteEventStore"]
+
+_STORE_FORMAT = 1  # PRAGMA user_version of a database this code created
+
+
+class SqliteEventStore:
+    """Session logs in one SQLite file (or ``":memory:"``), safe to share between threads."""
+
+    def __init__(self, path: str | Path = ":memory:", *, timeout_s: float = 30.0) -> None:
+        self.path = str(path)
+        try:
+            conn = sqlite3.connect(
+                self.path,
+                check_same_thread=False,
+                isolation_level=None,  # we issue BEGIN/COMMIT ourselves
+                timeout=timeout_s,
+            )
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open event database {self.path!r}: {exc}") from None
+        self._conn = conn
+        self._lock = threading.Lock()
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            self._ensure_schema()
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            raise StoreError(f"{self.path!r} is not a usable event database: {exc}") from None
+
+    def _ensure_schema(self) -> None:
+        db = sqlite_utils.Database(self._conn)
+        version = self._conn.execute("PRAGMA user_version").fetchone()[0]
+        if "events" in db.table_names():
+            if version != _STORE_FORMAT:
+                raise StoreError(
+                    f"{self.path!r}: event table format {version} is not {_STORE_FORMAT}"
+                )
+            return
+        with db.conn:
+            db["events"].create(  # type: ignore[union-attr]
+                {"position": int, "session_id": str, "seq": int, "type": str, "data": bytes},
+                pk=("session_id", "seq"),
+                not_null={"position", "session_id", "seq", "type", "data"},
+            )
+            db["events"].create_index(  # type: ignore[union-attr]
+                ["position"], index_name="events_position", unique=True
+            )
+        self._conn.execute(f"PRAGMA user_version={_STORE_FORMAT}")
+
+    # --- writing ---------------------------------------------------------------------
+
+    def append(
+        self, session_id: str, events: Sequence[SessionEvent], expected_seq: int
+    ) -> int:
+        check_batch(session_id, events, expected_seq)
+        rows = [(0, session_id, e.seq, event_tag(e), encode(e)) for e in events]
+        with self._lock:
+            cur = self._conn.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                actual = cur.execute(
+                    "SELECT max(seq) FROM events WHERE session_id = ?", (session_id,)
+                ).fetchone()[0] or 0
+                if actual != expected_seq:
+                    raise ConcurrencyConflict(session_id, expected_seq, actual)
+                if rows:
+                    position = cur.execute("SELECT max(position) FROM events").fetchone()[0] or 0
+                    cur.executemany(
+                        "INSERT INTO events (position, session_id, seq, type, data) "
+                        "VALUES (?, ?, ?, ?, ?)",
+                        [(position + i + 1, *row[1:]) for i, row in enumerate(rows)],
+                    )
+                cur.execute("COMMIT")
+            except sqlite3.IntegrityError:
+                cur.execute("ROLLBACK")
+                # Another connection won the race for these seqs (or positions).
+                raise ConcurrencyConflict(
+                    session_id, expected_seq, self._last_seq_unlocked(session_id)
+                ) from None
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+        return expected_seq + len(rows)
+
+    # --- reading ---------------------------------------------------------------------
+
+    def read(
+        self, session_id: str, after_seq: int = 0, *, on_corrupt: CorruptHandler | None = None
+    ) -> list[SessionEvent]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT seq, data FROM events WHERE session_id = ? AND seq > ? ORDER BY seq",
+                (session_id, after_seq),
+            ).fetchall()
+        out: list[SessionEvent] = []
+        append = out.append
+        for seq, data in rows:
+            try:
+                append(decode(data, session_id=session_id, seq=seq))
+            except CorruptEvent as exc:
+                if on_corrupt is None:
+                    raise
+                on_corrupt(exc)
+        return out
+
+    def read_all(self, after_position: int = 0, limit: int | None = None) -> list[Recorded]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT position, session_id, seq, data FROM events "
+                "WHERE position > ? ORDER BY position LIMIT ?",
+                (after_position, -1 if limit is None else limit),
+            ).fetchall()
+        return [
+            Recorded(position, decode(data, session_id=sid, seq=seq))
+            for position, sid, seq, data in rows
+        ]
+
+    def last_seq(self, session_id: str) -> int:
+        with self._lock:
+            return self._last_seq_unlocked(session_id)
+
+    def _last_seq_unlocked(self, session_id: str) -> int:
+        row = self._conn.execute(
+            "SELECT max(seq) FROM events WHERE session_id = ?", (session_id,)
+        ).fetchone()
+        return int(row[0] or 0)
+
+    def sessions(self) -> list[str]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT DISTINCT session_id FROM events ORDER BY session_id"
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def count(self, session_id: str | None = None) -> int:
+        """How many events the store holds (for one session, or all)."""
+        with self._lock:
+            if session_id is None:
+                row = self._conn.execute("SELECT count(*) FROM events").fetchone()
+            else:
+                row = self._conn.execute(
+                    "SELECT count(*) FROM events WHERE session_id = ?", (session_id,)
+                ).fetchone()
+        return int(row[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> SqliteEventStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,150 @@
+"""The ``EventStore`` protocol and the in-memory reference store.
+
+A store keeps one append-only log per session. ``append`` is atomic per batch and checks
+optimistic concurrency: the caller says which seq it believes is last (``expected_seq``,
+0 for an empty log) and the batch must continue it without gaps. A global ``position``
+(1, 2, 3, ... across all sessions) orders ``read_all``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from events.errors import ConcurrencyConflict, CorruptEvent, InvalidBatch
+from events.schema import Event, SessionEvent
+
+__all__ = [
+    "CorruptHandler",
+    "EventStore",
+    "InMemoryEventStore",
+    "Recorded",
+    "check_batch",
+]
+
+CorruptHandler = Callable[[CorruptEvent], None]
+"""Called with each row that does not decode; the row is then skipped."""
+
+
+class Recorded(msgspec.Struct, frozen=True):
+    """An event with its global position, as ``read_all`` returns it."""
+
+    position: int
+    event: SessionEvent
+
+
+@runtime_checkable
+class EventStore(Protocol):
+    """Per-session append-only logs with a global order."""
+
+    def append(
+        self, session_id: str, events: Sequence[SessionEvent], expected_seq: int
+    ) -> int:
+        """Append ``events`` atomically after ``expected_seq``; return the new last seq.
+
+        Raises :class:`ConcurrencyConflict` when the log's last seq is not
+        ``expected_seq`` (nothing is written), and :class:`InvalidBatch` when an event
+        names another session or its seq does not follow on.
+        """
+        ...
+
+    def read(
+        self, session_id: str, after_seq: int = 0, *, on_corrupt: CorruptHandler | None = None
+    ) -> list[SessionEvent]:
+        """The session's events with seq > ``after_seq``, in order.
+
+        A row that does not decode raises :class:`CorruptEvent`, or, when ``on_corrupt``
+        is given, is passed to it and skipped.
+        """
+        ...
+
+    def read_all(self, after_position: int = 0, limit: int | None = None) -> list[Recorded]:
+        """Events of every session with position > ``after_position``, in position order."""
+        ...
+
+    def last_seq(self, session_id: str) -> int:
+        """The session's last seq (0 for an empty log)."""
+        ...
+
+    def sessions(self) -> list[str]:
+        """Every session that has at least one event, sorted."""
+        ...
+
+    def close(self) -> None:
+        """Release resources; the store is not used afterwards."""
+        ...
+
+
+def check_batch(
+    session_id: str, events: Iterable[Event], expected_seq: int
+) -> None:
+    """Refuse a batch that names another session or does not continue ``expected_seq``."""
+    if expected_seq < 0:
+        raise InvalidBatch(f"expected_seq must be >= 0, got {expected_seq}")
+    want = expected_seq
+    for event in events:
+        want += 1
+        if event.session_id != session_id:
+            raise InvalidBatch(
+                f"event seq {event.seq} belongs to session {event.session_id!r}, "
+                f"not {session_id!r}"
+            )
+        if event.seq != want:
+            raise InvalidBatch(
+                f"session {session_id!r}: event seq {event.seq} does not follow on; "
+                f"expected seq {want}"
+            )
+
+
+class InMemoryEventStore:
+    """The reference store: dicts and lists behind one lock. Not durable."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._logs: dict[str, list[SessionEvent]] = {}
+        self._all: list[SessionEvent] = []
+
+    def append(
+        self, session_id: str, events: Sequence[SessionEvent], expected_seq: int
+    ) -> int:
+        check_batch(session_id, events, expected_seq)
+        with self._lock:
+            log = self._logs.get(session_id)
+            actual = len(log) if log else 0
+            if actual != expected_seq:
+                raise ConcurrencyConflict(session_id, expected_seq, actual)
+            if not events:
+                return actual
+            if log is None:
+                log = self._logs[session_id] = []
+            log.extend(events)
+            self._all.extend(events)
+            return len(log)
+
+    def read(
+        self, session_id: str, after_seq: int = 0, *, on_corrupt: CorruptHandler | None = None
+    ) -> list[SessionEvent]:
+        with self._lock:
+            log = self._logs.get(session_id)
+            return log[max(after_seq, 0):] if log else []
+
+    def read_all(self, after_position: int = 0, limit: int | None = None) -> list[Recorded]:
+        with self._lock:
+            start = max(after_position, 0)
+            stop = len(self._all) if limit is None else min(len(self._all), start + limit)
+            return [Recorded(i + 1, self._all[i]) for i in range(start, stop)]
+
+    def last_seq(self, session_id: str) -> int:
+        with self._lock:
+            log = self._logs.get(session_id)
+            return len(log) if log else 0
+
+    def sessions(self) -> list[str]:
+        with self._lock:
+            return sorted(self._logs)
+
+    def close(self) -> None:
+        """Nothing to release."""
