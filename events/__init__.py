@@ -3,6 +3,7 @@
 This package imports nothing else of the project's.
 """
 
+from events.batch import Batch
 from events.clock import Clock, FixedClock, IdSource, SequentialIds, SystemClock, UuidIds
 from events.codec import decode, decode_json, encode, encode_json, event_tag, restamp
 from events.errors import (
@@ -22,6 +23,7 @@ from events.store import EventStore, InMemoryEventStore, Recorded, check_batch
 __all__ = [
     *_schema_all,
     "AgentError",
+    "Batch",
     "Clock",
     "ConcurrencyConflict",
     "ConfigError",

@@ -49,9 +49,9 @@ __all__ = [
     "ToolFinished",
     "ToolStarted",
     "TurnEntry",
+    "TurnOpened",
     "TurnOutcome",
     "TurnRecord",
-    "TurnOpened",
     "TurnRecorded",
     "TurnSettings",
     "UsageRecorded",
@@ -79,14 +79,14 @@ class _Value(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 # --- value objects -------------------------------------------------------------------
 
 
-class Sender(_Value):
+class Sender(_Value, frozen=True):
     """Who said an input: the platform account and the name shown for it."""
 
     user_id: str | None = None
     nickname: str | None = None
 
 
-class HostNotice(_Value):
+class HostNotice(_Value, frozen=True):
     """A notice from the host (INS2): its body is archived, the untrusted part never is."""
 
     kind: str
@@ -95,7 +95,7 @@ class HostNotice(_Value):
     reply_to: str | None = None
 
 
-class Input(_Value):
+class Input(_Value, frozen=True):
     """One inbound message: a human message, or an injection that carries a ``source``."""
 
     id: str
@@ -122,7 +122,7 @@ class Input(_Value):
         return self.source is None
 
 
-class ToolCall(_Value):
+class ToolCall(_Value, frozen=True):
     """A tool call as an assistant message carries it; ``arguments`` as stored (FLOW13)."""
 
     id: str
@@ -130,7 +130,7 @@ class ToolCall(_Value):
     arguments: str = ""
 
 
-class TurnRecord(_Value):
+class TurnRecord(_Value, frozen=True):
     """The record of how a turn ended (SAVE5)."""
 
     turn_id: str
@@ -138,7 +138,7 @@ class TurnRecord(_Value):
     source: str | None = None
 
 
-class MessageMeta(_Value):
+class MessageMeta(_Value, frozen=True):
     """Metadata saved with a message (SAVE1-SAVE3)."""
 
     turn_id: str | None = None
@@ -154,7 +154,7 @@ class MessageMeta(_Value):
     extra: dict[str, Any] = {}
 
 
-class ChatMessage(_Value):
+class ChatMessage(_Value, frozen=True):
     """One archived message. ``kind`` marks control markers and stop markers."""
 
     id: str
@@ -173,7 +173,7 @@ class ChatMessage(_Value):
         return self.kind is not None and self.kind in CONTROL_KINDS
 
 
-class ModelRef(_Value):
+class ModelRef(_Value, frozen=True):
     """A model chosen by provider instance id and model id (SET1)."""
 
     provider: str
@@ -183,7 +183,7 @@ class ModelRef(_Value):
         return f"{self.provider}/{self.model}"
 
 
-class TurnSettings(_Value):
+class TurnSettings(_Value, frozen=True):
     """Settings read once when a turn opens (SCH5)."""
 
     model: ModelRef | None = None
@@ -195,7 +195,7 @@ class TurnSettings(_Value):
     multi_party: bool = False
 
 
-class TokenBreakdown(_Value, rename="camel"):
+class TokenBreakdown(_Value, frozen=True, rename="camel"):
     """The ``breakdown`` of a ``token:usage`` payload (ACC2)."""
 
     system: int = 0
@@ -213,7 +213,7 @@ class TokenBreakdown(_Value, rename="camel"):
     injectors: dict[str, int] = {}
 
 
-class TokenPart(_Value):
+class TokenPart(_Value, frozen=True):
     """One labelled row of the ``parts`` table of a ``token:usage`` payload."""
 
     label: str
@@ -221,7 +221,7 @@ class TokenPart(_Value):
     injectors: dict[str, int] | None = None
 
 
-class TokenUsage(_Value, rename="camel"):
+class TokenUsage(_Value, frozen=True, rename="camel"):
     """The ``token:usage`` payload (ACC2); camelCase on the wire, as the source has it."""
 
     session_id: str
@@ -251,27 +251,27 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_f
     v: int = 1
 
 
-class InputReceived(Event, tag="input_received"):
+class InputReceived(Event, frozen=True, tag="input_received"):
     """An input was accepted by the session; ``generation`` is the one it arrived in (DEL2)."""
 
     input: Input
     generation: int = 0
 
 
-class InputQueued(Event, tag="input_queued"):
+class InputQueued(Event, frozen=True, tag="input_queued"):
     """The input waits in the queue for a later turn (SCH3)."""
 
     input_id: str
 
 
-class InputHeld(Event, tag="input_held"):
+class InputHeld(Event, frozen=True, tag="input_held"):
     """The input waits to join the running turn at its next insertion point (SCH2)."""
 
     input_id: str
     turn_id: str
 
 
-class InputJoined(Event, tag="input_joined"):
+class InputJoined(Event, frozen=True, tag="input_joined"):
     """The input entered a turn: it opened it or joined it at an insertion point."""
 
     input_id: str
@@ -279,7 +279,7 @@ class InputJoined(Event, tag="input_joined"):
     entry: TurnEntry
 
 
-class InputReleased(Event, tag="input_released"):
+class InputReleased(Event, frozen=True, tag="input_released"):
     """The input left without entering a turn (SCH6, DEL1-DEL2)."""
 
     input_id: str
@@ -287,7 +287,7 @@ class InputReleased(Event, tag="input_released"):
     archived: bool = False
 
 
-class TurnOpened(Event, tag="turn_opened"):
+class TurnOpened(Event, frozen=True, tag="turn_opened"):
     """A turn opened for ``input_ids`` (in arrival order) with its settings read once."""
 
     turn_id: str
@@ -298,7 +298,7 @@ class TurnOpened(Event, tag="turn_opened"):
     from_queue: bool = False
 
 
-class ModelCallStarted(Event, tag="model_call_started"):
+class ModelCallStarted(Event, frozen=True, tag="model_call_started"):
     """The turn called the model; ``index`` counts calls within the turn from 1."""
 
     turn_id: str
@@ -308,7 +308,7 @@ class ModelCallStarted(Event, tag="model_call_started"):
     format_retry: bool = False
 
 
-class ModelCallEnded(Event, tag="model_call_ended"):
+class ModelCallEnded(Event, frozen=True, tag="model_call_ended"):
     """The model call returned (``ok``), threw (``error``) or was abandoned (``aborted``)."""
 
     turn_id: str
@@ -318,13 +318,13 @@ class ModelCallEnded(Event, tag="model_call_ended"):
     error: str | None = None
 
 
-class MessageSaved(Event, tag="message_saved"):
+class MessageSaved(Event, frozen=True, tag="message_saved"):
     """A message was archived: an input, a tool-call group member, a reply or a marker."""
 
     message: ChatMessage
 
 
-class ToolStarted(Event, tag="tool_started"):
+class ToolStarted(Event, frozen=True, tag="tool_started"):
     """``tool:execute`` start: the call with its arguments as stored (FLOW13)."""
 
     turn_id: str
@@ -333,7 +333,7 @@ class ToolStarted(Event, tag="tool_started"):
     arguments: str = ""
 
 
-class ToolFinished(Event, tag="tool_finished"):
+class ToolFinished(Event, frozen=True, tag="tool_finished"):
     """``tool:execute`` end: the result or the error returned to the model."""
 
     turn_id: str
@@ -344,13 +344,13 @@ class ToolFinished(Event, tag="tool_finished"):
     metadata: dict[str, Any] = {}
 
 
-class UsageRecorded(Event, tag="usage_recorded"):
+class UsageRecorded(Event, frozen=True, tag="usage_recorded"):
     """A ``token:usage`` payload emitted after a model call (ACC2)."""
 
     usage: TokenUsage
 
 
-class StopRequested(Event, tag="stop_requested"):
+class StopRequested(Event, frozen=True, tag="stop_requested"):
     """Someone asked the running turn to stop; ``by`` is who, when anyone (SCH6)."""
 
     turn_id: str
@@ -358,14 +358,14 @@ class StopRequested(Event, tag="stop_requested"):
     reason: str = "stop"
 
 
-class StopMarkerSaved(Event, tag="stop_marker_saved"):
+class StopMarkerSaved(Event, frozen=True, tag="stop_marker_saved"):
     """The ``turn-stopped`` marker written before an aborted turn's record (SAVE6)."""
 
     turn_id: str
     message: ChatMessage
 
 
-class TurnRecorded(Event, tag="turn_recorded"):
+class TurnRecorded(Event, frozen=True, tag="turn_recorded"):
     """The turn ended; written before ``agent:turn:after`` (SAVE5)."""
 
     turn_id: str
@@ -375,19 +375,19 @@ class TurnRecorded(Event, tag="turn_recorded"):
     duration_ms: int = 0
 
 
-class SessionDeleted(Event, tag="session_deleted"):
+class SessionDeleted(Event, frozen=True, tag="session_deleted"):
     """The session was deleted; inputs of an older generation are dropped (DEL2)."""
 
     generation: int
 
 
-class ContextCleared(Event, tag="context_cleared"):
+class ContextCleared(Event, frozen=True, tag="context_cleared"):
     """``/clear`` of the message history: the active history starts empty again."""
 
     kinds: tuple[str, ...] = ()
 
 
-class SettingsChanged(Event, tag="settings_changed"):
+class SettingsChanged(Event, frozen=True, tag="settings_changed"):
     """A session-layer setting was set (``value``) or reset (``reset``)."""
 
     key: str

@@ -1,9 +1,9 @@
 """``SqliteEventStore``: the durable default store.
 
-One table, ``events``: primary key ``(session_id, seq)`` is the concurrency check, a
-unique global ``position`` orders ``read_all``, ``type`` is the event's tag (handy in SQL),
-``data`` the MessagePack-encoded event. WAL journal with ``synchronous=NORMAL``: an
-append is acknowledged after its transaction commits. A batch is one transaction.
+One table, ``events`` (WITHOUT ROWID): primary key ``(session_id, seq)`` is the
+concurrency check, a unique global ``position`` orders ``read_all``, ``type`` is the
+event's tag (handy in SQL), ``data`` the MessagePack-encoded event. WAL journal with
+``synchronous=NORMAL``: an append is acknowledged after its transaction commits. A batch is one transaction.
 
 The schema is made with sqlite-utils; the hot paths use the raw connection, since
 sqlite-utils commits every call on its own.
@@ -61,12 +61,16 @@ class SqliteEventStore:
                     f"{self.path!r}: event table format {version} is not {_STORE_FORMAT}"
                 )
             return
+        # sqlite-utils writes the table definition; WITHOUT ROWID (which it has no flag
+        # for) clusters rows by (session_id, seq), so reading one session is one range scan.
+        sql = db.create_table_sql(
+            "events",
+            {"position": int, "session_id": str, "seq": int, "type": str, "data": bytes},
+            pk=("session_id", "seq"),
+            not_null={"position", "session_id", "seq", "type", "data"},
+        )
         with db.conn:
-            db["events"].create(  # type: ignore[union-attr]
-                {"position": int, "session_id": str, "seq": int, "type": str, "data": bytes},
-                pk=("session_id", "seq"),
-                not_null={"position", "session_id", "seq", "type", "data"},
-            )
+            db.execute(sql.rstrip().rstrip(";") + " WITHOUT ROWID")
             db["events"].create_index(  # type: ignore[union-attr]
                 ["position"], index_name="events_position", unique=True
             )
@@ -74,18 +78,19 @@ class SqliteEventStore:
 
     # --- writing ---------------------------------------------------------------------
 
-    def append(
-        self, session_id: str, events: Sequence[SessionEvent], expected_seq: int
-    ) -> int:
+    def append(self, session_id: str, events: Sequence[SessionEvent], expected_seq: int) -> int:
         check_batch(session_id, events, expected_seq)
         rows = [(0, session_id, e.seq, event_tag(e), encode(e)) for e in events]
         with self._lock:
             cur = self._conn.cursor()
             cur.execute("BEGIN IMMEDIATE")
             try:
-                actual = cur.execute(
-                    "SELECT max(seq) FROM events WHERE session_id = ?", (session_id,)
-                ).fetchone()[0] or 0
+                actual = (
+                    cur.execute(
+                        "SELECT max(seq) FROM events WHERE session_id = ?", (session_id,)
+                    ).fetchone()[0]
+                    or 0
+                )
                 if actual != expected_seq:
                     raise ConcurrencyConflict(session_id, expected_seq, actual)
                 if rows:

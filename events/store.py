@@ -40,9 +40,7 @@ class Recorded(msgspec.Struct, frozen=True):
 class EventStore(Protocol):
     """Per-session append-only logs with a global order."""
 
-    def append(
-        self, session_id: str, events: Sequence[SessionEvent], expected_seq: int
-    ) -> int:
+    def append(self, session_id: str, events: Sequence[SessionEvent], expected_seq: int) -> int:
         """Append ``events`` atomically after ``expected_seq``; return the new last seq.
 
         Raises :class:`ConcurrencyConflict` when the log's last seq is not
@@ -78,9 +76,7 @@ class EventStore(Protocol):
         ...
 
 
-def check_batch(
-    session_id: str, events: Iterable[Event], expected_seq: int
-) -> None:
+def check_batch(session_id: str, events: Iterable[Event], expected_seq: int) -> None:
     """Refuse a batch that names another session or does not continue ``expected_seq``."""
     if expected_seq < 0:
         raise InvalidBatch(f"expected_seq must be >= 0, got {expected_seq}")
@@ -89,8 +85,7 @@ def check_batch(
         want += 1
         if event.session_id != session_id:
             raise InvalidBatch(
-                f"event seq {event.seq} belongs to session {event.session_id!r}, "
-                f"not {session_id!r}"
+                f"event seq {event.seq} belongs to session {event.session_id!r}, not {session_id!r}"
             )
         if event.seq != want:
             raise InvalidBatch(
@@ -107,9 +102,7 @@ class InMemoryEventStore:
         self._logs: dict[str, list[SessionEvent]] = {}
         self._all: list[SessionEvent] = []
 
-    def append(
-        self, session_id: str, events: Sequence[SessionEvent], expected_seq: int
-    ) -> int:
+    def append(self, session_id: str, events: Sequence[SessionEvent], expected_seq: int) -> int:
         check_batch(session_id, events, expected_seq)
         with self._lock:
             log = self._logs.get(session_id)
@@ -129,7 +122,7 @@ class InMemoryEventStore:
     ) -> list[SessionEvent]:
         with self._lock:
             log = self._logs.get(session_id)
-            return log[max(after_seq, 0):] if log else []
+            return log[max(after_seq, 0) :] if log else []
 
     def read_all(self, after_position: int = 0, limit: int | None = None) -> list[Recorded]:
         with self._lock:

@@ -1,0 +1,54 @@
+"""``Batch``: builds the events of one atomic append, stamping session, seq and time."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from events.clock import Clock
+from events.schema import SessionEvent
+
+__all__ = ["Batch"]
+
+E = TypeVar("E", bound=SessionEvent)
+
+
+class Batch:
+    """Events for one append after ``last_seq``; every event gets the next seq.
+
+    >>> batch = Batch("s1", last_seq=4, now_ms=0)
+    >>> from events.schema import InputQueued
+    >>> batch.add(InputQueued, input_id="in-1").seq
+    5
+    """
+
+    def __init__(
+        self,
+        session_id: str,
+        last_seq: int,
+        *,
+        clock: Clock | None = None,
+        now_ms: int | None = None,
+    ) -> None:
+        if clock is None and now_ms is None:
+            raise TypeError("Batch needs a clock or now_ms")
+        self.session_id = session_id
+        self.expected_seq = last_seq
+        self._clock = clock
+        self._now = now_ms
+        self.events: list[SessionEvent] = []
+
+    @property
+    def last_seq(self) -> int:
+        """The seq of the newest event in the batch (``expected_seq`` when empty)."""
+        return self.expected_seq + len(self.events)
+
+    def add(self, kind: type[E], **fields: Any) -> E:
+        """Build one event of ``kind`` with the next seq and add it to the batch."""
+        at = self._clock.now_ms() if self._clock is not None else self._now
+        assert at is not None
+        event = kind(session_id=self.session_id, seq=self.last_seq + 1, at=at, **fields)
+        self.events.append(event)
+        return event
+
+    def __len__(self) -> int:
+        return len(self.events)

@@ -1,0 +1,10 @@
+"""Pure folds over a session's log: history, turns, queue, and all of them together.
+
+No I/O, no clock, no logging, no threads. Imports ``events`` only.
+"""
+
+from projections import history, queue, turns
+from projections.chain import Chain
+from projections.session import SessionView, evolve, project
+
+__all__ = ["Chain", "SessionView", "evolve", "history", "project", "queue", "turns"]

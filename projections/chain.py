@@ -1,0 +1,82 @@
+"""``Chain``: an append-only sequence that is cheap to extend and safe to share.
+
+A fold that appends one item per event must not copy the whole list each time, yet each
+state it returns must stay unchanged afterwards. A ``Chain`` is a view of the first ``n``
+items of a shared list: appending to the newest view extends the list in place (O(1));
+appending to an older view copies first. Older views never see later items.
+
+One fold at a time may extend a given chain (projections are folded by one actor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Generic, TypeVar, overload
+
+__all__ = ["Chain"]
+
+T = TypeVar("T")
+
+
+class Chain(Sequence[T], Generic[T]):
+    """An immutable view of a prefix of a shared, append-only list."""
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list[T] | None = None, n: int | None = None) -> None:
+        self._items: list[T] = items if items is not None else []
+        self._n: int = len(self._items) if n is None else n
+
+    @classmethod
+    def of(cls, items: Sequence[T]) -> Chain[T]:
+        """A chain holding a copy of ``items``."""
+        return cls(list(items))
+
+    def append(self, item: T) -> Chain[T]:
+        """A chain one item longer; this one is unchanged."""
+        items = self._items
+        if len(items) != self._n:
+            items = items[: self._n]
+        items.append(item)
+        return Chain(items, self._n + 1)
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[T]: ...
+
+    def __getitem__(self, index: int | slice) -> T | list[T]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._n)
+            return self._items[start:stop:step]
+        if index < 0:
+            index += self._n
+        if not 0 <= index < self._n:
+            raise IndexError("Chain index out of range")
+        return self._items[index]
+
+    def __iter__(self) -> Iterator[T]:
+        items = self._items
+        for i in range(self._n):
+            yield items[i]
+
+    def to_list(self) -> list[T]:
+        """A new list of the items."""
+        return self._items[: self._n]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Chain):
+            return self._n == other._n and (
+                (self._items is other._items) or self.to_list() == other.to_list()
+            )
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"Chain({self.to_list()!r})"

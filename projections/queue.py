@@ -1,0 +1,195 @@
+"""The queue projection: inputs waiting for a turn, and the session's generation.
+
+An input is *queued* (it waits for a later turn, SCH3) or *pending* (it waits to join the
+running turn at its next insertion point, SCH2) until it joins a turn or is released.
+The state also knows the running turn, as far as scheduling needs it, and the session
+generation that deletion bumps (DEL2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+from msgspec.structs import replace
+
+from events.schema import (
+    ContextCleared,
+    Input,
+    InputHeld,
+    InputJoined,
+    InputQueued,
+    InputReceived,
+    InputReleased,
+    MessageSaved,
+    ModelCallEnded,
+    ModelCallStarted,
+    SessionDeleted,
+    SessionEvent,
+    SettingsChanged,
+    StopMarkerSaved,
+    StopRequested,
+    ToolFinished,
+    ToolStarted,
+    TurnOpened,
+    TurnRecorded,
+    UsageRecorded,
+)
+from projections._dispatch import Handler, check_complete, keep
+
+__all__ = ["HANDLERS", "QueueState", "RunningTurn", "Waiting", "evolve", "project", "waiting"]
+
+
+class Waiting(msgspec.Struct, frozen=True):
+    """An accepted input that has not entered a turn; ``arrival`` is its event seq."""
+
+    input: Input
+    arrival: int
+    generation: int
+    held_for: str | None = None  # the turn it waits to join, when pending
+
+
+class RunningTurn(msgspec.Struct, frozen=True):
+    """The turn in flight, as scheduling sees it."""
+
+    turn_id: str
+    source: str | None
+    stop_requested: bool = False
+    final_call_returned: bool = False  # a model call returned without tool calls
+
+    @property
+    def accepts_inserts(self) -> bool:
+        """Human inputs may join it now (SCH2)."""
+        return self.source is None and not self.final_call_returned and not self.stop_requested
+
+
+class QueueState(msgspec.Struct, frozen=True):
+    """Queued and pending inputs in arrival order, the running turn and the generation."""
+
+    generation: int = 0
+    arrived: tuple[Waiting, ...] = ()  # received, not yet placed (within one batch)
+    queued: tuple[Waiting, ...] = ()
+    pending: tuple[Waiting, ...] = ()
+    running: RunningTurn | None = None
+
+
+def _without(items: tuple[Waiting, ...], input_id: str) -> tuple[Waiting, ...]:
+    return tuple(w for w in items if w.input.id != input_id)
+
+
+def _take(state: QueueState, input_id: str) -> tuple[QueueState, Waiting | None]:
+    """Remove the input from wherever it waits."""
+    for w in state.arrived:
+        if w.input.id == input_id:
+            return replace(state, arrived=_without(state.arrived, input_id)), w
+    for w in state.queued:
+        if w.input.id == input_id:
+            return replace(state, queued=_without(state.queued, input_id)), w
+    for w in state.pending:
+        if w.input.id == input_id:
+            return replace(state, pending=_without(state.pending, input_id)), w
+    return state, None
+
+
+def _on_received(state: QueueState, event: InputReceived) -> QueueState:
+    arrived = Waiting(event.input, event.seq, event.generation)
+    return replace(state, arrived=(*state.arrived, arrived))
+
+
+def _on_queued(state: QueueState, event: InputQueued) -> QueueState:
+    state, taken = _take(state, event.input_id)
+    if taken is None:
+        return state
+    return replace(state, queued=(*state.queued, replace(taken, held_for=None)))
+
+
+def _on_held(state: QueueState, event: InputHeld) -> QueueState:
+    state, taken = _take(state, event.input_id)
+    if taken is None:
+        return state
+    return replace(state, pending=(*state.pending, replace(taken, held_for=event.turn_id)))
+
+
+def _on_left(state: QueueState, event: InputJoined | InputReleased) -> QueueState:
+    return _take(state, event.input_id)[0]
+
+
+def _on_opened(state: QueueState, event: TurnOpened) -> QueueState:
+    return replace(state, running=RunningTurn(event.turn_id, event.source))
+
+
+def _on_call_ended(state: QueueState, event: ModelCallEnded) -> QueueState:
+    running = state.running
+    if (
+        running is None
+        or running.turn_id != event.turn_id
+        or event.status != "ok"
+        or event.tool_calls
+    ):
+        return state
+    return replace(state, running=replace(running, final_call_returned=True))
+
+
+def _on_stop(state: QueueState, event: StopRequested) -> QueueState:
+    running = state.running
+    if running is None or running.turn_id != event.turn_id:
+        return state
+    return replace(state, running=replace(running, stop_requested=True))
+
+
+def _on_recorded(state: QueueState, event: TurnRecorded) -> QueueState:
+    running = state.running
+    if running is None or running.turn_id != event.turn_id:
+        return state
+    return replace(state, running=None)
+
+
+def _on_deleted(state: QueueState, event: SessionDeleted) -> QueueState:
+    return replace(state, generation=event.generation)
+
+
+HANDLERS: dict[type, Handler[QueueState]] = {
+    InputReceived: _on_received,
+    InputQueued: _on_queued,
+    InputHeld: _on_held,
+    InputJoined: _on_left,
+    InputReleased: _on_left,
+    TurnOpened: _on_opened,
+    ModelCallEnded: _on_call_ended,
+    StopRequested: _on_stop,
+    TurnRecorded: _on_recorded,
+    SessionDeleted: _on_deleted,
+    **dict.fromkeys(
+        (
+            ModelCallStarted,
+            MessageSaved,
+            ToolStarted,
+            ToolFinished,
+            UsageRecorded,
+            StopMarkerSaved,
+            ContextCleared,
+            SettingsChanged,
+        ),
+        keep,
+    ),
+}
+check_complete("queue", HANDLERS)
+
+
+def evolve(state: QueueState, event: SessionEvent) -> QueueState:
+    """Fold one event into the queue."""
+    return HANDLERS[type(event)](state, event)
+
+
+def project(events: Iterable[SessionEvent], state: QueueState | None = None) -> QueueState:
+    """Fold a whole log (or the rest of one, from ``state``)."""
+    state = QueueState() if state is None else state
+    handlers = HANDLERS
+    for event in events:
+        state = handlers[type(event)](state, event)
+    return state
+
+
+def waiting(state: QueueState) -> list[Waiting]:
+    """Queued and pending inputs together, in arrival order (what ``agent:queue`` reports)."""
+    return sorted((*state.queued, *state.pending), key=lambda w: w.arrival)
