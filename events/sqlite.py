@@ -3,7 +3,8 @@
 One table, ``events`` (WITHOUT ROWID): primary key ``(session_id, seq)`` is the
 concurrency check, a unique global ``position`` orders ``read_all``, ``type`` is the
 event's tag (handy in SQL), ``data`` the MessagePack-encoded event. WAL journal with
-``synchronous=NORMAL``: an append is acknowledged after its transaction commits. A batch is one transaction.
+``synchronous=NORMAL``: an append is acknowledged after its transaction commits. A batch
+is one transaction.
 
 The schema is made with sqlite-utils; the hot paths use the raw connection, since
 sqlite-utils commits every call on its own.
