@@ -101,8 +101,8 @@ def synthetic_turn(
     turn = f"turn-{n}"
     inp = Input(id=f"in-{n}", content=text, sender=Sender(user_id="u1", nickname="小明"))
     batch.add(InputReceived, input=inp)
-    batch.add(InputJoined, input_id=inp.id, turn_id=turn, entry="opened")
     batch.add(TurnOpened, turn_id=turn, input_ids=(inp.id,), settings=settings or TurnSettings())
+    batch.add(InputJoined, input_id=inp.id, turn_id=turn, entry="opened")
     batch.add(MessageSaved, message=_user(inp, turn, "opened", n))
     batch.add(ModelCallStarted, turn_id=turn, index=1, model="demo/scripted")
     batch.add(ModelCallEnded, turn_id=turn, index=1, tool_calls=1)
@@ -165,8 +165,8 @@ def write_demo_session(store: EventStore, session_id: str, clock: Clock) -> list
         gateway_seq=1,
     )
     b.add(InputReceived, input=a1)
-    b.add(InputJoined, input_id=a1.id, turn_id="turn-1", entry="opened")
     b.add(TurnOpened, turn_id="turn-1", input_ids=(a1.id,), platform="qq", settings=settings)
+    b.add(InputJoined, input_id=a1.id, turn_id="turn-1", entry="opened")
     b.add(MessageSaved, message=_user(a1, "turn-1", "opened", 1))
     b.add(ModelCallStarted, turn_id="turn-1", index=1, model="demo/scripted")
     w.commit(b)
@@ -244,7 +244,6 @@ def write_demo_session(store: EventStore, session_id: str, clock: Clock) -> list
     )
     b.add(TurnRecorded, turn_id="turn-1", outcome="replied", duration_ms=2310)
     # Turn 2: the queued injection, alone. The model sends malformed tool arguments.
-    b.add(InputJoined, input_id=sched.id, turn_id="turn-2", entry="opened")
     b.add(
         TurnOpened,
         turn_id="turn-2",
@@ -254,6 +253,7 @@ def write_demo_session(store: EventStore, session_id: str, clock: Clock) -> list
         settings=settings,
         from_queue=True,
     )
+    b.add(InputJoined, input_id=sched.id, turn_id="turn-2", entry="opened")
     b.add(MessageSaved, message=_user(sched, "turn-2", "opened", 3))
     b.add(ModelCallStarted, turn_id="turn-2", index=1, model="demo/scripted")
     w.commit(b)
@@ -310,8 +310,8 @@ def write_demo_session(store: EventStore, session_id: str, clock: Clock) -> list
         id="in-4", content="那后天呢?", sender=alice, platform="qq", group_id="g1", gateway_seq=3
     )
     b.add(InputReceived, input=a2)
-    b.add(InputJoined, input_id=a2.id, turn_id="turn-3", entry="opened")
     b.add(TurnOpened, turn_id="turn-3", input_ids=(a2.id,), platform="qq", settings=settings)
+    b.add(InputJoined, input_id=a2.id, turn_id="turn-3", entry="opened")
     b.add(MessageSaved, message=_user(a2, "turn-3", "opened", 4))
     b.add(ModelCallStarted, turn_id="turn-3", index=1, model="demo/scripted")
     w.commit(b)
@@ -352,8 +352,8 @@ def write_demo_session(store: EventStore, session_id: str, clock: Clock) -> list
         gateway_seq=4,
     )
     b.add(InputReceived, input=a3)
-    b.add(InputJoined, input_id=a3.id, turn_id="turn-4", entry="opened")
     b.add(TurnOpened, turn_id="turn-4", input_ids=(a3.id,), platform="qq", settings=settings)
+    b.add(InputJoined, input_id=a3.id, turn_id="turn-4", entry="opened")
     b.add(MessageSaved, message=_user(a3, "turn-4", "opened", 5))
     b.add(ModelCallStarted, turn_id="turn-4", index=1, model="demo/scripted")
     b.add(ModelCallEnded, turn_id="turn-4", index=1)

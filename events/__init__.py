@@ -5,7 +5,15 @@ This package imports nothing else of the project's.
 
 from events.batch import Batch
 from events.clock import Clock, FixedClock, IdSource, SequentialIds, SystemClock, UuidIds
-from events.codec import decode, decode_json, encode, encode_json, event_tag, restamp
+from events.codec import (
+    decode,
+    decode_json,
+    encode,
+    encode_json,
+    event_tag,
+    restamp,
+    to_builtins,
+)
 from events.errors import (
     AgentError,
     ConcurrencyConflict,
@@ -47,4 +55,5 @@ __all__ = [
     "encode_json",
     "event_tag",
     "restamp",
+    "to_builtins",
 ]

@@ -42,6 +42,8 @@ def decode(data: bytes, *, session_id: str = "?", seq: int = 0) -> SessionEvent:
         return _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CorruptEvent(session_id, seq, str(exc)) from None
+    except TypeError:  # not bytes at all (e.g. a TEXT value written by another tool)
+        raise CorruptEvent(session_id, seq, f"data is {type(data).__name__}, not bytes") from None
 
 
 def encode_json(event: Event) -> bytes:

@@ -272,7 +272,10 @@ class InputHeld(Event, frozen=True, tag="input_held"):
 
 
 class InputJoined(Event, frozen=True, tag="input_joined"):
-    """The input entered a turn: it opened it or joined it at an insertion point."""
+    """The input entered a turn: it opened it or joined it at an insertion point.
+
+    Entry ``opened`` follows the turn's ``TurnOpened`` in the same batch.
+    """
 
     input_id: str
     turn_id: str

@@ -1,0 +1,119 @@
+"""The ``aalis-agent`` command: ``demo`` and ``replay``.
+
+structlog and output are configured here, never on import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from events import AgentError, ReplayError, SqliteEventStore, StoreError
+
+__all__ = ["build_parser", "main"]
+
+DEFAULT_DEMO_DB = "aalis-demo.db"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aalis-agent",
+        description="An embedded, event-sourced actor runtime for LLM chat sessions.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = sub.add_parser(
+        "demo",
+        help="write a sample conversation to an event log and show its replay",
+        description=(
+            "Write a sample session log (a tool call, a message inserted mid-turn, a queued "
+            "injection run as its own turn, a malformed tool call answered with its error, "
+            "and a stop whose marker the next turn reads), then print its timeline and the "
+            "state a replay rebuilds. The events are scripted, not produced by live turns."
+        ),
+    )
+    demo.add_argument(
+        "--db", default=DEFAULT_DEMO_DB, help=f"SQLite event database (default: {DEFAULT_DEMO_DB})"
+    )
+
+    replay = sub.add_parser(
+        "replay",
+        help="print a session's timeline, or its projected state at an event",
+        description=(
+            "Replay session logs from an event database: the timeline of each session "
+            "(turns, inputs and entry modes, model calls, tool calls with callIds, outcomes "
+            "and durations, stop markers, releases), or with --at the projected state "
+            "(history window, queue, pending inserts) as of that event. Rows that do not "
+            "decode are reported with session and seq and skipped; the exit status is 1 then."
+        ),
+    )
+    replay.add_argument("db", metavar="DB", help="SQLite event database")
+    replay.add_argument("--session", metavar="ID", help="only this session (default: all)")
+    replay.add_argument(
+        "--at", metavar="SEQ", type=int, help="show the projected state as of this seq"
+    )
+    replay.add_argument("--json", action="store_true", help="print one JSON object per line")
+    return parser
+
+
+def _open_existing(path: str) -> SqliteEventStore:
+    if not Path(path).is_file():
+        raise ReplayError(f"no event database at {path!r}")
+    return SqliteEventStore(path)
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from actors.replay import run_replay
+
+    if args.at is not None and args.at < 1:
+        raise ReplayError(f"--at must be a seq of 1 or more, got {args.at}")
+    store = _open_existing(args.db)
+    try:
+        sessions = store.sessions()
+        if args.session is not None:
+            if args.session not in sessions:
+                known = ", ".join(sessions[:10]) or "none"
+                raise ReplayError(f"no session {args.session!r} in {args.db!r} (sessions: {known})")
+            sessions = [args.session]
+        total = store.count(args.session)
+        report = run_replay(store, sessions, at=args.at, as_json=args.json, total=total)
+    finally:
+        store.close()
+    if report.corrupt:
+        sys.stderr.write(
+            f"{len(report.corrupt)} row(s) could not be decoded; the rest was replayed\n"
+        )
+        return 1
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from actors.demo import run_demo
+
+    return run_demo(args.db)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``aalis-agent`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "replay":
+            return _cmd_replay(args)
+        if args.command == "demo":
+            return _cmd_demo(args)
+    except (AgentError, StoreError) as exc:
+        sys.stderr.write(f"aalis-agent {args.command}: error: {exc}\n")
+        return 2
+    except BrokenPipeError:  # e.g. `aalis-agent replay db | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

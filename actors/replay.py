@@ -1,0 +1,315 @@
+"""Replay for debugging: a session's timeline, and its projected state at any event.
+
+Rendering is separate from reading so the CLI, the demo and tests share it. A row that
+does not decode is reported (session and seq) and skipped; the rest still replays.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, TextIO
+
+import msgspec
+
+from events import (
+    ChatMessage,
+    ContextCleared,
+    CorruptEvent,
+    EventStore,
+    InputHeld,
+    InputJoined,
+    InputQueued,
+    InputReceived,
+    InputReleased,
+    MessageSaved,
+    ModelCallEnded,
+    ModelCallStarted,
+    SessionDeleted,
+    SessionEvent,
+    SettingsChanged,
+    StopMarkerSaved,
+    StopRequested,
+    ToolFinished,
+    ToolStarted,
+    TurnOpened,
+    TurnRecorded,
+    UsageRecorded,
+    to_builtins,
+)
+from events.codec import event_tag
+from projections import SessionView, history, project, queue
+
+__all__ = [
+    "ReplayReport",
+    "history_limit_of",
+    "render_event",
+    "render_state",
+    "replay_session",
+    "run_replay",
+    "state_json",
+]
+
+PREVIEW = 60
+
+
+def _preview(text: str | None, width: int = PREVIEW) -> str:
+    if not text:
+        return '""'
+    flat = " ".join(text.split())
+    return repr(flat if len(flat) <= width else flat[: width - 1] + "…")
+
+
+def _time(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000).strftime("%m-%d %H:%M:%S.%f")[:-3]
+
+
+def _message(m: ChatMessage) -> str:
+    meta = m.meta
+    bits = [f"{m.role}"]
+    if m.kind:
+        bits.append(f"kind={m.kind}")
+    if meta.turn_id:
+        bits.append(f"turn={meta.turn_id}")
+    if meta.entry:
+        bits.append(f"entry={meta.entry}")
+    if m.tool_calls:
+        calls = ", ".join(f"{c.name}#{c.id}({_preview(c.arguments, 40)})" for c in m.tool_calls)
+        return f"saved {' '.join(bits)} calls [{calls}]"
+    if m.tool_call_id:
+        bits.append(f"callId={m.tool_call_id}")
+    if meta.turn_record:
+        bits.append(f"record={meta.turn_record.outcome}")
+    return f"saved {' '.join(bits)} {_preview(m.content)}"
+
+
+def render_event(event: SessionEvent) -> str:
+    """One readable line for one event (without seq and time)."""
+    match event:
+        case InputReceived(input=inp):
+            who = "human" if inp.source is None else f"injection source={inp.source}"
+            sender = inp.sender.user_id or "-"
+            gw = f" #{inp.gateway_seq}" if inp.gateway_seq is not None else ""
+            addressed = "" if inp.addressed else " not-addressed"
+            return (
+                f"input {inp.id}{gw} received ({who}, platform={inp.platform}, "
+                f"sender={sender}{addressed}, generation={event.generation})"
+            )
+        case InputQueued():
+            return f"input {event.input_id} → queued"
+        case InputHeld():
+            return f"input {event.input_id} → pending insert into {event.turn_id}"
+        case InputJoined():
+            return f"input {event.input_id} → {event.turn_id} ({event.entry})"
+        case InputReleased():
+            archived = "archived" if event.archived else "not archived"
+            return f"input {event.input_id} released ({event.reason}, {archived})"
+        case TurnOpened():
+            who = "human" if event.source is None else f"source={event.source}"
+            s = event.settings
+            limit = f", historyLimit={s.history_limit}" if s.history_limit else ""
+            model = f", model={s.model}" if s.model else ""
+            queued = ", from queue" if event.from_queue else ""
+            return (
+                f"TURN {event.turn_id} opened ({who}{queued}; inputs "
+                f"{' '.join(event.input_ids)}{model}{limit})"
+            )
+        case ModelCallStarted():
+            retry = " format-retry" if event.format_retry else ""
+            return f"  model call {event.index} started ({event.model or '-'}{retry})"
+        case ModelCallEnded():
+            err = f" error={_preview(event.error)}" if event.error else ""
+            return (
+                f"  model call {event.index} {event.status}, {event.tool_calls} tool call(s){err}"
+            )
+        case MessageSaved(message=m):
+            return f"  {_message(m)}"
+        case ToolStarted():
+            return f"  tool {event.name} callId={event.call_id} started {_preview(event.arguments)}"
+        case ToolFinished():
+            if event.error is not None:
+                return f"  tool {event.name} callId={event.call_id} failed {_preview(event.error)}"
+            return f"  tool {event.name} callId={event.call_id} done {_preview(event.result)}"
+        case UsageRecorded(usage=u):
+            return (
+                f"  usage used={u.used}/{u.token_budget} ({u.usage_ratio:.1%}) "
+                f"trimmed={u.trimmed} historyMessages={u.history_messages}"
+            )
+        case StopRequested():
+            by = f" by {event.by}" if event.by else ""
+            return f"  stop requested{by} ({event.reason})"
+        case StopMarkerSaved(message=m):
+            return f"  stop marker {_preview(m.content)}"
+        case TurnRecorded():
+            reason = f" reason={event.reason}" if event.reason else ""
+            return f"TURN {event.turn_id} ended: {event.outcome}{reason} in {event.duration_ms}ms"
+        case SessionDeleted():
+            return f"session deleted → generation {event.generation}"
+        case ContextCleared():
+            return f"context cleared ({', '.join(event.kinds) or 'all'})"
+        case SettingsChanged():
+            if event.reset:
+                return f"setting {event.key} reset"
+            return f"setting {event.key} = {event.value!r}"
+        case _:
+            return event_tag(event)
+
+
+def history_limit_of(view: SessionView) -> int:
+    """The history limit in force: the running (or last) turn's, else the session's."""
+    current = view.turns.current
+    if current is not None:
+        return current.opened.settings.history_limit
+    if view.turns.finished:
+        return view.turns.finished[-1].opened.settings.history_limit
+    value = view.settings.get("historyLimit", 0)
+    return value if isinstance(value, int) else 0
+
+
+def state_json(view: SessionView) -> dict[str, Any]:
+    """The projected state as plain data (what ``--at --json`` prints)."""
+    limit = history_limit_of(view)
+    window = history.history_window(view.history, limit)
+    active = history.active_history(view.history)
+    running = view.queue.running
+    return {
+        "session_id": view.session_id,
+        "seq": view.seq,
+        "generation": view.queue.generation,
+        "history_limit": limit,
+        "history_active": len(active),
+        "history_start": history.window_start(len(active), limit),
+        "history_window": [msgspec.to_builtins(m) for m in window],
+        "queued": [w.input.id for w in view.queue.queued],
+        "pending": [w.input.id for w in view.queue.pending],
+        "running_turn": None if running is None else msgspec.to_builtins(running),
+        "turns": len(view.turns.finished) + (view.turns.current is not None),
+        "settings": dict(view.settings),
+    }
+
+
+def render_state(view: SessionView) -> str:
+    """The projected state as readable text."""
+    data = state_json(view)
+    lines = [
+        f"state of {data['session_id']} at seq {data['seq']} "
+        f"(generation {data['generation']}, {data['turns']} turn(s))",
+    ]
+    running = view.queue.running
+    if running is None:
+        lines.append("running turn: none")
+    else:
+        flags = [
+            "human-opened" if running.source is None else f"source={running.source}",
+            "accepts inserts" if running.accepts_inserts else "no inserts",
+        ]
+        if running.stop_requested:
+            flags.append("stop requested")
+        lines.append(f"running turn: {running.turn_id} ({', '.join(flags)})")
+    waiting = queue.waiting(view.queue)
+    lines.append(f"queue ({len(view.queue.queued)} queued, {len(view.queue.pending)} pending):")
+    for w in waiting:
+        where = f"pending → {w.held_for}" if w.held_for else "queued"
+        src = "human" if w.input.source is None else f"source={w.input.source}"
+        lines.append(f"  #{w.arrival} {w.input.id} {where} ({src})")
+    limit = data["history_limit"]
+    window = history.history_window(view.history, limit)
+    lines.append(
+        f"history: {data['history_active']} active message(s), historyLimit={limit}, "
+        f"window starts at {data['history_start']}, {len(window)} sent:"
+    )
+    for m in window:
+        lines.append(f"  {_message(m)}")
+    return "\n".join(lines)
+
+
+@dataclass
+class ReplayReport:
+    """What a replay met: events read and rows that did not decode."""
+
+    events: int = 0
+    corrupt: list[CorruptEvent] = field(default_factory=list)
+
+
+def _progress(total: int, out: TextIO) -> Callable[[int], None]:
+    """A reporter that prints every 10% of a long replay to ``out``."""
+    step = max(total // 10, 1)
+    state = {"next": step}
+
+    def report(done: int) -> None:
+        if total >= 10_000 and done >= state["next"]:
+            out.write(f"replay: {done:,}/{total:,} events ({done * 100 // total}%)\n")
+            out.flush()
+            state["next"] = done + step
+
+    return report
+
+
+def replay_session(
+    store: EventStore,
+    session_id: str,
+    *,
+    at: int | None = None,
+    report: ReplayReport | None = None,
+    on_event: Callable[[SessionEvent], None] | None = None,
+) -> SessionView:
+    """Fold one session's log up to ``at`` (inclusive), calling ``on_event`` per event."""
+    report = report if report is not None else ReplayReport()
+    events = store.read(session_id, on_corrupt=report.corrupt.append)
+    if at is not None:
+        events = [e for e in events if e.seq <= at]
+    report.events += len(events)
+    if on_event is not None:
+        for event in events:
+            on_event(event)
+    return project(events)
+
+
+def run_replay(
+    store: EventStore,
+    sessions: list[str],
+    *,
+    at: int | None,
+    as_json: bool,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    total: int = 0,
+) -> ReplayReport:
+    """Print the timeline (or the state at ``at``) of each session."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    report = ReplayReport()
+    progress = _progress(total, err)
+    encoder = msgspec.json.Encoder()
+    for session_id in sessions:
+        if at is None:
+            lines: list[str] = []
+
+            def show(event: SessionEvent, lines: list[str] = lines) -> None:
+                if as_json:
+                    lines.append(encoder.encode(to_builtins(event)).decode())
+                else:
+                    lines.append(f"#{event.seq:<5} {_time(event.at)}  {render_event(event)}")
+
+            before = len(report.corrupt)
+            replay_session(store, session_id, report=report, on_event=show)
+            if not as_json:
+                out.write(f"== session {session_id} ({len(lines)} events) ==\n")
+            for line in lines:
+                out.write(line + "\n")
+        else:
+            before = len(report.corrupt)
+            view = replay_session(store, session_id, at=at, report=report)
+            if as_json:
+                out.write(encoder.encode(state_json(view)).decode() + "\n")
+            else:
+                out.write(render_state(view) + "\n")
+        for bad in report.corrupt[before:]:
+            if as_json:
+                row = {"error": bad.reason, "session_id": bad.session_id, "seq": bad.seq}
+                out.write(encoder.encode(row).decode() + "\n")
+            err.write(f"error: {bad}\n")
+        progress(report.events)
+    return report

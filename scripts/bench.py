@@ -1,0 +1,246 @@
+"""Benchmarks of the event log and its projections (run through ``scripts/bench``).
+
+Each benchmark prints one JSON line: ``{"bench": NAME, "value": X, "unit": U, ...}``.
+Figures are best-of-N wall-clock runs on the durable SQLite store in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from actors.sample import synthetic_turn
+from events import (
+    Batch,
+    ChatMessage,
+    FixedClock,
+    Input,
+    InputQueued,
+    InputReceived,
+    MessageMeta,
+    MessageSaved,
+    SqliteEventStore,
+)
+from projections import project
+
+SESSIONS = 100
+EVENTS_PER_SESSION = 1000  # 66 synthetic turns (15 events each) + 5 queued inputs
+USER_TEXT = "你好,帮我查一下明天上海的天气,顺便看看要不要带伞。"
+REPLY_TEXT = "明天上海多云转小雨,14 到 21 度,东南风 3 级,下午可能有阵雨,出门记得带伞。"
+
+
+def emit(name: str, value: float, unit: str, **extra: object) -> None:
+    print(json.dumps({"bench": name, "value": round(value, 3), "unit": unit, **extra}))
+    sys.stdout.flush()
+
+
+def fill_session(store: SqliteEventStore, session_id: str, clock: FixedClock) -> None:
+    """Write one 1,000-event session: realistic turns, then a few queued inputs."""
+    last = 0
+    for n in range(66):
+        batch = Batch(session_id, last, clock=clock)
+        synthetic_turn(batch, n, text=USER_TEXT)
+        last = store.append(session_id, batch.events, last)
+    batch = Batch(session_id, last, clock=clock)
+    for k in range(5):
+        batch.add(InputReceived, input=Input(id=f"q-{k}", content=USER_TEXT))
+        batch.add(InputQueued, input_id=f"q-{k}")
+    store.append(session_id, batch.events, last)
+
+
+def build_100k(path: Path) -> SqliteEventStore:
+    store = SqliteEventStore(path)
+    clock = FixedClock(step_ms=50)
+    for s in range(SESSIONS):
+        fill_session(store, f"qq:group:{100000 + s}", clock)
+    assert store.count() == SESSIONS * EVENTS_PER_SESSION
+    return store
+
+
+def message_event(session_id: str, seq: int, n: int, at: int) -> MessageSaved:
+    user = n % 2 == 0
+    return MessageSaved(
+        session_id=session_id,
+        seq=seq,
+        at=at,
+        message=ChatMessage(
+            id=f"msg-{n}",
+            role="user" if user else "assistant",
+            content=USER_TEXT if user else REPLY_TEXT,
+            meta=MessageMeta(turn_id=f"turn-{n // 2}", entry="opened" if user else None),
+        ),
+    )
+
+
+def bench_append_single(tmp: Path, *, exclusive: bool = False) -> None:
+    path = tmp / ("single-x.db" if exclusive else "single.db")
+    store = SqliteEventStore(path, exclusive=exclusive)
+    n = 20_000
+    sessions = [f"s{k}" for k in range(10)]
+    # Events are built first: this measures the store, not event construction.
+    events = [
+        (sid, message_event(sid, i // 10 + 1, i, i)) for i, sid in enumerate(sessions * (n // 10))
+    ]
+    events.sort(key=lambda pair: pair[1].seq)
+    start = time.perf_counter()
+    for sid, event in events:
+        store.append(sid, (event,), event.seq - 1)
+    elapsed = time.perf_counter() - start
+    store.close()
+    name = "append_single_exclusive_eps" if exclusive else "append_single_eps"
+    emit(name, n / elapsed, "events/s", events=n, target=">= 30000")
+
+
+def bench_append_batch(tmp: Path) -> None:
+    store = SqliteEventStore(tmp / "batch.db")
+    clock = FixedClock(step_ms=1)
+    turns = 4000
+    last = 0
+    batches = []
+    for n in range(turns):
+        batch = Batch("s1", last, clock=clock)
+        synthetic_turn(batch, n)
+        batches.append(batch.events)
+        last += len(batch.events)
+    last = 0
+    start = time.perf_counter()
+    for events in batches:
+        last = store.append("s1", events, last)
+    elapsed = time.perf_counter() - start
+    store.close()
+    emit("append_batch_eps", last / elapsed, "events/s", events=last, batch_size=15)
+
+
+def best_of(runs: int, fn: Callable[[], object]) -> float:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def bench_replay(store: SqliteEventStore) -> None:
+    sessions = store.sessions()
+
+    def replay_all() -> int:
+        total = 0
+        for sid in sessions:
+            events = store.read(sid)
+            view = project(events)
+            total += view.seq
+        return total
+
+    assert replay_all() == SESSIONS * EVENTS_PER_SESSION
+    elapsed = best_of(3, replay_all)
+    n = SESSIONS * EVENTS_PER_SESSION
+    emit(
+        "replay_eps",
+        n / elapsed,
+        "events/s",
+        events=n,
+        sessions=len(sessions),
+        projections="history+turns+queue+settings",
+        target=">= 400000",
+    )
+
+
+def bench_recover(store: SqliteEventStore) -> None:
+    sid = store.sessions()[SESSIONS // 2]
+    samples = []
+    for _ in range(50):
+        start = time.perf_counter()
+        view = project(store.read(sid))
+        samples.append(time.perf_counter() - start)
+        assert view.seq == EVENTS_PER_SESSION
+    emit(
+        "recover_1k_ms",
+        statistics.median(samples) * 1000,
+        "ms",
+        events=EVENTS_PER_SESSION,
+        db_events=store.count(),
+        best_ms=round(min(samples) * 1000, 3),
+        target="<= 5",
+    )
+
+
+def bench_bytes_per_message(tmp: Path) -> None:
+    path = tmp / "messages.db"
+    store = SqliteEventStore(path)
+    n = 20_000
+    last = 0
+    for start in range(0, n, 500):
+        events = [message_event("qq:group:123456", last + 1 + i, start + i, 0) for i in range(500)]
+        last = store.append("qq:group:123456", events, last)
+    store._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    store._conn.execute("VACUUM")
+    store.close()
+    size = path.stat().st_size
+    emit(
+        "bytes_per_message",
+        size / n,
+        "bytes",
+        events=n,
+        db_bytes=size,
+        content_chars=(len(USER_TEXT) + len(REPLY_TEXT)) / 2,
+        target="<= 1024",
+    )
+
+
+ALL = (
+    "append_single_eps",
+    "append_single_exclusive_eps",
+    "append_batch_eps",
+    "replay_eps",
+    "recover_1k_ms",
+    "bytes_per_message",
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/bench", description=__doc__)
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"any of: {', '.join(ALL)}")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in ALL]
+    if unknown:
+        parser.error(f"unknown benchmark(s): {', '.join(unknown)}; known: {', '.join(ALL)}")
+    names = args.names or list(ALL)
+    with tempfile.TemporaryDirectory(prefix="aalis-bench-") as tmpdir:
+        tmp = Path(tmpdir)
+        big: SqliteEventStore | None = None
+        for name in names:
+            if name in ("replay_eps", "recover_1k_ms") and big is None:
+                print(
+                    f"building a {SESSIONS * EVENTS_PER_SESSION:,}-event database…", file=sys.stderr
+                )
+                build_100k(tmp / "big.db").close()
+                big = SqliteEventStore(tmp / "big.db")  # as a new process would open it
+            gc.collect()
+            if name == "append_single_eps":
+                bench_append_single(tmp)
+            elif name == "append_single_exclusive_eps":
+                bench_append_single(tmp, exclusive=True)
+            elif name == "append_batch_eps":
+                bench_append_batch(tmp)
+            elif name == "replay_eps":
+                assert big is not None
+                bench_replay(big)
+            elif name == "recover_1k_ms":
+                assert big is not None
+                bench_recover(big)
+            elif name == "bytes_per_message":
+                bench_bytes_per_message(tmp)
+        if big is not None:
+            big.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

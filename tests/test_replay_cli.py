@@ -1,0 +1,205 @@
+"""The ``aalis-agent`` command: demo and replay, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from actors.cli import main
+from actors.sample import synthetic_turn, write_demo_session
+from events import Batch, FixedClock, SqliteEventStore
+
+SESSION = "demo:room-1"
+
+
+@pytest.fixture
+def demo_db(tmp_path: Path) -> Path:
+    path = tmp_path / "demo.db"
+    with SqliteEventStore(path) as store:
+        write_demo_session(store, SESSION, FixedClock(1_767_225_600_000, step_ms=100))
+    return path
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_demo_writes_a_log_and_says_how_to_replay_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = tmp_path / "d.db"
+    code, out, _ = run(capsys, "demo", "--db", str(db))
+    assert code == 0
+    assert f"aalis-agent replay {db} --session {SESSION}" in out
+    assert "TURN turn-3 ended: aborted reason=stop" in out
+    with SqliteEventStore(db) as store:
+        assert store.sessions() == [SESSION]
+        first = store.count()
+    # Running it again keeps the first session and writes a second one.
+    code, out, _ = run(capsys, "demo", "--db", str(db))
+    assert code == 0
+    with SqliteEventStore(db) as store:
+        assert store.sessions() == [SESSION, f"{SESSION}-2"]
+        assert store.count() == 2 * first
+
+
+def test_timeline_shows_turns_inputs_tools_outcomes_and_stops(
+    demo_db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "replay", str(demo_db))
+    assert code == 0, err
+    assert f"== session {SESSION} (56 events) ==" in out
+    for expected in (
+        "TURN turn-1 opened (human; inputs in-1, historyLimit=20)",
+        "input in-1 → turn-1 (opened)",
+        "input in-2 → pending insert into turn-1",
+        "input in-2 → turn-1 (joined)",
+        "input in-3 → queued",
+        "TURN turn-2 opened (source=schedule, from queue; inputs in-3, historyLimit=20)",
+        "tool weather callId=call-1 started",
+        "tool remind callId=call-2 failed '参数不是合法的 JSON 对象",
+        "TURN turn-1 ended: replied in 2310ms",
+        "stop requested by 10001 (stop)",
+        "stop marker '[已停下]",
+        "TURN turn-3 ended: aborted reason=stop in 420ms",
+    ):
+        assert expected in out, expected
+    # Lines carry the seq in order.
+    seqs = [int(line.split()[0][1:]) for line in out.splitlines() if line.startswith("#")]
+    assert seqs == list(range(1, 57))
+
+
+def test_at_shows_the_state_as_of_that_event(
+    demo_db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # seq 10: in-2 waits to join turn-1; nothing queued yet.
+    code, out, _ = run(capsys, "replay", str(demo_db), "--session", SESSION, "--at", "10")
+    assert code == 0
+    assert "at seq 10" in out
+    assert "running turn: turn-1 (human-opened, accepts inserts)" in out
+    assert "in-2 pending → turn-1 (human)" in out
+    assert "queue (0 queued, 1 pending)" in out
+    # seq 18: in-2 joined, the scheduled injection queued.
+    code, out, _ = run(capsys, "replay", str(demo_db), "--at", "18", "--json")
+    state = json.loads(out)
+    assert state["seq"] == 18
+    assert state["queued"] == ["in-3"] and state["pending"] == []
+    assert [m["id"] for m in state["history_window"]] == [
+        "msg-in-1-1",
+        "msg-call-1",
+        "msg-result-1",
+        "msg-in-2-2",
+    ]
+
+
+def test_json_prints_one_event_object_per_line(
+    demo_db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(capsys, "replay", str(demo_db), "--json")
+    assert code == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 56
+    assert [r["seq"] for r in rows] == list(range(1, 57))
+    assert rows[1]["type"] == "turn_opened" and rows[1]["turn_id"] == "turn-1"
+    assert rows[2] == {**rows[2], "type": "input_joined", "entry": "opened", "seq": 3}
+
+
+def _insert_raw(db: Path, seq: int, data: bytes, type_: str = "message_saved") -> None:
+    conn = sqlite3.connect(db)
+    with conn:
+        pos = conn.execute("SELECT max(position) FROM events").fetchone()[0] + 1
+        conn.execute(
+            "INSERT INTO events (position, session_id, seq, type, data) VALUES (?, ?, ?, ?, ?)",
+            (pos, SESSION, seq, type_, data),
+        )
+    conn.close()
+
+
+def test_corrupt_rows_are_named_and_the_rest_replays(
+    demo_db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _insert_raw(demo_db, 57, b"\xc1 not msgpack")
+    unknown = msgspec.msgpack.encode({"type": "from_the_future", "session_id": SESSION})
+    _insert_raw(demo_db, 58, unknown, "from_the_future")
+    code, out, err = run(capsys, "replay", str(demo_db))
+    assert code == 1
+    assert f"session '{SESSION}' seq 57: cannot decode event" in err
+    assert f"session '{SESSION}' seq 58: cannot decode event" in err
+    assert "2 row(s) could not be decoded" in err
+    assert "TURN turn-4 ended: replied in 980ms" in out  # the rest still replays
+    code, out, err = run(capsys, "replay", str(demo_db), "--json")
+    assert code == 1
+    rows = [json.loads(line) for line in out.splitlines()]
+    errors = [r for r in rows if "type" not in r]
+    assert [(e["session_id"], e["seq"]) for e in errors] == [(SESSION, 57), (SESSION, 58)]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--session", "nope"], "no session 'nope'"),
+        (["--at", "0"], "--at must be a seq of 1 or more"),
+    ],
+)
+def test_bad_arguments_get_clear_errors(
+    demo_db: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    code, out, err = run(capsys, "replay", str(demo_db), *argv)
+    assert code == 2
+    assert message in err
+    assert out == ""
+
+
+def test_missing_database_is_an_error_and_is_not_created(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "missing.db"
+    code, _, err = run(capsys, "replay", str(missing))
+    assert code == 2
+    assert "no event database at" in err
+    assert not missing.exists()
+
+
+def test_not_a_database_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bogus = tmp_path / "notes.txt"
+    bogus.write_text("hello, this is not sqlite\n" * 100)
+    code, _, err = run(capsys, "replay", str(bogus))
+    assert code == 2
+    assert "is not a usable event database" in err
+
+
+def test_long_replays_show_progress(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "big.db"
+    with SqliteEventStore(db) as store:
+        last = 0
+        for n in range(700):  # 10,500 events
+            batch = Batch("s1", last, now_ms=0)
+            synthetic_turn(batch, n)
+            last = store.append("s1", batch.events, last)
+    code, _, err = run(capsys, "replay", str(db))
+    assert code == 0
+    progress = [line for line in err.splitlines() if line.startswith("replay: ")]
+    assert progress and progress[-1] == "replay: 10,500/10,500 events (100%)"
+
+
+def test_console_script_runs(demo_db: Path) -> None:
+    exe = Path(sys.executable).parent / "aalis-agent"
+    command = [str(exe)] if exe.exists() else [shutil.which("aalis-agent") or "aalis-agent"]
+    result = subprocess.run(
+        [*command, "replay", str(demo_db), "--session", SESSION, "--at", "56"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "state of demo:room-1 at seq 56" in result.stdout
