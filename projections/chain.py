@@ -52,7 +52,10 @@ class Chain(Sequence[T], Generic[T]):
     def __getitem__(self, index: int | slice) -> T | list[T]:
         if isinstance(index, slice):
             start, stop, step = index.indices(self._n)
-            return self._items[start:stop:step]
+            if step == 1:
+                return self._items[start:stop]
+            items = self._items
+            return [items[i] for i in range(start, stop, step)]
         if index < 0:
             index += self._n
         if not 0 <= index < self._n:
