@@ -19,10 +19,10 @@ from pathlib import Path
 
 import sqlite_utils
 
-from events.codec import decode, encode, event_tag
+from events.codec import decode, event_tag
 from events.errors import ConcurrencyConflict, CorruptEvent, StoreError
 from events.schema import SessionEvent
-from events.store import CorruptHandler, Recorded, check_batch
+from events.store import CorruptHandler, Recorded, check_batch, check_limit, encode_batch
 
 __all__ = ["SqliteEventStore"]
 
@@ -72,6 +72,9 @@ class SqliteEventStore:
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute(f"PRAGMA wal_autocheckpoint={int(wal_autocheckpoint)}")
             self._ensure_schema()
+        except sqlite3.OperationalError as exc:
+            conn.close()
+            raise StoreError(f"cannot open event database {self.path!r}: {exc}") from None
         except sqlite3.DatabaseError as exc:
             conn.close()
             raise StoreError(f"{self.path!r} is not a usable event database: {exc}") from None
@@ -104,10 +107,13 @@ class SqliteEventStore:
 
     def append(self, session_id: str, events: Sequence[SessionEvent], expected_seq: int) -> int:
         check_batch(session_id, events, expected_seq)
-        rows = [(session_id, e.seq, event_tag(e), encode(e)) for e in events]
+        rows = [(session_id, e.seq, event_tag(e), blob) for e, blob in encode_batch(events)]
         with self._lock:
             conn = self._conn
-            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                raise StoreError(f"{self.path!r}: cannot start a write: {exc}") from None
             try:
                 self._refresh_cache()
                 actual = self._seq_cache.get(session_id)
@@ -126,17 +132,17 @@ class SqliteEventStore:
                         _INSERT, [(position + i, *row) for i, row in enumerate(rows, 1)]
                     )
                 conn.execute("COMMIT")
-            except sqlite3.IntegrityError:
-                conn.execute("ROLLBACK")
-                self._forget_cache()
-                # Another connection won the race for these seqs (or positions).
-                raise ConcurrencyConflict(
-                    session_id, expected_seq, self._last_seq_unlocked(session_id)
-                ) from None
-            except BaseException:
+            except BaseException as exc:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 self._forget_cache()
+                if isinstance(exc, sqlite3.IntegrityError):
+                    actual = self._last_seq_unlocked(session_id)
+                    if actual != expected_seq:  # another connection won the race
+                        raise ConcurrencyConflict(session_id, expected_seq, actual) from None
+                    raise StoreError(f"{self.path!r}: append refused: {exc}") from None
+                if isinstance(exc, sqlite3.Error):
+                    raise StoreError(f"{self.path!r}: append failed: {exc}") from None
                 raise
             # Committed: the caches now hold what the database holds.
             self._seq_cache[session_id] = expected_seq + len(rows)
@@ -183,6 +189,7 @@ class SqliteEventStore:
         return out
 
     def read_all(self, after_position: int = 0, limit: int | None = None) -> list[Recorded]:
+        check_limit(limit)
         with self._lock:
             rows = self._conn.execute(
                 "SELECT position, session_id, seq, data FROM events "

@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
+from events.codec import decode, encode
 from events.errors import ConcurrencyConflict, CorruptEvent, InvalidBatch
 from events.schema import Event, SessionEvent
 
@@ -23,6 +24,8 @@ __all__ = [
     "InMemoryEventStore",
     "Recorded",
     "check_batch",
+    "check_limit",
+    "encode_batch",
 ]
 
 CorruptHandler = Callable[[CorruptEvent], None]
@@ -76,6 +79,25 @@ class EventStore(Protocol):
         ...
 
 
+def encode_batch(events: Iterable[SessionEvent]) -> list[tuple[SessionEvent, bytes]]:
+    """Encode a batch for storage; a value the codec cannot store refuses the batch."""
+    out = []
+    for event in events:
+        try:
+            out.append((event, encode(event)))
+        except (msgspec.EncodeError, OverflowError, TypeError) as exc:
+            raise InvalidBatch(
+                f"session {event.session_id!r} seq {event.seq}: cannot encode event: {exc}"
+            ) from None
+    return out
+
+
+def check_limit(limit: int | None) -> None:
+    """Refuse a negative ``read_all`` limit."""
+    if limit is not None and limit < 0:
+        raise InvalidBatch(f"limit must be >= 0 or None, got {limit}")
+
+
 def check_batch(session_id: str, events: Iterable[Event], expected_seq: int) -> None:
     """Refuse a batch that names another session or does not continue ``expected_seq``."""
     if expected_seq < 0:
@@ -95,26 +117,32 @@ def check_batch(session_id: str, events: Iterable[Event], expected_seq: int) -> 
 
 
 class InMemoryEventStore:
-    """The reference store: dicts and lists behind one lock. Not durable."""
+    """The reference store: encoded events in dicts and lists behind one lock. Not durable.
+
+    Events are kept encoded, as the SQLite store keeps them, so that a caller changing a
+    dict inside an event it appended or read cannot rewrite history, and so that both
+    stores give back exactly the same values.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._logs: dict[str, list[SessionEvent]] = {}
-        self._all: list[SessionEvent] = []
+        self._logs: dict[str, list[bytes]] = {}
+        self._all: list[tuple[str, int, bytes]] = []
 
     def append(self, session_id: str, events: Sequence[SessionEvent], expected_seq: int) -> int:
         check_batch(session_id, events, expected_seq)
+        encoded = encode_batch(events)
         with self._lock:
             log = self._logs.get(session_id)
             actual = len(log) if log else 0
             if actual != expected_seq:
                 raise ConcurrencyConflict(session_id, expected_seq, actual)
-            if not events:
+            if not encoded:
                 return actual
             if log is None:
                 log = self._logs[session_id] = []
-            log.extend(events)
-            self._all.extend(events)
+            log.extend(blob for _, blob in encoded)
+            self._all.extend((session_id, e.seq, blob) for e, blob in encoded)
             return len(log)
 
     def read(
@@ -122,13 +150,20 @@ class InMemoryEventStore:
     ) -> list[SessionEvent]:
         with self._lock:
             log = self._logs.get(session_id)
-            return log[max(after_seq, 0) :] if log else []
+            blobs: list[bytes] = log[max(after_seq, 0) :] if log else []
+        first = max(after_seq, 0) + 1
+        return [decode(b, session_id=session_id, seq=first + i) for i, b in enumerate(blobs)]
 
     def read_all(self, after_position: int = 0, limit: int | None = None) -> list[Recorded]:
+        check_limit(limit)
         with self._lock:
             start = max(after_position, 0)
             stop = len(self._all) if limit is None else min(len(self._all), start + limit)
-            return [Recorded(i + 1, self._all[i]) for i in range(start, stop)]
+            rows = self._all[start:stop]
+        return [
+            Recorded(start + i + 1, decode(blob, session_id=sid, seq=seq))
+            for i, (sid, seq, blob) in enumerate(rows)
+        ]
 
     def last_seq(self, session_id: str) -> int:
         with self._lock:

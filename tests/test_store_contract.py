@@ -1,0 +1,739 @@
+"""The ``EventStore`` contract, run against every store, plus SQLite-only behaviour."""
+
+from __future__ import annotations
+
+import sqlite3
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from events import codec
+from events.errors import ConcurrencyConflict, CorruptEvent, InvalidBatch, StoreError
+from events.schema import (
+    ChatMessage,
+    ContextCleared,
+    HostNotice,
+    Input,
+    InputHeld,
+    InputJoined,
+    InputQueued,
+    InputReceived,
+    InputReleased,
+    MessageMeta,
+    MessageSaved,
+    ModelCallEnded,
+    ModelCallStarted,
+    ModelRef,
+    Sender,
+    SessionDeleted,
+    SessionEvent,
+    SettingsChanged,
+    StopMarkerSaved,
+    StopRequested,
+    TokenBreakdown,
+    TokenPart,
+    TokenUsage,
+    ToolCall,
+    ToolFinished,
+    ToolStarted,
+    TurnOpened,
+    TurnRecord,
+    TurnRecorded,
+    TurnSettings,
+    UsageRecorded,
+)
+from events.sqlite import SqliteEventStore
+from events.store import EventStore, InMemoryEventStore, Recorded
+
+T0 = 1_767_225_600_000
+
+
+def queued(session_id: str, seq: int, text: str = "") -> InputQueued:
+    return InputQueued(session_id=session_id, seq=seq, at=T0 + seq, input_id=f"in-{seq}{text}")
+
+
+def said(session_id: str, seq: int, content: str) -> MessageSaved:
+    message = ChatMessage(id=f"msg-{seq}", role="user", content=content)
+    return MessageSaved(session_id=session_id, seq=seq, at=T0 + seq, message=message)
+
+
+def batch(session_id: str, first_seq: int, n: int) -> list[SessionEvent]:
+    return [said(session_id, first_seq + i, f"第{first_seq + i}条 message") for i in range(n)]
+
+
+def one_of_every_event(session_id: str) -> list[SessionEvent]:
+    """Realistic instances of every event type (two messages), seq 1..19, as a turn logs them."""
+    sender = Sender(user_id="u-42", nickname="小明")
+    user_input = Input(
+        id="in-1",
+        content="@bot 今天天气怎么样？",
+        sender=sender,
+        platform="qq",
+        group_id="g-7",
+        group_name="测试群",
+        session_type="group",
+        message_id="qq-msg-9001",
+        trigger_type="direct",
+        addressed=True,
+        mentions=("bot", "u-43"),
+        timestamp=T0 - 5,
+        gateway_seq=17,
+        host_notice=HostNotice(kind="reply", id="n-1", untrusted="<b>hi</b>", reply_to="m-0"),
+    )
+    settings = TurnSettings(
+        model=ModelRef(provider="openai-main", model="gpt-4o"),
+        think="medium",
+        max_tool_iterations=8,
+        history_limit=40,
+        tool_groups=("web", "memory"),
+        persona="default",
+        multi_party=True,
+    )
+    user_msg = ChatMessage(
+        id="msg-1",
+        role="user",
+        content="@bot 今天天气怎么样？",
+        meta=MessageMeta(
+            turn_id="turn-1",
+            entry="opened",
+            input_id="in-1",
+            visible_content="今天天气怎么样？",
+            sender=sender,
+            platform="qq",
+            timestamp=T0 - 5,
+            extra={"reply_to": "m-0", "flags": [1, 2], "nested": {"ok": True, "x": None}},
+        ),
+    )
+    tool_msg = ChatMessage(
+        id="msg-2",
+        role="assistant",
+        content="",
+        tool_calls=(ToolCall(id="call-1", name="weather", arguments='{"city": "北京"}'),),
+        reasoning="The user asks about the weather; call the tool.",
+        meta=MessageMeta(turn_id="turn-1", call_id="call-1"),
+    )
+    stop_marker = ChatMessage(
+        id="msg-3",
+        role="assistant",
+        content="[turn stopped]",
+        kind="turn-stopped",
+        meta=MessageMeta(
+            turn_id="turn-1", turn_record=TurnRecord(turn_id="turn-1", outcome="aborted")
+        ),
+    )
+    usage = TokenUsage(
+        session_id=session_id,
+        turn_id="turn-1",
+        platform="qq",
+        context_window=128_000,
+        max_tokens=4096,
+        token_budget=120_000,
+        used=3210,
+        usage_ratio=0.026_75,
+        trimmed=True,
+        untrimmed_history=50,
+        history_messages=40,
+        breakdown=TokenBreakdown(
+            system=300, persona=120, history=2500, tool_defs=290, injectors={"memory": 80}
+        ),
+        parts=(
+            TokenPart(label="system", tokens=300),
+            TokenPart(label="injectors", tokens=80, injectors={"memory": 80}),
+        ),
+    )
+    s = session_id
+    events: list[SessionEvent] = [
+        InputReceived(session_id=s, seq=1, at=T0, input=user_input, generation=2),
+        InputQueued(session_id=s, seq=2, at=T0 + 1, input_id="in-2"),
+        InputHeld(session_id=s, seq=3, at=T0 + 2, input_id="in-3", turn_id="turn-1"),
+        InputJoined(
+            session_id=s, seq=4, at=T0 + 3, input_id="in-1", turn_id="turn-1", entry="opened"
+        ),
+        InputReleased(
+            session_id=s,
+            seq=5,
+            at=T0 + 4,
+            input_id="in-4",
+            reason="stale-generation",
+            archived=True,
+        ),
+        TurnOpened(
+            session_id=s,
+            seq=6,
+            at=T0 + 5,
+            turn_id="turn-1",
+            input_ids=("in-1", "in-3"),
+            source="direct",
+            platform="qq",
+            settings=settings,
+            from_queue=True,
+        ),
+        ModelCallStarted(
+            session_id=s, seq=7, at=T0 + 6, turn_id="turn-1", index=1, model="openai-main/gpt-4o"
+        ),
+        ModelCallEnded(
+            session_id=s, seq=8, at=T0 + 7, turn_id="turn-1", index=1, status="ok", tool_calls=1
+        ),
+        MessageSaved(session_id=s, seq=9, at=T0 + 8, message=user_msg, v=2),
+        ToolStarted(
+            session_id=s,
+            seq=10,
+            at=T0 + 9,
+            turn_id="turn-1",
+            call_id="call-1",
+            name="weather",
+            arguments='{"city": "北京"}',
+        ),
+        ToolFinished(
+            session_id=s,
+            seq=11,
+            at=T0 + 10,
+            turn_id="turn-1",
+            call_id="call-1",
+            name="weather",
+            result="晴，25°C",
+            metadata={"latency_ms": 120, "cached": False, "source": ["api", "v2"]},
+        ),
+        UsageRecorded(session_id=s, seq=12, at=T0 + 11, usage=usage),
+        StopRequested(session_id=s, seq=13, at=T0 + 12, turn_id="turn-1", by="u-42", reason="mute"),
+        StopMarkerSaved(session_id=s, seq=14, at=T0 + 13, turn_id="turn-1", message=stop_marker),
+        TurnRecorded(
+            session_id=s,
+            seq=15,
+            at=T0 + 14,
+            turn_id="turn-1",
+            outcome="aborted",
+            source="direct",
+            reason="stopped by u-42",
+            duration_ms=2345,
+        ),
+        SessionDeleted(session_id=s, seq=16, at=T0 + 15, generation=3),
+        ContextCleared(session_id=s, seq=17, at=T0 + 16, kinds=("history", "notice")),
+        SettingsChanged(
+            session_id=s,
+            seq=18,
+            at=T0 + 17,
+            key="model",
+            value=["openai-main", "gpt-4o"],
+            by="u-42",
+        ),
+    ]
+    # The assistant's tool-call message follows the user's message: 19 events in all.
+    events.insert(9, MessageSaved(session_id=s, seq=0, at=T0 + 8, message=tool_msg))
+    return [codec.restamp(e, seq=i) for i, e in enumerate(events, start=1)]
+
+
+def snapshot(store: EventStore) -> Any:
+    """Everything a reader can observe, to compare before and after a refused append."""
+    names = store.sessions()
+    return (
+        names,
+        store.read_all(),
+        {name: (store.last_seq(name), store.read(name)) for name in names},
+    )
+
+
+class StoreContract:
+    """The behaviour every ``EventStore`` promises. Subclasses provide ``make_store``."""
+
+    def make_store(self, tmp_path: Path) -> EventStore:
+        raise NotImplementedError
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Iterator[EventStore]:
+        store = self.make_store(tmp_path)
+        yield store
+        store.close()
+
+    def test_satisfies_protocol(self, store: EventStore) -> None:
+        assert isinstance(store, EventStore)
+
+    def test_negative_read_all_limit_is_refused(self, store: EventStore) -> None:
+        store.append("s", batch("s", 1, 2), 0)
+        with pytest.raises(InvalidBatch, match="limit must be >= 0"):
+            store.read_all(0, -1)
+        assert len(store.read_all(0, 0)) == 0
+
+    def test_unencodable_value_refuses_the_batch_and_writes_nothing(
+        self, store: EventStore
+    ) -> None:
+        bad = SettingsChanged(session_id="s", seq=1, at=0, key="k", value=2**70)
+        with pytest.raises(InvalidBatch, match="seq 1: cannot encode event"):
+            store.append("s", [bad], 0)
+        assert store.last_seq("s") == 0 and store.read_all() == []
+
+    def test_empty_store(self, store: EventStore) -> None:
+        assert store.sessions() == []
+        assert store.read_all() == []
+        assert store.read("nobody") == []
+        assert store.last_seq("nobody") == 0
+
+    def test_append_returns_new_last_seq(self, store: EventStore) -> None:
+        assert store.append("s", batch("s", 1, 3), expected_seq=0) == 3
+        assert store.last_seq("s") == 3
+        assert store.append("s", batch("s", 4, 1), expected_seq=3) == 4
+        assert store.append("s", batch("s", 5, 2), expected_seq=4) == 6
+        assert store.last_seq("s") == 6
+
+    def test_read_returns_events_in_order(self, store: EventStore) -> None:
+        first, second = batch("s", 1, 3), batch("s", 4, 2)
+        store.append("s", first, 0)
+        store.append("s", second, 3)
+        events = store.read("s")
+        assert events == first + second
+        assert [e.seq for e in events] == [1, 2, 3, 4, 5]
+
+    @pytest.mark.parametrize("after_seq", [-1, 0, 1, 2, 4, 5, 6, 100])
+    def test_read_respects_after_seq(self, store: EventStore, after_seq: int) -> None:
+        events = batch("s", 1, 5)
+        store.append("s", events, 0)
+        assert store.read("s", after_seq) == [e for e in events if e.seq > after_seq]
+        assert store.read("s", after_seq=after_seq) == store.read("s", after_seq)
+
+    def test_read_of_unknown_session_is_empty(self, store: EventStore) -> None:
+        store.append("s", batch("s", 1, 2), 0)
+        assert store.read("t") == []
+        assert store.read("S") == []
+        assert store.read("s ") == []
+        assert store.read("t", after_seq=5) == []
+
+    def test_sessions_are_kept_apart(self, store: EventStore) -> None:
+        store.append("a", batch("a", 1, 2), 0)
+        store.append("b", batch("b", 1, 3), 0)
+        store.append("a", batch("a", 3, 1), 2)
+        assert store.read("a") == batch("a", 1, 3)
+        assert store.read("b") == batch("b", 1, 3)
+        assert (store.last_seq("a"), store.last_seq("b")) == (3, 3)
+
+    def test_read_all_orders_by_global_position(self, store: EventStore) -> None:
+        a1, b1, a2, c1, b2 = (
+            batch("a", 1, 2),
+            batch("b", 1, 1),
+            batch("a", 3, 1),
+            batch("会话", 1, 2),
+            batch("b", 2, 3),
+        )
+        store.append("a", a1, 0)
+        store.append("b", b1, 0)
+        store.append("a", a2, 2)
+        store.append("会话", c1, 0)
+        store.append("b", b2, 1)
+        everything = a1 + b1 + a2 + c1 + b2
+        recorded = store.read_all()
+        assert all(isinstance(r, Recorded) for r in recorded)
+        assert [r.position for r in recorded] == list(range(1, len(everything) + 1))
+        assert [r.event for r in recorded] == everything
+
+    def test_read_all_respects_after_position_and_limit(self, store: EventStore) -> None:
+        store.append("a", batch("a", 1, 3), 0)
+        store.append("b", batch("b", 1, 4), 0)
+        store.append("a", batch("a", 4, 2), 3)
+        full = store.read_all()
+        assert len(full) == 9
+        for after in (-1, 0, 1, 4, 8, 9, 20):
+            assert store.read_all(after) == full[max(after, 0) :]
+            for limit in (0, 1, 3, 9, 50):
+                got = store.read_all(after_position=after, limit=limit)
+                assert got == full[max(after, 0) :][:limit]
+                assert len(got) <= limit
+        # Paging with after_position/limit visits every event exactly once.
+        pages: list[Recorded] = []
+        while page := store.read_all(pages[-1].position if pages else 0, limit=2):
+            pages.extend(page)
+        assert pages == full
+
+    def test_positions_are_dense_across_refused_appends(self, store: EventStore) -> None:
+        store.append("a", batch("a", 1, 2), 0)
+        with pytest.raises(ConcurrencyConflict):
+            store.append("a", batch("a", 1, 2), 0)
+        with pytest.raises(InvalidBatch):
+            store.append("b", batch("a", 1, 1), 0)
+        store.append("b", batch("b", 1, 2), 0)
+        assert [r.position for r in store.read_all()] == [1, 2, 3, 4]
+
+    def test_last_seq(self, store: EventStore) -> None:
+        assert store.last_seq("s") == 0
+        store.append("s", batch("s", 1, 1), 0)
+        assert store.last_seq("s") == 1
+        store.append("t", batch("t", 1, 4), 0)
+        assert store.last_seq("s") == 1
+        assert store.last_seq("t") == 4
+
+    def test_sessions_sorted(self, store: EventStore) -> None:
+        names = [
+            "zeta",
+            "Alpha",
+            "alpha",
+            "会话",
+            "beta",
+            "b",
+            "10",
+            "9",
+            "",
+            "a\x00",
+            "\U0001f600",
+        ]
+        for name in names:
+            store.append(name, batch(name, 1, 1), 0)
+        assert store.sessions() == sorted(names)
+        store.append("alpha", batch("alpha", 2, 1), 1)
+        assert store.sessions() == sorted(names)  # no duplicates
+
+    def test_empty_batch_is_a_noop(self, store: EventStore) -> None:
+        assert store.append("s", [], 0) == 0
+        assert store.sessions() == []  # an empty batch does not create a session
+        assert store.last_seq("s") == 0
+        store.append("s", batch("s", 1, 2), 0)
+        before = snapshot(store)
+        assert store.append("s", [], 2) == 2
+        assert snapshot(store) == before
+
+    @pytest.mark.parametrize("expected_seq", [0, 1, 2])
+    def test_empty_batch_with_wrong_expected_seq_conflicts(
+        self, store: EventStore, expected_seq: int
+    ) -> None:
+        store.append("s", batch("s", 1, 3), 0)
+        with pytest.raises(ConcurrencyConflict):
+            store.append("s", [], expected_seq)
+
+    @pytest.mark.parametrize("expected_seq", [0, 1, 2, 4, 5, 10])
+    def test_wrong_expected_seq_conflicts_and_writes_nothing(
+        self, store: EventStore, expected_seq: int
+    ) -> None:
+        store.append("s", batch("s", 1, 3), 0)
+        store.append("t", batch("t", 1, 1), 0)
+        before = snapshot(store)
+        with pytest.raises(ConcurrencyConflict) as info:
+            store.append("s", batch("s", expected_seq + 1, 2), expected_seq)
+        assert info.value.session_id == "s"
+        assert info.value.expected_seq == expected_seq
+        assert info.value.actual_seq == 3
+        assert isinstance(info.value, StoreError)
+        assert snapshot(store) == before
+
+    def test_expected_seq_ahead_on_unknown_session_conflicts(self, store: EventStore) -> None:
+        with pytest.raises(ConcurrencyConflict) as info:
+            store.append("new", batch("new", 2, 1), 1)
+        assert (info.value.expected_seq, info.value.actual_seq) == (1, 0)
+        assert store.sessions() == [] and store.read_all() == []
+
+    def test_negative_expected_seq_is_invalid(self, store: EventStore) -> None:
+        with pytest.raises(InvalidBatch):
+            store.append("s", [], -1)
+        with pytest.raises(InvalidBatch):
+            store.append("s", batch("s", 0, 1), -1)
+        assert store.read_all() == []
+
+    def test_event_of_another_session_is_invalid_and_writes_nothing(
+        self, store: EventStore
+    ) -> None:
+        store.append("s", batch("s", 1, 2), 0)
+        before = snapshot(store)
+        mixed = [*batch("s", 3, 2), said("other", 5, "stray")]
+        with pytest.raises(InvalidBatch) as info:
+            store.append("s", mixed, 2)
+        assert isinstance(info.value, ValueError) and isinstance(info.value, StoreError)
+        assert "other" in str(info.value)
+        assert snapshot(store) == before
+        with pytest.raises(InvalidBatch):
+            store.append("other", batch("s", 1, 1), 0)
+        assert snapshot(store) == before
+
+    @pytest.mark.parametrize(
+        "seqs", [[4, 5], [3, 5], [3, 4, 6], [3, 3], [2, 3], [4], [3, 4, 4]], ids=str
+    )
+    def test_seq_gap_is_invalid_and_writes_nothing(
+        self, store: EventStore, seqs: list[int]
+    ) -> None:
+        store.append("s", batch("s", 1, 2), 0)
+        before = snapshot(store)
+        with pytest.raises(InvalidBatch) as info:
+            store.append("s", [said("s", n, "x") for n in seqs], 2)
+        assert "seq" in str(info.value)
+        assert snapshot(store) == before
+
+    def test_a_conflicting_batch_is_written_not_at_all(self, store: EventStore) -> None:
+        store.append("s", batch("s", 1, 1), 0)
+        # Two writers both saw seq 1; the first wins, the second's batch vanishes whole.
+        winner, loser = batch("s", 2, 2), [queued("s", 2, "b"), queued("s", 3, "b")]
+        assert store.append("s", winner, 1) == 3
+        with pytest.raises(ConcurrencyConflict):
+            store.append("s", loser, 1)
+        assert store.read("s") == batch("s", 1, 1) + winner
+        assert [r.event for r in store.read_all()] == batch("s", 1, 1) + winner
+        # The loser retries on top of the winner and succeeds.
+        retry = [codec.restamp(e, seq=e.seq + 2) for e in loser]
+        assert store.append("s", retry, 3) == 5
+        assert store.read("s", 3) == retry
+
+    def test_every_event_type_round_trips(self, store: EventStore) -> None:
+        events = one_of_every_event("会话-1")
+        assert {type(e) for e in events} == set(typing.get_args(SessionEvent))
+        assert store.append("会话-1", events, 0) == len(events)
+        back = store.read("会话-1")
+        assert back == events
+        assert [type(e) for e in back] == [type(e) for e in events]
+        assert [r.event for r in store.read_all()] == events
+        assert store.read("会话-1", 9) == events[9:]
+
+    def test_stored_events_are_isolated_from_caller_mutation(self, store: EventStore) -> None:
+        """The log is append-only: neither the writer nor a reader can rewrite history.
+
+        Events are frozen, but some fields hold dicts (``ToolFinished.metadata``,
+        ``MessageMeta.extra``, ``TokenBreakdown.injectors``); mutating such a dict after
+        ``append``, or on an event ``read`` returned, must not change what the store holds.
+        """
+        events = one_of_every_event("s")
+        pristine = [codec.encode(e) for e in events]
+        store.append("s", events, 0)
+        finished = next(e for e in events if isinstance(e, ToolFinished))
+        finished.metadata["rewritten"] = "by the writer, after append"
+        read_back = store.read("s")
+        next(e for e in read_back if isinstance(e, ToolFinished)).metadata["by"] = "a reader"
+        saved = next(r.event for r in store.read_all() if isinstance(r.event, MessageSaved))
+        saved.message.meta.extra.clear()
+        assert [codec.encode(e) for e in store.read("s")] == pristine
+        assert [codec.encode(r.event) for r in store.read_all()] == pristine
+
+    def test_unicode_content_round_trips(self, store: EventStore) -> None:
+        texts = ["你好，世界", "😀🚀", "a\u0000b", "\u200b", "", "emoji 👍🏽 + 中文 + עברית"]
+        events = [said("ü", i + 1, t) for i, t in enumerate(texts)]
+        store.append("ü", events, 0)
+        assert [e.message.content for e in store.read("ü")] == texts  # type: ignore[union-attr]
+
+
+class TestInMemoryStore(StoreContract):
+    def make_store(self, tmp_path: Path) -> EventStore:
+        return InMemoryEventStore()
+
+
+class TestSqliteMemoryStore(StoreContract):
+    def make_store(self, tmp_path: Path) -> EventStore:
+        return SqliteEventStore(":memory:")
+
+
+class TestSqliteExclusiveStore(StoreContract):
+    def make_store(self, tmp_path: Path) -> EventStore:
+        return SqliteEventStore(tmp_path / "events.db", exclusive=True)
+
+    def test_holds_the_file_until_closed(self, tmp_path: Path) -> None:
+        path = tmp_path / "events.db"
+        events = one_of_every_event("s")
+        with SqliteEventStore(path, exclusive=True) as store:
+            assert store.append("s", events, 0) == len(events)
+            with pytest.raises(StoreError) as info:
+                SqliteEventStore(path, timeout_s=0.01)
+            assert "locked" in str(info.value)
+            assert store.append("s", [queued("s", 20)], 19) == 20  # still ours
+        with SqliteEventStore(path, timeout_s=0.01) as store:
+            assert store.read("s") == [*events, queued("s", 20)]
+            assert store.append("s", [queued("s", 21)], 20) == 21
+
+
+class TestSqliteStore(StoreContract):
+    def make_store(self, tmp_path: Path) -> EventStore:
+        return SqliteEventStore(tmp_path / "events.db")
+
+    # --- SQLite-only -----------------------------------------------------------------
+
+    def _raw_insert(self, path: Path, session_id: str, seq: int, data: Any) -> None:
+        conn = sqlite3.connect(path)
+        try:
+            with conn:
+                position = conn.execute("SELECT coalesce(max(position), 0) FROM events").fetchone()
+                conn.execute(
+                    "INSERT INTO events (position, session_id, seq, type, data) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (position[0] + 1, session_id, seq, "message_saved", data),
+                )
+        finally:
+            conn.close()
+
+    def test_data_survives_close_and_reopen(self, tmp_path: Path) -> None:
+        path = tmp_path / "events.db"
+        events = one_of_every_event("s")
+        with SqliteEventStore(path) as store:
+            store.append("s", events, 0)
+            store.append("t", batch("t", 1, 2), 0)
+            before = snapshot(store)
+        with SqliteEventStore(path) as store:
+            assert snapshot(store) == before
+            assert store.read("s") == events
+            assert store.append("s", batch("s", 20, 1), 19) == 20
+            assert [r.position for r in store.read_all()] == list(range(1, 23))
+        with SqliteEventStore(str(path)) as store:
+            assert store.last_seq("s") == 20
+            assert store.count() == 22 and store.count("t") == 2
+
+    def test_uses_wal_journal(self, tmp_path: Path) -> None:
+        path = tmp_path / "events.db"
+        with SqliteEventStore(path) as store:
+            store.append("s", batch("s", 1, 1), 0)
+            conn = sqlite3.connect(path)
+            try:
+                assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+            finally:
+                conn.close()
+
+    def test_second_instance_with_stale_expected_seq_conflicts(self, tmp_path: Path) -> None:
+        path = tmp_path / "events.db"
+        with SqliteEventStore(path) as first, SqliteEventStore(path) as second:
+            assert first.last_seq("s") == second.last_seq("s") == 0
+            assert first.append("s", batch("s", 1, 2), 0) == 2
+            with pytest.raises(ConcurrencyConflict) as info:
+                second.append("s", [queued("s", 1, "second")], 0)
+            assert (info.value.expected_seq, info.value.actual_seq) == (0, 2)
+            assert second.read("s") == first.read("s") == batch("s", 1, 2)
+            # Having seen the conflict, the second writer catches up and wins the next round.
+            assert second.append("s", [queued("s", 3)], 2) == 3
+            with pytest.raises(ConcurrencyConflict):
+                first.append("s", batch("s", 3, 1), 2)
+            assert first.read("s") == [*batch("s", 1, 2), queued("s", 3)]
+            assert [r.position for r in first.read_all()] == [1, 2, 3]
+
+    def test_two_instances_interleave_appends_to_different_sessions(self, tmp_path: Path) -> None:
+        """Each instance's cached last position must notice the other's commits."""
+        path = tmp_path / "events.db"
+        with SqliteEventStore(path) as first, SqliteEventStore(path) as second:
+            assert first.append("a", batch("a", 1, 2), 0) == 2
+            assert second.append("b", batch("b", 1, 1), 0) == 1
+            assert first.append("c", batch("c", 1, 1), 0) == 1
+            assert second.append("a", batch("a", 3, 1), 2) == 3
+            assert first.append("b", batch("b", 2, 2), 1) == 3
+            assert first.append("a", batch("a", 4, 1), 3) == 4
+            recorded = second.read_all()
+            assert recorded == first.read_all()
+            assert [r.position for r in recorded] == list(range(1, 9))
+            assert [(r.event.session_id, r.event.seq) for r in recorded] == [
+                ("a", 1), ("a", 2), ("b", 1), ("c", 1), ("a", 3), ("b", 2), ("b", 3), ("a", 4),
+            ]  # fmt: skip
+            # A stale seq cached by the first instance is refused, not written over.
+            assert second.append("c", batch("c", 2, 1), 1) == 2
+            with pytest.raises(ConcurrencyConflict) as info:
+                first.append("c", [queued("c", 2)], 1)
+            assert (info.value.expected_seq, info.value.actual_seq) == (1, 2)
+            assert first.read("c") == batch("c", 1, 2)
+
+    def test_garbage_row_raises_corrupt_event(self, tmp_path: Path, store: EventStore) -> None:
+        store.append("s", batch("s", 1, 1), 0)
+        self._raw_insert(tmp_path / "events.db", "s", 2, b"\xc1\x00garbage")
+        assert store.append("s", batch("s", 3, 1), 2) == 3  # the bad row still counts
+        with pytest.raises(CorruptEvent) as info:
+            store.read("s")
+        assert (info.value.session_id, info.value.seq) == ("s", 2)
+        assert "'s'" in str(info.value) and "seq 2" in str(info.value)
+        assert store.read("s", after_seq=2) == batch("s", 3, 1)  # rows past it are fine
+        with pytest.raises(CorruptEvent) as info_all:
+            store.read_all()
+        assert (info_all.value.session_id, info_all.value.seq) == ("s", 2)
+
+    def test_on_corrupt_receives_bad_rows_and_the_rest_are_returned(
+        self, tmp_path: Path, store: EventStore
+    ) -> None:
+        store.append("s", batch("s", 1, 1), 0)
+        self._raw_insert(tmp_path / "events.db", "s", 2, b"\xc1garbage")
+        store.append("s", batch("s", 3, 2), 2)
+        self._raw_insert(tmp_path / "events.db", "s", 5, codec.encode(queued("s", 5))[:-3])
+        seen: list[CorruptEvent] = []
+        events = store.read("s", on_corrupt=seen.append)
+        assert events == batch("s", 1, 1) + batch("s", 3, 2)
+        assert [(c.session_id, c.seq) for c in seen] == [("s", 2), ("s", 5)]
+        assert all(isinstance(c, CorruptEvent) and c.reason for c in seen)
+
+    def test_text_data_row_is_a_corrupt_event(self, tmp_path: Path, store: EventStore) -> None:
+        """A row whose ``data`` is TEXT rather than a BLOB does not decode either.
+
+        The protocol says a row that does not decode raises CorruptEvent (or goes to
+        ``on_corrupt``); a TEXT value must not escape as a bare TypeError.
+        """
+        store.append("s", batch("s", 1, 1), 0)
+        self._raw_insert(tmp_path / "events.db", "s", 2, "garbage written as text")
+        store.append("s", batch("s", 3, 1), 2)
+        with pytest.raises(CorruptEvent) as info:
+            store.read("s")
+        assert (info.value.session_id, info.value.seq) == ("s", 2)
+        seen: list[CorruptEvent] = []
+        assert store.read("s", on_corrupt=seen.append) == batch("s", 1, 1) + batch("s", 3, 1)
+        assert [(c.session_id, c.seq) for c in seen] == [("s", 2)]
+
+    def test_failure_mid_batch_rolls_back_the_whole_batch(
+        self, tmp_path: Path, store: EventStore
+    ) -> None:
+        store.append("s", batch("s", 1, 1), 0)
+        conn = sqlite3.connect(tmp_path / "events.db")
+        try:
+            conn.execute(
+                "CREATE TRIGGER refuse_third BEFORE INSERT ON events WHEN NEW.seq = 4 "
+                "BEGIN SELECT RAISE(ABORT, 'refused by test trigger'); END"
+            )
+            conn.commit()
+            before = snapshot(store)
+            with pytest.raises(StoreError):
+                store.append("s", batch("s", 2, 4), 1)  # seqs 2, 3 insert; 4 aborts
+            assert snapshot(store) == before
+            conn.execute("DROP TRIGGER refuse_third")
+            conn.commit()
+        finally:
+            conn.close()
+        # No transaction was left open: the same batch now goes through.
+        assert store.append("s", batch("s", 2, 4), 1) == 5
+        assert [r.position for r in store.read_all()] == [1, 2, 3, 4, 5]
+
+    def test_append_to_a_locked_database_raises_store_error(self, tmp_path: Path) -> None:
+        """Another writer holding the write lock past ``timeout_s`` is a StoreError.
+
+        The constructor already turns sqlite3 errors (``database is locked`` included)
+        into StoreError; ``append`` must not leak a bare ``sqlite3.OperationalError``
+        through the EventStore protocol either.
+        """
+        path = tmp_path / "events.db"
+        with SqliteEventStore(path, timeout_s=0.01) as store:
+            store.append("s", batch("s", 1, 1), 0)
+            other = sqlite3.connect(path, isolation_level=None)
+            try:
+                other.execute("BEGIN IMMEDIATE")  # another process mid-write
+                try:
+                    with pytest.raises(StoreError) as info:
+                        store.append("s", batch("s", 2, 1), 1)
+                    assert "locked" in str(info.value)
+                finally:
+                    other.execute("ROLLBACK")
+            finally:
+                other.close()
+            assert store.read("s") == batch("s", 1, 1)
+            assert store.append("s", batch("s", 2, 1), 1) == 2  # usable once released
+
+    @pytest.mark.parametrize(
+        "content",
+        [b"this is definitely not a sqlite database\n" * 20, b"hello", b"\x00" * 4096],
+        ids=["text", "short", "zeros"],
+    )
+    def test_non_sqlite_file_raises_store_error(self, tmp_path: Path, content: bytes) -> None:
+        path = tmp_path / "notes.txt"
+        path.write_bytes(content)
+        with pytest.raises(StoreError) as info:
+            SqliteEventStore(path)
+        message = str(info.value)
+        assert str(path) in message
+        assert "not a usable event database" in message
+        assert "not a database" in message
+        assert not isinstance(info.value, sqlite3.Error)
+        assert path.read_bytes() == content  # the file is left alone
+
+    def test_directory_path_raises_store_error(self, tmp_path: Path) -> None:
+        with pytest.raises(StoreError) as info:
+            SqliteEventStore(tmp_path)
+        assert str(tmp_path) in str(info.value)
+
+    def test_foreign_events_table_format_raises_store_error(self, tmp_path: Path) -> None:
+        path = tmp_path / "other.db"
+        conn = sqlite3.connect(path)
+        conn.execute("CREATE TABLE events (id INTEGER PRIMARY KEY, body TEXT)")
+        conn.commit()
+        conn.close()
+        with pytest.raises(StoreError) as info:
+            SqliteEventStore(path)
+        assert "format 0" in str(info.value)
