@@ -291,7 +291,10 @@ class InputReleased(Event, frozen=True, tag="input_released"):
 
 
 class TurnOpened(Event, frozen=True, tag="turn_opened"):
-    """A turn opened for ``input_ids`` (in arrival order) with its settings read once."""
+    """A turn opened for ``input_ids`` (in arrival order) with its settings read once.
+
+    ``batch_prefix`` is the text placed before a batch of queued human inputs (SCH4).
+    """
 
     turn_id: str
     input_ids: tuple[str, ...]
@@ -299,6 +302,7 @@ class TurnOpened(Event, frozen=True, tag="turn_opened"):
     platform: str | None = None
     settings: TurnSettings = TurnSettings()
     from_queue: bool = False
+    batch_prefix: str | None = None
 
 
 class ModelCallStarted(Event, frozen=True, tag="model_call_started"):

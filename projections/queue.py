@@ -71,6 +71,7 @@ class QueueState(msgspec.Struct, frozen=True):
     queued: tuple[Waiting, ...] = ()
     pending: tuple[Waiting, ...] = ()
     running: RunningTurn | None = None
+    to_archive: tuple[Waiting, ...] = ()  # released with archived=True, not yet archived
 
 
 def _without(items: tuple[Waiting, ...], input_id: str) -> tuple[Waiting, ...]:
@@ -110,8 +111,24 @@ def _on_held(state: QueueState, event: InputHeld) -> QueueState:
     return replace(state, pending=(*state.pending, replace(taken, held_for=event.turn_id)))
 
 
-def _on_left(state: QueueState, event: InputJoined | InputReleased) -> QueueState:
+def _on_joined(state: QueueState, event: InputJoined) -> QueueState:
     return _take(state, event.input_id)[0]
+
+
+def _on_released(state: QueueState, event: InputReleased) -> QueueState:
+    state, taken = _take(state, event.input_id)
+    if taken is None or not event.archived:
+        return state
+    return replace(state, to_archive=(*state.to_archive, replace(taken, held_for=None)))
+
+
+def _on_message(state: QueueState, event: MessageSaved) -> QueueState:
+    if not state.to_archive:
+        return state
+    input_id = event.message.meta.input_id
+    if input_id is None:
+        return state
+    return replace(state, to_archive=_without(state.to_archive, input_id))
 
 
 def _on_opened(state: QueueState, event: TurnOpened) -> QueueState:
@@ -152,8 +169,9 @@ HANDLERS: dict[type, Handler[QueueState]] = {
     InputReceived: _on_received,
     InputQueued: _on_queued,
     InputHeld: _on_held,
-    InputJoined: _on_left,
-    InputReleased: _on_left,
+    InputJoined: _on_joined,
+    InputReleased: _on_released,
+    MessageSaved: _on_message,
     TurnOpened: _on_opened,
     ModelCallEnded: _on_call_ended,
     StopRequested: _on_stop,
@@ -162,7 +180,6 @@ HANDLERS: dict[type, Handler[QueueState]] = {
     **dict.fromkeys(
         (
             ModelCallStarted,
-            MessageSaved,
             ToolStarted,
             ToolFinished,
             UsageRecorded,

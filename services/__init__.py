@@ -1,5 +1,49 @@
-"""Ports (Protocols) and their default adapters: llm, tools, persona, settings, authority,
-gateway, session manager. Services never import ``actors``.
-"""
+"""Ports (Protocols) and their default adapters. Services never import ``actors``."""
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.abort import Aborted, AbortSignal
+from services.authority import Authority, StaticAuthority
+from services.bus import EventBus
+from services.llm import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, StreamChunk, Usage
+from services.sessions import SessionDirectory, SessionInfo, StaticSessions
+from services.settings import SettingsResolver, StaticSettings
+from services.tools import Inbound, Tool, ToolCallContext, ToolRegistry
+
+__all__ = [
+    "AbortSignal",
+    "Aborted",
+    "Authority",
+    "ChatModel",
+    "ChatRequest",
+    "EventBus",
+    "Inbound",
+    "ScriptedModel",
+    "ScriptedReply",
+    "Services",
+    "SessionDirectory",
+    "SessionInfo",
+    "SettingsResolver",
+    "StaticAuthority",
+    "StaticSessions",
+    "StaticSettings",
+    "StreamChunk",
+    "Tool",
+    "ToolCallContext",
+    "ToolRegistry",
+    "Usage",
+]
+
+
+@dataclass
+class Services:
+    """Everything a runtime talks to, with embedded defaults: one process, no servers."""
+
+    llm: ChatModel = field(default_factory=ScriptedModel)
+    tools: ToolRegistry = field(default_factory=ToolRegistry)
+    authority: Authority = field(default_factory=StaticAuthority)
+    sessions: SessionDirectory = field(default_factory=StaticSessions)
+    settings: SettingsResolver = field(default_factory=StaticSettings)
+    bus: EventBus = field(default_factory=EventBus)

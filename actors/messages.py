@@ -1,0 +1,140 @@
+"""Messages between the runtime, session actors and turn runners."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from events import Input, SessionEvent, TurnOutcome
+from events.schema import ReleaseReason
+
+__all__ = [
+    "AppendEvents",
+    "CallEnded",
+    "Clear",
+    "Delete",
+    "GetView",
+    "InputOutcome",
+    "InsertionPoint",
+    "Passivate",
+    "Ping",
+    "Release",
+    "Settled",
+    "Stop",
+    "StopCommand",
+    "Submit",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class InputOutcome:
+    """How an input ended: in a turn (with its outcome) or released without one."""
+
+    input_id: str
+    turn_id: str | None
+    outcome: TurnOutcome | str  # a turn outcome, or "released"
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """An input with the session generation it arrived in; ``done`` resolves at its end."""
+
+    input: Input
+    generation: int
+    done: Future[InputOutcome] = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Stop the running turn (the stop button); ``platform``/``user_id`` say who."""
+
+    platform: str | None = None
+    user_id: str | None = None
+    reason: str = "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class StopCommand:
+    """``/stop`` from someone (CMD3): only participants and the owner may stop."""
+
+    platform: str | None
+    user_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Stop-all, mute or shutdown: stop, then release queued and pending inputs."""
+
+    reason: ReleaseReason
+    platform: str | None = None
+    user_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    """Session deletion (DEL1): ``done`` resolves once the turn has wound down."""
+
+    done: Future[int] = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Clear:
+    """``/clear`` of the given kinds; with none or ``context``, the message history."""
+
+    kinds: tuple[str, ...]
+    done: Future[None] = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class AppendEvents:
+    """Facts a turn runner reports, as event drafts (``kind``, fields) for the actor to log."""
+
+    turn_id: str
+    drafts: tuple[tuple[type[SessionEvent], dict[str, Any]], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class InsertionPoint:
+    """A runner asks which pending inputs join its turn now (FLOW8)."""
+
+    turn_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallEnded:
+    """A model call of the running turn returned, threw or was abandoned."""
+
+    turn_id: str
+    index: int
+    status: str = "ok"
+    tool_calls: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """The runner finished its turn."""
+
+    turn_id: str
+    outcome: TurnOutcome
+    reason: str | None = None
+    duration_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Passivate:
+    """Stop if idle for at least ``idle_s`` seconds; the log rebuilds the actor later."""
+
+    idle_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Answered once every message before it is handled (tests, quiescence)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GetView:
+    """Ask for the actor's projected view."""

@@ -1,0 +1,344 @@
+"""``Runtime``: the public entry. Hosts one ``SessionActor`` per active session.
+
+    runtime = Runtime(SqliteEventStore("agent.db"))
+    handle = runtime.submit("qq:group:1", Input(id="", content="你好"))
+    outcome = handle.result(timeout=60)      # when that input's turn has ended
+
+Sessions come up on their first input (rebuilt from their log) and are passivated when
+idle, so threads stay bounded by active sessions, not by all sessions (ES4).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import pykka
+import structlog
+
+from actors.messages import (
+    Clear,
+    Delete,
+    GetView,
+    InputOutcome,
+    Passivate,
+    Ping,
+    Release,
+    Stop,
+    StopCommand,
+    Submit,
+)
+from actors.session import SessionActor
+from actors.turn import TurnRunner
+from events import (
+    AgentError,
+    Clock,
+    EventStore,
+    IdSource,
+    Input,
+    SystemClock,
+    UuidIds,
+)
+from projections import SessionView, project, queue
+from services import Services
+
+__all__ = ["Runtime", "RuntimeClosed", "SubmitHandle"]
+
+log = structlog.get_logger("aalis.runtime")
+
+
+class RuntimeClosed(AgentError, RuntimeError):
+    """The runtime was shut down: it takes no more inputs."""
+
+
+@dataclass(frozen=True)
+class SubmitHandle:
+    """An accepted input: ``where`` it went (``开轮``, ``待插入``, ``排队``, ``放掉``), and
+    a future for how it ended (its turn's outcome, or its release)."""
+
+    input_id: str
+    where: str
+    future: Future[InputOutcome]
+
+    def result(self, timeout: float | None = None) -> InputOutcome:
+        return self.future.result(timeout)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+@dataclass
+class _Entry:
+    ref: pykka.ActorRef[Any]
+    generation: int
+
+
+class Runtime:
+    """Hosts session actors over one event store, with embedded default services."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        services: Services | None = None,
+        clock: Clock | None = None,
+        ids: IdSource | None = None,
+        *,
+        idle_s: float = 300.0,
+        janitor: bool = True,
+        ask_timeout_s: float = 60.0,
+    ) -> None:
+        self.store = store
+        self.services = services or Services()
+        self.clock = clock or SystemClock()
+        self.ids = ids or UuidIds()
+        self.idle_s = idle_s
+        self.ask_timeout_s = ask_timeout_s
+        self._lock = threading.RLock()
+        self._entries: dict[str, _Entry] = {}
+        self._generations: dict[str, int] = {}
+        self._runners: set[TurnRunner] = set()
+        self._runners_idle = threading.Condition(threading.Lock())
+        self._closed = False
+        self._janitor_stop = threading.Event()
+        self._janitor: threading.Thread | None = None
+        if janitor:
+            self._janitor = threading.Thread(
+                target=self._janitor_loop, name="passivation", daemon=True
+            )
+            self._janitor.start()
+
+    # --- actors ----------------------------------------------------------------------
+
+    def _load(self, session_id: str) -> SessionView:
+        return project(self.store.read(session_id))
+
+    def _entry(self, session_id: str) -> _Entry:
+        """The session's actor, started (and rebuilt from its log) when not running.
+
+        Called with ``self._lock`` held.
+        """
+        entry = self._entries.get(session_id)
+        if entry is not None:
+            return entry
+        if self._closed:
+            raise RuntimeClosed("the runtime is shut down")
+        view = self._load(session_id)
+        ref = SessionActor.start(
+            runtime=self,
+            session_id=session_id,
+            view=view,
+            store=self.store,
+            services=self.services,
+            clock=self.clock,
+            ids=self.ids,
+        )
+        entry = _Entry(ref, view.queue.generation)
+        self._generations.setdefault(session_id, view.queue.generation)
+        self._entries[session_id] = entry
+        return entry
+
+    def _ask(self, session_id: str, message: Any) -> Any:
+        with self._lock:
+            future = self._entry(session_id).ref.ask(message, block=False)
+        return future.get(timeout=self.ask_timeout_s)
+
+    def _unregister_if_idle(self, session_id: str, actor: SessionActor) -> bool:
+        """Called by an actor passivating itself: nothing may be on its way to it."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if (
+                entry is None
+                or entry.ref.actor_urn != actor.actor_urn
+                or not actor.actor_inbox.empty()
+            ):
+                return False
+            del self._entries[session_id]
+            return True
+
+    def _runner_started(self, runner: TurnRunner) -> None:
+        with self._runners_idle:
+            self._runners.add(runner)
+
+    def _runner_exited(self, runner: TurnRunner) -> None:
+        with self._runners_idle:
+            self._runners.discard(runner)
+            self._runners_idle.notify_all()
+
+    # --- inputs ----------------------------------------------------------------------
+
+    def submit(self, session_id: str, inp: Input) -> SubmitHandle:
+        """Hand an input to its session; returns once the input is durably accepted.
+
+        An input without an id gets one. The handle resolves when the input's turn has
+        ended (SCH4) or when the input is released (SCH6, DEL1-DEL2).
+        """
+        if not inp.id:
+            inp = msgspec.structs.replace(inp, id=self.ids.new("in"))
+        if inp.timestamp is None:
+            inp = msgspec.structs.replace(inp, timestamp=self.clock.now_ms())
+        done: Future[InputOutcome] = Future()
+        with self._lock:
+            entry = self._entry(session_id)
+            generation = self._generations.get(session_id, entry.generation)
+            future = entry.ref.ask(Submit(inp, generation, done), block=False)
+        where = future.get(timeout=self.ask_timeout_s)
+        return SubmitHandle(inp.id, where, done)
+
+    # --- stopping --------------------------------------------------------------------
+
+    def stop(
+        self, session_id: str, *, platform: str | None = None, user_id: str | None = None
+    ) -> str | None:
+        """Stop the session's running turn (the stop button); returns its id, if any."""
+        return self._ask(session_id, Stop(platform=platform, user_id=user_id))  # type: ignore[no-any-return]
+
+    def stop_command(
+        self, session_id: str, platform: str | None, user_id: str | None
+    ) -> str | None:
+        """``/stop`` (CMD3): None when the turn was stopped, else the reply to send."""
+        return self._ask(session_id, StopCommand(platform, user_id))  # type: ignore[no-any-return]
+
+    def stop_all(
+        self, session_id: str, *, platform: str | None = None, user_id: str | None = None
+    ) -> str | None:
+        """Stop the running turn and release queued and pending inputs (archived)."""
+        return self._ask(session_id, Release("stop-all", platform, user_id))  # type: ignore[no-any-return]
+
+    def mute(self, session_id: str) -> str | None:
+        """Muted: stop the running turn and release queued and pending inputs (archived)."""
+        return self._ask(session_id, Release("mute"))  # type: ignore[no-any-return]
+
+    def delete(self, session_id: str, timeout: float | None = None) -> int:
+        """Delete the session (DEL1-DEL2): stop at once, release unarchived, wait for the
+        turn to wind down (no time limit unless ``timeout``); returns the new generation.
+        Inputs that arrived before this call and reach the session later are dropped."""
+        done: Future[int] = Future()
+        with self._lock:
+            entry = self._entry(session_id)
+            self._generations[session_id] = self._generations.get(session_id, entry.generation) + 1
+            entry.ref.tell(Delete(done))
+        return done.result(timeout)
+
+    def clear(
+        self, session_id: str, kinds: tuple[str, ...] = (), timeout: float | None = None
+    ) -> None:
+        """``/clear``: with no kinds or ``context``, stop and release unarchived, then
+        clear the message history; other kinds are recorded without stopping."""
+        done: Future[None] = Future()
+        with self._lock:
+            self._entry(session_id).ref.tell(Clear(kinds, done))
+        done.result(timeout)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Release every session's queued and pending inputs (archived after its running
+        turn settles), wait for running turns, then stop all actors. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            entries = list(self._entries.items())
+        self._janitor_stop.set()
+        futures = [e.ref.ask(Release("shutdown"), block=False) for _, e in entries]
+        for f in futures:
+            f.get(timeout=self.ask_timeout_s)
+        self.wait_idle(timeout)
+        for _, e in entries:
+            e.ref.stop(block=True, timeout=self.ask_timeout_s)
+        with self._lock:
+            self._entries.clear()
+        if self._janitor is not None:
+            self._janitor.join(timeout=5)
+
+    close = shutdown
+
+    # --- observing -------------------------------------------------------------------
+
+    def subscribe(self, topic: str, fn: Callable[[str, Any], None]) -> Callable[[], None]:
+        """Events: ``agent:queue``, ``turn:opened``, ``turn:ended``, ``outbound:message``."""
+        return self.services.bus.subscribe(topic, fn)
+
+    def view(self, session_id: str) -> SessionView:
+        """The session's projected state (its actor's, or folded from the log)."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            future = entry.ref.ask(GetView(), block=False) if entry else None
+        if future is None:
+            return self._load(session_id)
+        return future.get(timeout=self.ask_timeout_s)  # type: ignore[no-any-return]
+
+    def active_sessions(self) -> list[str]:
+        with self._lock:
+            return sorted(self._entries)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no turn runs in this runtime; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._runners_idle:
+                if not self._runners:
+                    pass
+                else:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    self._runners_idle.wait(remaining)
+                    continue
+            # Runners report their end by message: let every actor handle it.
+            with self._lock:
+                refs = [e.ref for e in self._entries.values()]
+            busy = False
+            for ref in refs:
+                try:
+                    busy |= not ref.ask(Ping(), timeout=self.ask_timeout_s)
+                except pykka.ActorDeadError:
+                    continue
+            with self._runners_idle:
+                if not busy and not self._runners:
+                    return True
+
+    # --- recovery and passivation ----------------------------------------------------
+
+    def recover(self) -> list[str]:
+        """Start the sessions whose log shows unfinished work: a turn cut by a crash, or
+        inputs still queued. Their actors record the cut turn and schedule the queue."""
+        started = []
+        for session_id in self.store.sessions():
+            view = self._load(session_id)
+            if view.queue.running is not None or queue.waiting(view.queue) or view.queue.arrived:
+                with self._lock:
+                    self._entry(session_id)
+                started.append(session_id)
+        return started
+
+    def passivate_idle(self, idle_s: float | None = None) -> int:
+        """Ask every actor idle for ``idle_s`` (default: the runtime's) to stop; returns
+        how many did."""
+        idle = self.idle_s if idle_s is None else idle_s
+        with self._lock:
+            refs = [e.ref for e in self._entries.values()]
+        futures = []
+        for ref in refs:
+            try:
+                futures.append(ref.ask(Passivate(idle), block=False))
+            except pykka.ActorDeadError:
+                continue
+        stopped = 0
+        for f in futures:
+            try:
+                stopped += bool(f.get(timeout=self.ask_timeout_s))
+            except pykka.ActorDeadError:
+                continue
+        return stopped
+
+    def _janitor_loop(self) -> None:
+        interval = min(max(self.idle_s / 4, 0.05), 5.0)
+        while not self._janitor_stop.wait(interval):
+            try:
+                self.passivate_idle()
+            except Exception:
+                log.exception("passivation failed")

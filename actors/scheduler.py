@@ -1,0 +1,336 @@
+"""The scheduler (SCH1-SCH6, DEL1-DEL2) as pure decisions that add events to a batch.
+
+Each ``decide_*`` takes a :class:`Step` — the session's projected view plus the batch
+being built — and adds the events of its decision; the view folds each event as it is
+added, so a decision sees its own effects. The actor appends the batch atomically and
+then performs the effects the events call for (start a turn, signal a stop, resolve the
+callers' handles). Nothing here does I/O, reads a clock or starts a thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+
+from events import (
+    Batch,
+    ChatMessage,
+    Input,
+    InputHeld,
+    InputJoined,
+    InputQueued,
+    InputReceived,
+    InputReleased,
+    MessageMeta,
+    MessageSaved,
+    ModelCallEnded,
+    SessionEvent,
+    StopMarkerSaved,
+    StopRequested,
+    TurnOpened,
+    TurnOutcome,
+    TurnRecord,
+    TurnRecorded,
+    TurnSettings,
+)
+from events.schema import ReleaseReason
+from projections import SessionView, evolve, queue
+from projections.texts import BATCH_NO_REPLY_NEEDED, BATCH_PREFIX
+from projections.turns import TurnLog
+
+__all__ = [
+    "OpenContext",
+    "Step",
+    "archived_input_message",
+    "decide_call_ended",
+    "decide_insertion",
+    "decide_open_next",
+    "decide_recover",
+    "decide_release",
+    "decide_settled",
+    "decide_stop",
+    "decide_submit",
+    "turn_left_history",
+]
+
+E = TypeVar("E", bound=SessionEvent)
+
+
+@dataclass
+class Step:
+    """A view and the batch of events a decision adds, folded as they are added."""
+
+    view: SessionView
+    batch: Batch
+
+    def add(self, kind: type[E], **fields: Any) -> E:
+        event = self.batch.add(kind, **fields)
+        self.view = evolve(self.view, event)
+        return event
+
+    @property
+    def events(self) -> list[SessionEvent]:
+        return self.batch.events
+
+
+@dataclass(frozen=True)
+class OpenContext:
+    """What opening a turn needs from outside the log (SCH5), read once at open."""
+
+    settings_for: Callable[[Input], TurnSettings]
+    new_turn_id: Callable[[], str]
+    multi_party: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def archived_input_message(
+    inp: Input, turn_id: str | None, entry: str | None, message_id: str
+) -> ChatMessage:
+    """The archive's copy of an input (SAVE1): a user message with its provenance.
+
+    A host notice keeps only the host's body: its untrusted part is never archived (INS2).
+    """
+    return ChatMessage(
+        id=message_id,
+        role="user",
+        content=inp.content,
+        meta=MessageMeta(
+            turn_id=turn_id,
+            entry=entry,  # type: ignore[arg-type]
+            input_id=inp.id,
+            sender=inp.sender,
+            platform=inp.platform,
+            timestamp=inp.timestamp,
+        ),
+    )
+
+
+def _open(step: Step, batch: list[Input], ctx: OpenContext, *, from_queue: bool) -> str:
+    head = batch[0]
+    prefix = None
+    if from_queue and head.source is None:
+        prefix = BATCH_PREFIX
+        if ctx.multi_party and not any(i.addressed for i in batch):
+            prefix = f"{BATCH_PREFIX}\n{BATCH_NO_REPLY_NEEDED}"
+    turn_id = ctx.new_turn_id()
+    step.add(
+        TurnOpened,
+        turn_id=turn_id,
+        input_ids=tuple(i.id for i in batch),
+        source=head.source,
+        platform=head.platform,
+        settings=_with_party(ctx.settings_for(head), ctx.multi_party),
+        from_queue=from_queue,
+        batch_prefix=prefix,
+    )
+    for inp in batch:
+        step.add(InputJoined, input_id=inp.id, turn_id=turn_id, entry="opened")
+    return turn_id
+
+
+def _with_party(settings: TurnSettings, multi_party: bool) -> TurnSettings:
+    if settings.multi_party == multi_party:
+        return settings
+    return msgspec.structs.replace(settings, multi_party=multi_party)
+
+
+def decide_submit(step: Step, inp: Input, generation: int, ctx: OpenContext) -> str:
+    """An input arrives (SCH1-SCH4, DEL2). Returns where it went: ``开轮``, ``待插入``,
+    ``排队`` or ``放掉`` (the words of the SCH8 log line)."""
+    step.add(InputReceived, input=inp, generation=generation)
+    if generation != step.view.queue.generation:
+        # An input of a generation before a deletion: dropped, unarchived (DEL2).
+        step.add(InputReleased, input_id=inp.id, reason="stale-generation")
+        return "放掉"
+    running = step.view.queue.running
+    if running is None:
+        if step.view.queue.queued or step.view.queue.pending:
+            step.add(InputQueued, input_id=inp.id)
+            decide_open_next(step, ctx)
+            return "排队"
+        _open(step, [inp], ctx, from_queue=False)
+        return "开轮"
+    if inp.source is None and running.accepts_inserts:
+        step.add(InputHeld, input_id=inp.id, turn_id=running.turn_id)
+        return "待插入"
+    step.add(InputQueued, input_id=inp.id)
+    return "排队"
+
+
+def decide_insertion(step: Step, turn_id: str) -> list[Input]:
+    """An insertion point of the running turn (SCH2, FLOW8): the pending inputs join it,
+    in arrival order. A turn that stopped, or is not human-opened, takes none."""
+    running = step.view.queue.running
+    if running is None or running.turn_id != turn_id or not running.accepts_inserts:
+        return []
+    joined = [w.input for w in step.view.queue.pending if w.held_for == turn_id]
+    for inp in joined:
+        step.add(InputJoined, input_id=inp.id, turn_id=turn_id, entry="joined")
+    return joined
+
+
+def decide_call_ended(
+    step: Step,
+    turn_id: str,
+    index: int,
+    *,
+    status: str = "ok",
+    tool_calls: int = 0,
+    error: str | None = None,
+) -> None:
+    """A model call returned. After the final call (no tool calls) inserts are over: the
+    inputs still waiting to join this turn wait for the next one (SCH2)."""
+    step.add(
+        ModelCallEnded,
+        turn_id=turn_id,
+        index=index,
+        status=status,
+        tool_calls=tool_calls,
+        error=error,
+    )
+    if status == "ok" and tool_calls == 0:
+        for w in step.view.queue.pending:
+            if w.held_for == turn_id:
+                step.add(InputQueued, input_id=w.input.id)
+
+
+def decide_stop(step: Step, by: str | None = None, reason: str = "stop") -> str | None:
+    """Stop the running turn (SCH6); returns its id, or None when none runs."""
+    running = step.view.queue.running
+    if running is None:
+        return None
+    if not running.stop_requested:
+        step.add(StopRequested, turn_id=running.turn_id, by=by, reason=reason)
+    return running.turn_id
+
+
+def turn_left_history(view: SessionView, turn_id: str) -> bool:
+    """Whether the turn left inputs or tool groups in the history (SAVE6)."""
+    return any(m.meta.turn_id == turn_id for m in reversed(view.history.messages))
+
+
+def _archive_released(step: Step, next_id: Callable[[], str]) -> None:
+    """Archive, without turn id, the inputs released with ``archived=True`` (SCH6)."""
+    for w in step.view.queue.to_archive:
+        step.add(MessageSaved, message=archived_input_message(w.input, None, None, next_id()))
+
+
+def decide_release(
+    step: Step,
+    reason: ReleaseReason,
+    *,
+    by: str | None = None,
+    message_id: Callable[[], str],
+) -> str | None:
+    """Stop-all, mute, shutdown (archived after the running turn settles), delete and
+    clear (never archived): stop the running turn and release every queued and pending
+    input (SCH6, DEL1). Returns the stopped turn's id, if one runs."""
+    archived = reason in ("stop-all", "mute", "shutdown")
+    stopped = decide_stop(step, by=by if reason == "stop-all" else None, reason=reason)
+    waiting = queue.waiting(step.view.queue)
+    for w in waiting:
+        step.add(InputReleased, input_id=w.input.id, reason=reason, archived=archived)
+    if stopped is None:
+        _archive_released(step, message_id)
+    return stopped
+
+
+def decide_settled(
+    step: Step,
+    turn_id: str,
+    outcome: TurnOutcome,
+    ctx: OpenContext,
+    *,
+    reason: str | None = None,
+    duration_ms: int = 0,
+    stop_marker: ChatMessage | None = None,
+    message_id: Callable[[], str],
+    open_next: bool = True,
+    archive: bool = True,
+) -> None:
+    """The running turn ended: its stop marker (SAVE6) and record (SAVE5), the releases
+    waiting for it archived, its pending inputs queued, then the next turn opens from the
+    head of the queue (SCH4). With ``archive`` false (deletion, ``/clear``) nothing is
+    archived: no marker, no record message, only the log's own record."""
+    running = step.view.queue.running
+    if running is None or running.turn_id != turn_id:
+        return
+    if stop_marker is not None and archive:
+        step.add(StopMarkerSaved, turn_id=turn_id, message=stop_marker)
+    if outcome != "replied" and archive:
+        # No saved reply carries the record: it gets its own control marker (SAVE5).
+        step.add(
+            MessageSaved,
+            message=ChatMessage(
+                id=message_id(),
+                role="system",
+                kind="turn-record",
+                meta=MessageMeta(
+                    turn_id=turn_id,
+                    turn_record=TurnRecord(turn_id=turn_id, outcome=outcome, source=running.source),
+                ),
+            ),
+        )
+    step.add(
+        TurnRecorded,
+        turn_id=turn_id,
+        outcome=outcome,
+        source=running.source,
+        reason=reason,
+        duration_ms=duration_ms,
+    )
+    _archive_released(step, message_id)
+    for w in step.view.queue.pending:
+        step.add(InputQueued, input_id=w.input.id)
+    if open_next:
+        decide_open_next(step, ctx)
+
+
+def decide_open_next(step: Step, ctx: OpenContext) -> str | None:
+    """Open the next turn from the head of the queue (SCH4): a human head opens with every
+    queued human input in arrival order; an injection opens alone."""
+    if step.view.queue.running is not None:
+        return None
+    waiting = queue.waiting(step.view.queue)
+    if not waiting:
+        return None
+    head = waiting[0].input
+    batch = [w.input for w in waiting if w.input.source is None] if head.source is None else [head]
+    return _open(step, batch, ctx, from_queue=True)
+
+
+def decide_recover(
+    step: Step,
+    ctx: OpenContext,
+    *,
+    stop_marker: Callable[[TurnLog], ChatMessage | None],
+    message_id: Callable[[], str],
+    now_ms: int,
+) -> str | None:
+    """On start: a turn opened without a record was cut by a crash. Record it ``aborted``
+    (reason ``crash``), then schedule the queue as usual. Returns the cut turn's id."""
+    current = step.view.turns.current
+    cut = None
+    if current is not None and step.view.queue.running is not None:
+        cut = current.turn_id
+        marker = stop_marker(current) if turn_left_history(step.view, cut) else None
+        decide_settled(
+            step,
+            cut,
+            "aborted",
+            ctx,
+            reason="crash",
+            duration_ms=max(now_ms - current.opened.at, 0),
+            stop_marker=marker,
+            message_id=message_id,
+            open_next=False,
+        )
+    # Inputs received but never placed (a crash inside a batch cannot leave any, since
+    # batches are atomic; kept for logs written by other tools) are queued.
+    for w in step.view.queue.arrived:
+        step.add(InputQueued, input_id=w.input.id)
+    decide_open_next(step, ctx)
+    return cut

@@ -1,0 +1,537 @@
+"""``SessionActor``: the single writer of one session's log, and its scheduler.
+
+Each message is handled by a pure decision (``actors.scheduler``) that adds events to a
+batch; the actor appends the batch atomically, adopts the folded view, then performs the
+effects the events call for: start a turn runner, signal a stop, resolve the callers'
+handles, write the SCH8 log lines and publish ``agent:queue`` and turn lifecycle events.
+Turns run on their own threads (``actors.turn``), never on the actor's mailbox thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import pykka
+import structlog
+
+from actors import logs
+from actors.messages import (
+    AppendEvents,
+    CallEnded,
+    Clear,
+    Delete,
+    GetView,
+    InputOutcome,
+    InsertionPoint,
+    Passivate,
+    Ping,
+    Release,
+    Settled,
+    Stop,
+    StopCommand,
+    Submit,
+)
+from actors.scheduler import (
+    OpenContext,
+    Step,
+    decide_call_ended,
+    decide_insertion,
+    decide_recover,
+    decide_release,
+    decide_settled,
+    decide_stop,
+    decide_submit,
+    turn_left_history,
+)
+from actors.turn import TurnRunner
+from events import (
+    Batch,
+    ChatMessage,
+    Clock,
+    ContextCleared,
+    EventStore,
+    IdSource,
+    Input,
+    InputHeld,
+    InputJoined,
+    InputQueued,
+    InputReceived,
+    InputReleased,
+    MessageMeta,
+    SessionDeleted,
+    SessionEvent,
+    StopRequested,
+    TurnOpened,
+    TurnRecorded,
+)
+from projections import SessionView, project, queue
+from projections.texts import NO_RUNNING_TURN, STOP_DENIED, stop_marker_text
+from services import AbortSignal, Services
+
+if TYPE_CHECKING:
+    from actors.runtime import Runtime
+
+__all__ = ["SessionActor"]
+
+log = structlog.get_logger("aalis.agent")
+
+_QUEUE_EVENTS = (InputQueued, InputHeld, InputJoined, InputReleased)
+
+
+class SessionActor(pykka.ThreadingActor):
+    """One session: decides, appends, then acts. Built from its log (``view``)."""
+
+    def __init__(
+        self,
+        *,
+        runtime: Runtime,
+        session_id: str,
+        view: SessionView,
+        store: EventStore,
+        services: Services,
+        clock: Clock,
+        ids: IdSource,
+    ) -> None:
+        super().__init__()
+        self.runtime = runtime
+        self.session_id = session_id
+        self.view = view
+        self.store = store
+        self.services = services
+        self.clock = clock
+        self.ids = ids
+        self._waiters: dict[str, Future[InputOutcome]] = {}
+        self._turn_inputs: dict[str, list[Input]] = {}
+        self._participants: dict[str, set[tuple[str | None, str]]] = {}
+        self._runner: TurnRunner | None = None
+        self._abort: AbortSignal | None = None
+        self._winding_down: list[tuple[str, Future[Any], tuple[str, ...]]] = []
+        self._deferred: list[Submit] = []
+        self._last_activity = time.monotonic()
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def on_start(self) -> None:
+        """Recover: a turn opened without a record was cut by a crash (or a kill)."""
+        step = self._step()
+        decide_recover(
+            step,
+            self._open_context(),
+            stop_marker=lambda _turn: self._marker(None),
+            message_id=self._message_id,
+            now_ms=self.clock.now_ms(),
+        )
+        self._commit(step)
+
+    def on_stop(self) -> None:
+        if self._abort is not None:
+            self._abort.abort("shutdown")
+
+    # --- plumbing --------------------------------------------------------------------
+
+    def _step(self) -> Step:
+        return Step(self.view, Batch(self.session_id, self.view.seq, clock=self.clock))
+
+    def _message_id(self) -> str:
+        return self.ids.new("msg")
+
+    def _open_context(self) -> OpenContext:
+        info = self.services.sessions.info(self.session_id)
+        settings = self.services.settings
+        layer = self.view.settings
+
+        def settings_for(inp: Input) -> Any:
+            return settings.for_turn(self.session_id, inp.platform, layer)
+
+        return OpenContext(
+            settings_for=settings_for,
+            new_turn_id=lambda: self.ids.new("turn"),
+            multi_party=info.multi_party,
+        )
+
+    def _known_inputs(self, before: SessionView, events: list[SessionEvent]) -> dict[str, Input]:
+        known = {w.input.id: w.input for w in (*before.queue.arrived, *queue.waiting(before.queue))}
+        for event in events:
+            if isinstance(event, InputReceived):
+                known[event.input.id] = event.input
+        return known
+
+    def _commit(self, step: Step) -> None:
+        """Append the step's batch atomically, adopt its view, then perform its effects."""
+        events = step.events
+        if not events:
+            return
+        before = self.view
+        try:
+            self.store.append(self.session_id, events, step.batch.expected_seq)
+        except Exception:
+            # Nothing was written: rebuild from what the log holds, then re-raise.
+            self.view = project(self.store.read(self.session_id))
+            raise
+        self.view = step.view
+        self._effects(before, events)
+
+    def _effects(self, before: SessionView, events: list[SessionEvent]) -> None:
+        known = self._known_inputs(before, events)
+        opened: TurnOpened | None = None
+        queue_changed = False
+        sid = self.session_id
+        for event in events:
+            match event:
+                case InputHeld() | InputQueued():
+                    queue_changed = True
+                    where = "待插入" if isinstance(event, InputHeld) else "排队"
+                    inp = known.get(event.input_id)
+                    log.debug(logs.handed_on(where, inp.gateway_seq if inp else None, sid))
+                case InputJoined():
+                    queue_changed = True
+                    inp = known.get(event.input_id)
+                    if inp is not None:
+                        self._turn_inputs.setdefault(event.turn_id, []).append(inp)
+                        self._participants.setdefault(event.turn_id, set()).update(
+                            self._origin_of(inp)
+                        )
+                    where = "开轮" if event.entry == "opened" else "插入"
+                    seq = inp.gateway_seq if inp else None
+                    log.debug(logs.handed_on(where, seq, sid, event.turn_id))
+                case InputReleased():
+                    queue_changed = True
+                    inp = known.get(event.input_id)
+                    log.debug(logs.handed_on("放掉", inp.gateway_seq if inp else None, sid))
+                    self._resolve(
+                        event.input_id, InputOutcome(event.input_id, None, "released", event.reason)
+                    )
+                case TurnOpened():
+                    opened = event
+                case StopRequested():
+                    runner, abort = self._runner, self._abort
+                    if abort is not None and runner is not None and runner.turn_id == event.turn_id:
+                        abort.abort(event.reason, event.by)
+                case TurnRecorded():
+                    self._turn_ended(event)
+                case _:
+                    pass
+        if queue_changed:
+            self.services.bus.publish("agent:queue", self._queue_payload())
+        if opened is not None:
+            self._start_turn(opened)
+
+    def _queue_payload(self) -> dict[str, Any]:
+        return {
+            "sessionId": self.session_id,
+            "items": [
+                {
+                    "inputId": w.input.id,
+                    "seq": w.input.gateway_seq,
+                    "state": "pending" if w.held_for else "queued",
+                    "source": w.input.source,
+                }
+                for w in queue.waiting(self.view.queue)
+            ],
+        }
+
+    def _resolve(self, input_id: str, outcome: InputOutcome) -> None:
+        future = self._waiters.pop(input_id, None)
+        if future is not None and not future.done():
+            future.set_result(outcome)
+
+    def _turn_ended(self, event: TurnRecorded) -> None:
+        inputs = self._turn_inputs.pop(event.turn_id, [])
+        self._participants.pop(event.turn_id, None)
+        for inp in inputs:
+            self._resolve(inp.id, InputOutcome(inp.id, event.turn_id, event.outcome, event.reason))
+        log.info(
+            logs.turn_ended(
+                event.turn_id,
+                self.session_id,
+                event.outcome,
+                event.reason,
+                event.duration_ms,
+                [i.gateway_seq for i in inputs],
+            )
+        )
+        self.services.bus.publish(
+            "turn:ended",
+            {
+                "sessionId": self.session_id,
+                "turnId": event.turn_id,
+                "outcome": event.outcome,
+                "reason": event.reason,
+                "durationMs": event.duration_ms,
+            },
+        )
+
+    def _start_turn(self, opened: TurnOpened) -> None:
+        inputs = list(self._turn_inputs.get(opened.turn_id, []))
+        self._abort = abort = AbortSignal()
+        self._runner = TurnRunner(
+            actor=self.actor_ref,
+            session_id=self.session_id,
+            opened=opened,
+            inputs=inputs,
+            view=self.view,
+            services=self.services,
+            clock=self.clock,
+            ids=self.ids,
+            abort=abort,
+            on_exit=self.runtime._runner_exited,
+        )
+        self.runtime._runner_started(self._runner)
+        self.services.bus.publish(
+            "turn:opened",
+            {
+                "sessionId": self.session_id,
+                "turnId": opened.turn_id,
+                "inputIds": list(opened.input_ids),
+                "source": opened.source,
+            },
+        )
+        self._runner.start()
+
+    # --- who may stop, and how the marker names them ---------------------------------
+
+    def _origin_of(self, inp: Input) -> set[tuple[str | None, str]]:
+        """The participants an input brings (``originTurnOf``, CMD3)."""
+        if inp.from_turn is not None and inp.from_turn in self._participants:
+            return set(self._participants[inp.from_turn])
+        # Schedules and workflows act for an authorised identity; humans for themselves.
+        who = inp.sender.user_id if inp.source is None else inp.actor
+        return {(inp.platform, who)} if who else set()
+
+    def _stop_name(self, platform: str | None, user_id: str | None) -> str | None:
+        """How the stop marker names who stopped (SAVE6)."""
+        if user_id is None:
+            return None
+        authority = self.services.authority
+        if authority.is_owner(platform, user_id):
+            info = self.services.sessions.info(self.session_id)
+            if not info.multi_party:
+                return None  # the owner's own session
+            room = info.origin_platform
+            if room is not None and platform != room:
+                return authority.owner_account(room) or user_id
+        return user_id
+
+    def _marker(self, by: str | None) -> ChatMessage:
+        turn = self.view.queue.running
+        return ChatMessage(
+            id=self._message_id(),
+            role="system",
+            kind="turn-stopped",
+            content=stop_marker_text(by),
+            meta=MessageMeta(turn_id=turn.turn_id if turn else None),
+        )
+
+    # --- messages --------------------------------------------------------------------
+
+    def on_receive(self, message: Any) -> Any:
+        if not isinstance(message, Passivate | Ping | GetView):
+            self._last_activity = time.monotonic()
+        handler = self._HANDLERS.get(type(message))
+        if handler is None:
+            raise TypeError(f"SessionActor: unknown message {type(message).__name__}")
+        return handler(self, message)
+
+    def _on_submit(self, msg: Submit) -> str:
+        if self._winding_down:
+            self._deferred.append(msg)  # handled once the deletion or clear is done
+            return "deferred"
+        self._waiters[msg.input.id] = msg.done
+        step = self._step()
+        try:
+            where = decide_submit(step, msg.input, msg.generation, self._open_context())
+            self._commit(step)
+        except BaseException:
+            self._waiters.pop(msg.input.id, None)
+            raise
+        return where
+
+    def _on_insertion(self, msg: InsertionPoint) -> list[Input]:
+        step = self._step()
+        joined = decide_insertion(step, msg.turn_id)
+        self._commit(step)
+        return joined
+
+    def _running(self, turn_id: str) -> bool:
+        running = self.view.queue.running
+        return running is not None and running.turn_id == turn_id
+
+    def _on_append(self, msg: AppendEvents) -> None:
+        if not self._running(msg.turn_id) or self._winding_down:
+            return  # a deleted (or stale) turn writes nothing more (DEL1)
+        step = self._step()
+        for kind, fields in msg.drafts:
+            step.add(kind, **fields)
+        self._commit(step)
+
+    def _on_call_ended(self, msg: CallEnded) -> None:
+        if not self._running(msg.turn_id) or self._winding_down:
+            return
+        step = self._step()
+        decide_call_ended(
+            step,
+            msg.turn_id,
+            msg.index,
+            status=msg.status,
+            tool_calls=msg.tool_calls,
+            error=msg.error,
+        )
+        self._commit(step)
+
+    def _on_settled(self, msg: Settled) -> None:
+        if self._runner is not None and self._runner.turn_id == msg.turn_id:
+            self._runner = None
+            self._abort = None
+        if not self._running(msg.turn_id):
+            return
+        winding = self._winding_down
+        running = self.view.queue.running
+        by = None
+        if self.view.turns.current is not None:
+            stops = [e for e in self.view.turns.current.events if isinstance(e, StopRequested)]
+            by = stops[-1].by if stops else None
+        marker = None
+        if (
+            msg.outcome == "aborted"
+            and not winding
+            and running is not None
+            and turn_left_history(self.view, msg.turn_id)
+        ):
+            marker = self._marker(by)
+        step = self._step()
+        decide_settled(
+            step,
+            msg.turn_id,
+            msg.outcome,
+            self._open_context(),
+            reason=msg.reason,
+            duration_ms=msg.duration_ms,
+            stop_marker=marker,
+            message_id=self._message_id,
+            open_next=not winding,
+            archive=not winding,
+        )
+        self._commit(step)
+        if winding:
+            self._finish_winding_down()
+
+    def _on_stop(self, msg: Stop) -> str | None:
+        step = self._step()
+        turn = decide_stop(step, by=self._stop_name(msg.platform, msg.user_id), reason=msg.reason)
+        self._commit(step)
+        return turn
+
+    def _on_stop_command(self, msg: StopCommand) -> str | None:
+        """``/stop`` (CMD3): the reply to send, or None when the turn was stopped."""
+        running = self.view.queue.running
+        if running is None:
+            return NO_RUNNING_TURN
+        allowed = self.services.authority.is_owner(msg.platform, msg.user_id) or (
+            msg.user_id is not None
+            and (msg.platform, msg.user_id) in self._participants.get(running.turn_id, set())
+        )
+        if not allowed:
+            return STOP_DENIED
+        self._on_stop(Stop(platform=msg.platform, user_id=msg.user_id))
+        return None
+
+    def _on_release(self, msg: Release) -> str | None:
+        step = self._step()
+        turn = decide_release(
+            step,
+            msg.reason,
+            by=self._stop_name(msg.platform, msg.user_id),
+            message_id=self._message_id,
+        )
+        self._commit(step)
+        return turn
+
+    def _wind_down(self, kind: str, done: Future[Any], kinds: tuple[str, ...]) -> None:
+        """Stop at once and release unarchived (DEL1); finish once the turn has settled."""
+        step = self._step()
+        reason = "delete" if kind == "delete" else "clear"
+        turn = decide_release(step, reason, message_id=self._message_id)  # type: ignore[arg-type]
+        self._commit(step)
+        self._winding_down.append((kind, done, kinds))
+        if turn is None or self._runner is None:
+            if turn is not None:  # running in the log but no runner here: settle it now
+                self._on_settled(Settled(turn, "aborted", reason))
+                return
+            self._finish_winding_down()
+
+    def _finish_winding_down(self) -> None:
+        pending, self._winding_down = self._winding_down, []
+        step = self._step()
+        for kind, _done, kinds in pending:
+            if kind == "delete":
+                step.add(SessionDeleted, generation=step.view.queue.generation + 1)
+            else:
+                step.add(ContextCleared, kinds=kinds)
+        self._commit(step)
+        for kind, done, _kinds in pending:
+            if not done.done():
+                done.set_result(self.view.queue.generation if kind == "delete" else None)
+        deferred, self._deferred = self._deferred, []
+        for submit in deferred:
+            try:
+                self._on_submit(submit)
+            except Exception as exc:
+                if not submit.done.done():
+                    submit.done.set_exception(exc)
+
+    def _on_delete(self, msg: Delete) -> str:
+        self._wind_down("delete", msg.done, ())
+        return "deleting"
+
+    def _on_clear(self, msg: Clear) -> str:
+        if msg.kinds and "context" not in msg.kinds:
+            # Clears that do not touch the message history do not stop the session.
+            step = self._step()
+            step.add(ContextCleared, kinds=msg.kinds)
+            self._commit(step)
+            msg.done.set_result(None)
+            return "cleared"
+        self._wind_down("clear", msg.done, msg.kinds)
+        return "clearing"
+
+    def _on_passivate(self, msg: Passivate) -> bool:
+        idle = (
+            self._runner is None
+            and self.view.queue.running is None
+            and not self.view.queue.queued
+            and not self.view.queue.pending
+            and not self._winding_down
+            and not self._deferred
+            and not self._waiters
+        )
+        if not idle or time.monotonic() - self._last_activity < msg.idle_s:
+            return False
+        if not self.runtime._unregister_if_idle(self.session_id, self):
+            return False
+        self.stop()
+        return True
+
+    def _on_ping(self, msg: Ping) -> bool:
+        return self._runner is None
+
+    def _on_get_view(self, msg: GetView) -> SessionView:
+        return self.view
+
+    _HANDLERS: ClassVar[dict[type, Callable[[SessionActor, Any], Any]]] = {
+        Submit: _on_submit,
+        InsertionPoint: _on_insertion,
+        AppendEvents: _on_append,
+        CallEnded: _on_call_ended,
+        Settled: _on_settled,
+        Stop: _on_stop,
+        StopCommand: _on_stop_command,
+        Release: _on_release,
+        Delete: _on_delete,
+        Clear: _on_clear,
+        Passivate: _on_passivate,
+        Ping: _on_ping,
+        GetView: _on_get_view,
+    }

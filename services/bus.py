@@ -1,0 +1,44 @@
+"""A small in-process event bus: ``agent:queue``, turn lifecycle, ``outbound:message``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+__all__ = ["EventBus", "Subscriber"]
+
+Subscriber = Callable[[str, Any], None]
+log = structlog.get_logger("aalis.bus")
+
+
+class EventBus:
+    """Topic subscriptions; a subscriber that raises is logged and the rest still run."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._subs: dict[str, list[Subscriber]] = {}
+
+    def subscribe(self, topic: str, fn: Subscriber) -> Callable[[], None]:
+        """Call ``fn(topic, payload)`` for each event on ``topic`` (``*`` = all topics)."""
+        with self._lock:
+            self._subs.setdefault(topic, []).append(fn)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                subs = self._subs.get(topic, [])
+                if fn in subs:
+                    subs.remove(fn)
+
+        return unsubscribe
+
+    def publish(self, topic: str, payload: Any) -> None:
+        with self._lock:
+            subs = [*self._subs.get(topic, ()), *self._subs.get("*", ())]
+        for fn in subs:
+            try:
+                fn(topic, payload)
+            except Exception:
+                log.exception("subscriber failed", topic=topic)

@@ -1,0 +1,156 @@
+"""The llm port: a streaming chat model, and the scripted model that stands in for one.
+
+Stream chunks follow the original framework's shape: text deltas, reasoning deltas, tool
+calls (accepted from any chunk), tool-call progress (index, name, characters so far),
+``done`` and ``usage`` (None means unknown, distinct from 0).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import msgspec
+
+from events.schema import ChatMessage, ToolCall
+from services.abort import AbortSignal
+
+__all__ = [
+    "ChatModel",
+    "ChatRequest",
+    "ScriptedModel",
+    "ScriptedReply",
+    "StreamChunk",
+    "ToolCallProgress",
+    "Usage",
+]
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """Token usage a provider reports for one call."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    total_tokens: int | None = None
+    cached_prompt_tokens: int | None = None
+
+
+class ToolCallProgress(msgspec.Struct, frozen=True, kw_only=True):
+    """A tool call being generated: announced with its callId while its arguments grow."""
+
+    index: int
+    name: str
+    call_id: str
+    chars_accumulated: int = 0
+
+
+class StreamChunk(msgspec.Struct, frozen=True, kw_only=True):
+    """One piece of a streamed reply."""
+
+    content_delta: str | None = None
+    reasoning_delta: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_progress: ToolCallProgress | None = None
+    done: bool = False
+    usage: Usage | None = None
+
+
+class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """What one model call sends (ACC1: session id and purpose ride along)."""
+
+    messages: tuple[ChatMessage, ...]
+    tools: tuple[dict[str, Any], ...] = ()
+    model: str | None = None
+    think: str | None = None
+    session_id: str | None = None
+    purpose: str = "对话"
+
+
+class ChatModel(Protocol):
+    """A streaming chat model. ``chat_stream`` stops yielding soon after ``abort`` is set."""
+
+    id: str
+    provider_id: str
+    context_length: int
+    max_output_tokens: int
+
+    def chat_stream(self, request: ChatRequest, abort: AbortSignal) -> Iterator[StreamChunk]: ...
+
+
+class ScriptedReply(msgspec.Struct, frozen=True, kw_only=True):
+    """One scripted response: text and/or tool calls, streamed in ``chunks`` pieces."""
+
+    text: str = ""
+    reasoning: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    chunks: int = 1
+    chunk_delay_s: float = 0.0
+    usage: Usage | None = None
+
+
+Responder = Callable[[ChatRequest, int], ScriptedReply]
+
+
+class ScriptedModel:
+    """A model that answers from a script: a list of replies used in order, or a function.
+
+    Every request is kept in :attr:`requests`, so tests can assert on exactly what was
+    sent. Delays wait on the abort signal, so a stop abandons the stream at once.
+    """
+
+    def __init__(
+        self,
+        replies: Sequence[ScriptedReply] | Responder = (),
+        *,
+        default: ScriptedReply | None = None,
+        model_id: str = "scripted",
+        provider_id: str = "demo",
+        context_length: int = 32_000,
+        max_output_tokens: int = 4096,
+    ) -> None:
+        self.id = model_id
+        self.provider_id = provider_id
+        self.context_length = context_length
+        self.max_output_tokens = max_output_tokens
+        self._responder: Responder | None = replies if callable(replies) else None
+        self._replies = [] if callable(replies) else list(replies)
+        self._default = default or ScriptedReply(text="好的。")
+        self._lock = threading.Lock()
+        self.requests: list[ChatRequest] = []
+
+    def _next(self, request: ChatRequest) -> ScriptedReply:
+        with self._lock:
+            self.requests.append(request)
+            n = len(self.requests)
+            if self._responder is not None:
+                return self._responder(request, n)
+            if self._replies:
+                return self._replies.pop(0)
+            return self._default
+
+    def chat_stream(self, request: ChatRequest, abort: AbortSignal) -> Iterator[StreamChunk]:
+        reply = self._next(request)
+        pieces = max(reply.chunks, 1)
+        text = reply.text
+        size = -(-len(text) // pieces) if text else 0
+        if reply.reasoning:
+            yield StreamChunk(reasoning_delta=reply.reasoning)
+        for i in range(pieces):
+            if reply.chunk_delay_s and abort.wait(reply.chunk_delay_s):
+                return  # stopped: the stream is abandoned
+            if abort.aborted:
+                return
+            delta = text[i * size : (i + 1) * size] if size else ""
+            if delta:
+                yield StreamChunk(content_delta=delta)
+        for index, call in enumerate(reply.tool_calls):
+            yield StreamChunk(
+                tool_call_progress=ToolCallProgress(
+                    index=index,
+                    name=call.name,
+                    call_id=call.id,
+                    chars_accumulated=len(call.arguments),
+                )
+            )
+        yield StreamChunk(tool_calls=reply.tool_calls, done=True, usage=reply.usage)

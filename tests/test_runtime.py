@@ -1,0 +1,493 @@
+"""The runtime and its scheduler end to end (SCH1-SCH8, DEL1-DEL2, CMD3, SAVE6, ES4)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import pykka
+import pytest
+from structlog.testing import capture_logs
+
+from actors.messages import Submit
+from actors.runtime import Runtime, RuntimeClosed
+from events import (
+    FixedClock,
+    InMemoryEventStore,
+    Input,
+    InputHeld,
+    InputJoined,
+    InputQueued,
+    InputReleased,
+    MessageSaved,
+    ModelCallEnded,
+    Sender,
+    SequentialIds,
+    SessionDeleted,
+    SessionEvent,
+    StopMarkerSaved,
+    ToolCall,
+    ToolFinished,
+    TurnOpened,
+    TurnRecorded,
+    TurnSettings,
+)
+from projections import history, turns
+from projections.texts import (
+    BATCH_NO_REPLY_NEEDED,
+    BATCH_PREFIX,
+    NO_RUNNING_TURN,
+    STOP_DENIED,
+    STOP_MARKER_PREFIX,
+)
+from services import Services, SessionInfo, StaticAuthority, StaticSessions, Tool, ToolRegistry
+from tests.harness import GatedModel, GatedTool, settle
+
+SID = "qq:group:1"
+
+
+@dataclass
+class Rig:
+    runtime: Runtime
+    store: InMemoryEventStore
+    model: GatedModel
+    tool: GatedTool
+    sessions: StaticSessions
+    bus_events: list[tuple[str, Any]] = field(default_factory=list)
+
+    def settle(self) -> None:
+        settle(self.runtime, self.model, (self.tool,))
+
+    def log(self, session_id: str = SID) -> list[SessionEvent]:
+        return self.store.read(session_id)
+
+    def of(self, kind: type, session_id: str = SID) -> list[Any]:
+        return [e for e in self.log(session_id) if isinstance(e, kind)]
+
+    def submit(self, content: str, session_id: str = SID, **kw: Any) -> Any:
+        handle = self.runtime.submit(session_id, Input(id="", content=content, **kw))
+        self.settle()
+        return handle
+
+
+def wait_for(condition: Any, timeout: float = 5.0) -> None:
+    """Wait for something another thread does (polling on a short interval)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        time.sleep(0.002)
+
+
+def human(user: str, **kw: Any) -> dict[str, Any]:
+    return {"sender": Sender(user_id=user, nickname=f"昵称{user}"), "platform": "qq", **kw}
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    store = InMemoryEventStore()
+    model = GatedModel()
+    tool = GatedTool()
+    sessions = StaticSessions()
+    services = Services(
+        llm=model,
+        tools=ToolRegistry([Tool("slow", tool)]),
+        authority=StaticAuthority([("qq", "owner"), ("tg", "owner-tg")]),
+        sessions=sessions,
+    )
+    runtime = Runtime(store, services, FixedClock(step_ms=5), SequentialIds(), janitor=False)
+    r = Rig(runtime, store, model, tool, sessions)
+    runtime.subscribe("*", lambda topic, payload: r.bus_events.append((topic, payload)))
+    yield r
+    tool.release(100)
+    runtime.shutdown(timeout=10)
+    pykka.ActorRegistry.stop_all()
+
+
+CALL = ToolCall(id="call-1", name="slow", arguments="{}")
+
+
+def test_one_turn_at_a_time_and_new_messages_never_interrupt(rig: Rig) -> None:  # SCH1
+    first = rig.submit("第一条", **human("a"))
+    second = rig.submit("第二条", **human("b"))
+    assert (first.where, second.where) == ("开轮", "待插入")
+    assert len(rig.of(TurnOpened)) == 1
+    assert len(rig.model.calls) == 1  # the running call was not restarted or interrupted
+    rig.model.answer("好")
+    rig.settle()
+    assert [e.outcome for e in rig.of(TurnRecorded)] == ["replied"]
+
+
+def test_human_inserts_join_before_the_next_call_after_the_tool_batch(rig: Rig) -> None:  # SCH2
+    rig.submit("查一下", **human("a"))
+    rig.model.answer(tool_calls=(CALL,))
+    rig.tool.wait_running()
+    inserted = rig.submit("顺便也看看这个", **human("b", addressed=False))
+    assert inserted.where == "待插入"
+    rig.tool.release()
+    rig.settle()
+    second = rig.model.wait_call().request
+    roles = [(m.role, m.content) for m in second.messages]
+    assert roles[-4:] == [
+        ("user", "查一下"),
+        ("assistant", ""),
+        ("tool", "done"),
+        ("user", "顺便也看看这个"),
+    ]
+    joined = [e for e in rig.of(InputJoined) if e.entry == "joined"]
+    assert [e.input_id for e in joined] == [inserted.input_id]
+    rig.model.answer("好了")
+    rig.settle()
+    assert inserted.result(1).turn_id == "turn-1"
+
+
+def test_input_that_misses_the_final_call_waits_for_the_next_turn(rig: Rig) -> None:  # SCH2
+    rig.submit("你好", **human("a"))
+    late = rig.submit("还有一件事", **human("b"))
+    assert late.where == "待插入"
+    rig.model.answer("你好呀")  # the final call returns without tool calls
+    rig.settle()
+    first_end = rig.of(TurnRecorded)[0]
+    assert first_end.turn_id == "turn-1"
+    opened = rig.of(TurnOpened)
+    assert [o.input_ids for o in opened] == [("in-1",), (late.input_id,)]
+    assert opened[1].from_queue and opened[1].batch_prefix == BATCH_PREFIX
+    queued = [e.input_id for e in rig.of(InputQueued)]
+    assert queued == [late.input_id]
+
+
+def test_injections_queue_and_run_alone(rig: Rig) -> None:  # SCH3
+    rig.submit("你好", **human("a"))
+    notice = rig.submit("定时提醒", source="schedule", trigger_type="interval")
+    assert notice.where == "排队"
+    rig.model.answer("好")
+    rig.settle()
+    opened = rig.of(TurnOpened)
+    assert opened[1].input_ids == (notice.input_id,) and opened[1].source == "schedule"
+    assert opened[1].batch_prefix is None
+    # A human message during the injection's turn queues: nothing joins an injection.
+    during = rig.submit("在吗", **human("b"))
+    assert during.where == "排队"
+    rig.model.answer("提醒完毕")
+    rig.settle()
+    assert rig.of(TurnOpened)[2].input_ids == (during.input_id,)
+    assert [e.entry for e in rig.of(InputJoined) if e.turn_id == "turn-2"] == ["opened"]
+
+
+def test_queue_head_opens_the_next_turn(rig: Rig) -> None:  # SCH4
+    rig.submit("一", **human("a"))
+    inj = rig.submit("通知", source="host-notice")
+    h1 = rig.submit("二", **human("b"))
+    rig.model.answer("最终")  # h1 was pending: it missed the final call and queues
+    rig.settle()
+    h2 = rig.submit("三", **human("c"))
+    assert h2.where == "排队"  # the injection's turn is running now
+    rig.model.answer("通知已读")
+    rig.settle()
+    opened = rig.of(TurnOpened)
+    assert [o.input_ids for o in opened] == [
+        ("in-1",),
+        (inj.input_id,),  # the head was the injection: alone
+        (h1.input_id, h2.input_id),  # then every queued human input, in arrival order
+    ]
+    assert opened[2].batch_prefix == BATCH_PREFIX
+    rig.model.answer("好")
+    rig.settle()
+    assert h1.result(1).turn_id == h2.result(1).turn_id == opened[2].turn_id
+
+
+def test_multi_party_batch_without_address_adds_the_no_reply_line(rig: Rig) -> None:  # SCH4
+    rig.sessions.add(SessionInfo(SID, origin_platform="qq", multi_party=True))
+    rig.submit("大家好", **human("a"))
+    rig.submit("插话", **human("b", addressed=False))
+    rig.model.answer("嗨")
+    rig.settle()
+    opened = rig.of(TurnOpened)[1]
+    assert opened.batch_prefix == f"{BATCH_PREFIX}\n{BATCH_NO_REPLY_NEEDED}"
+    assert opened.settings.multi_party
+
+
+def test_settings_are_read_once_when_the_turn_opens(rig: Rig) -> None:  # SCH5
+    reads: list[str | None] = []
+
+    class Counting:
+        limit = 10
+
+        def for_turn(self, session_id: str, platform: str | None, layer: Any) -> TurnSettings:
+            reads.append(platform)
+            return TurnSettings(history_limit=self.limit)
+
+    resolver = Counting()
+    rig.runtime.services.settings = resolver
+    rig.submit("开轮", **human("a"))
+    resolver.limit = 99
+    rig.submit("插入", **human("b"))
+    rig.model.answer(tool_calls=(CALL,))
+    rig.tool.release()
+    rig.settle()
+    rig.model.answer("完")
+    rig.settle()
+    assert rig.of(TurnOpened)[0].settings.history_limit == 10
+    assert reads == ["qq"]  # the inserted input did not re-read
+
+
+def test_stop_while_the_model_streams_abandons_the_call(rig: Rig) -> None:  # SCH6
+    first = rig.submit("写一首长诗", **human("a"))
+    call = rig.model.wait_call()
+    assert rig.runtime.stop(SID, platform="qq", user_id="a") == "turn-1"
+    rig.settle()
+    assert call.abandoned
+    record = rig.of(TurnRecorded)[0]
+    assert (record.outcome, record.reason) == ("aborted", "stop")
+    assert not [m for m in rig.of(MessageSaved) if m.message.role == "assistant"]
+    assert not [t for t, _ in rig.bus_events if t == "outbound:message"]
+    marker = rig.of(StopMarkerSaved)[0]
+    assert (
+        marker.message.content.startswith(STOP_MARKER_PREFIX)
+        and "被 a 停下" in marker.message.content
+    )
+    assert first.result(1).outcome == "aborted"
+    # The next turn reads the marker in its history.
+    rig.submit("继续", **human("a"))
+    sent = rig.model.wait_call().request.messages
+    assert any(m.kind == "turn-stopped" for m in sent)
+
+
+def test_stop_during_a_tool_waits_for_it_and_keeps_the_group(rig: Rig) -> None:  # SCH6
+    rig.submit("跑个工具", **human("a"))
+    rig.model.answer(tool_calls=(CALL,))
+    rig.tool.wait_running()
+    queued = rig.submit("通知", source="schedule")
+    rig.runtime.stop(SID, platform="qq", user_id="a")
+    rig.settle()
+    ctx = rig.tool.contexts[0]
+    assert ctx.abort.aborted  # the tool's context carries the turn's abort signal
+    assert not rig.of(TurnRecorded)  # the turn waits for the tool to return
+    assert len(rig.of(TurnOpened)) == 1  # and queued inputs do not open meanwhile
+    rig.tool.release()
+    rig.settle()
+    assert rig.of(TurnRecorded)[0].outcome == "aborted"
+    finished = rig.of(ToolFinished)
+    assert finished[0].result == "done"
+    window = history.history_window(rig.runtime.view(SID).history)
+    assert [m.role for m in window][:3] == ["user", "assistant", "tool"]
+    assert rig.of(TurnOpened)[1].input_ids == (queued.input_id,)
+
+
+def test_pending_inputs_of_a_stopped_turn_open_the_next_one(rig: Rig) -> None:  # SCH6
+    rig.submit("一", **human("a"))
+    pending = rig.submit("二", **human("b"))
+    rig.runtime.stop(SID)
+    rig.settle()
+    assert rig.of(TurnOpened)[1].input_ids == (pending.input_id,)
+
+
+@pytest.mark.parametrize("how", ["stop_all", "mute", "shutdown"])
+def test_release_archives_after_the_running_turn_settles(rig: Rig, how: str) -> None:  # SCH6
+    rig.submit("跑个工具", **human("a"))
+    rig.model.answer(tool_calls=(CALL,))
+    rig.tool.wait_running()
+    pending = rig.submit("二", **human("b"))
+    queued = rig.submit("通知", source="schedule")
+    if how == "shutdown":
+        done = threading.Thread(target=rig.runtime.shutdown, kwargs={"timeout": 10})
+        done.start()
+        wait_for(lambda: len(rig.of(InputReleased)) == 2)
+    else:
+        getattr(rig.runtime, how)(SID)
+        rig.settle()
+    released = rig.of(InputReleased)
+    assert {(e.input_id, e.reason, e.archived) for e in released} == {
+        (pending.input_id, how.replace("_", "-"), True),
+        (queued.input_id, how.replace("_", "-"), True),
+    }
+    rig.tool.release()
+    if how == "shutdown":
+        done.join(10)
+    else:
+        rig.settle()
+    log = rig.log()
+    recorded = next(i for i, e in enumerate(log) if isinstance(e, TurnRecorded))
+    archived = [
+        (i, e.message)
+        for i, e in enumerate(log)
+        if isinstance(e, MessageSaved)
+        and e.message.meta.input_id in (pending.input_id, queued.input_id)
+    ]
+    assert [m.meta.turn_id for _, m in archived] == [None, None]  # archived without turn id
+    assert all(i > recorded for i, _ in archived)  # after the running turn settled
+    assert len(rig.of(TurnOpened)) == 1  # nothing opened from the released inputs
+    assert pending.result(1).outcome == "released"
+
+
+def test_agent_queue_reports_in_arrival_order(rig: Rig) -> None:  # SCH7
+    rig.submit("一", **human("a"))
+    rig.submit("通知", source="schedule")
+    rig.submit("二", **human("b"))
+    queues = [p for t, p in rig.bus_events if t == "agent:queue"]
+    assert [(i["inputId"], i["state"]) for i in queues[-1]["items"]] == [
+        ("in-2", "queued"),
+        ("in-3", "pending"),
+    ]
+    rig.model.answer("好")
+    rig.settle()
+    # The report after entering the next turn: in-3 left the queue with the turn...
+    after = [p for t, p in rig.bus_events if t == "agent:queue"][-1]
+    assert [i["inputId"] for i in after["items"]] == ["in-3"]
+
+
+def test_log_lines_follow_the_format_and_never_carry_text(rig: Rig) -> None:  # SCH8
+    with capture_logs() as logs:
+        rig.submit("秘密内容", **human("a", gateway_seq=7))
+        rig.submit("也是秘密", **human("b", gateway_seq=8))
+        rig.submit("提醒", source="schedule", gateway_seq=9)
+        rig.runtime.stop(SID)
+        rig.settle()
+        rig.model.answer("好")
+        rig.settle()
+    lines = [e["event"] for e in logs]
+    assert (
+        lines[:4]
+        == [
+            f"→ 开轮 #7 session={SID} turn=turn-1",
+            f"→ 待插入 #8 session={SID}",
+            f"→ 排队 #9 session={SID}",
+            f"回合结束 turn=turn-1 session={SID} 结局=aborted 原因=stop 用时=10ms 输入 #7",
+        ][:4]
+        or lines
+    )
+    assert f"回合结束 turn=turn-1 session={SID} 结局=aborted 原因=stop" in " ".join(lines)
+    assert f"→ 排队 #8 session={SID}" in lines  # the pending input waits for the next turn
+    assert any(line.startswith("回合结束 turn=turn-2") and "原因" not in line for line in lines)
+    text = repr(logs)
+    for secret in ("秘密", "昵称", "提醒"):
+        assert secret not in text
+
+
+def test_delete_stops_at_once_releases_unarchived_and_waits(rig: Rig) -> None:  # DEL1
+    rig.submit("跑个工具", **human("a"))
+    rig.model.answer(tool_calls=(CALL,))
+    rig.tool.wait_running()
+    queued = rig.submit("通知", source="schedule")
+    result: Future[int] = Future()
+    deleter = threading.Thread(target=lambda: result.set_result(rig.runtime.delete(SID)))
+    deleter.start()
+    rig.settle()
+    assert not result.done()  # the wait for the wind-down has no time limit
+    released = rig.of(InputReleased)
+    assert [(e.input_id, e.reason, e.archived) for e in released] == [
+        (queued.input_id, "delete", False)
+    ]
+    rig.tool.release()
+    deleter.join(10)
+    assert result.result(1) == 1
+    assert not rig.of(ToolFinished)  # no more writes from the deleted turn
+    assert not [
+        e for e in rig.of(MessageSaved) if e.message.meta.input_id == queued.input_id
+    ]  # released unarchived
+    assert rig.of(SessionDeleted)[0].generation == 1
+    view = rig.runtime.view(SID)
+    assert len(view.history.messages) == 0 and view.queue.generation == 1
+    # The session works again afterwards.
+    rig.submit("新的开始", **human("a"))
+    assert len(rig.model.parked) == 1
+
+
+def test_inputs_of_an_older_generation_are_dropped(rig: Rig) -> None:  # DEL2
+    rig.runtime.delete(SID)
+    stale: Future[Any] = Future()
+    where = rig.runtime._ask(SID, Submit(Input(id="old", content="迟到的"), 0, stale))
+    assert where == "放掉"
+    assert stale.result(1).outcome == "released"
+    assert [(e.input_id, e.reason) for e in rig.of(InputReleased)] == [("old", "stale-generation")]
+    assert not rig.of(MessageSaved) and not rig.of(TurnOpened)
+
+
+def test_stop_command_permissions(rig: Rig) -> None:  # CMD3
+    assert rig.runtime.stop_command(SID, "qq", "a") == NO_RUNNING_TURN
+    rig.submit("一", **human("a"))
+    rig.submit("二", **human("b"))  # pending: not a participant yet
+    rig.submit("匿名", platform="qq")  # no account: nobody
+    assert rig.runtime.stop_command(SID, "qq", "b") == STOP_DENIED
+    assert rig.runtime.stop_command(SID, "qq", "stranger") == STOP_DENIED
+    assert rig.runtime.stop_command(SID, "qq", "a") is None
+    rig.settle()
+    assert rig.of(TurnRecorded)[0].outcome == "aborted"
+    # The owner may stop any turn.
+    assert rig.runtime.stop_command(SID, "qq", "owner") is None
+
+
+def test_stop_marker_names_who_stopped(rig: Rig) -> None:  # SAVE6
+    def stop_and_marker(platform: str, user: str) -> str:
+        rig.submit("一", **human("a"))
+        rig.runtime.stop(SID, platform=platform, user_id=user)
+        rig.settle()
+        return rig.of(StopMarkerSaved)[-1].message.content
+
+    assert "被" not in stop_and_marker("qq", "owner")  # the owner's own session
+    rig.sessions.add(SessionInfo(SID, origin_platform="qq", multi_party=True))
+    assert "被 owner 停下" in stop_and_marker(
+        "tg", "owner-tg"
+    )  # his account on the room's platform
+    assert "被 b 停下" in stop_and_marker("qq", "b")
+
+
+def test_a_turn_that_left_nothing_writes_no_marker(rig: Rig) -> None:  # SAVE6, INS3
+    # An idle prompt is not archived: stopped before any tool call, the turn left nothing.
+    rig.submit("空闲开话题", source="idle", trigger_type="idle")
+    rig.runtime.stop(SID)
+    rig.settle()
+    assert rig.of(TurnRecorded)[0].outcome == "aborted"
+    assert not rig.of(StopMarkerSaved)
+    assert history.history_window(rig.runtime.view(SID).history) == []
+    turn = turns.turn_info(rig.runtime.view(SID).turns.finished[-1])
+    assert not turn.stop_marker
+
+
+def test_clear_context_stops_and_releases_unarchived(rig: Rig) -> None:
+    rig.submit("一", **human("a"))
+    queued = rig.submit("通知", source="schedule")
+    rig.runtime.clear(SID, timeout=10)
+    assert [(e.input_id, e.reason, e.archived) for e in rig.of(InputReleased)] == [
+        (queued.input_id, "clear", False)
+    ]
+    assert len(rig.runtime.view(SID).history.messages) == 0
+    rig.runtime.clear(SID, ("vector",), timeout=10)  # does not stop anything
+    assert rig.runtime.view(SID).queue.running is None
+
+
+def test_passivated_sessions_come_back_from_their_log(rig: Rig) -> None:  # ES4
+    rig.submit("一", **human("a"))
+    rig.model.answer("好")
+    rig.settle()
+    assert rig.runtime.active_sessions() == [SID]
+    assert rig.runtime.passivate_idle(0) == 1
+    assert rig.runtime.active_sessions() == []
+    rig.submit("二", **human("a"))
+    sent = rig.model.wait_call().request.messages
+    assert [m.content for m in sent] == ["一", "好", "二"]
+
+
+def test_busy_sessions_are_not_passivated(rig: Rig) -> None:  # ES4
+    rig.submit("一", **human("a"))
+    assert rig.runtime.passivate_idle(0) == 0
+    assert rig.runtime.active_sessions() == [SID]
+
+
+def test_shutdown_refuses_new_inputs(rig: Rig) -> None:
+    rig.runtime.shutdown(timeout=10)
+    with pytest.raises(RuntimeClosed):
+        rig.runtime.submit(SID, Input(id="", content="还在吗"))
+
+
+def test_final_call_events_order(rig: Rig) -> None:
+    rig.submit("你好", **human("a"))
+    rig.model.answer("你好呀")
+    rig.settle()
+    ended = rig.of(ModelCallEnded)
+    assert [(e.index, e.status, e.tool_calls) for e in ended] == [(1, "ok", 0)]
+    assert not rig.of(InputHeld)
