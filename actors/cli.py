@@ -6,10 +6,13 @@ structlog and output are configured here, never on import.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+import structlog
 
 from events import AgentError, ReplayError, SqliteEventStore, StoreError
 
@@ -27,16 +30,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="write a sample conversation to an event log and show its replay",
+        help="run live turns on a scripted model, then replay what they wrote",
         description=(
-            "Write a sample session log (a tool call, a message inserted mid-turn, a queued "
-            "injection run as its own turn, a malformed tool call answered with its error, "
-            "and a stop whose marker the next turn reads), then print its timeline and the "
-            "state a replay rebuilds. The events are scripted, not produced by live turns."
+            "Run a conversation through the real runtime on the embedded defaults, with a "
+            "scripted model in place of a real one: a human-opened turn with a tool call, a "
+            "message inserted mid-turn, a queued injection run as its own turn, a malformed "
+            "tool call answered with its error, and a stop whose marker the next turn reads. "
+            "Then print the timeline and the state a replay rebuilds from the event log."
         ),
     )
     demo.add_argument(
         "--db", default=DEFAULT_DEMO_DB, help=f"SQLite event database (default: {DEFAULT_DEMO_DB})"
+    )
+    demo.add_argument(
+        "-v", "--verbose", action="store_true", help="show the scheduler's debug log lines"
     )
 
     replay = sub.add_parser(
@@ -96,10 +103,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.db)
 
 
+def configure_logging(verbose: bool = False) -> None:
+    """Route structlog to stderr, at INFO (or DEBUG with ``verbose``)."""
+    level = logging.DEBUG if verbose else logging.INFO
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        # Resolved at each call, so a replaced sys.stderr (tests, pipes) is honoured.
+        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``aalis-agent`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging(getattr(args, "verbose", False))
     try:
         if args.command == "replay":
             return _cmd_replay(args)

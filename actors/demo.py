@@ -1,17 +1,153 @@
-"""``aalis-agent demo``: write the sample conversation and show what a replay rebuilds."""
+"""``aalis-agent demo``: live turns on the embedded defaults, then their replay.
+
+A scripted model stands in for a real one; everything else is the real runtime: session
+actors, the scheduler, turn runners, tools and the SQLite event log. The demo shows a
+human-opened turn with a tool call, a message inserted mid-turn, a queued injection run
+as its own turn, a malformed tool call answered with its error, and a stop whose marker
+the next turn reads.
+"""
 
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+import threading
+from collections.abc import Mapping
+from typing import Any, TextIO
 
-from actors.replay import render_state, run_replay
-from actors.sample import write_demo_session
-from events import FixedClock, SqliteEventStore, SystemClock
+from actors.replay import render_state, replay_session, run_replay
+from actors.runtime import Runtime
+from events import Input, Sender, SequentialIds, SqliteEventStore, ToolCall
+from services import (
+    ChatRequest,
+    ScriptedModel,
+    ScriptedReply,
+    Services,
+    SessionInfo,
+    StaticSessions,
+    Tool,
+    ToolCallContext,
+    ToolRegistry,
+)
 
-__all__ = ["run_demo"]
+__all__ = ["DEMO_SESSION", "run_demo"]
 
 DEMO_SESSION = "demo:room-1"
+ALICE = Sender(user_id="10001", nickname="Alice")
+BOB = Sender(user_id="10002", nickname="Bob")
+
+
+class _Script:
+    """The model's side of the demo, one reply per call, with hooks to time the story."""
+
+    def __init__(self) -> None:
+        self.streaming = threading.Event()
+
+    def __call__(self, request: ChatRequest, n: int) -> ScriptedReply:
+        if n == 1:
+            call = ToolCall(id="call-weather", name="weather", arguments='{"city": "上海"}')
+            return ScriptedReply(tool_calls=(call,))
+        if n == 2:
+            return ScriptedReply(
+                text="上海明天多云，14 到 21 度；杭州明天小雨，记得带伞。", chunks=4
+            )
+        if n == 3:  # the model writes broken JSON arguments
+            call = ToolCall(id="call-remind", name="remind", arguments='{"text": "喝水", "at": ')
+            return ScriptedReply(tool_calls=(call,))
+        if n == 4:
+            return ScriptedReply(text="该喝水啦。")
+        if n == 5:  # a long answer, stopped while it streams
+            self.streaming.set()
+            return ScriptedReply(text="后天的天气是这样的……" * 40, chunks=40, chunk_delay_s=0.05)
+        return ScriptedReply(text="好的，上一条没说完被停下了。杭州后天转晴，18 到 25 度。")
+
+
+def run_demo(db_path: str, out: TextIO | None = None) -> int:
+    """Run the demo turns against ``db_path``, print the transcript, timeline and state."""
+    out = sys.stdout if out is None else out
+    tool_started = threading.Event()
+    release_tool = threading.Event()
+
+    def weather(args: Mapping[str, Any], ctx: ToolCallContext) -> str:
+        tool_started.set()
+        release_tool.wait(10)
+        return f"{args.get('city', '?')}明天多云，14 到 21 度。"
+
+    def remind(args: Mapping[str, Any], ctx: ToolCallContext) -> str:
+        return "已设好提醒"
+
+    script = _Script()
+    store = SqliteEventStore(db_path)
+    session_id = _free_session_id(store)
+    services = Services(
+        llm=ScriptedModel(script, model_id="scripted", provider_id="demo"),
+        tools=ToolRegistry([Tool("weather", weather), Tool("remind", remind)]),
+        sessions=StaticSessions({session_id: SessionInfo(session_id, "qq", multi_party=True)}),
+    )
+    runtime = Runtime(store, services, ids=SequentialIds(), janitor=False)
+
+    def say(line: str) -> None:
+        out.write(line + "\n")
+        out.flush()
+
+    def on_event(topic: str, payload: Any) -> None:
+        if topic == "turn:opened":
+            say(f"  ⟳ {payload['turnId']} opened for {', '.join(payload['inputIds'])}")
+        elif topic == "outbound:message":
+            say(f"  ← [{payload['turnId']}] {payload['content']}")
+        elif topic == "turn:ended":
+            reason = f" ({payload['reason']})" if payload["reason"] else ""
+            say(f"  ✓ {payload['turnId']} {payload['outcome']}{reason}")
+
+    runtime.subscribe("*", on_event)
+    room: dict[str, Any] = {"platform": "qq", "group_id": "g1"}
+    try:
+        say(f"Session {session_id} in {db_path} (scripted model, real runtime)\n")
+        say("→ Alice: 帮我查一下明天上海的天气")
+        first = runtime.submit(
+            session_id, Input(id="", content="帮我查一下明天上海的天气", sender=ALICE, **room)
+        )
+        tool_started.wait(10)
+        say("  (the weather tool is running)")
+        say("→ Bob: 顺便看看杭州                 [arrives mid-turn: joins before the next call]")
+        runtime.submit(session_id, Input(id="", content="顺便看看杭州", sender=BOB, **room))
+        say("→ schedule: 每日提醒：喝水          [an injection: queues, runs as its own turn]")
+        notice = runtime.submit(
+            session_id,
+            Input(
+                id="", content="每日提醒：喝水", source="schedule", trigger_type="interval", **room
+            ),
+        )
+        release_tool.set()
+        first.result(30)
+        notice.result(30)
+        say("→ Alice: 那后天呢？")
+        third = runtime.submit(session_id, Input(id="", content="那后天呢？", sender=ALICE, **room))
+        script.streaming.wait(10)
+        say("  (Alice presses stop while the answer streams)")
+        runtime.stop(session_id, platform="qq", user_id=ALICE.user_id)
+        third.result(30)
+        say("→ Alice: 算了，说说杭州吧")
+        last = runtime.submit(
+            session_id, Input(id="", content="算了，说说杭州吧", sender=ALICE, **room)
+        )
+        last.result(30)
+        runtime.wait_idle(30)
+        request = services.llm.requests[-1]  # type: ignore[attr-defined]
+        markers = [m.content for m in request.messages if m.kind == "turn-stopped"]
+        say(f"\nThe last turn's model read the stop marker: {markers[0] if markers else 'no'}\n")
+    finally:
+        runtime.shutdown(timeout=30)
+    say("Timeline, replayed from the log:")
+    run_replay(store, [session_id], at=None, as_json=False, out=out)
+    out.write("\n" + render_state(replay_session(store, session_id)) + "\n\n")
+    store.close()
+    out.write(
+        "Replay it yourself:\n"
+        f"  aalis-agent replay {db_path} --session {session_id}\n"
+        f"  aalis-agent replay {db_path} --session {session_id} --at 20\n"
+        f"  aalis-agent replay {db_path} --session {session_id} --json\n"
+    )
+    return 0
 
 
 def _free_session_id(store: SqliteEventStore) -> str:
@@ -22,29 +158,3 @@ def _free_session_id(store: SqliteEventStore) -> str:
     while f"{DEMO_SESSION}-{n}" in existing:
         n += 1
     return f"{DEMO_SESSION}-{n}"
-
-
-def run_demo(db_path: str, out: TextIO | None = None) -> int:
-    """Write the sample session to ``db_path``, print its timeline and final state."""
-    out = sys.stdout if out is None else out
-    from actors.replay import replay_session
-
-    with SqliteEventStore(db_path) as store:
-        session_id = _free_session_id(store)
-        # Simulated time: starts now, 150 ms between events, so the timeline reads naturally.
-        clock = FixedClock(SystemClock().now_ms(), step_ms=150)
-        events = write_demo_session(store, session_id, clock)
-        out.write(
-            f"Wrote {len(events)} events for session {session_id} to {db_path}\n"
-            "(a scripted sample log: the events a session writes for these turns)\n\n"
-        )
-        run_replay(store, [session_id], at=None, as_json=False, out=out)
-        out.write("\n")
-        out.write(render_state(replay_session(store, session_id)) + "\n\n")
-    out.write(
-        "Replay it yourself:\n"
-        f"  aalis-agent replay {db_path} --session {session_id}\n"
-        f"  aalis-agent replay {db_path} --session {session_id} --at 20\n"
-        f"  aalis-agent replay {db_path} --session {session_id} --json\n"
-    )
-    return 0

@@ -10,6 +10,7 @@ idle, so threads stay bounded by active sessions, not by all sessions (ES4).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -123,7 +124,7 @@ class Runtime:
         Called with ``self._lock`` held.
         """
         entry = self._entries.get(session_id)
-        if entry is not None:
+        if entry is not None and entry.ref.is_alive():
             return entry
         if self._closed:
             raise RuntimeClosed("the runtime is shut down")
@@ -243,12 +244,17 @@ class Runtime:
             self._closed = True
             entries = list(self._entries.items())
         self._janitor_stop.set()
-        futures = [e.ref.ask(Release("shutdown"), block=False) for _, e in entries]
+        futures = []
+        for _, e in entries:
+            with contextlib.suppress(pykka.ActorDeadError):
+                futures.append(e.ref.ask(Release("shutdown"), block=False))
         for f in futures:
-            f.get(timeout=self.ask_timeout_s)
+            with contextlib.suppress(pykka.ActorDeadError):
+                f.get(timeout=self.ask_timeout_s)
         self.wait_idle(timeout)
         for _, e in entries:
-            e.ref.stop(block=True, timeout=self.ask_timeout_s)
+            with contextlib.suppress(pykka.ActorDeadError):
+                e.ref.stop(block=True, timeout=self.ask_timeout_s)
         with self._lock:
             self._entries.clear()
         if self._janitor is not None:

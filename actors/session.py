@@ -78,7 +78,8 @@ __all__ = ["SessionActor"]
 
 log = structlog.get_logger("aalis.agent")
 
-_QUEUE_EVENTS = (InputQueued, InputHeld, InputJoined, InputReleased)
+_TOLD = (AppendEvents, CallEnded, Settled, Delete, Clear)
+"""Messages sent with ``tell``: a failure handling one must not stop the actor."""
 
 
 class SessionActor(pykka.ThreadingActor):
@@ -333,7 +334,20 @@ class SessionActor(pykka.ThreadingActor):
         handler = self._HANDLERS.get(type(message))
         if handler is None:
             raise TypeError(f"SessionActor: unknown message {type(message).__name__}")
-        return handler(self, message)
+        if not isinstance(message, _TOLD):
+            return handler(self, message)  # an ask: the caller gets the exception
+        try:
+            return handler(self, message)
+        except Exception as exc:
+            # Nobody waits on a told message: log, rebuild from the log, keep serving.
+            log.exception(
+                "session actor failed", session=self.session_id, message=type(message).__name__
+            )
+            self.view = project(self.store.read(self.session_id))
+            done = getattr(message, "done", None)
+            if isinstance(done, Future) and not done.done():
+                done.set_exception(exc)
+            return None
 
     def _on_submit(self, msg: Submit) -> str:
         if self._winding_down:

@@ -12,6 +12,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -194,6 +195,160 @@ def bench_bytes_per_message(tmp: Path) -> None:
     )
 
 
+def _quiet_logs() -> None:
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
+def bench_sched_decision(tmp: Path) -> None:
+    """Scheduler decision plus durable append, per input, while a turn runs."""
+    from actors.scheduler import OpenContext, Step, decide_submit
+    from events import TurnSettings
+    from projections import SessionView
+
+    store = SqliteEventStore(tmp / "sched.db")
+    turn_ids = iter(range(1, 10**9))
+    ctx = OpenContext(
+        settings_for=lambda inp: TurnSettings(), new_turn_id=lambda: f"turn-{next(turn_ids)}"
+    )
+    clock = FixedClock(step_ms=1)
+    view = SessionView()
+    n = 5000
+    inputs = [
+        Input(id=f"in-{i}", content=USER_TEXT, source="schedule" if i % 3 == 2 else None)
+        for i in range(n)
+    ]
+    start = time.perf_counter()
+    for inp in inputs:  # the first opens a turn; the rest wait to join it or queue
+        step = Step(view, Batch("s1", view.seq, clock=clock))
+        decide_submit(step, inp, view.queue.generation, ctx)
+        store.append("s1", step.events, step.batch.expected_seq)
+        view = step.view
+    elapsed = time.perf_counter() - start
+    store.close()
+    emit("sched_decision_us", elapsed / n * 1e6, "us", inputs=n, store="sqlite")
+
+
+def bench_stop_latency(tmp: Path) -> None:
+    """From a stop request to the turn settled, while a model call streams."""
+    from actors.runtime import Runtime
+    from services import ScriptedModel, ScriptedReply, Services
+
+    _quiet_logs()
+    started = threading.Event()
+
+    def reply(request: object, n: int) -> ScriptedReply:
+        started.set()
+        return ScriptedReply(text="很长的回答" * 200, chunks=200, chunk_delay_s=0.05)
+
+    store = SqliteEventStore(tmp / "stop.db")
+    runtime = Runtime(store, Services(llm=ScriptedModel(reply)), janitor=False)
+    samples = []
+    for i in range(20):
+        started.clear()
+        handle = runtime.submit(f"s{i}", Input(id="", content=USER_TEXT))
+        started.wait(5)
+        time.sleep(0.01)  # well inside the stream
+        t0 = time.perf_counter()
+        runtime.stop(f"s{i}")
+        outcome = handle.result(10)
+        samples.append(time.perf_counter() - t0)
+        assert outcome.outcome == "aborted", outcome
+    runtime.shutdown(timeout=10)
+    store.close()
+    emit(
+        "stop_latency_ms",
+        statistics.median(samples) * 1000,
+        "ms",
+        runs=len(samples),
+        max_ms=round(max(samples) * 1000, 3),
+        chunk_delay_ms=50,
+    )
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def bench_passivated_10k(tmp: Path) -> None:
+    """10,000 sessions that each got one message, after passivation: threads and memory."""
+    from actors.runtime import Runtime
+    from services import ScriptedModel, Services
+
+    _quiet_logs()
+    store = SqliteEventStore(tmp / "passivate.db")
+    runtime = Runtime(store, Services(llm=ScriptedModel()), idle_s=0.2)
+    base_threads = threading.active_count()
+    n = 10_000
+    handles = [runtime.submit(f"user:{i}", Input(id="", content=USER_TEXT)) for i in range(n)]
+    for h in handles:
+        h.result(60)
+    peak = threading.active_count()
+    runtime.wait_idle(60)
+    runtime.passivate_idle(0)
+    deadline = time.monotonic() + 30
+    while runtime.active_sessions() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gc.collect()
+    time.sleep(0.2)  # let the stopped actors' threads finish
+    threads = threading.active_count()
+    emit(
+        "passivated_10k_threads",
+        threads,
+        "threads",
+        sessions=n,
+        before=base_threads,
+        peak_after_submits=peak,
+        active_sessions=len(runtime.active_sessions()),
+    )
+    emit("passivated_10k_rss_mb", _rss_mb(), "MiB", sessions=n)
+    runtime.shutdown(timeout=30)
+    store.close()
+
+
+def bench_inputs_per_s_1k(tmp: Path) -> None:
+    """One runtime, 1,000 concurrent sessions, the instant scripted model, SQLite log."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from actors.runtime import Runtime
+    from services import ScriptedModel, Services
+
+    _quiet_logs()
+    store = SqliteEventStore(tmp / "load.db")
+    runtime = Runtime(store, Services(llm=ScriptedModel()), janitor=False)
+    sessions = [f"room:{i}" for i in range(1000)]
+    per_session = 5
+
+    def drive(session: str) -> None:
+        handles = [
+            runtime.submit(session, Input(id="", content=USER_TEXT)) for _ in range(per_session)
+        ]
+        for h in handles:
+            h.result(120)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        list(pool.map(drive, sessions))
+    elapsed = time.perf_counter() - start
+    n = len(sessions) * per_session
+    runtime.shutdown(timeout=60)
+    store.close()
+    emit(
+        "inputs_per_s_1k_sessions",
+        n / elapsed,
+        "inputs/s",
+        inputs=n,
+        sessions=len(sessions),
+        note="each input accepted and its turn ended",
+    )
+
+
 ALL = (
     "append_single_eps",
     "append_single_exclusive_eps",
@@ -201,6 +356,10 @@ ALL = (
     "replay_eps",
     "recover_1k_ms",
     "bytes_per_message",
+    "sched_decision_us",
+    "stop_latency_ms",
+    "passivated_10k",
+    "inputs_per_s_1k_sessions",
 )
 
 
@@ -237,6 +396,14 @@ def main(argv: list[str] | None = None) -> int:
                 bench_recover(big)
             elif name == "bytes_per_message":
                 bench_bytes_per_message(tmp)
+            elif name == "sched_decision_us":
+                bench_sched_decision(tmp)
+            elif name == "stop_latency_ms":
+                bench_stop_latency(tmp)
+            elif name == "passivated_10k":
+                bench_passivated_10k(tmp)
+            elif name == "inputs_per_s_1k_sessions":
+                bench_inputs_per_s_1k(tmp)
         if big is not None:
             big.close()
     return 0

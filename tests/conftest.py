@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
+import structlog
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -11,3 +14,10 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+@pytest.fixture(autouse=True)
+def _reset_structlog() -> Iterator[None]:
+    """A test that runs the CLI configures structlog; later tests start from defaults."""
+    yield
+    structlog.reset_defaults()

@@ -44,7 +44,15 @@ from projections.texts import (
     STOP_DENIED,
     STOP_MARKER_PREFIX,
 )
-from services import Services, SessionInfo, StaticAuthority, StaticSessions, Tool, ToolRegistry
+from services import (
+    ScriptedModel,
+    Services,
+    SessionInfo,
+    StaticAuthority,
+    StaticSessions,
+    Tool,
+    ToolRegistry,
+)
 from tests.harness import GatedModel, GatedTool, settle
 
 SID = "qq:group:1"
@@ -491,3 +499,24 @@ def test_final_call_events_order(rig: Rig) -> None:
     ended = rig.of(ModelCallEnded)
     assert [(e.index, e.status, e.tool_calls) for e in ended] == [(1, "ok", 0)]
     assert not rig.of(InputHeld)
+
+
+def test_many_sessions_leave_threads_only_for_active_ones() -> None:  # ES4
+    store = InMemoryEventStore()
+    runtime = Runtime(store, Services(llm=ScriptedModel()), FixedClock(), janitor=False)
+    before = threading.active_count()
+    try:
+        handles = [runtime.submit(f"user:{i}", Input(id="", content="你好")) for i in range(300)]
+        assert {h.result(30).outcome for h in handles} == {"replied"}
+        assert runtime.wait_idle(30)
+        busy = runtime.submit("busy", Input(id="", content="x"))  # still running below
+        assert runtime.passivate_idle(0) >= 300
+        wait_for(lambda: threading.active_count() <= before + 2)
+        assert runtime.active_sessions() in ([], ["busy"])
+        busy.result(10)
+        # A passivated session comes back from its log with its history.
+        again = runtime.submit("user:7", Input(id="", content="又来了"))
+        assert again.result(10).outcome == "replied"
+        assert len(runtime.view("user:7").history.messages) == 4
+    finally:
+        runtime.shutdown(timeout=30)

@@ -1,0 +1,124 @@
+"""Crash recovery: kill a worker with SIGKILL mid-turn, restart on the same database."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pykka
+import pytest
+
+from actors.runtime import Runtime
+from events import (
+    FixedClock,
+    InMemoryEventStore,
+    Input,
+    InputJoined,
+    InputReceived,
+    InputReleased,
+    MessageSaved,
+    SequentialIds,
+    SqliteEventStore,
+    TurnOpened,
+    TurnRecorded,
+)
+from projections import project
+from services import ScriptedModel, Services
+from tests.harness import GatedModel, settle
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_turn_cut_by_a_crash_is_recorded_and_the_queue_runs() -> None:
+    store = InMemoryEventStore()
+    model = GatedModel()
+    first = Runtime(store, Services(llm=model), FixedClock(), SequentialIds(), janitor=False)
+    first.submit("s", Input(id="a", content="一"))
+    first.submit("s", Input(id="b", content="二"))  # pending
+    first.submit("s", Input(id="c", content="通知", source="schedule"))  # queued
+    settle(first, model)
+    # "Crash": the actors vanish without a word; their runner can no longer write.
+    for ref in pykka.ActorRegistry.get_all():
+        ref.stop()
+    for call in model.parked:
+        call.abort.abort("crash")
+    second_model = ScriptedModel()
+    second = Runtime(
+        store, Services(llm=second_model), FixedClock(), SequentialIds(), janitor=False
+    )
+    try:
+        assert second.recover() == ["s"]
+        assert second.wait_idle(10)
+        log = store.read("s")
+        records = [(e.turn_id, e.outcome, e.reason) for e in log if isinstance(e, TurnRecorded)]
+        assert records[0] == ("turn-1", "aborted", "crash")
+        opened = [e.input_ids for e in log if isinstance(e, TurnOpened)]
+        assert opened == [("a",), ("b",), ("c",)]  # b pending, c queued: each runs once
+        markers = [
+            e for e in log if isinstance(e, MessageSaved) and e.message.kind == "turn-stopped"
+        ]
+        assert markers == []  # StopMarkerSaved is its own event
+        assert project(log).queue.running is None
+    finally:
+        second.shutdown(timeout=10)
+        first.shutdown(timeout=10)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_turn_loses_nothing_and_runs_nothing_twice(tmp_path: Path) -> None:
+    db = tmp_path / "crash.db"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    worker = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "crash_worker.py"), str(db), "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+    acked: list[tuple[str, str]] = []
+    assert worker.stdout is not None
+    try:
+        for line in worker.stdout:
+            if line.startswith("ACK "):
+                _, session, input_id = line.split()
+                acked.append((session, input_id))
+            if len(acked) >= 40:
+                break
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=30)
+        worker.stdout.close()
+    assert len(acked) >= 40
+    store = SqliteEventStore(db)
+    runtime = Runtime(store, Services(llm=ScriptedModel()), janitor=False)
+    crashed = 0
+    try:
+        runtime.recover()
+        assert runtime.wait_idle(60)
+        for session in {s for s, _ in acked}:
+            log = store.read(session)
+            received = {e.input.id for e in log if isinstance(e, InputReceived)}
+            joined = Counter(e.input_id for e in log if isinstance(e, InputJoined))
+            released = {e.input_id for e in log if isinstance(e, InputReleased)}
+            for s, input_id in acked:
+                if s != session:
+                    continue
+                assert input_id in received, f"{input_id} acknowledged but not in the log"
+                assert joined[input_id] == 1 or input_id in released, (
+                    f"{input_id} ran {joined[input_id]} times"
+                )
+            assert all(n == 1 for n in joined.values())  # nothing ran twice
+            opened = [e.turn_id for e in log if isinstance(e, TurnOpened)]
+            recorded = [e.turn_id for e in log if isinstance(e, TurnRecorded)]
+            assert opened == recorded  # every turn, the cut one included, has its record
+            assert project(log).queue.running is None
+            crashed += sum(1 for e in log if isinstance(e, TurnRecorded) and e.reason == "crash")
+        assert crashed >= 1  # the kill did land in the middle of a turn
+    finally:
+        runtime.shutdown(timeout=30)
+        store.close()

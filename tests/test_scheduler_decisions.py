@@ -1,0 +1,239 @@
+"""The scheduler's pure decisions, one rule at a time (no threads, no actors)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from actors.scheduler import (
+    OpenContext,
+    Step,
+    decide_call_ended,
+    decide_insertion,
+    decide_open_next,
+    decide_release,
+    decide_settled,
+    decide_stop,
+    decide_submit,
+)
+from events import (
+    Batch,
+    Input,
+    InputJoined,
+    InputQueued,
+    InputReleased,
+    MessageSaved,
+    SessionDeleted,
+    SessionEvent,
+    TurnOpened,
+    TurnSettings,
+)
+from projections import SessionView, project
+from projections.texts import BATCH_NO_REPLY_NEEDED, BATCH_PREFIX
+
+SID = "s"
+
+
+def ctx(multi_party: bool = False, limit: int = 0) -> OpenContext:
+    turns = itertools.count(1)
+    return OpenContext(
+        settings_for=lambda inp: TurnSettings(history_limit=limit),
+        new_turn_id=lambda: f"turn-{next(turns)}",
+        multi_party=multi_party,
+    )
+
+
+class Session:
+    """A log and its view, advanced decision by decision."""
+
+    def __init__(self, context: OpenContext | None = None) -> None:
+        self.log: list[SessionEvent] = []
+        self.view = SessionView()
+        self.ctx = context or ctx()
+        self._ids = itertools.count(1)
+
+    def step(self, decide: Callable[[Step], object]) -> list[SessionEvent]:
+        step = Step(self.view, Batch(SID, self.view.seq, now_ms=0))
+        decide(step)
+        self.log.extend(step.events)
+        self.view = step.view
+        assert project(self.log) == self.view  # the view is the fold of the log
+        return step.events
+
+    def submit(self, inp: Input) -> str:
+        result: list[str] = []
+        self.step(
+            lambda s: result.append(decide_submit(s, inp, self.view.queue.generation, self.ctx))
+        )
+        return result[0]
+
+    def message_id(self) -> str:
+        return f"msg-{next(self._ids)}"
+
+
+def h(n: int, addressed: bool = True) -> Input:
+    return Input(id=f"h{n}", content=f"人{n}", addressed=addressed)
+
+
+def inj(n: int, source: str = "schedule") -> Input:
+    return Input(id=f"i{n}", content=f"注入{n}", source=source)
+
+
+def test_an_idle_session_opens_at_once() -> None:
+    s = Session()
+    assert s.submit(h(1)) == "开轮"
+    opened = [e for e in s.log if isinstance(e, TurnOpened)]
+    assert opened[0].input_ids == ("h1",) and not opened[0].from_queue
+    assert opened[0].batch_prefix is None
+
+
+def test_humans_wait_to_join_a_human_turn_injections_queue() -> None:
+    s = Session()
+    s.submit(h(1))
+    assert s.submit(h(2, addressed=False)) == "待插入"
+    assert s.submit(inj(1)) == "排队"
+
+
+def test_nothing_joins_an_injection_turn() -> None:
+    s = Session()
+    s.submit(inj(1))
+    assert s.submit(h(1)) == "排队"
+    assert s.step(lambda st: decide_insertion(st, "turn-1")) == []
+
+
+def test_after_the_final_call_humans_queue_and_pending_ones_move_to_the_queue() -> None:
+    s = Session()
+    s.submit(h(1))
+    s.submit(h(2))
+    events = s.step(lambda st: decide_call_ended(st, "turn-1", 1, tool_calls=0))
+    assert [e.input_id for e in events if isinstance(e, InputQueued)] == ["h2"]
+    assert s.submit(h(3)) == "排队"
+    assert s.step(lambda st: decide_insertion(st, "turn-1")) == []
+
+
+def test_a_call_with_tool_calls_keeps_inserts_open() -> None:
+    s = Session()
+    s.submit(h(1))
+    s.submit(h(2))
+    s.step(lambda st: decide_call_ended(st, "turn-1", 1, tool_calls=2))
+    assert s.submit(h(3)) == "待插入"
+    joined = s.step(lambda st: decide_insertion(st, "turn-1"))
+    assert [(e.input_id, e.entry) for e in joined if isinstance(e, InputJoined)] == [
+        ("h2", "joined"),
+        ("h3", "joined"),
+    ]
+
+
+def test_a_stopped_turn_takes_no_inserts_and_new_humans_queue() -> None:
+    s = Session()
+    s.submit(h(1))
+    s.submit(h(2))
+    s.step(lambda st: decide_stop(st, by="u"))
+    assert s.submit(h(3)) == "排队"
+    assert s.step(lambda st: decide_insertion(st, "turn-1")) == []
+
+
+def test_next_turn_takes_the_head_human_batch_with_the_prefix() -> None:
+    s = Session()
+    s.submit(h(1))
+    s.submit(inj(1))
+    s.step(lambda st: decide_call_ended(st, "turn-1", 1))
+    s.submit(h(2))
+    s.submit(h(3, addressed=False))
+    s.step(lambda st: decide_settled(st, "turn-1", "replied", s.ctx, message_id=s.message_id))
+    opened = [e for e in s.log if isinstance(e, TurnOpened)]
+    assert opened[-1].input_ids == ("i1",)  # the head is the injection: alone
+    s.step(lambda st: decide_settled(st, "turn-2", "replied", s.ctx, message_id=s.message_id))
+    opened = [e for e in s.log if isinstance(e, TurnOpened)]
+    assert opened[-1].input_ids == ("h2", "h3")
+    assert opened[-1].from_queue and opened[-1].batch_prefix == BATCH_PREFIX
+
+
+def test_multi_party_batch_nobody_addressed() -> None:
+    s = Session(ctx(multi_party=True))
+    s.submit(h(1))
+    s.step(lambda st: decide_call_ended(st, "turn-1", 1))
+    s.submit(h(2, addressed=False))
+    s.submit(h(3, addressed=False))
+    s.step(lambda st: decide_settled(st, "turn-1", "replied", s.ctx, message_id=s.message_id))
+    opened = [e for e in s.log if isinstance(e, TurnOpened)][-1]
+    assert opened.batch_prefix == f"{BATCH_PREFIX}\n{BATCH_NO_REPLY_NEEDED}"
+    assert opened.settings.multi_party
+
+
+def test_multi_party_batch_with_an_addressed_input_has_only_the_prefix() -> None:
+    s = Session(ctx(multi_party=True))
+    s.submit(h(1))
+    s.step(lambda st: decide_call_ended(st, "turn-1", 1))
+    s.submit(h(2, addressed=False))
+    s.submit(h(3, addressed=True))
+    s.step(lambda st: decide_settled(st, "turn-1", "replied", s.ctx, message_id=s.message_id))
+    assert [e for e in s.log if isinstance(e, TurnOpened)][-1].batch_prefix == BATCH_PREFIX
+
+
+def test_release_archives_only_after_the_turn_settles() -> None:
+    s = Session()
+    s.submit(h(1))
+    s.submit(h(2))
+    s.submit(inj(1))
+    events = s.step(lambda st: decide_release(st, "mute", message_id=s.message_id))
+    assert {(e.input_id, e.archived) for e in events if isinstance(e, InputReleased)} == {
+        ("h2", True),
+        ("i1", True),
+    }
+    assert not [e for e in events if isinstance(e, MessageSaved)]
+    events = s.step(
+        lambda st: decide_settled(st, "turn-1", "aborted", s.ctx, message_id=s.message_id)
+    )
+    archived = [
+        e.message.meta.input_id
+        for e in events
+        if isinstance(e, MessageSaved) and e.message.meta.input_id
+    ]
+    assert archived == ["h2", "i1"]
+    assert not [e for e in events if isinstance(e, TurnOpened)]
+
+
+def test_delete_releases_unarchived() -> None:
+    s = Session()
+    s.submit(h(1))
+    s.submit(inj(1))
+    events = s.step(lambda st: decide_release(st, "delete", message_id=s.message_id))
+    assert [(e.input_id, e.archived) for e in events if isinstance(e, InputReleased)] == [
+        ("i1", False)
+    ]
+    s.step(
+        lambda st: decide_settled(
+            st, "turn-1", "aborted", s.ctx, message_id=s.message_id, open_next=False, archive=False
+        )
+    )
+    assert not [e for e in s.log if isinstance(e, MessageSaved)]
+
+
+def test_a_stale_generation_is_dropped_unarchived() -> None:
+    s = Session()
+    s.step(lambda st: st.add(SessionDeleted, generation=1))
+    result: list[str] = []
+    s.step(lambda st: result.append(decide_submit(st, h(1), 0, s.ctx)))
+    assert result == ["放掉"]
+    assert [e.reason for e in s.log if isinstance(e, InputReleased)] == ["stale-generation"]
+
+
+def test_open_next_does_nothing_while_a_turn_runs() -> None:
+    s = Session()
+    s.submit(h(1))
+    s.submit(inj(1))
+    assert s.step(lambda st: decide_open_next(st, s.ctx)) == []
+
+
+def test_settings_are_read_for_the_opening_input_only() -> None:
+    reads: list[str] = []
+    context = OpenContext(
+        settings_for=lambda inp: reads.append(inp.id) or TurnSettings(),  # type: ignore[func-returns-value]
+        new_turn_id=lambda: "turn-1",
+    )
+    s = Session(context)
+    s.submit(h(1))
+    s.submit(h(2))
+    s.step(lambda st: decide_insertion(st, "turn-1"))
+    assert reads == ["h1"]
