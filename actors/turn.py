@@ -35,7 +35,8 @@ from events import (
     TurnRecord,
 )
 from projections import SessionView, history
-from projections.texts import tool_bad_arguments
+from projections.labels import time_label
+from projections.texts import focus_guide, tool_bad_arguments
 from services import AbortSignal, ChatRequest, Services, ToolCallContext
 from services.tools import Inbound
 
@@ -72,6 +73,7 @@ class TurnRunner:
         self.ids = ids
         self.abort = abort
         self._on_exit = on_exit
+        self._addressed: list[tuple[str, str]] = []
         self.thread = threading.Thread(
             target=self._main, name=f"turn:{session_id}:{self.turn_id}", daemon=True
         )
@@ -141,6 +143,9 @@ class TurnRunner:
                 return "aborted", self.abort.reason
             if human_opened:
                 joined: list[Input] = self.actor.ask(InsertionPoint(self.turn_id))  # type: ignore[assignment]
+                guide = self._focus_guide(joined)
+                if guide is not None:
+                    turn_messages.append(guide)
                 for inp in joined:
                     message = archived_input_message(
                         inp, self.turn_id, "joined", self.ids.new("msg")
@@ -202,6 +207,23 @@ class TurnRunner:
             turn_messages.extend(self._run_tools(calls, reply))
             if self.abort.aborted:
                 return "aborted", self.abort.reason
+
+    def _focus_guide(self, joined: list[Input]) -> ChatMessage | None:
+        """Before addressed inserts in a multi-party room: a block listing every addressed
+        insert so far (SCH2). Earlier blocks stay as they were, so requests keep their
+        prefix; the block is part of this turn's requests only, never archived."""
+        if not self.opened.settings.multi_party:
+            return None
+        addressed = [i for i in joined if i.addressed and i.source is None]
+        if not addressed:
+            return None
+        now = self.clock.now_ms()
+        for inp in addressed:
+            when = time_label(inp.timestamp or now, now, self.services.tz)
+            self._addressed.append((when, inp.sender.user_id or "?"))
+        return ChatMessage(
+            id=self.ids.new("msg"), role="system", content=focus_guide(list(self._addressed))
+        )
 
     def _run_tools(self, calls: list[ToolCall], reply: str) -> list[ChatMessage]:
         """One tool batch (FLOW13): every call gets a start/end pair; then the group is saved."""

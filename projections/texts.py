@@ -13,6 +13,7 @@ __all__ = [
     "NO_RUNNING_TURN",
     "STOP_DENIED",
     "STOP_MARKER_PREFIX",
+    "focus_guide",
     "stop_marker_text",
     "tool_bad_arguments",
 ]
@@ -32,8 +33,13 @@ NO_RUNNING_TURN = "没有在跑的一轮"
 STOP_MARKER_PREFIX = "[已停下]"
 """The start of the ``turn-stopped`` marker (SAVE6)."""
 
-FOCUS_GUIDE_HEAD = "[焦点指引] 这一轮进行中点名你的消息："
+FOCUS_GUIDE_HEAD = "[焦点指引] 这一轮进行中插进来、点名你的消息："
 """Head of the focus-guide block before addressed inserts in multi-party rooms (SCH2)."""
+
+
+def focus_guide(entries: list[tuple[str, str]]) -> str:
+    """The focus-guide block: every addressed insert so far, as ``(time) account`` lines."""
+    return "\n".join([FOCUS_GUIDE_HEAD, *(f"({when}) {who}" for when, who in entries)])
 
 
 def stop_marker_text(stopped_by: str | None) -> str:

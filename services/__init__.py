@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, tzinfo
 
 from services.abort import Aborted, AbortSignal
 from services.authority import Authority, StaticAuthority
@@ -47,3 +48,10 @@ class Services:
     sessions: SessionDirectory = field(default_factory=StaticSessions)
     settings: SettingsResolver = field(default_factory=StaticSettings)
     bus: EventBus = field(default_factory=EventBus)
+    tz: tzinfo = field(default_factory=lambda: _local_tz())
+    """The time zone of time labels shown to the model."""
+
+
+def _local_tz() -> tzinfo:
+    tz = datetime.now().astimezone().tzinfo
+    return tz if tz is not None else UTC

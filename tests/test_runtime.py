@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from datetime import timedelta, timezone
 from typing import Any
 
 import pykka
@@ -40,6 +41,7 @@ from projections import history, turns
 from projections.texts import (
     BATCH_NO_REPLY_NEEDED,
     BATCH_PREFIX,
+    FOCUS_GUIDE_HEAD,
     NO_RUNNING_TURN,
     STOP_DENIED,
     STOP_MARKER_PREFIX,
@@ -107,6 +109,7 @@ def rig() -> Iterator[Rig]:
         authority=StaticAuthority([("qq", "owner"), ("tg", "owner-tg")]),
         sessions=sessions,
     )
+    services.tz = timezone(timedelta(hours=8))
     runtime = Runtime(store, services, FixedClock(step_ms=5), SequentialIds(), janitor=False)
     r = Rig(runtime, store, model, tool, sessions)
     runtime.subscribe("*", lambda topic, payload: r.bus_events.append((topic, payload)))
@@ -520,3 +523,39 @@ def test_many_sessions_leave_threads_only_for_active_ones() -> None:  # ES4
         assert len(runtime.view("user:7").history.messages) == 4
     finally:
         runtime.shutdown(timeout=30)
+
+
+def test_addressed_inserts_in_a_multi_party_room_get_a_focus_guide(rig: Rig) -> None:  # SCH2
+    rig.sessions.add(SessionInfo(SID, origin_platform="qq", multi_party=True))
+    rig.submit("查一下", **human("a"))
+    rig.model.answer(tool_calls=(CALL,))
+    rig.tool.wait_running()
+    rig.submit("@bot 你看这个", **human("b", addressed=True, timestamp=1_767_225_600_000))
+    rig.submit("闲聊一句", **human("c", addressed=False))
+    rig.tool.release()
+    rig.settle()
+    second = rig.model.answer(tool_calls=(ToolCall(id="call-2", name="slow"),)).request
+    rig.tool.wait_running()
+    rig.submit("@bot 还有我", **human("d", addressed=True, timestamp=1_767_225_660_000))
+    rig.tool.release()
+    rig.settle()
+    third = rig.model.wait_call().request
+    guides = [m for m in third.messages if m.content.startswith(FOCUS_GUIDE_HEAD)]
+    assert len(guides) == 2
+    assert guides[0].content.splitlines()[1:] == ["(1/1 08:00) b"]
+    assert guides[1].content.splitlines()[1:] == ["(1/1 08:00) b", "(1/1 08:01) d"]
+    # The earlier request is a prefix of the later one: the first block did not change.
+    assert third.messages[: len(second.messages)] == second.messages
+    # Only the addressed messages are listed; nothing of the guide is archived.
+    assert not [e for e in rig.of(MessageSaved) if FOCUS_GUIDE_HEAD in e.message.content]
+
+
+def test_no_focus_guide_outside_multi_party_rooms(rig: Rig) -> None:  # SCH2
+    rig.submit("查一下", **human("a"))
+    rig.model.answer(tool_calls=(CALL,))
+    rig.tool.wait_running()
+    rig.submit("@bot 你看这个", **human("b", addressed=True))
+    rig.tool.release()
+    rig.settle()
+    request = rig.model.wait_call().request
+    assert not [m for m in request.messages if m.content.startswith(FOCUS_GUIDE_HEAD)]
