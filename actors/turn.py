@@ -74,6 +74,7 @@ class TurnRunner:
         self.abort = abort
         self._on_exit = on_exit
         self._addressed: list[tuple[str, str]] = []
+        self._drafts: list[tuple[type[SessionEvent], dict[str, Any]]] = []
         self.thread = threading.Thread(
             target=self._main, name=f"turn:{session_id}:{self.turn_id}", daemon=True
         )
@@ -84,7 +85,15 @@ class TurnRunner:
     # --- reporting -------------------------------------------------------------------
 
     def _report(self, *drafts: tuple[type[SessionEvent], dict[str, Any]]) -> None:
-        self.actor.tell(AppendEvents(self.turn_id, tuple(drafts)))
+        """Queue facts for the actor; they go out together at the next :meth:`_flush`."""
+        self._drafts.extend(drafts)
+
+    def _flush(self) -> None:
+        """Send the queued facts as one batch: before anything that waits (a model call,
+        a tool, a question to the actor), so the log shows what was under way."""
+        if self._drafts:
+            drafts, self._drafts = tuple(self._drafts), []
+            self.actor.tell(AppendEvents(self.turn_id, drafts))
 
     def _save(self, message: ChatMessage) -> None:
         self._report((MessageSaved, {"message": message}))
@@ -105,6 +114,7 @@ class TurnRunner:
                 outcome, reason = "aborted", self.abort.reason
             duration = max(self.clock.now_ms() - started, 0)
             with contextlib.suppress(pykka.ActorDeadError):
+                self._flush()
                 self.actor.tell(Settled(self.turn_id, outcome, reason, duration))
             if self._on_exit is not None:
                 self._on_exit(self)
@@ -142,6 +152,7 @@ class TurnRunner:
             if self.abort.aborted:
                 return "aborted", self.abort.reason
             if human_opened:
+                self._flush()
                 joined: list[Input] = self.actor.ask(InsertionPoint(self.turn_id))  # type: ignore[assignment]
                 guide = self._focus_guide(joined)
                 if guide is not None:
@@ -167,6 +178,7 @@ class TurnRunner:
                     {"turn_id": self.turn_id, "index": call_index, "model": request.model},
                 )
             )
+            self._flush()
             text: list[str] = []
             calls: list[ToolCall] = []
             for chunk in services.llm.chat_stream(request, self.abort):
@@ -232,6 +244,10 @@ class TurnRunner:
         senders = {i.sender.user_id for i in self.inputs}
         last = self.inputs[-1] if self.inputs else None
         for call in calls:
+            if self.abort.aborted:
+                # Stopped: the calls not yet started never run. The group keeps only the
+                # calls that ran, so it stays a complete call-and-results group.
+                break
             args, error = _parse_arguments(call.arguments)
             kept = call.arguments if error is None else "{}"
             stored.append(ToolCall(id=call.id, name=call.name, arguments=kept))
@@ -246,6 +262,7 @@ class TurnRunner:
                     },
                 )
             )
+            self._flush()
             result: str | None = None
             tool = self.services.tools.get(call.name)
             if error is None and tool is None:

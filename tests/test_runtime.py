@@ -37,7 +37,7 @@ from events import (
     TurnRecorded,
     TurnSettings,
 )
-from projections import history, turns
+from projections import history, project, turns
 from projections.texts import (
     BATCH_NO_REPLY_NEEDED,
     BATCH_PREFIX,
@@ -559,3 +559,37 @@ def test_no_focus_guide_outside_multi_party_rooms(rig: Rig) -> None:  # SCH2
     rig.settle()
     request = rig.model.wait_call().request
     assert not [m for m in request.messages if m.content.startswith(FOCUS_GUIDE_HEAD)]
+
+
+class FlakyStore(InMemoryEventStore):
+    """Refuses the next append of a MessageSaved batch once, as a full disk would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_next_message = False
+
+    def append(self, session_id: str, events: Any, expected_seq: int) -> int:
+        if self.fail_next_message and any(isinstance(e, MessageSaved) for e in events):
+            self.fail_next_message = False
+            raise OSError("disk full")
+        return super().append(session_id, events, expected_seq)
+
+
+def test_a_failed_append_from_a_runner_does_not_stop_the_session() -> None:
+    store = FlakyStore()
+    model = GatedModel()
+    runtime = Runtime(store, Services(llm=model), FixedClock(), SequentialIds(), janitor=False)
+    try:
+        store.fail_next_message = True  # the archive of the opening input fails
+        first = runtime.submit(SID, Input(id="", content="一"))
+        model.answer("好")
+        assert first.result(5).outcome == "replied"
+        second = runtime.submit(SID, Input(id="", content="二"))
+        model.answer("也好")
+        assert second.result(5).outcome == "replied"
+        log = store.read(SID)
+        assert project(log) == runtime.view(SID)  # the actor's view is the log's
+        saved = [e.message.content for e in log if isinstance(e, MessageSaved)]
+        assert saved == ["好", "二", "也好"]  # only the refused write is missing
+    finally:
+        runtime.shutdown(timeout=10)
