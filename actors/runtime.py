@@ -22,6 +22,7 @@ import msgspec
 import pykka
 import structlog
 
+from actors.hooks import Hooks
 from actors.messages import (
     Clear,
     Delete,
@@ -48,9 +49,17 @@ from events import (
 from projections import SessionView, project, queue
 from services import Services
 
-__all__ = ["Runtime", "RuntimeClosed", "SubmitHandle"]
+__all__ = ["InputBefore", "Runtime", "RuntimeClosed", "SubmitHandle"]
 
 log = structlog.get_logger("aalis.runtime")
+
+
+@dataclass
+class InputBefore:
+    """The ``agent:input:before`` payload: the input and its metadata."""
+
+    message: Input
+    metadata: dict[str, Any]
 
 
 class RuntimeClosed(AgentError, RuntimeError):
@@ -92,8 +101,11 @@ class Runtime:
         idle_s: float = 300.0,
         janitor: bool = True,
         ask_timeout_s: float = 60.0,
+        hooks: Hooks | None = None,
     ) -> None:
         self.store = store
+        self.hooks = hooks or Hooks()
+        self._archive_warned = False
         self.services = services or Services()
         self.clock = clock or SystemClock()
         self.ids = ids or UuidIds()
@@ -161,6 +173,14 @@ class Runtime:
             del self._entries[session_id]
             return True
 
+    def _archive_missed(self) -> None:
+        """ARC1: one warning per activation, at the first write the absent archive missed."""
+        with self._lock:
+            if self._archive_warned:
+                return
+            self._archive_warned = True
+        log.warning("message archive absent: new messages are not archived")
+
     def _runner_started(self, runner: TurnRunner) -> None:
         with self._runners_idle:
             self._runners.add(runner)
@@ -182,10 +202,19 @@ class Runtime:
             inp = msgspec.structs.replace(inp, id=self.ids.new("in"))
         if inp.timestamp is None:
             inp = msgspec.structs.replace(inp, timestamp=self.clock.now_ms())
+        with self._lock:  # the generation when the input arrives (DEL2)
+            arrived_in = self._generations.get(session_id)
+        inp = self.hooks.preprocess(inp)
+        ctx = InputBefore(message=inp, metadata={"sessionId": session_id})
+        ran, _ = self.hooks.run("agent:input:before", ctx, lambda c: c)
         done: Future[InputOutcome] = Future()
+        if not ran:  # FLOW1: a middleware that does not call next() drops the input
+            done.set_result(InputOutcome(inp.id, None, "dropped", "agent:input:before"))
+            return SubmitHandle(inp.id, "dropped", done)
+        inp = ctx.message
         with self._lock:
             entry = self._entry(session_id)
-            generation = self._generations.get(session_id, entry.generation)
+            generation = arrived_in if arrived_in is not None else entry.generation
             future = entry.ref.ask(Submit(inp, generation, done), block=False)
         where = future.get(timeout=self.ask_timeout_s)
         return SubmitHandle(inp.id, where, done)

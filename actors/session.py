@@ -275,10 +275,12 @@ class SessionActor(pykka.ThreadingActor):
             inputs=inputs,
             view=self.view,
             services=self.services,
+            hooks=self.runtime.hooks,
             clock=self.clock,
             ids=self.ids,
             abort=abort,
             on_exit=self.runtime._runner_exited,
+            on_archive_missed=self.runtime._archive_missed,
         )
         self.runtime._runner_started(self._runner)
         self.services.bus.publish(

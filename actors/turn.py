@@ -3,6 +3,12 @@
 The runner never writes the log: it tells the session actor what happened (the actor
 stays the only writer) and asks it, at each insertion point, which pending inputs join.
 It checks the turn's abort signal between stream chunks and hands it to tools (SCH6).
+
+One turn (FLOW2-FLOW15): ``agent:turn:before`` around everything; inputs archived;
+system prompt, history, tools and ``agent:prompt`` contributions assembled; then per
+model call: insertion point, ``agent:llm:before``, the streamed call, ``agent:llm:after``,
+and either a tool batch (``agent:tool:before`` → execute → ``agent:tool:after``) or the
+reply (``agent:reply:before``, with format retries), saved and sent; ``agent:turn:after``.
 """
 
 from __future__ import annotations
@@ -11,11 +17,13 @@ import contextlib
 import json
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import pykka
 import structlog
 
+from actors.hooks import ContributionView, Hooks
 from actors.messages import AppendEvents, CallEnded, InsertionPoint, Settled
 from actors.scheduler import archived_input_message
 from events import (
@@ -36,17 +44,116 @@ from events import (
 )
 from projections import SessionView, history
 from projections.labels import time_label
-from projections.texts import focus_guide, tool_bad_arguments
-from services import AbortSignal, ChatRequest, Services, ToolCallContext
+from projections.prompt import (
+    Block,
+    TurnPrompt,
+    assemble,
+    instruction_block,
+    is_instruction,
+    render_history,
+    render_input,
+    system_prompt,
+    volatile_for,
+)
+from projections.textnorm import strip_leaked_special_tokens, truncate
+from projections.texts import ERROR_PREFIX, focus_guide, tool_bad_arguments
+from services import AbortSignal, ChatRequest, OutboundMessage, Services, ToolCallContext
 from services.tools import Inbound
 
-__all__ = ["TurnRunner"]
+__all__ = [
+    "LlmAfter",
+    "LlmBefore",
+    "ReplyBefore",
+    "ToolAfter",
+    "ToolBefore",
+    "TurnAfter",
+    "TurnBefore",
+    "TurnRunner",
+]
 
 log = structlog.get_logger("aalis.turn")
 
+MAX_FORMAT_RETRIES = 2
+
+
+# --- hook payloads (the original framework's shapes, UPSTREAM-FACTS) --------------------
+
+
+@dataclass
+class TurnBefore:
+    turn_id: str
+    session_id: str
+    inputs: list[Input]
+
+
+@dataclass
+class LlmBefore:
+    messages: list[ChatMessage]
+    tools: list[dict[str, Any]]
+    session_id: str
+    user_id: str | None
+    platform: str | None
+    trigger_type: str | None
+    dry_run: bool = False
+
+
+@dataclass
+class LlmAfter:
+    response: dict[str, Any]
+    messages: list[ChatMessage]
+
+
+@dataclass
+class ToolBefore:
+    name: str
+    args: dict[str, Any]
+    tool_call_context: ToolCallContext
+
+
+@dataclass
+class ToolAfter:
+    name: str
+    result: str | None
+    tool_call_context: ToolCallContext
+    error: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ReplyBefore:
+    content: str
+    session_id: str
+    platform: str | None
+    user_id: str | None
+    trigger_type: str | None
+    archive_content: str | None = None
+    retry_requested: bool = False
+    retry_feedback: str | None = None
+    attempt: int = 0
+    max_retries: int = MAX_FORMAT_RETRIES
+
+
+@dataclass
+class TurnAfter:
+    message: list[Input]
+    reply: str | None
+    outcome: str
+    session_id: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Call:
+    """What one streamed model call returned."""
+
+    text: str = ""
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    aborted: bool = False
+
 
 class TurnRunner:
-    """Drives one turn: model calls, tool batches and insertion points (FLOW8, FLOW13)."""
+    """Drives one turn: model calls, tool batches and insertion points (FLOW1-FLOW15)."""
 
     def __init__(
         self,
@@ -57,10 +164,12 @@ class TurnRunner:
         inputs: list[Input],
         view: SessionView,
         services: Services,
+        hooks: Hooks,
         clock: Clock,
         ids: IdSource,
         abort: AbortSignal,
         on_exit: Callable[[TurnRunner], None] | None = None,
+        on_archive_missed: Callable[[], None] | None = None,
     ) -> None:
         self.actor = actor
         self.session_id = session_id
@@ -69,12 +178,15 @@ class TurnRunner:
         self.inputs = list(inputs)
         self.view = view
         self.services = services
+        self.hooks = hooks
         self.clock = clock
         self.ids = ids
         self.abort = abort
         self._on_exit = on_exit
+        self._on_archive_missed = on_archive_missed
         self._addressed: list[tuple[str, str]] = []
         self._drafts: list[tuple[type[SessionEvent], dict[str, Any]]] = []
+        self._call_index = 0
         self.thread = threading.Thread(
             target=self._main, name=f"turn:{session_id}:{self.turn_id}", daemon=True
         )
@@ -95,8 +207,44 @@ class TurnRunner:
             drafts, self._drafts = tuple(self._drafts), []
             self.actor.tell(AppendEvents(self.turn_id, drafts))
 
-    def _save(self, message: ChatMessage) -> None:
+    def _archive(self, message: ChatMessage) -> None:
+        """Archive through the message archive: the session log by default; when the
+        archive is absent nothing is written (ARC1) and the runtime warns once."""
+        if self.services.archive is None:
+            if self._on_archive_missed is not None:
+                self._on_archive_missed()
+            return
         self._report((MessageSaved, {"message": message}))
+
+    def _send(self, content: str, kind: str = "reply") -> None:
+        """OUT1-OUT2: through the gateway, or an ``outbound:message`` event without one."""
+        head = self.inputs[-1] if self.inputs else None
+        notice = head.host_notice if head is not None else None
+        message = OutboundMessage(
+            session_id=self.session_id,
+            turn_id=self.turn_id,
+            content=content,
+            kind=kind,  # type: ignore[arg-type]
+            platform=self.opened.platform,
+            host_notice={"kind": notice.kind, "id": notice.id} if notice else None,
+            reply_to=notice.reply_to if notice else None,
+        )
+        gateway = self.services.gateway
+        if gateway is not None:
+            gateway.dispatch_outbound(message)
+            return
+        self.services.bus.publish(
+            "outbound:message",
+            {
+                "sessionId": message.session_id,
+                "turnId": message.turn_id,
+                "content": message.content,
+                "kind": message.kind,
+                "platform": message.platform,
+                "hostNotice": message.host_notice,
+                "replyTo": message.reply_to,
+            },
+        )
 
     # --- the turn --------------------------------------------------------------------
 
@@ -109,6 +257,12 @@ class TurnRunner:
         except Exception as exc:
             log.exception("turn failed", session=self.session_id, turn=self.turn_id)
             outcome, reason = "error", type(exc).__name__
+            if not self.abort.aborted:
+                with contextlib.suppress(Exception):
+                    self._send(
+                        f"{ERROR_PREFIX} 这一轮出错了（{type(exc).__name__}），turn={self.turn_id}",
+                        "error",
+                    )
         finally:
             if self.abort.aborted and outcome != "replied":
                 outcome, reason = "aborted", self.abort.reason
@@ -119,106 +273,276 @@ class TurnRunner:
             if self._on_exit is not None:
                 self._on_exit(self)
 
-    def _messages_base(self) -> list[ChatMessage]:
+    def _run(self) -> tuple[TurnOutcome, str | None]:
+        ctx = TurnBefore(self.turn_id, self.session_id, list(self.inputs))
+        result: list[tuple[TurnOutcome, str | None]] = []
+
+        def body(c: TurnBefore) -> None:
+            result.append(self._turn(c))
+
+        ran, _ = self.hooks.run("agent:turn:before", ctx, body)
+        if not ran:
+            # Not run: no archive, no model call, no agent:turn:after (FLOW2).
+            self.services.bus.publish(
+                "outbound:stream-end", {"sessionId": self.session_id, "turnId": self.turn_id}
+            )
+            return "silent", "turn:before"
+        return result[0]
+
+    def _trigger(self) -> str | None:
+        return self.inputs[0].trigger_type if self.inputs else None
+
+    def _user_id(self) -> str | None:
+        senders = {i.sender.user_id for i in self.inputs}
+        return next(iter(senders)) if len(senders) == 1 else None
+
+    def _turn(self, ctx: TurnBefore) -> tuple[TurnOutcome, str | None]:
+        services = self.services
         settings = self.opened.settings
+        now = self.clock.now_ms()
+        tz = services.tz
+        inputs = list(ctx.inputs)
+        instruction_input = inputs[0] if len(inputs) == 1 and is_instruction(inputs[0]) else None
+
+        # SAVE1: inputs archived first, in order, entry "opened". An idle prompt is not
+        # archived (INS3); a host notice is archived without its untrusted part (INS2).
+        rendered: list[ChatMessage] = []
+        for inp in inputs:
+            message = archived_input_message(inp, self.turn_id, "opened", self.ids.new("msg"))
+            if inp.trigger_type != "idle":
+                self._archive(message)
+            rendered.append(render_input(message, now, tz))
+
+        # FLOW3-FLOW6: system prompt, history, tools, contributions.
+        persona = services.persona.prompt(settings.persona) if services.persona else None
         window = history.history_window(
             self.view.history, settings.history_limit, exclude_turn=self.turn_id
         )
-        messages = list(window)
-        if self.opened.batch_prefix:
-            messages.append(
-                ChatMessage(id=self.ids.new("msg"), role="system", content=self.opened.batch_prefix)
-            )
-        return messages
-
-    def _run(self) -> tuple[TurnOutcome, str | None]:
-        services = self.services
-        settings = self.opened.settings
-        human_opened = self.opened.source is None
-        # SAVE1: the opening inputs are archived first, in order, entry "opened"; an idle
-        # prompt is shown to the model but never archived (INS3).
-        turn_messages: list[ChatMessage] = []
-        for inp in self.inputs:
-            message = archived_input_message(inp, self.turn_id, "opened", self.ids.new("msg"))
-            if inp.trigger_type != "idle":
-                self._save(message)
-            turn_messages.append(message)
-        base = self._messages_base()
+        prompt = TurnPrompt(
+            system=system_prompt(persona, services.config.system_prompt),
+            history=render_history(window, now, tz),
+            batch_prefix=self.opened.batch_prefix,
+        )
+        if instruction_input is not None:
+            prompt.instruction = instruction_block(instruction_input, now, tz)
+            if instruction_input.trigger_type == "idle":
+                prompt.volatile = volatile_for(now, tz, self.opened.platform, settings.multi_party)
+        else:
+            prompt.inputs = rendered
+            prompt.volatile = volatile_for(now, tz, self.opened.platform, settings.multi_party)
+        view = ContributionView(
+            session_id=self.session_id,
+            user_id=self._user_id(),
+            platform=self.opened.platform,
+            trigger_type=self._trigger(),
+            dry_run=False,
+            messages=tuple(assemble(prompt)),
+        )
+        for built in self.hooks.build_contributions(view, services.config.prompt_build_timeout_ms):
+            c = built.contribution
+            prompt.blocks.extend(Block(c.anchor, c.injector, text) for text in built.blocks)
         tools = services.tools.available(settings.tool_groups)
-        tool_defs = tuple(t.definition() for t in tools)
+        tool_defs = [t.definition() for t in tools]
+
         batches = 0
-        call_index = 0
+        human_opened = self.opened.source is None
         while True:
             if self.abort.aborted:
                 return "aborted", self.abort.reason
             if human_opened:
-                self._flush()
-                joined: list[Input] = self.actor.ask(InsertionPoint(self.turn_id))  # type: ignore[assignment]
-                guide = self._focus_guide(joined)
-                if guide is not None:
-                    turn_messages.append(guide)
-                for inp in joined:
-                    message = archived_input_message(
-                        inp, self.turn_id, "joined", self.ids.new("msg")
-                    )
-                    self._save(message)
-                    turn_messages.append(message)
-                    self.inputs.append(inp)
-            call_index += 1
-            request = ChatRequest(
-                messages=tuple(base + turn_messages),
-                tools=tool_defs,
-                model=str(settings.model) if settings.model else services.llm.id,
-                think=settings.think,
-                session_id=self.session_id,
+                self._insertion_point(prompt)
+            cap = settings.max_tool_iterations
+            final_only = cap is not None and batches >= cap
+            call = self._model_call(prompt, [] if final_only else tool_defs)
+            if call.aborted:
+                return "aborted", self.abort.reason
+            if call.tool_calls and not final_only:
+                batches += 1
+                prompt.tail.extend(self._run_tools(call))
+                if self.abort.aborted:
+                    return "aborted", self.abort.reason
+                continue
+            return self._reply(prompt, call)
+
+    def _insertion_point(self, prompt: TurnPrompt) -> None:
+        """FLOW8: pending inputs join before this call, archived with entry ``joined``."""
+        self._flush()
+        joined: list[Input] = self.actor.ask(InsertionPoint(self.turn_id))  # type: ignore[assignment]
+        if not joined:
+            return
+        guide = self._focus_guide(joined)
+        if guide is not None:
+            prompt.tail.append(guide)
+        now = self.clock.now_ms()
+        for inp in joined:
+            message = archived_input_message(inp, self.turn_id, "joined", self.ids.new("msg"))
+            self._archive(message)
+            prompt.tail.append(render_input(message, now, self.services.tz))
+            self.inputs.append(inp)
+
+    def _model_call(
+        self, prompt: TurnPrompt, tool_defs: list[dict[str, Any]], *, retry: bool = False
+    ) -> _Call:
+        """FLOW7, FLOW10-FLOW12: ``agent:llm:before``, the streamed call, ``agent:llm:after``."""
+        services = self.services
+        settings = self.opened.settings
+        before = LlmBefore(
+            messages=assemble(prompt),
+            tools=list(tool_defs),
+            session_id=self.session_id,
+            user_id=self._user_id(),
+            platform=self.opened.platform,
+            trigger_type=self._trigger(),
+        )
+        self.hooks.run("agent:llm:before", before, lambda c: c)
+        self._call_index += 1
+        index = self._call_index
+        info = services.sessions.info(self.session_id)
+        request = ChatRequest(
+            messages=tuple(before.messages),
+            tools=tuple(before.tools),
+            model=str(settings.model) if settings.model else services.llm.id,
+            think=settings.think,
+            session_id=self.session_id,
+            purpose="子任务" if info.is_child else "对话",  # ACC1
+        )
+        self._report(
+            (
+                ModelCallStarted,
+                {
+                    "turn_id": self.turn_id,
+                    "index": index,
+                    "model": request.model,
+                    "purpose": request.purpose,
+                    "format_retry": retry,
+                },
             )
-            self._report(
-                (
-                    ModelCallStarted,
-                    {"turn_id": self.turn_id, "index": call_index, "model": request.model},
-                )
-            )
-            self._flush()
-            text: list[str] = []
-            calls: list[ToolCall] = []
+        )
+        self._flush()
+        call = _Call()
+        text: list[str] = []
+        reasoning: list[str] = []
+        call_ids: dict[int, str] = {}
+        try:
             for chunk in services.llm.chat_stream(request, self.abort):
                 if self.abort.aborted:
                     break
                 if chunk.content_delta:
                     text.append(chunk.content_delta)
-                if chunk.tool_calls:
-                    calls.extend(chunk.tool_calls)
-            if self.abort.aborted:
-                self.actor.tell(CallEnded(self.turn_id, call_index, "aborted"))
-                return "aborted", self.abort.reason
-            self.actor.tell(CallEnded(self.turn_id, call_index, "ok", len(calls)))
-            reply = "".join(text)
-            cap = settings.max_tool_iterations
-            if not calls or (cap is not None and batches >= cap):
-                if not reply.strip():
-                    return "silent", None
-                self._save(
-                    ChatMessage(
-                        id=self.ids.new("msg"),
-                        role="assistant",
-                        content=reply,
-                        meta=MessageMeta(
-                            turn_id=self.turn_id,
-                            turn_record=TurnRecord(
-                                turn_id=self.turn_id, outcome="replied", source=self.opened.source
-                            ),
-                        ),
+                if chunk.reasoning_delta:
+                    reasoning.append(chunk.reasoning_delta)
+                progress = chunk.tool_call_progress
+                if progress is not None:
+                    # FLOW10: the callId announced while the call is generated is the one
+                    # it executes and is stored with.
+                    call_ids.setdefault(progress.index, progress.call_id)
+                    services.bus.publish(
+                        "outbound:stream",
+                        {
+                            "sessionId": self.session_id,
+                            "turnId": self.turn_id,
+                            "toolCallProgress": {
+                                "index": progress.index,
+                                "name": progress.name,
+                                "callId": progress.call_id,
+                                "charsAccumulated": progress.chars_accumulated,
+                            },
+                        },
                     )
+                if chunk.tool_calls:
+                    call.tool_calls.extend(chunk.tool_calls)
+        except Exception as exc:
+            self.actor.tell(CallEnded(self.turn_id, index, "error", 0, str(exc)[:200]))
+            raise
+        if self.abort.aborted:
+            self.actor.tell(CallEnded(self.turn_id, index, "aborted"))
+            call.aborted = True
+            return call
+        call.tool_calls = [
+            ToolCall(id=call_ids.get(i, tc.id) or tc.id, name=tc.name, arguments=tc.arguments)
+            for i, tc in enumerate(call.tool_calls)
+        ]
+        call.text = "".join(text)
+        call.reasoning = "".join(reasoning) or None
+        self.actor.tell(CallEnded(self.turn_id, index, "ok", len(call.tool_calls)))
+        after = LlmAfter(
+            response={
+                "content": call.text,
+                "reasoning": call.reasoning,
+                "toolCalls": list(call.tool_calls),
+            },
+            messages=list(request.messages),
+        )
+        self.hooks.run("agent:llm:after", after, lambda c: c)
+        return call
+
+    def _reply(self, prompt: TurnPrompt, call: _Call) -> tuple[TurnOutcome, str | None]:
+        """FLOW14 and saving: ``agent:reply:before`` (with format retries), then the reply
+        saved with the turn record (SAVE2, SAVE5) and sent (OUT1); empty replies are not
+        saved (SAVE4)."""
+        content = strip_leaked_special_tokens(call.text)
+        attempt = 0
+        while True:
+            ctx = ReplyBefore(
+                content=content,
+                session_id=self.session_id,
+                platform=self.opened.platform,
+                user_id=self._user_id(),
+                trigger_type=self._trigger(),
+                attempt=attempt,
+            )
+            self.hooks.run("agent:reply:before", ctx, lambda c: c)
+            if not ctx.retry_requested or attempt >= ctx.max_retries:
+                break
+            attempt += 1
+            # A format retry: feedback, then the model again without tools; no inserts.
+            prompt.tail.append(
+                ChatMessage(
+                    id=self.ids.new("msg"),
+                    role="assistant",
+                    content=content,
                 )
-                services.bus.publish(
-                    "outbound:message",
-                    {"sessionId": self.session_id, "turnId": self.turn_id, "content": reply},
+            )
+            prompt.tail.append(
+                ChatMessage(
+                    id=self.ids.new("msg"),
+                    role="system",
+                    content=ctx.retry_feedback or "请按要求的格式重新回答。",
                 )
-                return "replied", None
-            batches += 1
-            turn_messages.extend(self._run_tools(calls, reply))
-            if self.abort.aborted:
+            )
+            retry = self._model_call(prompt, [], retry=True)
+            if retry.aborted:
                 return "aborted", self.abort.reason
+            content = strip_leaked_special_tokens(retry.text)
+        final = ctx.content
+        outcome: TurnOutcome = "replied" if final.strip() else "silent"
+        if outcome == "replied":
+            stored = ctx.archive_content if ctx.archive_content is not None else final
+            self._archive(
+                ChatMessage(
+                    id=self.ids.new("msg"),
+                    role="assistant",
+                    content=stored,
+                    reasoning=call.reasoning,
+                    meta=MessageMeta(
+                        turn_id=self.turn_id,
+                        visible_content=final if stored != final else None,
+                        turn_record=TurnRecord(
+                            turn_id=self.turn_id, outcome="replied", source=self.opened.source
+                        ),
+                    ),
+                )
+            )
+            self._flush()
+            self._send(final)
+        after = TurnAfter(
+            message=list(self.inputs),
+            reply=final if outcome == "replied" else None,
+            outcome=outcome,
+            session_id=self.session_id,
+        )
+        self.hooks.run("agent:turn:after", after, lambda c: c)
+        return outcome, None
 
     def _focus_guide(self, joined: list[Input]) -> ChatMessage | None:
         """Before addressed inserts in a multi-party room: a block listing every addressed
@@ -237,87 +561,161 @@ class TurnRunner:
             id=self.ids.new("msg"), role="system", content=focus_guide(list(self._addressed))
         )
 
-    def _run_tools(self, calls: list[ToolCall], reply: str) -> list[ChatMessage]:
-        """One tool batch (FLOW13): every call gets a start/end pair; then the group is saved."""
+    def _tool_context(self, call_id: str) -> ToolCallContext:
+        """TCX1: from the inputs already sent to the model; the owner's identities are one
+        participant; ``userId`` only when every input has the same physical speaker."""
+        authority = self.services.authority
+        participants: list[str] = []
+        owner_seen = False
+        for inp in self.inputs:
+            who = inp.sender.user_id if inp.source is None else inp.actor
+            if who is None:
+                continue
+            if authority.is_owner(inp.platform, who):
+                if owner_seen:
+                    continue
+                owner_seen = True
+            if who not in participants:
+                participants.append(who)
+        last = self.inputs[-1] if self.inputs else None
+        return ToolCallContext(
+            session_id=self.session_id,
+            turn_id=self.turn_id,
+            call_id=call_id,
+            abort=self.abort,
+            platform=self.opened.platform,
+            participants=tuple(participants),
+            inbound=Inbound(
+                source=self.opened.source,
+                from_turn=last.from_turn if last else None,
+                message_id=last.message_id if last else None,
+            ),
+            user_id=self._user_id(),
+        )
+
+    def _run_tools(self, call: _Call) -> list[ChatMessage]:
+        """One tool batch (FLOW13): every call gets a ``tool:execute`` start/end pair and a
+        result; then the group (assistant + results) is saved (SAVE2, SAVE3)."""
+        services = self.services
         stored: list[ToolCall] = []
         results: list[ChatMessage] = []
-        senders = {i.sender.user_id for i in self.inputs}
-        last = self.inputs[-1] if self.inputs else None
-        for call in calls:
+        max_chars = _max_result_chars(services)
+        for tc in call.tool_calls:
             if self.abort.aborted:
                 # Stopped: the calls not yet started never run. The group keeps only the
                 # calls that ran, so it stays a complete call-and-results group.
                 break
-            args, error = _parse_arguments(call.arguments)
-            kept = call.arguments if error is None else "{}"
-            stored.append(ToolCall(id=call.id, name=call.name, arguments=kept))
+            args, error = _parse_arguments(tc.arguments)
+            kept = tc.arguments if error is None else "{}"
+            stored.append(ToolCall(id=tc.id, name=tc.name, arguments=kept))
+            context = self._tool_context(tc.id)
             self._report(
                 (
                     ToolStarted,
-                    {
-                        "turn_id": self.turn_id,
-                        "call_id": call.id,
-                        "name": call.name,
-                        "arguments": kept,
-                    },
+                    {"turn_id": self.turn_id, "call_id": tc.id, "name": tc.name, "arguments": kept},
                 )
+            )
+            services.bus.publish(
+                "tool:execute",
+                {
+                    "phase": "start",
+                    "sessionId": self.session_id,
+                    "turnId": self.turn_id,
+                    "callId": tc.id,
+                    "name": tc.name,
+                },
             )
             self._flush()
             result: str | None = None
-            tool = self.services.tools.get(call.name)
-            if error is None and tool is None:
-                error = f"没有这个工具：{call.name}"
-            if error is None and tool is not None:
-                context = ToolCallContext(
-                    session_id=self.session_id,
-                    turn_id=self.turn_id,
-                    call_id=call.id,
-                    abort=self.abort,
-                    platform=self.opened.platform,
-                    participants=tuple(sorted(s for s in senders if s)),
-                    inbound=Inbound(
-                        source=self.opened.source,
-                        from_turn=last.from_turn if last else None,
-                        message_id=last.message_id if last else None,
-                    ),
-                    user_id=next(iter(senders)) if len(senders) == 1 else None,
-                )
-                try:
-                    result = tool.handler(args, context)
-                except Exception as exc:
-                    error = f"{type(exc).__name__}: {exc}"
+            metadata: dict[str, Any] = {}
+            if error is None:
+                result, error, metadata = self._execute(tc, args, context)
+            if result is not None and max_chars is not None:
+                result = truncate(result, max_chars)  # CFG4
             self._report(
                 (
                     ToolFinished,
                     {
                         "turn_id": self.turn_id,
-                        "call_id": call.id,
-                        "name": call.name,
+                        "call_id": tc.id,
+                        "name": tc.name,
                         "result": result,
                         "error": error,
+                        "metadata": metadata,
                     },
                 )
+            )
+            services.bus.publish(
+                "tool:execute",
+                {
+                    "phase": "end",
+                    "sessionId": self.session_id,
+                    "turnId": self.turn_id,
+                    "callId": tc.id,
+                    "name": tc.name,
+                    "error": error,
+                },
             )
             results.append(
                 ChatMessage(
                     id=self.ids.new("msg"),
                     role="tool",
                     content=error if error is not None else (result or ""),
-                    tool_call_id=call.id,
-                    name=call.name,
-                    meta=MessageMeta(turn_id=self.turn_id, call_id=call.id),
+                    tool_call_id=tc.id,
+                    name=tc.name,
+                    meta=MessageMeta(turn_id=self.turn_id, call_id=tc.id, extra=metadata),
                 )
             )
         head = ChatMessage(
             id=self.ids.new("msg"),
             role="assistant",
-            content=reply,
+            content=strip_leaked_special_tokens(call.text),
             tool_calls=tuple(stored),
+            reasoning=call.reasoning,
             meta=MessageMeta(turn_id=self.turn_id),
         )
+        if not stored:
+            return []
         for message in (head, *results):
-            self._save(message)
+            self._archive(message)
         return [head, *results]
+
+    def _execute(
+        self, tc: ToolCall, args: dict[str, Any], context: ToolCallContext
+    ) -> tuple[str | None, str | None, dict[str, Any]]:
+        """``agent:tool:before`` → execute → ``agent:tool:after``; errors go to the model."""
+        tool = self.services.tools.get(tc.name)
+        before = ToolBefore(tc.name, args, context)
+        holder: dict[str, Any] = {}
+
+        def execute(c: ToolBefore) -> None:
+            if tool is None:
+                holder["error"] = f"没有这个工具：{c.name}"
+                return
+            try:
+                holder["result"] = tool.handler(c.args, c.tool_call_context)
+            except Exception as exc:
+                holder["error"] = f"{type(exc).__name__}: {exc}"
+
+        try:
+            ran, _ = self.hooks.run("agent:tool:before", before, execute)
+        except Exception as exc:
+            return None, f"{type(exc).__name__}: {exc}", {}
+        if not ran and "result" not in holder and "error" not in holder:
+            holder["error"] = "工具调用被拦下，没有执行"
+        after = ToolAfter(tc.name, holder.get("result"), context, error=holder.get("error"))
+        self.hooks.run("agent:tool:after", after, lambda c: c)
+        return after.result, after.error, dict(after.metadata)
+
+
+def _max_result_chars(services: Services) -> int | None:
+    """CFG4: one tool result may take ``toolResultMaxRatio`` of the context window. Tokens
+    are turned into characters at the conservative rate of one character per token."""
+    ratio = services.config.tool_result_max_ratio
+    window = getattr(services.llm, "context_length", 0) or 0
+    if window <= 0:
+        return None
+    return max(int(window * ratio), 1)
 
 
 def _parse_arguments(raw: str) -> tuple[dict[str, Any], str | None]:

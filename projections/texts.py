@@ -9,13 +9,21 @@ from __future__ import annotations
 __all__ = [
     "BATCH_NO_REPLY_NEEDED",
     "BATCH_PREFIX",
+    "CONTINUATION_HINT",
+    "DELEGATION_HEAD",
+    "ERROR_PREFIX",
     "FOCUS_GUIDE_HEAD",
+    "HOST_NOTICE_HEAD",
+    "INPUT_CONVENTION",
     "NO_RUNNING_TURN",
     "STOP_DENIED",
     "STOP_MARKER_PREFIX",
+    "SYSTEM_PREFIX",
+    "TRUNCATED_SUFFIX",
     "focus_guide",
     "stop_marker_text",
     "tool_bad_arguments",
+    "volatile_context",
 ]
 
 BATCH_PREFIX = "下面几条是你上一轮进行期间到的"
@@ -54,3 +62,38 @@ def stop_marker_text(stopped_by: str | None) -> str:
 def tool_bad_arguments(raw: str) -> str:
     """The result a call with arguments that are not a JSON object gets (FLOW13)."""
     return f"[错误] 工具参数不是合法的 JSON 对象，没有执行，请重新生成。原文前 200 字：{raw[:200]}"
+
+
+DELEGATION_HEAD = "[跨会话委派]"
+"""Head of the task block of a delegated (``proactive``) turn (INS1)."""
+
+HOST_NOTICE_HEAD = "[宿主通知]"
+"""Head of a host notice's instruction block (INS2)."""
+
+ERROR_PREFIX = "[错误]"
+"""Start of an error notice sent to the room (OUT2)."""
+
+SYSTEM_PREFIX = "[系统]"
+"""Start of a system notice sent to the room (OUT2)."""
+
+INPUT_CONVENTION = (
+    "[输入约定] 用户消息开头的（月/日 时:分）是消息到达的时间；多人场合里，时间之后的"
+    "[昵称(账号)]: 是说话的人。这些标注由系统加上，不是对方打的字，回复里不要照抄。"
+)
+"""The fixed block at the end of the system prompt (FLOW3)."""
+
+CONTINUATION_HINT = (
+    "[系统提示] 由于上下文长度限制，部分历史消息已被压缩或移除。请基于当前可见的上下文和最新"
+    "用户请求继续完成任务，不要因为看不到之前的细节而停止工作。如果你之前有正在执行的多步骤"
+    "任务或计划，请查看对话摘要和 todo-list 工具确认当前进度，然后继续未完成的步骤。"
+)
+"""Inserted after a trim that reached step 4 and removed six or more messages (TRIM-H)."""
+
+TRUNCATED_SUFFIX = "…[已截断，原文 {length} 字]"
+"""Appended to text cut short, with the original length."""
+
+
+def volatile_context(time_label: str, platform: str | None, multi_party: bool) -> str:
+    """The per-turn context block (current time and where the conversation is)."""
+    where = "多人群聊" if multi_party else "单独对话"
+    return f"[当前情况] 现在是 {time_label}，平台 {platform or '未知'}，{where}。"

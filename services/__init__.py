@@ -8,7 +8,16 @@ from datetime import UTC, datetime, tzinfo
 from services.abort import Aborted, AbortSignal
 from services.authority import Authority, StaticAuthority
 from services.bus import EventBus
+from services.config import AgentConfig
 from services.llm import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, StreamChunk, Usage
+from services.outbound import (
+    Gateway,
+    LogArchive,
+    MessageArchive,
+    OutboundMessage,
+    PersonaService,
+    StaticPersonas,
+)
 from services.sessions import SessionDirectory, SessionInfo, StaticSessions
 from services.settings import SettingsResolver, StaticSettings
 from services.tools import Inbound, Tool, ToolCallContext, ToolRegistry
@@ -16,11 +25,17 @@ from services.tools import Inbound, Tool, ToolCallContext, ToolRegistry
 __all__ = [
     "AbortSignal",
     "Aborted",
+    "AgentConfig",
     "Authority",
     "ChatModel",
     "ChatRequest",
     "EventBus",
+    "Gateway",
     "Inbound",
+    "LogArchive",
+    "MessageArchive",
+    "OutboundMessage",
+    "PersonaService",
     "ScriptedModel",
     "ScriptedReply",
     "Services",
@@ -28,6 +43,7 @@ __all__ = [
     "SessionInfo",
     "SettingsResolver",
     "StaticAuthority",
+    "StaticPersonas",
     "StaticSessions",
     "StaticSettings",
     "StreamChunk",
@@ -48,6 +64,12 @@ class Services:
     sessions: SessionDirectory = field(default_factory=StaticSessions)
     settings: SettingsResolver = field(default_factory=StaticSettings)
     bus: EventBus = field(default_factory=EventBus)
+    config: AgentConfig = field(default_factory=AgentConfig)
+    persona: PersonaService | None = None
+    archive: MessageArchive | None = field(default_factory=LogArchive)
+    """``None``: the archive is absent (ARC1): turns run, nothing new is archived."""
+    gateway: Gateway | None = None
+    """``None``: replies are emitted as ``outbound:message`` events on the bus (OUT1)."""
     tz: tzinfo = field(default_factory=lambda: _local_tz())
     """The time zone of time labels shown to the model."""
 

@@ -144,10 +144,10 @@ def test_human_inserts_join_before_the_next_call_after_the_tool_batch(rig: Rig) 
     second = rig.model.wait_call().request
     roles = [(m.role, m.content) for m in second.messages]
     assert roles[-4:] == [
-        ("user", "查一下"),
+        ("user", "(1/1 08:00) [昵称a(a)]: 查一下"),
         ("assistant", ""),
         ("tool", "done"),
-        ("user", "顺便也看看这个"),
+        ("user", "(1/1 08:00) [昵称b(b)]: 顺便也看看这个"),
     ]
     joined = [e for e in rig.of(InputJoined) if e.entry == "joined"]
     assert [e.input_id for e in joined] == [inserted.input_id]
@@ -480,7 +480,12 @@ def test_passivated_sessions_come_back_from_their_log(rig: Rig) -> None:  # ES4
     assert rig.runtime.active_sessions() == []
     rig.submit("二", **human("a"))
     sent = rig.model.wait_call().request.messages
-    assert [m.content for m in sent] == ["一", "好", "二"]
+    conversation = [m.content for m in sent if m.role != "system"]
+    assert conversation == [
+        "(1/1 08:00) [昵称a(a)]: 一",
+        "好",
+        "(1/1 08:00) [昵称a(a)]: 二",
+    ]
 
 
 def test_busy_sessions_are_not_passivated(rig: Rig) -> None:  # ES4

@@ -1,0 +1,189 @@
+"""Middleware chains (``agent:*`` hooks), prompt contributions and input preprocessors.
+
+A middleware is ``fn(ctx, next)``: it may change ``ctx``, call ``next()`` to run the rest
+of the chain (ending in the default action) and return what it returns, or not call it,
+which ends the chain there — the default action does not run. The chain's result is
+what the outermost middleware returns.
+
+A contribution (``agent:prompt``) builds text for an anchor; builds run concurrently
+and one that raises or outlives ``promptBuildTimeoutMs`` is absent this turn (CFG3).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import structlog
+
+__all__ = [
+    "ANCHORS",
+    "HOOK_KEYS",
+    "Anchor",
+    "BuiltContribution",
+    "Contribution",
+    "ContributionView",
+    "Hooks",
+    "Middleware",
+]
+
+log = structlog.get_logger("aalis.hooks")
+
+HOOK_KEYS = (
+    "agent:input:before",
+    "agent:turn:before",
+    "agent:llm:before",
+    "agent:llm:after",
+    "agent:tool:before",
+    "agent:tool:after",
+    "agent:reply:before",
+    "agent:turn:after",
+)
+
+Anchor = Literal["identity", "knowledge", "context", "turn-context", "turn-hint"]
+ANCHORS: tuple[Anchor, ...] = ("identity", "knowledge", "context", "turn-context", "turn-hint")
+
+Middleware = Callable[[Any, Callable[[], Any]], Any]
+
+
+@dataclass(frozen=True)
+class ContributionView:
+    """What a contribution's build sees (dryRun is true for ``token:request`` snapshots)."""
+
+    session_id: str
+    user_id: str | None
+    platform: str | None
+    trigger_type: str | None
+    dry_run: bool
+    messages: Sequence[Any]
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """An ``agent:prompt`` contribution; its injector key is ``<plugin>/<id>``."""
+
+    plugin: str
+    id: str
+    anchor: Anchor
+    build: Callable[[ContributionView], str | list[str] | None]
+
+    @property
+    def injector(self) -> str:
+        return f"{self.plugin}/{self.id}"
+
+
+@dataclass(frozen=True)
+class BuiltContribution:
+    """The blocks a contribution built for this turn, in order."""
+
+    contribution: Contribution
+    blocks: tuple[str, ...]
+
+
+@dataclass
+class Hooks:
+    """Every hook chain, the contributions and the input preprocessors of a runtime."""
+
+    _chains: dict[str, list[tuple[int, int, Middleware]]] = field(default_factory=dict)
+    _contributions: list[Contribution] = field(default_factory=list)
+    _preprocessors: list[Callable[[Any], Any]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _order: int = 0
+
+    def use(self, key: str, middleware: Middleware, *, priority: int = 0) -> Callable[[], None]:
+        """Add a middleware to ``key``'s chain (higher priority runs outer); returns a remover."""
+        if key not in HOOK_KEYS:
+            raise ValueError(f"unknown hook {key!r}; known: {', '.join(HOOK_KEYS)}")
+        with self._lock:
+            self._order += 1
+            entry = (-priority, self._order, middleware)
+            self._chains.setdefault(key, []).append(entry)
+            self._chains[key].sort(key=lambda e: (e[0], e[1]))
+
+        def remove() -> None:
+            with self._lock:
+                chain = self._chains.get(key, [])
+                if entry in chain:
+                    chain.remove(entry)
+
+        return remove
+
+    def run(self, key: str, ctx: Any, default: Callable[[Any], Any]) -> tuple[bool, Any]:
+        """Run ``key``'s chain around ``default(ctx)``.
+
+        Returns whether the default action ran (False: a middleware ended the chain
+        without calling ``next()``) and what the outermost middleware returned.
+        """
+        with self._lock:
+            chain = [m for _, _, m in self._chains.get(key, [])]
+        ran = False
+
+        def call(i: int) -> Any:
+            nonlocal ran
+            if i == len(chain):
+                ran = True
+                return default(ctx)
+            return chain[i](ctx, lambda: call(i + 1))
+
+        value = call(0)
+        return ran, value
+
+    def contribute(self, contribution: Contribution) -> None:
+        if contribution.anchor not in ANCHORS:
+            raise ValueError(
+                f"contribution {contribution.injector}: unknown anchor {contribution.anchor!r}"
+            )
+        with self._lock:
+            self._contributions.append(contribution)
+
+    def add_preprocessor(self, fn: Callable[[Any], Any]) -> None:
+        """A function applied to every input before ``agent:input:before``."""
+        with self._lock:
+            self._preprocessors.append(fn)
+
+    def preprocess(self, inp: Any) -> Any:
+        with self._lock:
+            fns = list(self._preprocessors)
+        for fn in fns:
+            inp = fn(inp)
+        return inp
+
+    def build_contributions(
+        self, view: ContributionView, timeout_ms: int
+    ) -> list[BuiltContribution]:
+        """Build every contribution concurrently; slow or failing ones are left out (CFG3)."""
+        with self._lock:
+            contributions = list(self._contributions)
+        if not contributions:
+            return []
+        pool = ThreadPoolExecutor(
+            max_workers=min(8, len(contributions)), thread_name_prefix="prompt"
+        )
+        futures: list[tuple[Contribution, Future[str | list[str] | None]]] = [
+            (c, pool.submit(c.build, view)) for c in contributions
+        ]
+        built: list[BuiltContribution] = []
+        timeout = None if timeout_ms <= 0 else timeout_ms / 1000
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for contribution, future in futures:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0)
+            try:
+                value = future.result(timeout=remaining)
+            except FutureTimeout:
+                log.warning("prompt contribution timed out", injector=contribution.injector)
+                continue
+            except Exception:
+                log.exception("prompt contribution failed", injector=contribution.injector)
+                continue
+            if value is None:
+                continue
+            blocks = (value,) if isinstance(value, str) else tuple(v for v in value if v)
+            if blocks:
+                built.append(BuiltContribution(contribution, blocks))
+        pool.shutdown(wait=False, cancel_futures=True)
+        return built

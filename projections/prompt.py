@@ -1,0 +1,171 @@
+"""Prompt assembly (FLOW3, FLOW4, FLOW6, INS1-INS4): pure functions, no I/O.
+
+The request has three parts, which trimming (TRIM) relies on:
+
+* **head** — the system prompt (persona + ``systemPrompt`` + the input convention), then
+  contribution blocks at ``identity`` (right after it), ``knowledge`` and ``context``
+  (at the end of the head, knowledge first);
+* **history** — the archived conversation (``historyLimit`` window, tool groups), user
+  messages with their time and sender labels, replies with their visible text;
+* **turn** — ``turn-context`` material, the volatile context, ``turn-hint`` material, the
+  instruction block of an instruction turn or this turn's inputs, then what the turn adds
+  (inserts, focus guides, tool groups). Both anchors sit after all history (INS4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import tzinfo
+
+import msgspec
+
+from events.schema import ChatMessage, Input, MessageMeta
+from projections.labels import sender_label, time_label
+from projections.texts import (
+    DELEGATION_HEAD,
+    HOST_NOTICE_HEAD,
+    INPUT_CONVENTION,
+    volatile_context,
+)
+
+__all__ = [
+    "Block",
+    "TurnPrompt",
+    "assemble",
+    "instruction_block",
+    "is_instruction",
+    "render_history",
+    "render_input",
+    "system_prompt",
+]
+
+HEAD_ANCHORS = ("identity", "knowledge", "context")
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A contribution's block, materialised as a system message at its anchor."""
+
+    anchor: str
+    injector: str
+    text: str
+
+
+def system_prompt(persona_prompt: str | None, configured: str) -> str:
+    """Persona prompt, then ``systemPrompt`` (alone without a persona), then the fixed
+    input-convention block at the end (FLOW3, CFG1)."""
+    parts = [p.strip() for p in (persona_prompt, configured) if p and p.strip()]
+    parts.append(INPUT_CONVENTION)
+    return "\n\n".join(parts)
+
+
+def is_instruction(inp: Input) -> bool:
+    """Delegated tasks, host notices and idle prompts are instructions, not speech (INS)."""
+    return (
+        inp.trigger_type == "proactive" or inp.host_notice is not None or inp.trigger_type == "idle"
+    )
+
+
+def instruction_block(inp: Input, now_ms: int, tz: tzinfo) -> ChatMessage:
+    """The system block an instruction turn shows instead of a current user message."""
+    if inp.host_notice is not None:
+        parts = [HOST_NOTICE_HEAD, inp.content]
+        if inp.host_notice.untrusted:
+            parts.append(inp.host_notice.untrusted)  # this turn only, never archived (INS2)
+        text, injector = "\n".join(parts), "host-notice"
+    elif inp.trigger_type == "proactive":
+        text, injector = f"{DELEGATION_HEAD}\n{inp.content}", "cross-session-delegation"
+    else:
+        when = time_label(inp.timestamp or now_ms, now_ms, tz)
+        text, injector = f"({when}) {inp.content}", "idle-prompt"
+    return ChatMessage(
+        id=f"instruction:{inp.id}",
+        role="system",
+        content=text,
+        meta=MessageMeta(injector=injector, input_id=inp.id),
+    )
+
+
+def render_input(message: ChatMessage, now_ms: int, tz: tzinfo) -> ChatMessage:
+    """A user message as the model sees it: ``(time) [nickname(id)]: text`` (FLOW4)."""
+    meta = message.meta
+    when = time_label(meta.timestamp if meta.timestamp is not None else now_ms, now_ms, tz)
+    sender = meta.sender
+    who = sender_label(
+        meta.platform, sender.user_id if sender else None, sender.nickname if sender else None
+    )
+    return msgspec.structs.replace(message, content=f"({when}) {who}{message.content}")
+
+
+def render_history(messages: Sequence[ChatMessage], now_ms: int, tz: tzinfo) -> list[ChatMessage]:
+    """History as sent: user messages labelled, replies with their visible text (FLOW4)."""
+    out: list[ChatMessage] = []
+    for m in messages:
+        if m.role == "user":
+            out.append(render_input(m, now_ms, tz))
+        elif m.role == "assistant" and m.meta.visible_content is not None:
+            out.append(msgspec.structs.replace(m, content=m.meta.visible_content))
+        else:
+            out.append(m)
+    return out
+
+
+def _block_message(block: Block, n: int) -> ChatMessage:
+    return ChatMessage(
+        id=f"block:{block.injector}:{n}",
+        role="system",
+        content=block.text,
+        meta=MessageMeta(injector=block.injector),
+    )
+
+
+@dataclass
+class TurnPrompt:
+    """Everything one turn's requests are assembled from; the runner adds to ``tail``."""
+
+    system: str
+    history: list[ChatMessage]
+    blocks: list[Block] = field(default_factory=list)
+    volatile: str | None = None
+    instruction: ChatMessage | None = None
+    inputs: list[ChatMessage] = field(default_factory=list)
+    batch_prefix: str | None = None
+    tail: list[ChatMessage] = field(default_factory=list)
+
+
+def assemble(prompt: TurnPrompt) -> list[ChatMessage]:
+    """The message list of one request: head, history, then the turn (INS4 placement)."""
+    head = [ChatMessage(id="system", role="system", content=prompt.system)]
+    # A contribution already present by injector key (put there by a middleware, say) is
+    # not materialised again.
+    present = {m.meta.injector for m in (*prompt.history, *prompt.tail) if m.meta.injector}
+    by_anchor: dict[str, list[ChatMessage]] = {}
+    for n, block in enumerate(prompt.blocks):
+        if block.injector in present:
+            continue
+        by_anchor.setdefault(block.anchor, []).append(_block_message(block, n))
+    head += by_anchor.get("identity", [])
+    head += by_anchor.get("knowledge", [])
+    head += by_anchor.get("context", [])
+    turn: list[ChatMessage] = list(by_anchor.get("turn-context", []))
+    if prompt.volatile is not None:
+        turn.append(ChatMessage(id="volatile", role="system", content=prompt.volatile))
+    hints = by_anchor.get("turn-hint", [])
+    if prompt.instruction is not None:
+        turn += hints
+        turn.append(prompt.instruction)
+    else:
+        if prompt.batch_prefix:
+            turn.append(ChatMessage(id="batch-prefix", role="system", content=prompt.batch_prefix))
+        inputs = list(prompt.inputs)
+        if hints and inputs:
+            turn += inputs[:-1] + hints + inputs[-1:]
+        else:
+            turn += hints + inputs
+    return head + list(prompt.history) + turn + list(prompt.tail)
+
+
+def volatile_for(now_ms: int, tz: tzinfo, platform: str | None, multi_party: bool) -> str:
+    """The volatile context block of a turn."""
+    return volatile_context(time_label(now_ms, now_ms, tz), platform, multi_party)

@@ -1,0 +1,87 @@
+"""The plugin configuration (CFG1-CFG8), validated when it is loaded."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from events.errors import ConfigError
+
+__all__ = ["AgentConfig"]
+
+_KEYS = {
+    "systemPrompt": "system_prompt",
+    "memoryTokenBudget": "memory_token_budget",
+    "promptBuildTimeoutMs": "prompt_build_timeout_ms",
+    "toolResultMaxRatio": "tool_result_max_ratio",
+    "trimThresholdRatio": "trim_threshold_ratio",
+    "think": "think",
+    "maxToolIterations": "max_tool_iterations",
+    "historyLimit": "history_limit",
+}
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """CFG1-CFG8 with their defaults. Build from the source's camelCase keys with
+    :meth:`from_mapping`, which refuses wrong types and out-of-range values by key."""
+
+    system_prompt: str = ""
+    memory_token_budget: int = 4096
+    prompt_build_timeout_ms: int = 10_000
+    tool_result_max_ratio: float = 0.15
+    trim_threshold_ratio: float = 1.0
+    think: str | None = None
+    max_tool_iterations: int | None = None
+    history_limit: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("memoryTokenBudget", self.memory_token_budget, minimum=0)
+        _check_int("promptBuildTimeoutMs", self.prompt_build_timeout_ms, minimum=0)
+        _check_ratio("toolResultMaxRatio", self.tool_result_max_ratio, upper=1.0)
+        _check_ratio("trimThresholdRatio", self.trim_threshold_ratio, upper=None)
+        if self.max_tool_iterations is not None:
+            _check_int("maxToolIterations", self.max_tool_iterations, minimum=1)
+        _check_int("historyLimit", self.history_limit, minimum=0)
+        if not isinstance(self.system_prompt, str):
+            raise ConfigError(f"systemPrompt must be text, got {type(self.system_prompt).__name__}")
+        if self.think is not None and not isinstance(self.think, str):
+            raise ConfigError(f"think must be a level id (text), got {self.think!r}")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, where: str = "config") -> AgentConfig:
+        """Build from ``{"systemPrompt": ..., "historyLimit": ...}``; unknown keys are refused,
+        except ``llm``, which has no effect in the plugin config (SET1)."""
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            if key == "llm":
+                continue
+            if key not in _KEYS:
+                known = ", ".join(sorted(_KEYS))
+                raise ConfigError(f"{where}: unknown key {key!r} (known: {known})")
+            kwargs[_KEYS[key]] = value
+        try:
+            return cls(**kwargs)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+    def to_mapping(self) -> dict[str, Any]:
+        names = {v: k for k, v in _KEYS.items()}
+        return {names[f.name]: getattr(self, f.name) for f in fields(self)}
+
+
+def _check_int(key: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+
+
+def _check_ratio(key: str, value: Any, *, upper: float | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if value <= 0 or (upper is not None and value > upper):
+        bound = f"in (0, {upper}]" if upper is not None else "> 0"
+        raise ConfigError(f"{key} must be {bound}, got {value}")

@@ -1,0 +1,69 @@
+"""Sending (OUT1-OUT2): the gateway port, and the message archive port (ARC1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+__all__ = [
+    "Gateway",
+    "LogArchive",
+    "MessageArchive",
+    "OutboundMessage",
+    "PersonaService",
+    "StaticPersonas",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class OutboundMessage:
+    """A reply or a notice leaving a turn; always carries the turn id (OUT2)."""
+
+    session_id: str
+    turn_id: str | None
+    content: str
+    kind: Literal["reply", "error", "system"] = "reply"
+    platform: str | None = None
+    host_notice: dict[str, str] | None = None  # {kind, id} when replying to a host notice
+    reply_to: str | None = None
+
+
+class Gateway(Protocol):
+    """Outbound middleware and dispatch to the platform adapters."""
+
+    def dispatch_outbound(self, message: OutboundMessage) -> None: ...
+
+
+class MessageArchive(Protocol):
+    """Where messages are archived; the default is the session's own log."""
+
+    name: str
+
+
+class LogArchive:
+    """The default archive: messages are ``MessageSaved`` events in the session log."""
+
+    name = "session-log"
+
+
+class PersonaService(Protocol):
+    def prompt(self, persona_id: str | None) -> str | None: ...
+
+    def list(self) -> list[tuple[str, str]]: ...
+
+
+class StaticPersonas:
+    """Personas given up front as ``{id: (name, prompt)}``; ``default`` when none is set."""
+
+    def __init__(self, personas: dict[str, tuple[str, str]], default: str | None = None) -> None:
+        self._personas = dict(personas)
+        self._default = default
+
+    def prompt(self, persona_id: str | None) -> str | None:
+        key = persona_id or self._default
+        if key is None or key not in self._personas:
+            return None
+        return self._personas[key][1]
+
+    def list(self) -> list[tuple[str, str]]:
+        return [(pid, name) for pid, (name, _) in sorted(self._personas.items())]
