@@ -103,9 +103,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.db)
 
 
-def configure_logging(verbose: bool = False) -> None:
-    """Route structlog to stderr, at INFO (or DEBUG with ``verbose``)."""
-    level = logging.DEBUG if verbose else logging.INFO
+def configure_logging(verbose: bool = False, quiet: bool = False) -> None:
+    """Route structlog to stderr: INFO, DEBUG with ``verbose``, WARNING with ``quiet``."""
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(level),
         # Resolved at each call, so a replaced sys.stderr (tests, pipes) is honoured.
@@ -117,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``aalis-agent`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging(getattr(args, "verbose", False))
+    # The demo prints its own transcript: the log joins it only when asked (-v).
+    configure_logging(getattr(args, "verbose", False), quiet=args.command == "demo")
     try:
         if args.command == "replay":
             return _cmd_replay(args)
