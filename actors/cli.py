@@ -63,6 +63,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--at", metavar="SEQ", type=int, help="show the projected state as of this seq"
     )
     replay.add_argument("--json", action="store_true", help="print one JSON object per line")
+
+    scenario = sub.add_parser(
+        "scenario",
+        help="run a scenario file (TOML) through the real runtime, deterministically",
+        description=(
+            "Run a scenario file (see docs/scenarios.md): sessions, tools, scripted model "
+            "replies and a timeline of inputs and stops. Prints a transcript, or with --json "
+            "one JSON document: per session, every model call's messages and tools, the "
+            "inputs' outcomes and the event log. The same file gives the same output."
+        ),
+    )
+    scenario.add_argument("file", metavar="FILE", help="scenario file (TOML)")
+    scenario.add_argument(
+        "--db", metavar="PATH", help="write the log to this SQLite file (default: in memory)"
+    )
+    scenario.add_argument("--json", action="store_true", help="print one JSON document")
+    scenario.add_argument(
+        "-v", "--verbose", action="store_true", help="show the runtime's log lines"
+    )
     return parser
 
 
@@ -124,6 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_replay(args)
         if args.command == "demo":
             return _cmd_demo(args)
+        if args.command == "scenario":
+            from actors.scenario import run_cli
+
+            configure_logging(args.verbose, quiet=not args.verbose)
+            return run_cli(args.file, db=args.db, as_json=args.json)
     except (AgentError, StoreError) as exc:
         sys.stderr.write(f"aalis-agent {args.command}: error: {exc}\n")
         return 2

@@ -57,6 +57,8 @@ from projections.prompt import (
 )
 from projections.textnorm import strip_leaked_special_tokens, truncate
 from projections.texts import ERROR_PREFIX, focus_guide, tool_bad_arguments
+from projections.tokens import default_counter, tool_definition_tokens
+from projections.trim import TrimRequest, TrimResult, trim, trim_budget
 from services import AbortSignal, ChatRequest, OutboundMessage, Services, ToolCallContext
 from services.tools import Inbound
 
@@ -187,6 +189,9 @@ class TurnRunner:
         self._addressed: list[tuple[str, str]] = []
         self._drafts: list[tuple[type[SessionEvent], dict[str, Any]]] = []
         self._call_index = 0
+        self._protected: set[str] = set()  # this turn's inputs and instruction block (TRIM-N)
+        self.trimmed = False
+        self.last_trim: TrimResult | None = None
         self.thread = threading.Thread(
             target=self._main, name=f"turn:{session_id}:{self.turn_id}", daemon=True
         )
@@ -323,8 +328,10 @@ class TurnRunner:
             history=render_history(window, now, tz),
             batch_prefix=self.opened.batch_prefix,
         )
+        self._protected.update(m.id for m in rendered)
         if instruction_input is not None:
             prompt.instruction = instruction_block(instruction_input, now, tz)
+            self._protected.add(prompt.instruction.id)
             if instruction_input.trigger_type == "idle":
                 prompt.volatile = volatile_for(now, tz, self.opened.platform, settings.multi_party)
         else:
@@ -378,6 +385,7 @@ class TurnRunner:
             message = archived_input_message(inp, self.turn_id, "joined", self.ids.new("msg"))
             self._archive(message)
             prompt.tail.append(render_input(message, now, self.services.tz))
+            self._protected.add(message.id)
             self.inputs.append(inp)
 
     def _model_call(
@@ -398,8 +406,9 @@ class TurnRunner:
         self._call_index += 1
         index = self._call_index
         info = services.sessions.info(self.session_id)
+        sent = self._trim(prompt, before.messages, before.tools, index)
         request = ChatRequest(
-            messages=tuple(before.messages),
+            messages=tuple(sent),
             tools=tuple(before.tools),
             model=str(settings.model) if settings.model else services.llm.id,
             think=settings.think,
@@ -475,6 +484,70 @@ class TurnRunner:
         )
         self.hooks.run("agent:llm:after", after, lambda c: c)
         return call
+
+    def _trim(
+        self,
+        prompt: TurnPrompt,
+        messages: list[ChatMessage],
+        tools: list[dict[str, Any]],
+        index: int,
+    ) -> list[ChatMessage]:
+        """FLOW9: trim the assembled list to the budget (TRIM); keep the trace."""
+        services = self.services
+        llm = services.llm
+        budget = trim_budget(
+            llm.context_length, llm.max_output_tokens, services.config.trim_threshold_ratio
+        )
+        history_ids = {m.id for m in prompt.history}
+        head: list[ChatMessage] = []
+        hist: list[ChatMessage] = []
+        rest: list[ChatMessage] = []
+        for m in messages:
+            if not hist and not rest and m.role == "system" and m.id not in history_ids:
+                head.append(m)
+            elif not rest and m.id in history_ids:
+                hist.append(m)
+            else:
+                rest.append(m)
+        counter = default_counter()
+        result = trim(
+            TrimRequest(
+                head=head,
+                history=hist,
+                turn=rest,
+                budget=budget,
+                memory_budget=services.config.memory_token_budget,
+                protected=frozenset(self._protected),
+                tool_tokens=tool_definition_tokens(counter, tools),
+            ),
+            counter,
+        )
+        self.trimmed = self.trimmed or result.trimmed
+        self.last_trim = result
+        if result.trace:
+            before, after = len(messages), len(result.messages)
+            if after < before:
+                log.info(
+                    "hard trim removed messages",
+                    session=self.session_id,
+                    before=before,
+                    after=after,
+                )
+            services.bus.publish(
+                "agent:trim",
+                {
+                    "sessionId": self.session_id,
+                    "turnId": self.turn_id,
+                    "call": index,
+                    "budget": budget,
+                    "steps": list(result.steps),
+                    "trace": [
+                        {"step": a.step, "action": a.action, "ids": list(a.ids), "saved": a.saved}
+                        for a in result.trace
+                    ],
+                },
+            )
+        return result.messages
 
     def _reply(self, prompt: TurnPrompt, call: _Call) -> tuple[TurnOutcome, str | None]:
         """FLOW14 and saving: ``agent:reply:before`` (with format retries), then the reply

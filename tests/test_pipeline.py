@@ -781,3 +781,25 @@ def test_child_sessions_call_the_model_for_a_subtask(envs: list[Env]) -> None:  
         ("child", "子任务"),
         (SID, "对话"),
     ]
+
+
+def test_requests_are_trimmed_to_the_budget_without_orphans(envs: list[Env]) -> None:  # FLOW9
+    small = ScriptedModel(
+        lambda request, n: ScriptedReply(
+            text="答" * 200, tool_calls=(call("echo", "{}", f"c{n}"),) if n % 3 == 1 else ()
+        ),
+        context_length=2048 + 1024 + 512,
+        max_output_tokens=1024,
+    )
+    env = make(envs, model=small, tools=ToolRegistry([echo_tool()]))
+    for i in range(12):
+        env.say(f"第{i}个问题" + "细节" * 100, **ALICE)
+    last = env.requests()[-1]
+    _assert_pairs(last.messages)
+    assert last.messages[0].role == "system"  # the first system message stays
+    assert last.messages[-1].content.endswith("细节" * 100)  # this turn's input stays
+    conversation = [m for m in last.messages if m.role != "system"]
+    assert len(conversation) < 12 * 3  # history was dropped
+    traces = env.topics("agent:trim")
+    assert traces and traces[-1]["steps"][0] == 1
+    assert any(a["action"] == "dropped" for t in traces for a in t["trace"])

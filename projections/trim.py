@@ -1,0 +1,362 @@
+"""The five-step context trim (TRIM), as a pure function with a trace of what it did.
+
+Budget ``B = max(contextLength × ratio − maxOutputTokens − 512, 1024)`` (CFG5). The
+request has three parts: head, history and this turn. ``u = ⌈B/4⌉``; history may use
+``B − head − u``.
+
+1. always: history over its allowance drops from the earliest message until at least
+   ``k = ⌈(history − allowance)/u⌉`` units are dropped; a cut inside a tool group drops the
+   rest of the group. The cut depends only on head and history, and moves only when the
+   history grows by another unit (TRIM-P).
+2. still over: this turn's tool results over 1500 characters keep 500; reasoning over 200
+   characters is cut oldest first (older keep 200, the newest 400); earlier tool groups
+   collapse into one ``[历史工具调用]`` line each when that saves tokens.
+3. still over: the history keeps dropping, unit by unit, or all of it.
+4. still over: injected system messages between the first and the last (not this turn's
+   instruction block) over ``memoryTokenBudget`` shrink proportionally (at least 200
+   characters each), then the frontmost go.
+5. still over: the last tool group's results keep 500 characters, its reasoning 400.
+
+Never touched: the first system message and this turn's inputs. The last tool group and
+the last message are only ever truncated, in step 5. After a trim that reached step 4 and
+removed six or more messages, the continuation hint goes after this turn's last input
+(at the end for a snapshot) (TRIM-H).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from events.schema import ChatMessage, MessageMeta
+from projections.textnorm import truncate
+from projections.texts import CONTINUATION_HINT
+from projections.tokens import TokenCounter, message_tokens
+
+__all__ = [
+    "COLLAPSED_PREFIX",
+    "TrimAction",
+    "TrimRequest",
+    "TrimResult",
+    "trim",
+    "trim_budget",
+]
+
+COLLAPSED_PREFIX = "[历史工具调用]"
+RESULT_LIMIT = 1500
+RESULT_KEEP = 500
+REASONING_LIMIT = 200
+REASONING_KEEP_OLD = 200
+REASONING_KEEP_NEW = 400
+INJECTED_MIN_CHARS = 200
+HINT_MIN_REMOVED = 6
+
+
+def trim_budget(context_length: int, max_output_tokens: int, ratio: float = 1.0) -> int:
+    """CFG5: ``contextLength × ratio − maxOutputTokens − 512``, at least 1024."""
+    return max(math.floor(context_length * ratio) - max_output_tokens - 512, 1024)
+
+
+@dataclass(frozen=True)
+class TrimRequest:
+    """The assembled request, split into its parts."""
+
+    head: Sequence[ChatMessage]
+    history: Sequence[ChatMessage]
+    turn: Sequence[ChatMessage]
+    budget: int
+    memory_budget: int = 4096
+    protected: frozenset[str] = frozenset()  # this turn's inputs and instruction block
+    tool_tokens: int = 0  # tool definitions sent with the request
+    snapshot: bool = False
+
+
+@dataclass(frozen=True)
+class TrimAction:
+    """One change: which step, what it did, to which messages, and the tokens saved."""
+
+    step: int
+    action: str  # dropped | truncated | collapsed | shrunk | deleted | hint
+    ids: tuple[str, ...]
+    saved: int
+
+
+@dataclass
+class TrimResult:
+    messages: list[ChatMessage]
+    trace: list[TrimAction] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    cut: int = 0  # history messages dropped by step 1
+    history_dropped: int = 0  # by steps 1 and 3
+    tokens_before: int = 0
+    tokens_after: int = 0
+
+    @property
+    def trimmed(self) -> bool:
+        """A hard trim: history was dropped, or any step after 1 changed something."""
+        return bool(self.trace) or len(self.steps) > 1
+
+
+class _State:
+    def __init__(self, req: TrimRequest, counter: TokenCounter) -> None:
+        self.req = req
+        self.counter = counter
+        self.head = list(req.head)
+        self.history = list(req.history)
+        self.turn = list(req.turn)
+        self.dropped = 0
+        self.result = TrimResult(messages=[])
+
+    def tokens(self, messages: Sequence[ChatMessage]) -> int:
+        return sum(message_tokens(self.counter, m) for m in messages)
+
+    def total(self) -> int:
+        return (
+            self.tokens(self.head)
+            + self.tokens(self.history[self.dropped :])
+            + self.tokens(self.turn)
+            + self.req.tool_tokens
+        )
+
+    def over(self) -> bool:
+        return self.total() > self.req.budget
+
+    def note(self, step: int, action: str, ids: Sequence[str], saved: int) -> None:
+        self.result.trace.append(TrimAction(step, action, tuple(ids), saved))
+
+
+def _cut_at(state: _State, units: int, unit: int) -> int:
+    """First index after the message where the dropped tokens first reach ``units`` units;
+    a cut inside a tool group extends past the rest of the group."""
+    history = state.history
+    need = units * unit
+    acc = 0
+    cut = 0
+    for i, m in enumerate(history):
+        acc += message_tokens(state.counter, m)
+        cut = i + 1
+        if acc >= need:
+            break
+    else:
+        return len(history)
+    while cut < len(history) and history[cut].role == "tool":
+        cut += 1  # the group's remaining results go with their call
+    return cut
+
+
+def _drop_to(state: _State, step: int, cut: int) -> None:
+    if cut <= state.dropped:
+        return
+    gone = state.history[state.dropped : cut]
+    state.note(step, "dropped", [m.id for m in gone], state.tokens(gone))
+    state.dropped = cut
+
+
+def _last_group(turn: Sequence[ChatMessage]) -> set[int]:
+    """Indexes of the turn's last tool group (its last assistant with calls + results)."""
+    for i in range(len(turn) - 1, -1, -1):
+        if turn[i].role == "assistant" and turn[i].tool_calls:
+            ids = {c.id for c in turn[i].tool_calls}
+            group = {i}
+            for j in range(i + 1, len(turn)):
+                if turn[j].role == "tool" and turn[j].tool_call_id in ids:
+                    group.add(j)
+            return group
+    return set()
+
+
+def _replace(message: ChatMessage, **changes: object) -> ChatMessage:
+    return msgspec.structs.replace(message, **changes)
+
+
+def _step2(state: _State) -> bool:
+    """Returns True once within budget."""
+    turn = state.turn
+    locked = _last_group(turn) | {len(turn) - 1}
+    protected = state.req.protected
+    # a) long tool results keep 500 characters
+    for i, m in enumerate(turn):
+        if i in locked or m.role != "tool" or len(m.content) <= RESULT_LIMIT:
+            continue
+        before = message_tokens(state.counter, m)
+        turn[i] = _replace(m, content=truncate(m.content, RESULT_KEEP))
+        state.note(2, "truncated", [m.id], before - message_tokens(state.counter, turn[i]))
+        if not state.over():
+            return True
+    # b) reasoning, oldest first: older keep 200, the newest 400
+    long = [
+        i
+        for i, m in enumerate(turn)
+        if i not in locked and m.reasoning and len(m.reasoning) > REASONING_LIMIT
+    ]
+    for n, i in enumerate(long):
+        m = turn[i]
+        assert m.reasoning is not None
+        keep = REASONING_KEEP_NEW if n == len(long) - 1 else REASONING_KEEP_OLD
+        if len(m.reasoning) <= keep:
+            continue
+        before = message_tokens(state.counter, m)
+        turn[i] = _replace(m, reasoning=m.reasoning[:keep])
+        state.note(2, "truncated", [m.id], before - message_tokens(state.counter, turn[i]))
+        if not state.over():
+            return True
+    # c) earlier tool groups collapse into one assistant line, when that saves tokens
+    i = 0
+    while i < len(turn):
+        m = turn[i]
+        locked = _last_group(turn) | {len(turn) - 1}  # indexes move as groups collapse
+        if i in locked or m.role != "assistant" or not m.tool_calls or m.id in protected:
+            i += 1
+            continue
+        ids = {c.id for c in m.tool_calls}
+        members = [i] + [
+            j
+            for j in range(i + 1, len(turn))
+            if turn[j].role == "tool" and turn[j].tool_call_id in ids
+        ]
+        results = {turn[j].tool_call_id: turn[j].content for j in members[1:]}
+        lines = [
+            f"{COLLAPSED_PREFIX} {c.name} → {results.get(c.id, '')[:100]}" for c in m.tool_calls
+        ]
+        collapsed = ChatMessage(
+            id=m.id,
+            role="assistant",
+            content="\n".join(lines),
+            meta=MessageMeta(turn_id=m.meta.turn_id),
+        )
+        before = state.tokens([turn[j] for j in members])
+        after = message_tokens(state.counter, collapsed)
+        if after >= before:
+            i += 1
+            continue
+        group_ids = [turn[j].id for j in members]
+        for j in reversed(members[1:]):
+            del turn[j]
+        turn[i] = collapsed
+        state.note(2, "collapsed", group_ids, before - after)
+        if not state.over():
+            return True
+        i += 1
+    return not state.over()
+
+
+def _injected(state: _State) -> list[tuple[list[ChatMessage], int]]:
+    """Injected system messages between the first and the last message, as (part, index),
+    not this turn's instruction block and not protected ones."""
+    out: list[tuple[list[ChatMessage], int]] = []
+    last_turn = len(state.turn) - 1
+    for part in (state.head, state.turn):
+        for i, m in enumerate(part):
+            if part is state.head and i == 0:
+                continue  # the first system message
+            if part is state.turn and i == last_turn:
+                continue  # the last message
+            if m.role == "system" and m.id not in state.req.protected and m.kind is None:
+                out.append((part, i))
+    return out
+
+
+def _step4(state: _State) -> None:
+    budget = state.req.memory_budget
+    injected = _injected(state)
+    total = sum(message_tokens(state.counter, part[i]) for part, i in injected)
+    if total <= budget:
+        return
+    ratio = budget / total
+    for part, i in injected:
+        m = part[i]
+        keep = max(INJECTED_MIN_CHARS, math.floor(len(m.content) * ratio))
+        if len(m.content) <= keep:
+            continue
+        before = message_tokens(state.counter, m)
+        part[i] = _replace(m, content=truncate(m.content, keep))
+        state.note(4, "shrunk", [m.id], before - message_tokens(state.counter, part[i]))
+    if not state.over():
+        return
+    while True:
+        injected = _injected(state)
+        total = sum(message_tokens(state.counter, part[i]) for part, i in injected)
+        if not injected or total <= budget or not state.over():
+            return
+        part, i = injected[0]
+        m = part.pop(i)
+        state.note(4, "deleted", [m.id], message_tokens(state.counter, m))
+
+
+def _step5(state: _State) -> None:
+    turn = state.turn
+    group = sorted(_last_group(turn))
+    for i in group:
+        m = turn[i]
+        changes: dict[str, object] = {}
+        if m.role == "tool" and len(m.content) > RESULT_KEEP:
+            changes["content"] = truncate(m.content, RESULT_KEEP)
+        if m.reasoning and len(m.reasoning) > REASONING_KEEP_NEW:
+            changes["reasoning"] = m.reasoning[:REASONING_KEEP_NEW]
+        if changes:
+            before = message_tokens(state.counter, m)
+            turn[i] = _replace(m, **changes)
+            state.note(5, "truncated", [m.id], before - message_tokens(state.counter, turn[i]))
+    last = len(turn) - 1
+    if last >= 0 and last not in group and turn[last].id not in state.req.protected:
+        m = turn[last]
+        changes = {}
+        if m.role == "tool" and len(m.content) > RESULT_KEEP:
+            changes["content"] = truncate(m.content, RESULT_KEEP)
+        if m.reasoning and len(m.reasoning) > REASONING_KEEP_NEW:
+            changes["reasoning"] = m.reasoning[:REASONING_KEEP_NEW]
+        if changes:
+            before = message_tokens(state.counter, m)
+            turn[last] = _replace(m, **changes)
+            state.note(5, "truncated", [m.id], before - message_tokens(state.counter, turn[last]))
+
+
+def trim(req: TrimRequest, counter: TokenCounter) -> TrimResult:
+    """Trim the request to its budget; the result lists every change it made."""
+    state = _State(req, counter)
+    result = state.result
+    result.tokens_before = state.total()
+    count_before = len(req.head) + len(req.history) + len(req.turn)
+    budget = req.budget
+    unit = -(-budget // 4)
+    head_tokens = state.tokens(state.head)
+    allowance = budget - head_tokens - unit
+    history_tokens = state.tokens(state.history)
+    # Step 1: always, looking only at head and history (TRIM-P).
+    result.steps.append(1)
+    units = 0
+    if history_tokens > allowance:
+        units = -(-(history_tokens - allowance) // unit)
+        _drop_to(state, 1, _cut_at(state, units, unit))
+    result.cut = state.dropped
+    if state.over():
+        result.steps.append(2)
+        if not _step2(state) and state.over():
+            result.steps.append(3)
+            while state.over() and state.dropped < len(state.history):
+                units += 1
+                _drop_to(state, 3, _cut_at(state, units, unit))
+            if state.over():
+                result.steps.append(4)
+                _step4(state)
+                if state.over():
+                    result.steps.append(5)
+                    _step5(state)
+    messages = state.head + state.history[state.dropped :] + state.turn
+    removed = count_before - len(messages)
+    if 4 in result.steps and removed >= HINT_MIN_REMOVED:
+        hint = ChatMessage(id="continuation-hint", role="system", content=CONTINUATION_HINT)
+        position = len(messages)
+        if not req.snapshot:
+            inputs = [i for i, m in enumerate(messages) if m.id in req.protected]
+            if inputs:
+                position = inputs[-1] + 1
+        messages.insert(position, hint)
+        state.note(4, "hint", [hint.id], -message_tokens(counter, hint))
+    result.messages = messages
+    result.history_dropped = state.dropped
+    result.tokens_after = sum(message_tokens(counter, m) for m in messages) + req.tool_tokens
+    return result
