@@ -161,9 +161,11 @@ def settle(
     runtime: Runtime, model: GatedModel, tools: tuple[GatedTool, ...] = (), timeout: float = 10.0
 ) -> None:
     """Wait until every actor has handled its mail and every running turn is parked at a
-    model call or a tool the test controls (or has ended)."""
+    model call or a tool the test controls (or has ended): the same quiet snapshot —
+    runners, parked calls and log length — seen twice in a row."""
     deadline = time.monotonic() + timeout
-    stable = 0
+    last: tuple[int, int, int] | None = None
+    live = parked = 0
     while time.monotonic() < deadline:
         with runtime._lock:
             refs = [e.ref for e in runtime._entries.values()]
@@ -173,11 +175,12 @@ def settle(
         with runtime._runners_idle:
             live = len(runtime._runners)
         parked = len(model.parked) + sum(t.running for t in tools)
-        if live == parked:
-            stable += 1
-            if stable >= 2:
-                return
-        else:
-            stable = 0
+        store = runtime.store
+        logged = sum(store.last_seq(s) for s in store.sessions())
+        snapshot = (live, parked, logged)
+        if live == parked and snapshot == last:
+            return
+        last = snapshot if live == parked else None
+        if last is None:
             time.sleep(0.001)
     raise TimeoutError(f"runtime did not settle: {live} runners, {parked} parked")
