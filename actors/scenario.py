@@ -455,6 +455,9 @@ class _Loader:
         value = top.get("timezone")
         if value is None:
             start = top.data.get("start")
+            if isinstance(start, str):
+                with contextlib.suppress(ValueError):
+                    start = datetime.fromisoformat(start)
             if isinstance(start, datetime) and start.tzinfo is not None:
                 return start.tzinfo
             return UTC
@@ -798,9 +801,10 @@ class _Loader:
 
     def _input(self, t: _Table, do: str) -> Input:
         text = t.text("text", required=True)
-        source = None
+        source = actor = None
         notice = None
         if do == "inject":
+            actor = t.text("actor")
             source = t.text("source", required=True)
             if not source:
                 raise t.error("source must not be empty")
@@ -816,7 +820,7 @@ class _Loader:
             id=t.text("id", ""),
             content=text,
             sender=Sender(user_id=user, nickname=nickname),
-            actor=t.text("actor"),
+            actor=actor,
             platform=t.text("platform", ""),
             message_id=t.text("message_id"),
             trigger_type=trigger,
