@@ -148,6 +148,8 @@ def _cut_at(state: _State, units: int, unit: int) -> int:
 
 
 def _drop_to(state: _State, step: int, cut: int) -> None:
+    if not state.turn:
+        cut = min(cut, max(len(state.history) - 1, 0))  # the last message is never dropped
     if cut <= state.dropped:
         return
     gone = state.history[state.dropped : cut]
@@ -172,6 +174,35 @@ def _replace(message: ChatMessage, **changes: object) -> ChatMessage:
     return msgspec.structs.replace(message, **changes)
 
 
+def _cut(text: str, keep: int) -> str | None:
+    """``text`` cut to ``keep`` characters with the visible suffix, or None when that
+    would not make it shorter (a cut must never lengthen a message)."""
+    cut = truncate(text, keep)
+    return cut if len(cut) < len(text) else None
+
+
+def _shrink(counter: TokenCounter, text: str, ratio: float) -> str | None:
+    """``text`` cut, suffix included, to about ``ratio`` of its tokens, keeping at least
+    200 characters; None when no such cut has fewer tokens than the text."""
+    if len(text) <= INJECTED_MIN_CHARS:
+        return None
+    original = counter.count(text)
+    target = math.floor(original * ratio)
+    best: str | None = None
+    lo, hi = INJECTED_MIN_CHARS, len(text) - 1
+    while lo <= hi:  # the longest cut within the target
+        mid = (lo + hi) // 2
+        cut = truncate(text, mid)
+        if counter.count(cut) <= target:
+            best, lo = cut, mid + 1
+        else:
+            hi = mid - 1
+    if best is None:  # even the 200-character floor is over the target: take it if smaller
+        cut = truncate(text, INJECTED_MIN_CHARS)
+        best = cut if counter.count(cut) < original else None
+    return best
+
+
 def _step2(state: _State) -> bool:
     """Returns True once within budget."""
     turn = state.turn
@@ -181,8 +212,11 @@ def _step2(state: _State) -> bool:
     for i, m in enumerate(turn):
         if i in locked or m.role != "tool" or len(m.content) <= RESULT_LIMIT:
             continue
+        cut = _cut(m.content, RESULT_KEEP)
+        if cut is None:
+            continue
         before = message_tokens(state.counter, m)
-        turn[i] = _replace(m, content=truncate(m.content, RESULT_KEEP))
+        turn[i] = _replace(m, content=cut)
         state.note(2, "truncated", [m.id], before - message_tokens(state.counter, turn[i]))
         if not state.over():
             return True
@@ -247,12 +281,13 @@ def _injected(state: _State) -> list[tuple[list[ChatMessage], int]]:
     """Injected system messages between the first and the last message, as (part, index),
     not this turn's instruction block and not protected ones."""
     out: list[tuple[list[ChatMessage], int]] = []
-    last_turn = len(state.turn) - 1
+    kept = state.history[state.dropped :]
+    last = state.turn[-1] if state.turn else kept[-1] if kept else state.head[-1]
     for part in (state.head, state.turn):
         for i, m in enumerate(part):
             if part is state.head and i == 0:
                 continue  # the first system message
-            if part is state.turn and i == last_turn:
+            if m is last:
                 continue  # the last message
             if m.role == "system" and m.id not in state.req.protected and m.kind is None:
                 out.append((part, i))
@@ -268,11 +303,11 @@ def _step4(state: _State) -> None:
     ratio = budget / total
     for part, i in injected:
         m = part[i]
-        keep = max(INJECTED_MIN_CHARS, math.floor(len(m.content) * ratio))
-        if len(m.content) <= keep:
+        cut = _shrink(state.counter, m.content, ratio)
+        if cut is None:
             continue
         before = message_tokens(state.counter, m)
-        part[i] = _replace(m, content=truncate(m.content, keep))
+        part[i] = _replace(m, content=cut)
         state.note(4, "shrunk", [m.id], before - message_tokens(state.counter, part[i]))
     if not state.over():
         return
@@ -286,32 +321,50 @@ def _step4(state: _State) -> None:
         state.note(4, "deleted", [m.id], message_tokens(state.counter, m))
 
 
+def _step5_changes(m: ChatMessage) -> dict[str, object]:
+    """Step 2's thresholds: results over 1500 characters keep 500, reasoning over 200
+    keeps 400; never lengthening."""
+    changes: dict[str, object] = {}
+    if m.role == "tool" and len(m.content) > RESULT_LIMIT:
+        cut = _cut(m.content, RESULT_KEEP)
+        if cut is not None:
+            changes["content"] = cut
+    if m.reasoning and len(m.reasoning) > REASONING_LIMIT and len(m.reasoning) > REASONING_KEEP_NEW:
+        changes["reasoning"] = m.reasoning[:REASONING_KEEP_NEW]
+    return changes
+
+
 def _step5(state: _State) -> None:
     turn = state.turn
     group = sorted(_last_group(turn))
-    for i in group:
+    last = len(turn) - 1
+    targets = group + ([last] if last >= 0 and last not in group else [])
+    for i in targets:
         m = turn[i]
-        changes: dict[str, object] = {}
-        if m.role == "tool" and len(m.content) > RESULT_KEEP:
-            changes["content"] = truncate(m.content, RESULT_KEEP)
-        if m.reasoning and len(m.reasoning) > REASONING_KEEP_NEW:
-            changes["reasoning"] = m.reasoning[:REASONING_KEEP_NEW]
+        if m.id in state.req.protected:
+            continue
+        changes = _step5_changes(m)
         if changes:
             before = message_tokens(state.counter, m)
             turn[i] = _replace(m, **changes)
             state.note(5, "truncated", [m.id], before - message_tokens(state.counter, turn[i]))
-    last = len(turn) - 1
-    if last >= 0 and last not in group and turn[last].id not in state.req.protected:
-        m = turn[last]
-        changes = {}
-        if m.role == "tool" and len(m.content) > RESULT_KEEP:
-            changes["content"] = truncate(m.content, RESULT_KEEP)
-        if m.reasoning and len(m.reasoning) > REASONING_KEEP_NEW:
-            changes["reasoning"] = m.reasoning[:REASONING_KEEP_NEW]
-        if changes:
-            before = message_tokens(state.counter, m)
-            turn[last] = _replace(m, **changes)
-            state.note(5, "truncated", [m.id], before - message_tokens(state.counter, turn[last]))
+
+
+def _hint(state: _State, count_before: int) -> None:
+    """TRIM-H: after step 4, when six or more messages went, the continuation hint goes
+    after this turn's last input (at the end for a snapshot). It is placed before step 5
+    decides, so its own tokens count against the budget."""
+    now = len(state.head) + len(state.history) - state.dropped + len(state.turn)
+    if count_before - now < HINT_MIN_REMOVED:
+        return
+    hint = ChatMessage(id="continuation-hint", role="system", content=CONTINUATION_HINT)
+    position = len(state.turn)
+    if not state.req.snapshot:
+        inputs = [i for i, m in enumerate(state.turn) if m.id in state.req.protected]
+        if inputs:
+            position = inputs[-1] + 1
+    state.turn.insert(position, hint)
+    state.note(4, "hint", [hint.id], -message_tokens(state.counter, hint))
 
 
 def trim(req: TrimRequest, counter: TokenCounter) -> TrimResult:
@@ -336,26 +389,18 @@ def trim(req: TrimRequest, counter: TokenCounter) -> TrimResult:
         result.steps.append(2)
         if not _step2(state) and state.over():
             result.steps.append(3)
-            while state.over() and state.dropped < len(state.history):
+            most = len(state.history) if state.turn else max(len(state.history) - 1, 0)
+            while state.over() and state.dropped < most:
                 units += 1
                 _drop_to(state, 3, _cut_at(state, units, unit))
             if state.over():
                 result.steps.append(4)
                 _step4(state)
+                _hint(state, count_before)
                 if state.over():
                     result.steps.append(5)
                     _step5(state)
     messages = state.head + state.history[state.dropped :] + state.turn
-    removed = count_before - len(messages)
-    if 4 in result.steps and removed >= HINT_MIN_REMOVED:
-        hint = ChatMessage(id="continuation-hint", role="system", content=CONTINUATION_HINT)
-        position = len(messages)
-        if not req.snapshot:
-            inputs = [i for i, m in enumerate(messages) if m.id in req.protected]
-            if inputs:
-                position = inputs[-1] + 1
-        messages.insert(position, hint)
-        state.note(4, "hint", [hint.id], -message_tokens(counter, hint))
     result.messages = messages
     result.history_dropped = state.dropped
     result.tokens_after = sum(message_tokens(counter, m) for m in messages) + req.tool_tokens
