@@ -47,6 +47,7 @@ from events import (
     UuidIds,
 )
 from projections import SessionView, project, queue
+from projections.usage import BudgetLog
 from services import Services
 
 __all__ = ["InputBefore", "Runtime", "RuntimeClosed", "SubmitHandle"]
@@ -105,6 +106,7 @@ class Runtime:
     ) -> None:
         self.store = store
         self.hooks = hooks or Hooks()
+        self.budget_log = BudgetLog()  # ACC4: per-session throttled budget lines
         self._archive_warned = False
         self.services = services or Services()
         self.clock = clock or SystemClock()

@@ -281,6 +281,7 @@ class SessionActor(pykka.ThreadingActor):
             abort=abort,
             on_exit=self.runtime._runner_exited,
             on_archive_missed=self.runtime._archive_missed,
+            budget_log=self.runtime.budget_log,
         )
         self.runtime._runner_started(self._runner)
         self.services.bus.publish(

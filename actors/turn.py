@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import pykka
 import structlog
 
@@ -41,6 +42,7 @@ from events import (
     TurnOpened,
     TurnOutcome,
     TurnRecord,
+    UsageRecorded,
 )
 from projections import SessionView, history
 from projections.labels import time_label
@@ -57,9 +59,16 @@ from projections.prompt import (
 )
 from projections.textnorm import strip_leaked_special_tokens, truncate
 from projections.texts import ERROR_PREFIX, focus_guide, tool_bad_arguments
-from projections.tokens import default_counter, tool_definition_tokens
+from projections.tokens import (
+    count_messages,
+    default_counter,
+    message_tokens,
+    tool_definition_tokens,
+)
 from projections.trim import TrimRequest, TrimResult, trim, trim_budget
+from projections.usage import BudgetLog, breakdown, usage_payload
 from services import AbortSignal, ChatRequest, OutboundMessage, Services, ToolCallContext
+from services.llm import Usage
 from services.tools import Inbound
 
 __all__ = [
@@ -152,6 +161,7 @@ class _Call:
     reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     aborted: bool = False
+    usage: Usage | None = None
 
 
 class TurnRunner:
@@ -172,6 +182,7 @@ class TurnRunner:
         abort: AbortSignal,
         on_exit: Callable[[TurnRunner], None] | None = None,
         on_archive_missed: Callable[[], None] | None = None,
+        budget_log: BudgetLog | None = None,
     ) -> None:
         self.actor = actor
         self.session_id = session_id
@@ -192,6 +203,9 @@ class TurnRunner:
         self._protected: set[str] = set()  # this turn's inputs and instruction block (TRIM-N)
         self.trimmed = False
         self.last_trim: TrimResult | None = None
+        self._persona: str | None = None
+        self._active_count = 0
+        self._budget_log = budget_log
         self.thread = threading.Thread(
             target=self._main, name=f"turn:{session_id}:{self.turn_id}", daemon=True
         )
@@ -320,8 +334,12 @@ class TurnRunner:
 
         # FLOW3-FLOW6: system prompt, history, tools, contributions.
         persona = services.persona.prompt(settings.persona) if services.persona else None
+        self._persona = persona
         window = history.history_window(
             self.view.history, settings.history_limit, exclude_turn=self.turn_id
+        )
+        self._active_count = len(
+            history.active_history(self.view.history, exclude_turn=self.turn_id)
         )
         prompt = TurnPrompt(
             system=system_prompt(persona, services.config.system_prompt),
@@ -460,6 +478,8 @@ class TurnRunner:
                     )
                 if chunk.tool_calls:
                     call.tool_calls.extend(chunk.tool_calls)
+                if chunk.usage is not None:
+                    call.usage = chunk.usage
         except Exception as exc:
             self.actor.tell(CallEnded(self.turn_id, index, "error", 0, str(exc)[:200]))
             raise
@@ -474,6 +494,7 @@ class TurnRunner:
         call.text = "".join(text)
         call.reasoning = "".join(reasoning) or None
         self.actor.tell(CallEnded(self.turn_id, index, "ok", len(call.tool_calls)))
+        self._usage(prompt, before.messages, sent, before.tools, call)  # FLOW11
         after = LlmAfter(
             response={
                 "content": call.text,
@@ -484,6 +505,55 @@ class TurnRunner:
         )
         self.hooks.run("agent:llm:after", after, lambda c: c)
         return call
+
+    def _usage(
+        self,
+        prompt: TurnPrompt,
+        untrimmed: list[ChatMessage],
+        sent: list[ChatMessage],
+        tools: list[dict[str, Any]],
+        call: _Call,
+    ) -> None:
+        """ACC2: ``token:usage`` after a call that returned, and the budget log (ACC4)."""
+        services = self.services
+        llm = services.llm
+        counter = default_counter()
+        tool_tokens = tool_definition_tokens(counter, tools)
+        history_ids = frozenset(m.id for m in prompt.history)
+        parts = breakdown(
+            counter,
+            sent,
+            history_ids=history_ids,
+            persona_tokens=counter.count(self._persona) if self._persona else 0,
+            tool_defs_tokens=tool_tokens,
+            reserved=llm.max_output_tokens,
+        )
+        untrimmed_history = sum(
+            message_tokens(counter, m) for m in untrimmed if m.id in history_ids or m.role == "tool"
+        )
+        appended = sum(1 for m in prompt.tail if m.role == "tool" or m.tool_calls)
+        usage = usage_payload(
+            session_id=self.session_id,
+            turn_id=self.turn_id,
+            platform=self.opened.platform,
+            context_window=llm.context_length,
+            max_tokens=llm.max_output_tokens,
+            token_budget=trim_budget(
+                llm.context_length, llm.max_output_tokens, services.config.trim_threshold_ratio
+            ),
+            provider_input_tokens=call.usage.prompt_tokens if call.usage else None,
+            estimate=count_messages(counter, sent) + tool_tokens,
+            trimmed=self.trimmed,
+            untrimmed_history=untrimmed_history,
+            history_messages=self._active_count + appended,
+            parts=parts,
+        )
+        self._report((UsageRecorded, {"usage": usage}))
+        services.bus.publish("token:usage", msgspec.to_builtins(usage))
+        if self._budget_log is not None:
+            line = self._budget_log.observe(usage)
+            if line is not None:
+                log.info(line)
 
     def _trim(
         self,

@@ -1,0 +1,221 @@
+"""The ``token:usage`` payload (ACC2) and the throttled budget log (ACC4): pure functions."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from events.schema import ChatMessage, TokenBreakdown, TokenPart, TokenUsage
+from projections.tokens import TokenCounter, message_tokens
+
+__all__ = [
+    "PART_LABELS",
+    "BudgetLog",
+    "breakdown",
+    "bucket",
+    "budget_line",
+    "usage_payload",
+]
+
+PART_LABELS = (
+    "历史消息",
+    "工具结果",
+    "工具定义",
+    "人设",
+    "对话摘要",
+    "向量记忆",
+    "技能",
+    "平台提示",
+    "子任务",
+    "其余系统提示",
+)
+
+# Injector keys ("<plugin>/<id>") whose plugin part names a breakdown field.
+_CATEGORIES = {
+    "memory-summary": "memory_summary",
+    "summary": "memory_summary",
+    "memory-vector": "memory_vector",
+    "vector": "memory_vector",
+    "skills": "skills",
+    "platform": "platform",
+    "subtask": "subtask",
+}
+
+
+def _category(injector: str | None) -> str:
+    plugin = (injector or "").split("/", 1)[0]
+    return _CATEGORIES.get(plugin, "system_other")
+
+
+def breakdown(
+    counter: TokenCounter,
+    messages: Sequence[ChatMessage],
+    *,
+    history_ids: frozenset[str],
+    persona_tokens: int,
+    tool_defs_tokens: int,
+    reserved: int,
+) -> TokenBreakdown:
+    """Split what was sent (after trimming) into the source's breakdown fields."""
+    fields = dict.fromkeys(
+        (
+            "system",
+            "memory_summary",
+            "memory_vector",
+            "skills",
+            "platform",
+            "subtask",
+            "system_other",
+            "history",
+            "tool_results",
+        ),
+        0,
+    )
+    injectors: dict[str, int] = {}
+    for i, m in enumerate(messages):
+        n = message_tokens(counter, m)
+        if i == 0 and m.role == "system":
+            fields["system"] += n
+        elif m.id in history_ids:
+            fields["history"] += n
+        elif m.role == "tool":
+            fields["tool_results"] += n
+        elif m.role == "system" and m.kind is None:
+            key = _category(m.meta.injector)
+            fields[key] += n
+            if key == "system_other":
+                name = m.meta.injector or "agent/other"
+                injectors[name] = injectors.get(name, 0) + n
+        else:
+            fields["history"] += n  # this turn's conversation counts with the history
+    persona = min(persona_tokens, fields["system"])
+    return TokenBreakdown(
+        system=fields["system"] - persona,
+        persona=persona,
+        memory_summary=fields["memory_summary"],
+        memory_vector=fields["memory_vector"],
+        skills=fields["skills"],
+        platform=fields["platform"],
+        subtask=fields["subtask"],
+        system_other=fields["system_other"],
+        history=fields["history"],
+        tool_results=fields["tool_results"],
+        tool_defs=tool_defs_tokens,
+        reserved_for_reply=reserved,
+        injectors=injectors,
+    )
+
+
+def usage_payload(
+    *,
+    session_id: str,
+    turn_id: str | None,
+    platform: str | None,
+    context_window: int,
+    max_tokens: int,
+    token_budget: int,
+    provider_input_tokens: float | None,
+    estimate: int,
+    trimmed: bool,
+    untrimmed_history: int,
+    history_messages: int,
+    parts: TokenBreakdown,
+) -> TokenUsage:
+    """ACC2: ``used`` is the provider's input tokens when a positive finite number, else
+    the estimate; the ratio is against the context window."""
+    used = estimate
+    if (
+        provider_input_tokens is not None
+        and math.isfinite(provider_input_tokens)
+        and provider_input_tokens > 0
+    ):
+        used = int(provider_input_tokens)
+    return TokenUsage(
+        session_id=session_id,
+        turn_id=turn_id,
+        platform=platform,
+        context_window=context_window,
+        max_tokens=max_tokens,
+        token_budget=token_budget,
+        used=used,
+        usage_ratio=used / context_window if context_window > 0 else 0.0,
+        trimmed=trimmed,
+        untrimmed_history=untrimmed_history,
+        history_messages=history_messages,
+        breakdown=parts,
+        parts=(
+            TokenPart(label="历史消息", tokens=parts.history),
+            TokenPart(label="工具结果", tokens=parts.tool_results),
+            TokenPart(label="工具定义", tokens=parts.tool_defs),
+            TokenPart(label="人设", tokens=parts.persona),
+            TokenPart(label="对话摘要", tokens=parts.memory_summary),
+            TokenPart(label="向量记忆", tokens=parts.memory_vector),
+            TokenPart(label="技能", tokens=parts.skills),
+            TokenPart(label="平台提示", tokens=parts.platform),
+            TokenPart(label="子任务", tokens=parts.subtask),
+            TokenPart(
+                label="其余系统提示",
+                tokens=parts.system_other + parts.system,
+                injectors=dict(parts.injectors),
+            ),
+        ),
+    )
+
+
+def bucket(ratio: float) -> tuple[int, str]:
+    """ACC4 buckets: < 0.5 OK, 0.5–0.7 INFO, 0.7–0.85 WARN, ≥ 0.85 CRITICAL."""
+    if ratio < 0.5:
+        return 0, "OK"
+    if ratio < 0.7:
+        return 1, "INFO"
+    if ratio < 0.85:
+        return 2, "WARN"
+    return 3, "CRITICAL"
+
+
+def budget_line(usage: TokenUsage) -> str:
+    """``[token-usage:WARN] <sessionId> 23104/32000 (72.2%) sys=…(persona=… mem=… skills=…
+    subtask=… other=…) hist=… tools=<results>+<defs>def reserve=…``"""
+    b = usage.breakdown
+    _, label = bucket(usage.usage_ratio)
+    mem = b.memory_summary + b.memory_vector
+    other = b.system_other + b.system + b.platform
+    sys_total = b.persona + mem + b.skills + b.subtask + other
+    return (
+        f"[token-usage:{label}] {usage.session_id} {usage.used}/{usage.context_window} "
+        f"({usage.usage_ratio * 100:.1f}%) sys={sys_total}(persona={b.persona} mem={mem} "
+        f"skills={b.skills} subtask={b.subtask} other={other}) hist={b.history} "
+        f"tools={b.tool_results}+{b.tool_defs}def reserve={b.reserved_for_reply}"
+    )
+
+
+@dataclass
+class _SessionState:
+    count: int = 0
+    last_bucket: int | None = None
+
+
+class BudgetLog:
+    """ACC4: per session ``{count, lastRatioBucket}``; a line when the bucket changes (the
+    first time included) or every 10th usage."""
+
+    def __init__(self, every: int = 10) -> None:
+        self._every = every
+        self._state: dict[str, _SessionState] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, usage: TokenUsage) -> str | None:
+        with self._lock:
+            return self._observe(usage)
+
+    def _observe(self, usage: TokenUsage) -> str | None:
+        state = self._state.setdefault(usage.session_id, _SessionState())
+        state.count += 1
+        level, _ = bucket(usage.usage_ratio)
+        changed = state.last_bucket != level
+        state.last_bucket = level
+        if changed or state.count % self._every == 0:
+            return budget_line(usage)
+        return None

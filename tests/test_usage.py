@@ -1,0 +1,154 @@
+"""token:usage (ACC1-ACC2) and the throttled budget log (ACC4)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pykka
+import pytest
+
+from actors.runtime import Runtime
+from actors.turn import ReplyBefore
+from events import (
+    FixedClock,
+    InMemoryEventStore,
+    Input,
+    SequentialIds,
+    TokenBreakdown,
+    UsageRecorded,
+)
+from projections.usage import PART_LABELS, BudgetLog, bucket, budget_line, usage_payload
+from services import ScriptedModel, ScriptedReply, Services, Usage
+
+
+def payload(used: float | None, estimate: int = 900, window: int = 32000) -> Any:
+    parts = TokenBreakdown(
+        system=600,
+        persona=2300,
+        memory_summary=1000,
+        memory_vector=800,
+        skills=900,
+        system_other=500,
+        history=8901,
+        tool_results=5400,
+        tool_defs=2703,
+        reserved_for_reply=4096,
+    )
+    return usage_payload(
+        session_id="s1",
+        turn_id="t1",
+        platform="qq",
+        context_window=window,
+        max_tokens=4096,
+        token_budget=27392,
+        provider_input_tokens=used,
+        estimate=estimate,
+        trimmed=False,
+        untrimmed_history=100,
+        history_messages=7,
+        parts=parts,
+    )
+
+
+@pytest.mark.parametrize(
+    ("provider", "used"),
+    [(23104, 23104), (None, 900), (0, 900), (-5, 900), (float("inf"), 900), (float("nan"), 900)],
+)
+def test_used_is_the_provider_count_when_positive_and_finite(
+    provider: Any, used: int
+) -> None:  # ACC2
+    assert payload(provider).used == used
+
+
+def test_parts_have_the_source_labels_in_order() -> None:  # ACC2
+    usage = payload(23104)
+    assert tuple(p.label for p in usage.parts) == PART_LABELS
+    assert usage.parts[0].tokens == 8901 and usage.parts[2].tokens == 2703
+    wire = __import__("msgspec").to_builtins(usage)
+    assert {
+        "sessionId",
+        "turnId",
+        "contextWindow",
+        "tokenBudget",
+        "usageRatio",
+        "untrimmedHistory",
+        "historyMessages",
+    } <= wire.keys()
+    assert {"memorySummary", "memoryVector", "systemOther", "toolDefs", "reservedForReply"} <= wire[
+        "breakdown"
+    ].keys()
+
+
+def test_budget_line_matches_the_sample_format() -> None:  # ACC4
+    line = budget_line(payload(23104))
+    assert line == (
+        "[token-usage:WARN] s1 23104/32000 (72.2%) sys=6100(persona=2300 mem=1800 "
+        "skills=900 subtask=0 other=1100) hist=8901 tools=5400+2703def reserve=4096"
+    )
+
+
+@pytest.mark.parametrize(
+    ("ratio", "label"),
+    [(0.1, "OK"), (0.5, "INFO"), (0.69, "INFO"), (0.7, "WARN"), (0.85, "CRITICAL")],
+)
+def test_buckets(ratio: float, label: str) -> None:  # ACC4
+    assert bucket(ratio)[1] == label
+
+
+def test_budget_log_prints_on_bucket_change_and_every_tenth() -> None:  # ACC4
+    log = BudgetLog()
+    low, high = payload(1000), payload(30000)
+    printed = [log.observe(low) is not None for _ in range(12)]
+    assert printed == [True] + [False] * 8 + [True] + [False] * 2  # first time, then the 10th
+    assert log.observe(high) is not None  # a change
+    assert log.observe(low) is not None  # falling back is a change too
+    other = BudgetLog()
+    assert other.observe(payload(1000)) is not None  # per session, first time included
+
+
+def test_usage_after_every_call_including_format_retries() -> None:  # FLOW11, ACC1, ACC2
+    model = ScriptedModel(
+        [ScriptedReply(text="第一次", usage=Usage(prompt_tokens=321)), ScriptedReply(text="第二次")]
+    )
+    runtime = Runtime(
+        InMemoryEventStore(), Services(llm=model), FixedClock(), SequentialIds(), janitor=False
+    )
+    seen: list[Any] = []
+    runtime.subscribe("token:usage", lambda topic, p: seen.append(p))
+
+    def retry_once(ctx: ReplyBefore, next_: Any) -> Any:
+        ctx.retry_requested = ctx.attempt == 0
+        return next_()
+
+    runtime.hooks.use("agent:reply:before", retry_once)
+    try:
+        runtime.submit("s", Input(id="", content="你好")).result(10)
+        runtime.wait_idle(10)
+        assert seen[0]["used"] == 321
+        assert len(seen) == 2 and seen[1]["used"] > 0  # the retry's estimate
+        assert {p["turnId"] for p in seen} == {"turn-1"}
+        logged = [e for e in runtime.store.read("s") if isinstance(e, UsageRecorded)]
+        assert [e.usage.used for e in logged] == [p["used"] for p in seen]
+        assert [(r.session_id, r.purpose) for r in model.requests] == [("s", "对话")] * 2
+    finally:
+        runtime.shutdown(timeout=10)
+        pykka.ActorRegistry.stop_all()
+
+
+def test_no_usage_when_the_call_throws() -> None:  # FLOW11
+    class Failing(ScriptedModel):
+        def chat_stream(self, request: Any, abort: Any) -> Any:
+            raise ConnectionError("provider down")
+
+    runtime = Runtime(
+        InMemoryEventStore(), Services(llm=Failing()), FixedClock(), SequentialIds(), janitor=False
+    )
+    seen: list[Any] = []
+    runtime.subscribe("token:usage", lambda topic, p: seen.append(p))
+    try:
+        outcome = runtime.submit("s", Input(id="", content="你好")).result(10)
+        assert outcome.outcome == "error"
+        assert seen == []
+    finally:
+        runtime.shutdown(timeout=10)
+        pykka.ActorRegistry.stop_all()
