@@ -1,4 +1,4 @@
-"""The ``aalis-agent`` command: ``demo`` and ``replay``.
+"""The ``aalis-agent`` command: ``demo``, ``replay`` and ``scenario``.
 
 structlog and output are configured here, never on import.
 """

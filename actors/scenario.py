@@ -6,9 +6,9 @@ stops, run through the real runtime, the same way on every run (docs/scenarios.m
     result.logs["qq:group:1"]                  # the session's event log
 
 The model parks every call until the driver answers it from the script, and slow tools
-park until the driver releases them. After each step, answer or release the driver waits
-until every turn is parked again or has ended, then moves the clock; so only one thing
-happens at a time, and ids, times and the output are the same on every run.
+park until the driver releases them. After each step, answer or release, the driver
+waits until every turn is parked again or has ended, then moves the clock; so only one
+thing happens at a time, and ids, times and the output are the same on every run.
 """
 
 from __future__ import annotations
@@ -82,8 +82,10 @@ __all__ = [
     "StepRecord",
     "StepSpec",
     "ToolError",
+    "ToolOutcome",
     "ToolSpec",
     "load_scenario",
+    "message_json",
     "run_cli",
     "run_scenario",
 ]
@@ -915,7 +917,8 @@ class _Gate:
             self.journal.append((kind, item))
 
     def wait(self, done: Callable[[], bool]) -> bool:
-        """Wait (holding ``cv``) until ``done()`` or the gate closes; False if it did not."""
+        """With ``cv`` held, wait until ``done()``; False if the gate closed (or the park
+        limit passed) first."""
         deadline = time.monotonic() + PARK_LIMIT_S
         while not done():
             remaining = deadline - time.monotonic()
@@ -962,7 +965,7 @@ class _Model:
             if call.state != "answered":
                 call.state = "abandoned"
                 gate.journal.append(("abandoned", call))
-                if abort.aborted:
+                if abort.aborted or gate.closed:
                     return
                 raise ScenarioError(f"model call {call.index} of {sid} was never answered")
         assert call.reply is not None
@@ -1012,7 +1015,8 @@ class _Tools:
 
 @dataclass(frozen=True)
 class _Settings:
-    """Plugin config, under each session's scripted layer, under the log's layer (SCH5)."""
+    """Settings layers, lowest first: the plugin config, the session's scripted
+    ``settings``, then what the session's log set (SCH5)."""
 
     base: StaticSettings
     layers: Mapping[str, Mapping[str, Any]]
@@ -1245,7 +1249,11 @@ class _Driver:
             inputs = self.outcomes()
             ok = True
         finally:
-            self.gate.close()
+            if not ok:  # stopped turns leave their parked calls quietly
+                for s in self.sc.sessions:
+                    with contextlib.suppress(Exception):
+                        self.runtime.stop(s.id)
+            self.gate.close()  # parked tools return
             try:
                 self.runtime.shutdown(timeout=self.timeout_s)
             except Exception:
@@ -1355,7 +1363,7 @@ class _Driver:
         """Why nothing can move any more, for an error message."""
         with self.gate.cv:
             waiting = [c for c in self.parked_calls() if self.reply_for(c) is None]
-            calls = {s.id: len(self.gate.calls.get(s.id, [])) for s in self.sc.sessions}
+            calls = len(self.gate.calls.get(at.session or "", []))
             runs = len(self.gate.runs.get(at.tool or "", []))
             ended = self.gate.ended.get(at.session or "", 0)
         if waiting:
@@ -1368,10 +1376,7 @@ class _Driver:
             return f"nothing runs any more, and tool {at.tool} ran {runs} time(s)"
         if at.kind == "after-turn":
             return f"nothing runs any more, and session {at.session} ended {ended} turn(s)"
-        return (
-            f"nothing runs any more, and session {at.session} made "
-            f"{calls.get(at.session or '', 0)} model call(s)"
-        )
+        return f"nothing runs any more, and session {at.session} made {calls} model call(s)"
 
     def fire(self, step: StepSpec) -> None:
         sid = step.session
@@ -1459,10 +1464,11 @@ class _Driver:
 
     def outcomes(self) -> dict[str, list[InputRecord]]:
         out: dict[str, list[InputRecord]] = {s.id: [] for s in self.sc.sessions}
+        deadline = time.monotonic() + self.timeout_s
         for step, handle in self.handles:
             outcome: InputOutcome | None = None
             with contextlib.suppress(TimeoutError):
-                outcome = handle.result(self.timeout_s)
+                outcome = handle.result(max(deadline - time.monotonic(), 0))
             out[step.session].append(
                 InputRecord(
                     step=step.index,

@@ -232,7 +232,9 @@ def decide_release(
     stopped = decide_stop(step, by=by if reason == "stop-all" else None, reason=reason)
     waiting = queue.waiting(step.view.queue)
     for w in waiting:
-        step.add(InputReleased, input_id=w.input.id, reason=reason, archived=archived)
+        # An idle prompt is never archived (INS3), released or not.
+        keep = archived and w.input.trigger_type != "idle"
+        step.add(InputReleased, input_id=w.input.id, reason=reason, archived=keep)
     if stopped is None:
         _archive_released(step, message_id)
     return stopped

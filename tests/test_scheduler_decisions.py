@@ -237,3 +237,15 @@ def test_settings_are_read_for_the_opening_input_only() -> None:
     s.submit(h(2))
     s.step(lambda st: decide_insertion(st, "turn-1"))
     assert reads == ["h1"]
+
+
+def test_a_released_idle_prompt_is_not_archived() -> None:  # SCH6, INS3
+    s = Session()
+    s.submit(h(1))
+    s.submit(Input(id="idle-1", content="找个话题", source="idle", trigger_type="idle"))
+    events = s.step(lambda st: decide_release(st, "stop-all", message_id=s.message_id))
+    assert [(e.input_id, e.archived) for e in events if isinstance(e, InputReleased)] == [
+        ("idle-1", False)
+    ]
+    s.step(lambda st: decide_settled(st, "turn-1", "aborted", s.ctx, message_id=s.message_id))
+    assert not [e for e in s.log if isinstance(e, MessageSaved) and e.message.role == "user"]

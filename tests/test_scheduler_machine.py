@@ -425,6 +425,7 @@ class SSession:
         archived = reason in ("stop-all", "mute", "shutdown")
         turn = self.request_stop(reason, by)
         for inp in self.waiting():
+            archived = reason in ("stop-all", "mute", "shutdown") and not inp.idle  # INS3
             inp.place = ("released", reason, archived)
             if archived:
                 if turn is None:
@@ -1060,7 +1061,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     if reason in ("delete", "clear", "stale-generation"):
                         assert not archives, f"{iid} released by {reason} was archived"
                     else:
-                        assert archived
+                        assert archived or inp.idle  # an idle prompt is never archived
                         assert len(archives) == (1 if inp.archive_done else 0), iid
                         assert all(a.message.meta.turn_id is None for a in archives)
                 case _:
