@@ -149,9 +149,19 @@ class SessionActor(pykka.ThreadingActor):
 
         return OpenContext(
             settings_for=settings_for,
-            new_turn_id=lambda: self.ids.new("turn"),
+            new_turn_id=self._new_turn_id,
             multi_party=info.multi_party,
         )
+
+    def _new_turn_id(self) -> str:
+        """A turn id this session's log has not used (id sources may restart)."""
+        used = {t.turn_id for t in self.view.turns.finished}
+        if self.view.turns.current is not None:
+            used.add(self.view.turns.current.turn_id)
+        while True:
+            turn_id = self.ids.new("turn")
+            if turn_id not in used:
+                return turn_id
 
     def _known_inputs(self, before: SessionView, events: list[SessionEvent]) -> dict[str, Input]:
         known = {w.input.id: w.input for w in (*before.queue.arrived, *queue.waiting(before.queue))}

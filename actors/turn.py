@@ -44,7 +44,7 @@ from events import (
     TurnRecord,
     UsageRecorded,
 )
-from projections import SessionView, history
+from projections import SessionView
 from projections.labels import time_label
 from projections.prompt import (
     Block,
@@ -335,12 +335,11 @@ class TurnRunner:
         # FLOW3-FLOW6: system prompt, history, tools, contributions.
         persona = services.persona.prompt(settings.persona) if services.persona else None
         self._persona = persona
-        window = history.history_window(
-            self.view.history, settings.history_limit, exclude_turn=self.turn_id
+        memory = services.memory  # FLOW4: the history window comes from memory
+        window = memory.window(
+            self.session_id, self.view.history, settings.history_limit, self.turn_id
         )
-        self._active_count = len(
-            history.active_history(self.view.history, exclude_turn=self.turn_id)
-        )
+        self._active_count = memory.count_history(self.session_id, self.view.history, self.turn_id)
         prompt = TurnPrompt(
             system=system_prompt(persona, services.config.system_prompt),
             history=render_history(window, now, tz),

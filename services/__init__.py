@@ -10,6 +10,7 @@ from services.authority import Authority, StaticAuthority
 from services.bus import EventBus
 from services.config import AgentConfig
 from services.llm import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, StreamChunk, Usage
+from services.memory import MemoryService, ProjectionMemory
 from services.outbound import (
     Gateway,
     LogArchive,
@@ -33,9 +34,11 @@ __all__ = [
     "Gateway",
     "Inbound",
     "LogArchive",
+    "MemoryService",
     "MessageArchive",
     "OutboundMessage",
     "PersonaService",
+    "ProjectionMemory",
     "ScriptedModel",
     "ScriptedReply",
     "Services",
@@ -66,6 +69,7 @@ class Services:
     bus: EventBus = field(default_factory=EventBus)
     config: AgentConfig = field(default_factory=AgentConfig)
     persona: PersonaService | None = None
+    memory: MemoryService = field(default_factory=ProjectionMemory)
     archive: MessageArchive | None = field(default_factory=LogArchive)
     """``None``: the archive is absent (ARC1): turns run, nothing new is archived."""
     gateway: Gateway | None = None

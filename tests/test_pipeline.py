@@ -803,3 +803,49 @@ def test_requests_are_trimmed_to_the_budget_without_orphans(envs: list[Env]) -> 
     traces = env.topics("agent:trim")
     assert traces and traces[-1]["steps"][0] == 1
     assert any(a["action"] == "dropped" for t in traces for a in t["trace"])
+
+
+def test_a_memory_backend_supplies_the_history(envs: list[Env]) -> None:  # FLOW4
+    from services import ProjectionMemory
+
+    class Remembering(ProjectionMemory):
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, str | None]] = []
+
+        def window(self, session_id: str, state: Any, limit: int, exclude_turn: str | None) -> Any:
+            self.calls.append((limit, exclude_turn))
+            return [ChatMessage(id="remembered", role="user", content="很久以前的一句话")]
+
+    memory = Remembering()
+    env = make(envs, memory=memory)
+    env.say("你好", **ALICE)
+    assert memory.calls == [(0, "turn-1")]
+    sent = [m.content for m in env.requests()[0].messages if m.role == "user"]
+    assert sent[0].endswith("很久以前的一句话")
+
+
+def test_a_crash_between_calls_and_results_leaves_no_orphans(envs: list[Env]) -> None:  # SAVE6
+    model = GatedModel()
+    tool = GatedTool()
+    env = make(envs, model=model, tools=ToolRegistry([Tool("slow", tool)]))
+    env.runtime.submit(SID, Input(id="", content="跑工具", **ALICE))
+    model.answer(tool_calls=(call("slow", "{}", "c1"), call("slow", "{}", "c2")))
+    tool.wait_running()
+    # The process dies here: actors gone, the tool's results never written.
+    for ref in pykka.ActorRegistry.get_all():
+        ref.stop()
+    tool.release(2)
+    second = make(envs, model=ScriptedModel())
+    second.store = env.store
+    runtime = Runtime(env.store, second.services, FixedClock(), SequentialIds(), janitor=False)
+    try:
+        assert runtime.recover() == [SID]
+        runtime.wait_idle(10)
+        runtime.submit(SID, Input(id="", content="继续", **ALICE)).result(10)
+        runtime.wait_idle(10)
+        request = second.model.requests[-1]
+        _assert_pairs(request.messages)
+        assert not [m for m in request.messages if m.role == "tool"]  # the cut group is gone
+        assert any(m.kind == "turn-stopped" for m in request.messages)
+    finally:
+        runtime.shutdown(timeout=10)
