@@ -9,12 +9,12 @@ event type without a decision fails loudly at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar, get_args
 
 from events.schema import SessionEvent
 
-__all__ = ["EVENT_TYPES", "Handler", "check_complete", "keep"]
+__all__ = ["EVENT_TYPES", "Handler", "check_complete", "fold", "keep"]
 
 S = TypeVar("S")
 Handler = Callable[[S, Any], S]
@@ -36,3 +36,10 @@ def check_complete(name: str, handlers: Mapping[type, object]) -> None:
             f"projection {name}: no handler for {sorted(t.__name__ for t in missing)}; "
             f"not events: {sorted(t.__name__ for t in extra)}"
         )
+
+
+def fold(handlers: Mapping[type, Handler[S]], state: S, events: Iterable[SessionEvent]) -> S:
+    """Fold ``events`` into ``state`` through a complete handler table."""
+    for event in events:
+        state = handlers[type(event)](state, event)
+    return state

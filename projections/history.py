@@ -38,7 +38,7 @@ from events.schema import (
     TurnRecorded,
     UsageRecorded,
 )
-from projections._dispatch import Handler, check_complete, keep
+from projections._dispatch import Handler, check_complete, fold, keep
 from projections.chain import Chain
 
 __all__ = [
@@ -123,11 +123,7 @@ def evolve(state: HistoryState, event: SessionEvent) -> HistoryState:
 
 def project(events: Iterable[SessionEvent], state: HistoryState | None = None) -> HistoryState:
     """Fold a whole log (or the rest of one, from ``state``)."""
-    state = HistoryState() if state is None else state
-    handlers = HANDLERS
-    for event in events:
-        state = handlers[type(event)](state, event)
-    return state
+    return fold(HANDLERS, HistoryState() if state is None else state, events)
 
 
 def active_history(

@@ -35,7 +35,7 @@ from events.schema import (
     TurnRecorded,
     UsageRecorded,
 )
-from projections._dispatch import Handler, check_complete, keep
+from projections._dispatch import Handler, check_complete, fold, keep
 
 __all__ = ["HANDLERS", "QueueState", "RunningTurn", "Waiting", "evolve", "project", "waiting"]
 
@@ -200,11 +200,7 @@ def evolve(state: QueueState, event: SessionEvent) -> QueueState:
 
 def project(events: Iterable[SessionEvent], state: QueueState | None = None) -> QueueState:
     """Fold a whole log (or the rest of one, from ``state``)."""
-    state = QueueState() if state is None else state
-    handlers = HANDLERS
-    for event in events:
-        state = handlers[type(event)](state, event)
-    return state
+    return fold(HANDLERS, QueueState() if state is None else state, events)
 
 
 def waiting(state: QueueState) -> list[Waiting]:

@@ -31,7 +31,7 @@ from events.schema import (
     TurnSettings,
     UsageRecorded,
 )
-from projections._dispatch import Handler, check_complete, keep
+from projections._dispatch import Handler, check_complete, fold, keep
 from projections.chain import Chain
 
 __all__ = [
@@ -196,11 +196,7 @@ def evolve(state: TurnsState, event: SessionEvent) -> TurnsState:
 
 def project(events: Iterable[SessionEvent], state: TurnsState | None = None) -> TurnsState:
     """Fold a whole log (or the rest of one, from ``state``)."""
-    state = TurnsState() if state is None else state
-    handlers = HANDLERS
-    for event in events:
-        state = handlers[type(event)](state, event)
-    return state
+    return fold(HANDLERS, TurnsState() if state is None else state, events)
 
 
 def turn_info(log: TurnLog) -> TurnInfo:
