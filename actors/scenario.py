@@ -52,6 +52,7 @@ from events import (
     to_builtins,
 )
 from events.schema import TriggerType
+from projections.validate import provider_violations
 from services import (
     AbortSignal,
     AgentConfig,
@@ -1045,6 +1046,12 @@ class CallRecord:
     status: str
     reply: ReplySpec | None
     turn_id: str | None = None
+    trim: dict[str, Any] | None = None  # the trim trace of this call (agent:trim), if any
+
+    @property
+    def violations(self) -> list[str]:
+        """Breaches of the providers' message rules in the request (should be none)."""
+        return provider_violations(self.request.messages)
 
     @property
     def messages(self) -> tuple[ChatMessage, ...]:
@@ -1070,6 +1077,8 @@ class CallRecord:
             "messages": [message_json(m) for m in r.messages],
             "tools": [dict(t) for t in r.tools],
             "reply": None if self.reply is None else self.reply.to_json(),
+            "trim": self.trim,
+            "violations": self.violations,
         }
 
 
@@ -1232,6 +1241,16 @@ class _Driver:
         )
         for topic in ("turn:opened", "turn:ended", "outbound:message"):
             self.runtime.subscribe(topic, self.gate.on_bus)
+        self.trims: dict[tuple[str, str, int], dict[str, Any]] = {}
+        self.runtime.subscribe("agent:trim", self._on_trim)
+
+    def _on_trim(self, topic: str, payload: Any) -> None:
+        key = (payload["sessionId"], payload["turnId"], payload["call"])
+        self.trims[key] = {
+            "budget": payload["budget"],
+            "steps": payload["steps"],
+            "trace": payload["trace"],
+        }
 
     def error(self, reason: str, step: StepSpec | None = None) -> ScenarioError:
         return ScenarioError(reason, file=self.sc.file, where=step.label() if step else None)
@@ -1498,6 +1517,9 @@ class _Driver:
                     status=c.state,
                     reply=c.reply,
                     turn_id=started[i].turn_id if i < len(started) else None,
+                    trim=self.trims.get((s.id, started[i].turn_id, started[i].index))
+                    if i < len(started)
+                    else None,
                 )
                 for i, c in enumerate(made)
             ]

@@ -558,3 +558,26 @@ def test_the_docs_show_the_example_files_as_they_are() -> None:
         "malformed_tool_call",
         "stop_marker",
     } <= shown
+
+
+def test_every_call_in_every_example_obeys_the_providers_rules() -> None:  # TRIM validator
+    for path in sorted(SCENARIOS.glob("*.toml")):
+        result = run_scenario(path)
+        for session, calls in result.calls.items():
+            for record in calls:
+                assert record.violations == [], (path.name, session, record.index)
+                assert record.to_json()["violations"] == []
+
+
+def test_the_output_carries_each_calls_trim_trace() -> None:  # TRIM trace in the output
+    scenario = {
+        "model": {"context_length": 2600, "max_output_tokens": 512},
+        "sessions": [{"id": "s", "platform": "qq"}],
+        "replies": [{"text": "答" * 300} for _ in range(8)],
+        "steps": [{"do": "say", "from": "u", "text": f"问题{i}" + "细节" * 150} for i in range(8)],
+    }
+    result = run_scenario(scenario)
+    traced = [c.trim for c in result.calls["s"] if c.trim is not None]
+    assert traced, "no call was trimmed"
+    assert traced[-1]["steps"][0] == 1
+    assert any(a["action"] == "dropped" for t in traced for a in t["trace"])
