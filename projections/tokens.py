@@ -7,10 +7,10 @@ Loading the encoding reads a file shipped inside a package; nothing touches the 
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -65,29 +65,32 @@ def estimate_tokens(text: str) -> int:
 
 
 class _Cached:
-    """A bounded LRU of text → tokens, shared by a counter's threads."""
+    """A bounded cache of text → tokens, shared by a counter's threads.
+
+    Reads take no lock (a dict lookup is atomic); when full, the oldest half is dropped.
+    """
 
     def __init__(self, fn: Callable[[str], int], size: int) -> None:
         self._fn = fn
         self._size = size
-        self._cache: OrderedDict[str, int] = OrderedDict()
+        self._cache: dict[str, int] = {}
         self._lock = threading.Lock()
         self.encodes = 0
 
     def count(self, text: str) -> int:
         if not text:
             return 0
-        with self._lock:
-            hit = self._cache.get(text)
-            if hit is not None:
-                self._cache.move_to_end(text)
-                return hit
+        hit = self._cache.get(text)
+        if hit is not None:
+            return hit
         n = self._fn(text)
         with self._lock:
             self.encodes += 1
-            self._cache[text] = n
-            if len(self._cache) > self._size:
-                self._cache.popitem(last=False)
+            cache = self._cache
+            if len(cache) >= self._size:
+                for key in list(itertools.islice(cache, len(cache) // 2 or 1)):
+                    del cache[key]
+            cache[text] = n
         return n
 
 

@@ -349,6 +349,113 @@ def bench_inputs_per_s_1k(tmp: Path) -> None:
     )
 
 
+def _conversation(n: int) -> list[ChatMessage]:
+    """``n`` history messages: user/assistant pairs with a tool group every tenth turn."""
+    from events import ToolCall
+
+    out: list[ChatMessage] = []
+    i = 0
+    while len(out) < n:
+        out.append(ChatMessage(id=f"u{i}", role="user", content=f"({i}) {USER_TEXT}"))
+        if i % 10 == 9:
+            call = ToolCall(id=f"c{i}", name="weather", arguments='{"city": "上海"}')
+            out.append(ChatMessage(id=f"a{i}", role="assistant", tool_calls=(call,)))
+            out.append(
+                ChatMessage(id=f"t{i}", role="tool", content=REPLY_TEXT * 3, tool_call_id=call.id)
+            )
+        out.append(ChatMessage(id=f"r{i}", role="assistant", content=REPLY_TEXT))
+        i += 1
+    return out[:n]
+
+
+def bench_trim(tmp: Path) -> None:
+    """Trim of a 1,000-message history: with counts kept, and counting from scratch."""
+    from projections.tokens import TiktokenCounter, default_counter
+    from projections.trim import TrimRequest, trim, trim_budget
+
+    history = _conversation(1000)
+    head = [ChatMessage(id="sys", role="system", content="你是一个助手。" * 20)]
+    turn = [ChatMessage(id="in", role="user", content=USER_TEXT)]
+    req = TrimRequest(
+        head=head,
+        history=history,
+        turn=turn,
+        budget=trim_budget(32_000, 4096),
+        protected=frozenset({"in"}),
+    )
+    counter = default_counter()
+    trim(req, counter)  # counts kept from here on
+    cached = best_of(20, lambda: trim(req, counter))
+    encoding = getattr(counter, "_encoding", None)
+
+    def cold() -> None:
+        fresh = TiktokenCounter(encoding) if encoding is not None else type(counter)()
+        trim(req, fresh)
+
+    cold_s = best_of(5, cold)
+    emit(
+        "trim_1k_cached_ms", cached * 1000, "ms", messages=1000, counter=counter.name, target="<= 1"
+    )
+    emit("trim_1k_cold_ms", cold_s * 1000, "ms", messages=1000, counter=counter.name)
+
+
+def bench_turns(tmp: Path) -> None:
+    """Tokens encoded per turn as history grows, and the whole orchestration cost of a turn
+    (a user message, one tool call, a final reply) on the instant scripted model with the
+    durable SQLite log, for 10, 100 and 1,000 history messages."""
+    from actors.runtime import Runtime
+    from events import ToolCall
+    from projections.tokens import default_counter
+    from services import ScriptedModel, ScriptedReply, Services, Tool, ToolRegistry
+
+    _quiet_logs()
+
+    def reply(request: object, n: int) -> ScriptedReply:
+        if n % 2:
+            return ScriptedReply(tool_calls=(ToolCall(id=f"c{n}", name="echo", arguments="{}"),))
+        return ScriptedReply(text=f"{n}: {REPLY_TEXT}")  # every reply a new text
+
+    store = SqliteEventStore(tmp / "turns.db")
+    services = Services(
+        llm=ScriptedModel(reply, context_length=1_000_000),
+        tools=ToolRegistry([Tool("echo", lambda args, ctx: "好")]),
+    )
+    runtime = Runtime(store, services, janitor=False)
+    counter = default_counter()
+    encoded: list[int] = []
+    overhead: dict[int, float] = {}
+    turns_done = 0
+    for target in (10, 100, 1000):
+        # Grow the session to ``target`` history messages (4 per turn), then time turns.
+        while len(runtime.view("s").history.messages) < target:
+            runtime.submit("s", Input(id="", content=f"{turns_done}: {USER_TEXT}")).result(60)
+            turns_done += 1
+            if turns_done % 25 == 0:
+                before = counter.encodes
+                text = f"{turns_done}: {USER_TEXT}"
+                runtime.submit("s", Input(id="", content=text)).result(60)
+                turns_done += 1
+                encoded.append(counter.encodes - before)
+        samples = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            runtime.submit("s", Input(id="", content=f"{turns_done}: {USER_TEXT}")).result(60)
+            turns_done += 1
+            samples.append(time.perf_counter() - t0)
+        overhead[target] = statistics.median(samples)
+    runtime.shutdown(timeout=60)
+    store.close()
+    emit(
+        "tokens_encoded_per_turn",
+        statistics.median(encoded),
+        "texts",
+        samples=encoded,
+        note="texts newly encoded by one turn as the history grows; flat means only new ones",
+    )
+    for target, seconds in overhead.items():
+        emit("turn_overhead_ms", seconds * 1000, "ms", history=target, calls=2, tool_calls=1)
+
+
 ALL = (
     "append_single_eps",
     "append_single_exclusive_eps",
@@ -360,6 +467,8 @@ ALL = (
     "stop_latency_ms",
     "passivated_10k",
     "inputs_per_s_1k_sessions",
+    "trim_1k",
+    "turns",
 )
 
 
@@ -404,6 +513,10 @@ def main(argv: list[str] | None = None) -> int:
                 bench_passivated_10k(tmp)
             elif name == "inputs_per_s_1k_sessions":
                 bench_inputs_per_s_1k(tmp)
+            elif name == "trim_1k":
+                bench_trim(tmp)
+            elif name == "turns":
+                bench_turns(tmp)
         if big is not None:
             big.close()
     return 0

@@ -254,15 +254,18 @@ def test_cache_counts_a_growing_conversation_once(kind: str) -> None:
     assert counter.encodes - before == _texts(grown[10:])
 
 
-def test_cache_is_a_bounded_lru() -> None:
-    counter = EstimateCounter(cache_size=2)
-    counter.count("a")
-    counter.count("b")
-    counter.count("a")  # a becomes the most recent
-    assert counter.encodes == 2
-    counter.count("c")  # evicts b
-    assert counter.encodes == 3
-    counter.count("a")
-    assert counter.encodes == 3
-    counter.count("b")
+def test_cache_is_bounded_dropping_the_oldest_half() -> None:
+    counter = EstimateCounter(cache_size=4)
+    for text in "abcd":
+        counter.count(text)
     assert counter.encodes == 4
+    counter.count("a")  # a hit: no encode
+    assert counter.encodes == 4
+    counter.count("e")  # full: the oldest half (a, b) goes, then e is kept
+    assert counter.encodes == 5
+    counter.count("c")
+    counter.count("d")
+    counter.count("e")
+    assert counter.encodes == 5  # still cached
+    counter.count("a")
+    assert counter.encodes == 6  # dropped, encoded again
