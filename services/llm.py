@@ -7,12 +7,16 @@ calls (accepted from any chunk), tool-call progress (index, name, characters so 
 
 from __future__ import annotations
 
+import json
 import threading
+import tomllib
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
 
+from events.errors import ConfigError
 from events.schema import ChatMessage, ToolCall
 from services.abort import AbortSignal
 
@@ -118,6 +122,23 @@ class ScriptedModel:
         self._default = default or ScriptedReply(text="好的。")
         self._lock = threading.Lock()
         self.requests: list[ChatRequest] = []
+
+    @classmethod
+    def from_file(cls, path: str | Path, **kwargs: Any) -> ScriptedModel:
+        """Replies from a TOML file (``[[replies]]`` tables) or a JSON list, in call order.
+
+        Each reply takes the fields of :class:`ScriptedReply`; ``tool_calls`` is a list of
+        ``{id, name, arguments}`` with ``arguments`` as the raw text the model streams
+        (so malformed JSON can be scripted), ``usage`` a table of token counts.
+        """
+        path = Path(path)
+        text = path.read_text(encoding="utf-8")
+        try:
+            raw = tomllib.loads(text)["replies"] if path.suffix == ".toml" else json.loads(text)
+            replies = msgspec.convert(raw, list[ScriptedReply])
+        except (KeyError, ValueError, tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
+            raise ConfigError(f"{path}: not a model script: {exc}") from None
+        return cls(replies, **kwargs)
 
     def _next(self, request: ChatRequest) -> ScriptedReply:
         with self._lock:
