@@ -44,6 +44,7 @@ from events import (
     IdSource,
     Input,
     SystemClock,
+    TokenUsage,
     UuidIds,
 )
 from projections import SessionView, project, queue
@@ -307,6 +308,15 @@ class Runtime:
         if future is None:
             return self._load(session_id)
         return future.get(timeout=self.ask_timeout_s)  # type: ignore[no-any-return]
+
+    def token_request(self, session_id: str, platform: str | None = None) -> TokenUsage:
+        """``token:request`` (ACC3): the usage a turn would have now, built the same way
+        (same read, same trim) without writing or logging anything; no turn id."""
+        from actors.snapshot import token_request
+
+        usage = token_request(self, session_id, platform)
+        self.services.bus.publish("token:usage", msgspec.to_builtins(usage))
+        return usage
 
     def active_sessions(self) -> list[str]:
         with self._lock:

@@ -54,6 +54,7 @@ from projections.prompt import (
     is_instruction,
     render_history,
     render_input,
+    split_parts,
     system_prompt,
     volatile_for,
 )
@@ -567,17 +568,7 @@ class TurnRunner:
         budget = trim_budget(
             llm.context_length, llm.max_output_tokens, services.config.trim_threshold_ratio
         )
-        history_ids = {m.id for m in prompt.history}
-        head: list[ChatMessage] = []
-        hist: list[ChatMessage] = []
-        rest: list[ChatMessage] = []
-        for m in messages:
-            if not hist and not rest and m.role == "system" and m.id not in history_ids:
-                head.append(m)
-            elif not rest and m.id in history_ids:
-                hist.append(m)
-            else:
-                rest.append(m)
+        head, hist, rest = split_parts(messages, {m.id for m in prompt.history})
         counter = default_counter()
         result = trim(
             TrimRequest(

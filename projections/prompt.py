@@ -37,6 +37,7 @@ __all__ = [
     "is_instruction",
     "render_history",
     "render_input",
+    "split_parts",
     "system_prompt",
 ]
 
@@ -164,6 +165,24 @@ def assemble(prompt: TurnPrompt) -> list[ChatMessage]:
         else:
             turn += hints + inputs
     return head + list(prompt.history) + turn + list(prompt.tail)
+
+
+def split_parts(
+    messages: Sequence[ChatMessage], history_ids: frozenset[str] | set[str]
+) -> tuple[list[ChatMessage], list[ChatMessage], list[ChatMessage]]:
+    """Head (system messages before anything else, history's own excluded), history (the
+    history's messages that follow) and the turn (the rest), for trimming (TRIM)."""
+    head: list[ChatMessage] = []
+    hist: list[ChatMessage] = []
+    rest: list[ChatMessage] = []
+    for m in messages:
+        if not hist and not rest and m.role == "system" and m.id not in history_ids:
+            head.append(m)
+        elif not rest and m.id in history_ids:
+            hist.append(m)
+        else:
+            rest.append(m)
+    return head, hist, rest
 
 
 def volatile_for(now_ms: int, tz: tzinfo, platform: str | None, multi_party: bool) -> str:

@@ -1,0 +1,121 @@
+"""``token:request`` (ACC3): a usage snapshot built exactly like a real turn's request.
+
+Same read of the history, same prompt, same trim (as a snapshot: the continuation hint
+goes at the end), but no logs, no events, no turn id, and ``used`` is the estimate.
+The platform is the caller's, else the session's origin platform, else ``webui``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from actors.hooks import ContributionView
+from events import TokenUsage
+from projections.prompt import (
+    Block,
+    TurnPrompt,
+    assemble,
+    render_history,
+    split_parts,
+    system_prompt,
+    volatile_for,
+)
+from projections.tokens import count_messages, default_counter, tool_definition_tokens
+from projections.trim import TrimRequest, trim, trim_budget
+from projections.usage import breakdown, usage_payload
+
+if TYPE_CHECKING:
+    from actors.runtime import Runtime
+
+__all__ = ["snapshot_platform", "token_request"]
+
+
+def snapshot_platform(runtime: Runtime, session_id: str, platform: str | None) -> str:
+    """ACC3: explicit, else the origin platform (a child's from its root), else webui."""
+    if platform:
+        return platform
+    sessions = runtime.services.sessions
+    info = sessions.info(session_id)
+    seen = {session_id}
+    while info.parent_id is not None and info.parent_id not in seen:
+        seen.add(info.parent_id)
+        info = sessions.info(info.parent_id)
+    return info.origin_platform or "webui"
+
+
+def token_request(runtime: Runtime, session_id: str, platform: str | None = None) -> TokenUsage:
+    """Build the snapshot for ``session_id``; reads the session, writes nothing."""
+    services = runtime.services
+    view = runtime.view(session_id)
+    where = snapshot_platform(runtime, session_id, platform)
+    settings = services.settings.for_turn(session_id, where, view.settings)
+    info = services.sessions.info(session_id)
+    now = runtime.clock.now_ms()
+    tz = services.tz
+    persona = services.persona.prompt(settings.persona) if services.persona else None
+    memory = services.memory
+    window = memory.window(session_id, view.history, settings.history_limit, None)
+    prompt = TurnPrompt(
+        system=system_prompt(persona, services.config.system_prompt),
+        history=render_history(window, now, tz),
+        volatile=volatile_for(now, tz, where, info.multi_party),
+    )
+    contribution_view = ContributionView(
+        session_id=session_id,
+        user_id=None,
+        platform=where,
+        trigger_type=None,
+        dry_run=True,
+        messages=tuple(assemble(prompt)),
+    )
+    for built in runtime.hooks.build_contributions(
+        contribution_view, services.config.prompt_build_timeout_ms
+    ):
+        c = built.contribution
+        prompt.blocks.extend(Block(c.anchor, c.injector, text) for text in built.blocks)
+    messages = assemble(prompt)
+    tools = [t.definition() for t in services.tools.available(settings.tool_groups)]
+    llm = services.llm
+    counter = default_counter()
+    tool_tokens = tool_definition_tokens(counter, tools)
+    budget = trim_budget(
+        llm.context_length, llm.max_output_tokens, services.config.trim_threshold_ratio
+    )
+    history_ids = frozenset(m.id for m in prompt.history)
+    head, hist, turn = split_parts(messages, history_ids)
+    result = trim(
+        TrimRequest(
+            head=head,
+            history=hist,
+            turn=turn,
+            budget=budget,
+            memory_budget=services.config.memory_token_budget,
+            tool_tokens=tool_tokens,
+            snapshot=True,
+        ),
+        counter,
+    )
+    untrimmed = sum(
+        count_messages(counter, [m]) for m in messages if m.id in history_ids or m.role == "tool"
+    )
+    return usage_payload(
+        session_id=session_id,
+        turn_id=None,
+        platform=where,
+        context_window=llm.context_length,
+        max_tokens=llm.max_output_tokens,
+        token_budget=budget,
+        provider_input_tokens=None,  # a snapshot is an estimate
+        estimate=count_messages(counter, result.messages) + tool_tokens,
+        trimmed=result.trimmed,
+        untrimmed_history=untrimmed,
+        history_messages=memory.count_history(session_id, view.history, None),
+        parts=breakdown(
+            counter,
+            result.messages,
+            history_ids=history_ids,
+            persona_tokens=counter.count(persona) if persona else 0,
+            tool_defs_tokens=tool_tokens,
+            reserved=llm.max_output_tokens,
+        ),
+    )
