@@ -48,7 +48,7 @@ from events import (
     UuidIds,
 )
 from projections import SessionView, project, queue
-from projections.usage import BudgetLog
+from projections.usage import BudgetLog, wire
 from services import Services
 
 __all__ = ["InputBefore", "Runtime", "RuntimeClosed", "SubmitHandle"]
@@ -315,7 +315,7 @@ class Runtime:
         from actors.snapshot import token_request
 
         usage = token_request(self, session_id, platform)
-        self.services.bus.publish("token:usage", msgspec.to_builtins(usage))
+        self.services.bus.publish("token:usage", wire(usage))
         return usage
 
     def active_sessions(self) -> list[str]:

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import pykka
 import structlog
 
@@ -67,7 +66,7 @@ from projections.tokens import (
     tool_definition_tokens,
 )
 from projections.trim import TrimRequest, TrimResult, trim, trim_budget
-from projections.usage import BudgetLog, breakdown, usage_payload
+from projections.usage import BudgetLog, breakdown, usage_payload, wire
 from services import AbortSignal, ChatRequest, OutboundMessage, Services, ToolCallContext
 from services.llm import Usage
 from services.tools import Inbound
@@ -549,7 +548,7 @@ class TurnRunner:
             parts=parts,
         )
         self._report((UsageRecorded, {"usage": usage}))
-        services.bus.publish("token:usage", msgspec.to_builtins(usage))
+        services.bus.publish("token:usage", wire(usage))
         if self._budget_log is not None:
             line = self._budget_log.observe(usage)
             if line is not None:

@@ -6,6 +6,9 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import msgspec
 
 from events.schema import ChatMessage, TokenBreakdown, TokenPart, TokenUsage
 from projections.tokens import TokenCounter, message_tokens
@@ -17,6 +20,7 @@ __all__ = [
     "bucket",
     "budget_line",
     "usage_payload",
+    "wire",
 ]
 
 PART_LABELS = (
@@ -162,6 +166,18 @@ def usage_payload(
             ),
         ),
     )
+
+
+def wire(value: Any) -> Any:
+    """The ``token:usage`` payload as plain data with every field present (the stored event
+    leaves out default values; consumers of the payload get them all)."""
+    if isinstance(value, msgspec.Struct):
+        return {f.encode_name: wire(getattr(value, f.name)) for f in msgspec.structs.fields(value)}
+    if isinstance(value, tuple | list):
+        return [wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: wire(v) for k, v in value.items()}
+    return value
 
 
 def bucket(ratio: float) -> tuple[int, str]:

@@ -152,3 +152,35 @@ def test_no_usage_when_the_call_throws() -> None:  # FLOW11
     finally:
         runtime.shutdown(timeout=10)
         pykka.ActorRegistry.stop_all()
+
+
+def test_trimmed_untrimmed_history_and_the_hard_trim_log() -> None:  # ACC2
+    from structlog.testing import capture_logs
+
+    model = ScriptedModel(
+        lambda request, n: ScriptedReply(text="答" * 300),
+        context_length=2048 + 1024 + 512,
+        max_output_tokens=1024,
+    )
+    runtime = Runtime(
+        InMemoryEventStore(), Services(llm=model), FixedClock(), SequentialIds(), janitor=False
+    )
+    seen: list[Any] = []
+    runtime.subscribe("token:usage", lambda topic, p: seen.append(p))
+    try:
+        with capture_logs() as logs:
+            for i in range(8):
+                runtime.submit("s", Input(id="", content=f"问题{i}" + "细节" * 150)).result(10)
+            runtime.wait_idle(10)
+        first, last = seen[0], seen[-1]
+        assert first["trimmed"] is False  # a short conversation fits: no hard trim
+        assert last["trimmed"] is True
+        # untrimmedHistory counts what the history would have cost before trimming
+        assert last["untrimmedHistory"] > last["breakdown"]["history"]
+        # historyMessages: the whole active history, the part beyond the cut included
+        assert last["historyMessages"] == 14
+        trims = [e for e in logs if e["event"] == "hard trim removed messages"]
+        assert trims and trims[-1]["session"] == "s" and trims[-1]["after"] < trims[-1]["before"]
+    finally:
+        runtime.shutdown(timeout=10)
+        pykka.ActorRegistry.stop_all()
