@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import tzinfo
+from datetime import datetime, tzinfo
 
 import msgspec
 
@@ -99,12 +99,31 @@ def render_input(message: ChatMessage, now_ms: int, tz: tzinfo) -> ChatMessage:
     return msgspec.structs.replace(message, content=f"({when}) {who}{message.content}")
 
 
+_RENDERED: dict[tuple[str, str, int, tzinfo], ChatMessage] = {}
+_RENDERED_MAX = 100_000
+
+
+def _render_cached(m: ChatMessage, now_ms: int, tz: tzinfo) -> ChatMessage:
+    # A label depends only on the message, the time zone and the current year, so an
+    # archived message renders to the same object turn after turn (cheap, cache-friendly).
+    year = datetime.fromtimestamp(now_ms / 1000, tz).year
+    key = (m.id, m.content, year, tz)
+    hit = _RENDERED.get(key)
+    if hit is not None and hit.meta.timestamp == m.meta.timestamp:
+        return hit
+    rendered = render_input(m, now_ms, tz)
+    if len(_RENDERED) >= _RENDERED_MAX:
+        _RENDERED.clear()
+    _RENDERED[key] = rendered
+    return rendered
+
+
 def render_history(messages: Sequence[ChatMessage], now_ms: int, tz: tzinfo) -> list[ChatMessage]:
     """History as sent: user messages labelled, replies with their visible text (FLOW4)."""
     out: list[ChatMessage] = []
     for m in messages:
         if m.role == "user":
-            out.append(render_input(m, now_ms, tz))
+            out.append(_render_cached(m, now_ms, tz))
         elif m.role == "assistant" and m.meta.visible_content is not None:
             out.append(msgspec.structs.replace(m, content=m.meta.visible_content))
         else:
