@@ -99,22 +99,22 @@ def render_input(message: ChatMessage, now_ms: int, tz: tzinfo) -> ChatMessage:
     return msgspec.structs.replace(message, content=f"({when}) {who}{message.content}")
 
 
-_RENDERED: dict[tuple[str, str, int, tzinfo], ChatMessage] = {}
+_RENDERED: dict[int, tuple[ChatMessage, int, tzinfo, ChatMessage]] = {}
 _RENDERED_MAX = 100_000
 
 
 def _render_cached(m: ChatMessage, now_ms: int, tz: tzinfo) -> ChatMessage:
-    # A label depends only on the message, the time zone and the current year, so an
-    # archived message renders to the same object turn after turn (cheap, cache-friendly).
+    # A label depends only on the message, the time zone and the current year, and the
+    # history keeps the same message objects turn after turn: keyed by the object (held,
+    # so its id is not reused while cached), a message renders once.
     year = datetime.fromtimestamp(now_ms / 1000, tz).year
-    key = (m.id, m.content, year, tz)
-    hit = _RENDERED.get(key)
-    if hit is not None and hit.meta.timestamp == m.meta.timestamp:
-        return hit
+    hit = _RENDERED.get(id(m))
+    if hit is not None and hit[0] is m and hit[1] == year and hit[2] is tz:
+        return hit[3]
     rendered = render_input(m, now_ms, tz)
     if len(_RENDERED) >= _RENDERED_MAX:
         _RENDERED.clear()
-    _RENDERED[key] = rendered
+    _RENDERED[id(m)] = (m, year, tz, rendered)
     return rendered
 
 

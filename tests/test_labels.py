@@ -31,3 +31,27 @@ def test_sender_label_forms() -> None:
     assert sender_label("qq", None, "Alice") == "[Alice]: "
     assert sender_label("cli", "console", "me") == ""
     assert sender_label("webui", "console", None) == ""
+
+
+def test_rendering_never_mixes_up_messages_that_share_an_id() -> None:
+    # Ids can repeat across restarts of an id source; the render cache must not care.
+    from events import ChatMessage, MessageMeta, Sender
+    from projections.prompt import render_history
+
+    a = ChatMessage(
+        id="msg-1",
+        role="user",
+        content="hi",
+        meta=MessageMeta(input_id="in-a", sender=Sender(user_id="a"), platform="qq"),
+    )
+    b = ChatMessage(
+        id="msg-1",
+        role="user",
+        content="hi",
+        meta=MessageMeta(input_id="in-b", sender=Sender(user_id="b"), platform="qq"),
+    )
+    first = render_history([a], NOW, CST)[0]
+    second = render_history([b], NOW, CST)[0]
+    assert (first.meta.input_id, second.meta.input_id) == ("in-a", "in-b")
+    assert first.content.endswith("[a]: hi") and second.content.endswith("[b]: hi")
+    assert render_history([a], NOW, CST)[0] is first  # the same object renders once
