@@ -273,6 +273,10 @@ class TurnRunner:
         reason: str | None = None
         try:
             outcome, reason = self._run()
+        except pykka.ActorDeadError:
+            # The session's actor is gone (the runtime was stopped under the turn): there
+            # is nobody to report to, and the log will record the turn on recovery.
+            outcome, reason = "aborted", "crash"
         except Exception as exc:
             log.exception("turn failed", session=self.session_id, turn=self.turn_id)
             outcome, reason = "error", type(exc).__name__
