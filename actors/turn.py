@@ -60,9 +60,7 @@ from projections.prompt import (
 from projections.textnorm import strip_leaked_special_tokens, truncate
 from projections.texts import ERROR_PREFIX, focus_guide, tool_bad_arguments
 from projections.tokens import (
-    count_messages,
     default_counter,
-    message_tokens,
     tool_definition_tokens,
 )
 from projections.trim import TrimRequest, TrimResult, trim, trim_budget
@@ -497,7 +495,7 @@ class TurnRunner:
         call.text = "".join(text)
         call.reasoning = "".join(reasoning) or None
         self.actor.tell(CallEnded(self.turn_id, index, "ok", len(call.tool_calls)))
-        self._usage(prompt, before.messages, sent, before.tools, call)  # FLOW11
+        self._usage(prompt, sent, before.tools, call)  # FLOW11
         after = LlmAfter(
             response={
                 "content": call.text,
@@ -512,7 +510,6 @@ class TurnRunner:
     def _usage(
         self,
         prompt: TurnPrompt,
-        untrimmed: list[ChatMessage],
         sent: list[ChatMessage],
         tools: list[dict[str, Any]],
         call: _Call,
@@ -522,18 +519,23 @@ class TurnRunner:
         llm = services.llm
         counter = default_counter()
         tool_tokens = tool_definition_tokens(counter, tools)
-        history_ids = frozenset(m.id for m in prompt.history)
+        trimmed = self.last_trim
+        history_ids: frozenset[str] = frozenset()
+        if trimmed is not None:  # the history's cost is known: count only the rest
+            rest, kept = [*trimmed.head, *trimmed.turn], trimmed.history_tokens
+        else:
+            rest, kept = sent, 0
+            history_ids = frozenset(m.id for m in prompt.history)
         parts = breakdown(
             counter,
-            sent,
+            rest,
             history_ids=history_ids,
             persona_tokens=counter.count(self._persona) if self._persona else 0,
             tool_defs_tokens=tool_tokens,
             reserved=llm.max_output_tokens,
+            history_tokens=kept,
         )
-        untrimmed_history = sum(
-            message_tokens(counter, m) for m in untrimmed if m.id in history_ids or m.role == "tool"
-        )
+        untrimmed_history = trimmed.untrimmed_history if trimmed is not None else 0
         appended = sum(1 for m in prompt.tail if m.role == "tool" or m.tool_calls)
         usage = usage_payload(
             session_id=self.session_id,
@@ -545,7 +547,7 @@ class TurnRunner:
                 llm.context_length, llm.max_output_tokens, services.config.trim_threshold_ratio
             ),
             provider_input_tokens=call.usage.prompt_tokens if call.usage else None,
-            estimate=count_messages(counter, sent) + tool_tokens,
+            estimate=trimmed.tokens_after if trimmed is not None else 0,
             trimmed=self.trimmed,
             untrimmed_history=untrimmed_history,
             history_messages=self._active_count + appended,

@@ -25,6 +25,7 @@ removed six or more messages, the continuation hint goes after this turn's last 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -93,6 +94,10 @@ class TrimResult:
     history_dropped: int = 0  # by steps 1 and 3
     tokens_before: int = 0
     tokens_after: int = 0
+    untrimmed_history: int = 0  # history and tool results before trimming (ACC2)
+    head: list[ChatMessage] = field(default_factory=list)  # the parts as sent
+    turn: list[ChatMessage] = field(default_factory=list)
+    history_tokens: int = 0  # what the history kept costs
 
     @property
     def trimmed(self) -> bool:
@@ -109,14 +114,22 @@ class _State:
         self.turn = list(req.turn)
         self.dropped = 0
         self.result = TrimResult(messages=[])
+        # Prefix sums of the history's tokens: dropping from the front is a subtraction.
+        self.prefix = [0]
+        for m in self.history:
+            self.prefix.append(self.prefix[-1] + message_tokens(counter, m))
 
     def tokens(self, messages: Sequence[ChatMessage]) -> int:
         return sum(message_tokens(self.counter, m) for m in messages)
 
+    def history_tokens(self) -> int:
+        """Tokens of the history still kept (the history itself never changes in a trim)."""
+        return self.prefix[-1] - self.prefix[self.dropped]
+
     def total(self) -> int:
         return (
             self.tokens(self.head)
-            + self.tokens(self.history[self.dropped :])
+            + self.history_tokens()
             + self.tokens(self.turn)
             + self.req.tool_tokens
         )
@@ -133,15 +146,10 @@ def _cut_at(state: _State, units: int, unit: int) -> int:
     a cut inside a tool group extends past the rest of the group."""
     history = state.history
     need = units * unit
-    acc = 0
-    cut = 0
-    for i, m in enumerate(history):
-        acc += message_tokens(state.counter, m)
-        cut = i + 1
-        if acc >= need:
-            break
-    else:
+    prefix = state.prefix
+    if prefix[-1] < need:
         return len(history)
+    cut = bisect.bisect_left(prefix, need)  # the first message where the sum reaches it
     while cut < len(history) and history[cut].role == "tool":
         cut += 1  # the group's remaining results go with their call
     return cut
@@ -377,7 +385,7 @@ def trim(req: TrimRequest, counter: TokenCounter) -> TrimResult:
     unit = -(-budget // 4)
     head_tokens = state.tokens(state.head)
     allowance = budget - head_tokens - unit
-    history_tokens = state.tokens(state.history)
+    history_tokens = state.prefix[-1]
     # Step 1: always, looking only at head and history (TRIM-P).
     result.steps.append(1)
     units = 0
@@ -403,5 +411,10 @@ def trim(req: TrimRequest, counter: TokenCounter) -> TrimResult:
     messages = state.head + state.history[state.dropped :] + state.turn
     result.messages = messages
     result.history_dropped = state.dropped
-    result.tokens_after = sum(message_tokens(counter, m) for m in messages) + req.tool_tokens
+    result.tokens_after = state.total()
+    result.head, result.turn = state.head, state.turn
+    result.history_tokens = state.history_tokens()
+    result.untrimmed_history = state.prefix[-1] + sum(
+        message_tokens(counter, m) for m in req.turn if m.role == "tool"
+    )
     return result

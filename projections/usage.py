@@ -61,8 +61,13 @@ def breakdown(
     persona_tokens: int,
     tool_defs_tokens: int,
     reserved: int,
+    history_tokens: int = 0,
 ) -> TokenBreakdown:
-    """Split what was sent (after trimming) into the source's breakdown fields."""
+    """Split what was sent (after trimming) into the source's breakdown fields.
+
+    ``history_tokens`` is added to the history: a caller that already knows what the
+    history costs passes only the other messages.
+    """
     fields = dict.fromkeys(
         (
             "system",
@@ -77,6 +82,7 @@ def breakdown(
         ),
         0,
     )
+    fields["history"] = history_tokens
     injectors: dict[str, int] = {}
     for i, m in enumerate(messages):
         n = message_tokens(counter, m)
@@ -168,11 +174,22 @@ def usage_payload(
     )
 
 
+_FIELDS: dict[type, tuple[tuple[str, str], ...]] = {}
+
+
+def _fields(kind: type) -> tuple[tuple[str, str], ...]:
+    # msgspec.structs.fields evaluates annotations on every call: keep the answer per type.
+    names = _FIELDS.get(kind)
+    if names is None:
+        names = _FIELDS[kind] = tuple((f.name, f.encode_name) for f in msgspec.structs.fields(kind))
+    return names
+
+
 def wire(value: Any) -> Any:
     """The ``token:usage`` payload as plain data with every field present (the stored event
     leaves out default values; consumers of the payload get them all)."""
     if isinstance(value, msgspec.Struct):
-        return {f.encode_name: wire(getattr(value, f.name)) for f in msgspec.structs.fields(value)}
+        return {out: wire(getattr(value, name)) for name, out in _fields(type(value))}
     if isinstance(value, tuple | list):
         return [wire(v) for v in value]
     if isinstance(value, dict):
