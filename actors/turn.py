@@ -202,6 +202,7 @@ class TurnRunner:
         self.trimmed = False
         self.last_trim: TrimResult | None = None
         self._persona: str | None = None
+        self._history_ids: frozenset[str] | None = None
         self._active_count = 0
         self._budget_log = budget_log
         self.thread = threading.Thread(
@@ -573,7 +574,9 @@ class TurnRunner:
         budget = trim_budget(
             llm.context_length, llm.max_output_tokens, services.config.trim_threshold_ratio
         )
-        head, hist, rest = split_parts(messages, {m.id for m in prompt.history})
+        if self._history_ids is None or len(self._history_ids) != len(prompt.history):
+            self._history_ids = frozenset(m.id for m in prompt.history)
+        head, hist, rest = split_parts(messages, self._history_ids)
         counter = default_counter()
         result = trim(
             TrimRequest(

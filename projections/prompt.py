@@ -157,9 +157,9 @@ class TurnPrompt:
 def assemble(prompt: TurnPrompt) -> list[ChatMessage]:
     """The message list of one request: head, history, then the turn (INS4 placement)."""
     head = [ChatMessage(id="system", role="system", content=prompt.system)]
-    # A contribution already present by injector key (put there by a middleware, say) is
-    # not materialised again.
-    present = {m.meta.injector for m in (*prompt.history, *prompt.tail) if m.meta.injector}
+    # A contribution already present by injector key (added to the turn's messages along
+    # the way) is not materialised again; archived history carries no injector keys.
+    present = {m.meta.injector for m in prompt.tail if m.meta.injector}
     by_anchor: dict[str, list[ChatMessage]] = {}
     for n, block in enumerate(prompt.blocks):
         if block.injector in present:

@@ -35,7 +35,7 @@ class ProjectionMemory:
         self, session_id: str, state: HistoryState, limit: int, exclude_turn: str | None
     ) -> list[ChatMessage]:
         active = history.active_history(state, exclude_turn=exclude_turn)
-        start = history.window_start(self.count_history(session_id, state, exclude_turn), limit)
+        start = history.window_start(len(active), limit)
         return history.group_tool_calls(active[start:])
 
     def count_history(self, session_id: str, state: HistoryState, exclude_turn: str | None) -> int:
