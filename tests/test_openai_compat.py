@@ -1,0 +1,266 @@
+"""The OpenAI-compatible provider against a real HTTP server on loopback (no patching)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pykka
+import pytest
+
+from actors.runtime import Runtime
+from events import (
+    ChatMessage,
+    FixedClock,
+    InMemoryEventStore,
+    Input,
+    SequentialIds,
+    ToolCall,
+    ToolFinished,
+    ToolStarted,
+    TurnRecorded,
+)
+from services import AbortSignal, ChatRequest, Services, Tool, ToolRegistry
+from services.openai_compat import OpenAICompatibleModel, to_openai_message
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "m",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+
+
+class Server:
+    """A loopback chat-completions server whose replies the test scripts."""
+
+    def __init__(self) -> None:
+        self.scripts: list[list[bytes] | int] = []
+        self.requests: list[dict[str, Any]] = []
+        self.delay_s = 0.0
+        self.closed_early = threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                outer.requests.append(json.loads(body))
+                script = outer.scripts.pop(0) if outer.scripts else []
+                if isinstance(script, int):
+                    self.send_response(script)
+                    self.send_header("Content-Type", "application/json")
+                    self.end_headers()
+                    self.wfile.write(b'{"error": {"message": "overloaded"}}')
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                try:
+                    for piece in script:
+                        self.wfile.write(piece)
+                        self.wfile.flush()
+                        if outer.delay_s:
+                            time.sleep(outer.delay_s)
+                    self.wfile.write(b"data: [DONE]\n\n")
+                    self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    outer.closed_early.set()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    s = Server()
+    yield s
+    s.close()
+
+
+def model(server: Server, **kw: Any) -> OpenAICompatibleModel:
+    return OpenAICompatibleModel(base_url=server.url, model="m", api_key="sk-test-secret", **kw)
+
+
+REQ = ChatRequest(messages=(ChatMessage(id="u", role="user", content="你好"),), session_id="s")
+
+
+def test_streams_text_reasoning_and_usage(server: Server) -> None:
+    server.scripts.append(
+        [
+            sse(chunk({"role": "assistant", "reasoning_content": "想想"})),
+            sse(chunk({"content": "你"})),
+            sse(chunk({"content": "好"}, "stop")),
+            sse(
+                {
+                    **chunk({}),
+                    "choices": [],
+                    "usage": {"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13},
+                }
+            ),
+        ]
+    )
+    out = list(model(server).chat_stream(REQ, AbortSignal()))
+    assert [c.reasoning_delta for c in out if c.reasoning_delta] == ["想想"]
+    assert "".join(c.content_delta or "" for c in out) == "你好"
+    assert out[-1].done and out[-1].usage is not None and out[-1].usage.prompt_tokens == 11
+    sent = server.requests[0]
+    assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+    assert sent["messages"] == [{"role": "user", "content": "你好"}]
+
+
+def test_tool_call_arguments_grow_and_are_announced_with_their_call_id(server: Server) -> None:
+    server.scripts.append(
+        [
+            sse(
+                chunk(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "call_abc",
+                                "type": "function",
+                                "function": {"name": "weather", "arguments": ""},
+                            }
+                        ]
+                    }
+                )
+            ),
+            sse(chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]})),
+            sse(
+                chunk(
+                    {"tool_calls": [{"index": 0, "function": {"arguments": '"上海"}'}}]},
+                    "tool_calls",
+                )
+            ),
+        ]
+    )
+    out = list(model(server).chat_stream(REQ, AbortSignal()))
+    progress = [c.tool_call_progress for c in out if c.tool_call_progress]
+    assert {p.call_id for p in progress} == {"call_abc"}
+    assert [p.chars_accumulated for p in progress] == [0, 9, 14]
+    assert out[-1].tool_calls == (
+        ToolCall(id="call_abc", name="weather", arguments='{"city": "上海"}'),
+    )
+
+
+def test_think_levels_map_to_the_request(server: Server) -> None:
+    server.scripts.append([sse(chunk({"content": "好"}, "stop"))])
+    m = model(server, think_levels={"high": "high"})
+    list(m.chat_stream(ChatRequest(messages=REQ.messages, think="high"), AbortSignal()))
+    assert server.requests[0]["reasoning_effort"] == "high"
+    server.scripts.append([sse(chunk({"content": "好"}, "stop"))])
+    list(m.chat_stream(ChatRequest(messages=REQ.messages, think="unknown"), AbortSignal()))
+    assert "reasoning_effort" not in server.requests[1]  # not a level of this model
+
+
+def test_abort_closes_the_stream_at_once(server: Server) -> None:
+    server.delay_s = 0.2
+    server.scripts.append([sse(chunk({"content": "字"})) for _ in range(50)])
+    abort = AbortSignal()
+    stream = model(server).chat_stream(REQ, abort)
+    first = next(stream)
+    assert first.content_delta == "字"
+    t0 = time.monotonic()
+    abort.abort("stop")
+    rest = list(stream)
+    assert time.monotonic() - t0 < 1.0  # not the 10 s the server would still stream
+    assert not any(c.done for c in rest)
+
+
+def test_messages_with_tool_calls_go_out_in_wire_format() -> None:
+    call = ToolCall(id="c1", name="f", arguments="{}")
+    assert to_openai_message(ChatMessage(id="a", role="assistant", tool_calls=(call,))) == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ],
+    }
+    assert to_openai_message(ChatMessage(id="t", role="tool", content="ok", tool_call_id="c1")) == {
+        "role": "tool",
+        "content": "ok",
+        "tool_call_id": "c1",
+    }
+
+
+def test_the_key_never_shows(server: Server) -> None:
+    m = model(server)
+    assert "sk-test-secret" not in repr(m)
+    assert "sk-test-secret" not in str(vars(m).get("id"))
+
+
+def test_turns_through_the_runtime_with_tools_and_errors(server: Server) -> None:
+    server.scripts += [
+        [
+            sse(
+                chunk(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "call_1",
+                                "type": "function",
+                                "function": {"name": "echo", "arguments": '{"x": 1}'},
+                            }
+                        ]
+                    },
+                    "tool_calls",
+                )
+            ),
+        ],
+        [sse(chunk({"content": "完成"}, "stop"))],
+        500,
+    ]
+    tools = ToolRegistry([Tool("echo", lambda args, ctx: f"echo {args['x']}")])
+    runtime = Runtime(
+        InMemoryEventStore(),
+        Services(llm=model(server), tools=tools),
+        FixedClock(),
+        SequentialIds(),
+        janitor=False,
+    )
+    notices: list[Any] = []
+    runtime.subscribe("outbound:message", lambda t, p: notices.append(p))
+    try:
+        assert runtime.submit("s", Input(id="", content="跑一下")).result(10).outcome == "replied"
+        log = runtime.store.read("s")
+        assert [e.call_id for e in log if isinstance(e, ToolStarted)] == ["call_1"]
+        assert [e.result for e in log if isinstance(e, ToolFinished)] == ["echo 1"]
+        second = server.requests[1]["messages"]
+        assert second[-2]["tool_calls"][0]["id"] == "call_1" and second[-1]["role"] == "tool"
+        # A server error: the turn ends in error with a [错误] notice, the session goes on.
+        assert runtime.submit("s", Input(id="", content="再来")).result(10).outcome == "error"
+        assert notices[-1]["kind"] == "error" and notices[-1]["content"].startswith("[错误]")
+        assert [e.outcome for e in runtime.store.read("s") if isinstance(e, TurnRecorded)] == [
+            "replied",
+            "error",
+        ]
+    finally:
+        runtime.shutdown(timeout=10)
+        pykka.ActorRegistry.stop_all()
