@@ -1,4 +1,4 @@
-"""The ``aalis-agent`` command: ``demo``, ``replay`` and ``scenario``.
+"""The ``aalis-agent`` command: ``demo``, ``chat``, ``replay`` and ``scenario``.
 
 structlog and output are configured here, never on import.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import structlog
 
-from events import AgentError, ReplayError, SqliteEventStore, StoreError
+from events import AgentError, ConfigError, ReplayError, SqliteEventStore, StoreError
 
 __all__ = ["build_parser", "main"]
 
@@ -45,6 +45,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "-v", "--verbose", action="store_true", help="show the scheduler's debug log lines"
     )
+
+    chat = sub.add_parser(
+        "chat",
+        help="talk to a session from the terminal (or pipe lines in)",
+        description=(
+            "Chat with a session: each line is a message; lines typed while a turn runs "
+            "join it or queue as the scheduler decides; /stop stops the running turn, "
+            "/quit leaves. Reads piped input too (one message a line), waits for the last "
+            "turn, then exits. Uses a scripted model unless --base-url and --model name an "
+            "OpenAI-compatible server (key from OPENAI_API_KEY)."
+        ),
+    )
+    chat.add_argument("--db", default="aalis-chat.db", help="SQLite event database")
+    chat.add_argument("--session", default="cli:console", help="session id (default: cli:console)")
+    chat.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:11434/v1")
+    chat.add_argument("--model", help="model id on that server")
+    chat.add_argument("--script", help="a scripted model's replies (TOML or JSON), instead")
 
     replay = sub.add_parser(
         "replay",
@@ -116,6 +133,22 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from actors.chat import run_chat
+    from services import ChatModel, ScriptedModel
+
+    model: ChatModel | None = None
+    if args.base_url or args.model:
+        if not (args.base_url and args.model):
+            raise ConfigError("--base-url and --model go together")
+        from services.openai_compat import OpenAICompatibleModel
+
+        model = OpenAICompatibleModel(base_url=args.base_url, model=args.model)
+    elif args.script:
+        model = ScriptedModel.from_file(args.script)
+    return run_chat(args.db, args.session, model)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from actors.demo import run_demo
 
@@ -137,12 +170,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # The demo prints its own transcript: the log joins it only when asked (-v).
-    configure_logging(getattr(args, "verbose", False), quiet=args.command == "demo")
+    configure_logging(getattr(args, "verbose", False), quiet=args.command in ("demo", "chat"))
     try:
         if args.command == "replay":
             return _cmd_replay(args)
         if args.command == "demo":
             return _cmd_demo(args)
+        if args.command == "chat":
+            return _cmd_chat(args)
         if args.command == "scenario":
             from actors.scenario import run_cli
 

@@ -458,6 +458,14 @@ class TurnRunner:
                     break
                 if chunk.content_delta:
                     text.append(chunk.content_delta)
+                    services.bus.publish(
+                        "outbound:stream",
+                        {
+                            "sessionId": self.session_id,
+                            "turnId": self.turn_id,
+                            "contentDelta": chunk.content_delta,
+                        },
+                    )
                 if chunk.reasoning_delta:
                     reasoning.append(chunk.reasoning_delta)
                 progress = chunk.tool_call_progress

@@ -1,0 +1,110 @@
+"""``aalis-agent chat``: talk to a session from a terminal, or script it through a pipe.
+
+Lines typed while a turn runs go to the session at once and join or queue exactly as the
+scheduler says; ``/stop`` stops the running turn; ``/quit`` (or end of input) leaves once
+the last turn has ended. The reply streams as it comes, and a one-line token-usage status
+follows each turn. Everything is persisted: ``aalis-agent replay DB`` shows it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+from actors.runtime import Runtime, SubmitHandle
+from events import Input, Sender, SqliteEventStore
+from services import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, Services
+
+__all__ = ["default_model", "run_chat"]
+
+CONSOLE = Sender(user_id="console", nickname="console")
+
+
+def default_model() -> ScriptedModel:
+    """The embedded default: a scripted model that says what it received."""
+
+    def reply(request: ChatRequest, n: int) -> ScriptedReply:
+        said = next((m.content for m in reversed(request.messages) if m.role == "user"), "")
+        text = said.split(") ", 1)[-1] if said.startswith("(") else said
+        return ScriptedReply(text=f"（脚本模型）收到：{text}", chunks=4)
+
+    return ScriptedModel(reply, model_id="scripted", provider_id="demo")
+
+
+def _status(usage: Mapping[str, Any]) -> str:
+    ratio = usage.get("usageRatio", 0.0) * 100
+    return (
+        f"[用量] {usage.get('used')}/{usage.get('contextWindow')} ({ratio:.1f}%) "
+        f"历史 {usage.get('historyMessages')} 条" + (" 已裁剪" if usage.get("trimmed") else "")
+    )
+
+
+def run_chat(
+    db_path: str,
+    session_id: str,
+    model: ChatModel | None = None,
+    *,
+    stdin: TextIO | None = None,
+    out: TextIO | None = None,
+) -> int:
+    stdin = sys.stdin if stdin is None else stdin
+    out = sys.stdout if out is None else out
+    interactive = stdin.isatty()
+    store = SqliteEventStore(db_path)
+    runtime = Runtime(store, Services(llm=model or default_model()))
+    lock = threading.Lock()
+    last_usage: dict[str, Any] = {}
+
+    def write(text: str) -> None:
+        with lock:
+            out.write(text)
+            out.flush()
+
+    def on_event(topic: str, payload: Any) -> None:
+        if payload.get("sessionId") != session_id:
+            return
+        if topic == "outbound:stream" and "contentDelta" in payload:
+            write(payload["contentDelta"])
+        elif topic == "token:usage":
+            last_usage.clear()
+            last_usage.update(payload)
+        elif topic == "outbound:message" and payload.get("kind") != "reply":
+            write(f"\n{payload['content']}\n")
+        elif topic == "turn:ended":
+            reason = f"（{payload['reason']}）" if payload.get("reason") else ""
+            end = "" if payload["outcome"] == "replied" else f" [{payload['outcome']}{reason}]"
+            write(f"{end}\n{_status(last_usage) if last_usage else ''}\n")
+
+    runtime.subscribe("*", on_event)
+    handles: list[SubmitHandle] = []
+    if interactive:
+        write(f"aalis-agent chat: session {session_id}, log {db_path}. /stop, /quit.\n")
+    try:
+        for raw in stdin:
+            line = raw.rstrip("\n")
+            if not line.strip():
+                continue
+            if line.strip() == "/quit":
+                break
+            if line.strip() == "/stop":
+                answer = runtime.stop_command(session_id, "cli", "console")
+                if answer:
+                    write(f"{answer}\n")
+                continue
+            handles.append(
+                runtime.submit(
+                    session_id, Input(id="", content=line, sender=CONSOLE, platform="cli")
+                )
+            )
+        for handle in handles:
+            handle.result(timeout=None)
+        runtime.wait_idle(None)
+    except KeyboardInterrupt:
+        write("\n")
+    finally:
+        runtime.shutdown(timeout=30)
+        store.close()
+    write(f"Replay: aalis-agent replay {db_path} --session {session_id}\n")
+    return 0

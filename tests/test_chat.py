@@ -1,0 +1,93 @@
+"""``aalis-agent chat``: through a pipe, and as a person types at a terminal (a pty)."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from events import InputJoined, InputQueued, SqliteEventStore, StopRequested, TurnRecorded
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "actors.cli"]
+
+
+def test_piped_lines_are_answered_in_order_and_persisted(tmp_path: Path) -> None:
+    db = tmp_path / "chat.db"
+    result = subprocess.run(
+        [*CLI, "chat", "--db", str(db)],
+        input="你好\n今天天气怎么样\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "（脚本模型）收到：你好" in lines
+    assert "（脚本模型）收到：今天天气怎么样" in lines
+    assert any(line.startswith("[用量] ") for line in lines)  # a status line after each turn
+    assert f"Replay: aalis-agent replay {db} --session cli:console" in lines
+    with SqliteEventStore(db) as store:
+        log = store.read("cli:console")
+    outcomes = [e.outcome for e in log if isinstance(e, TurnRecorded)]
+    assert outcomes and set(outcomes) == {"replied"}
+    joined = [e.input_id for e in log if isinstance(e, InputJoined)]
+    assert len(joined) == 2  # both messages entered a turn (joined or queued first)
+
+
+def _read_until(fd: int, needle: str, timeout: float = 20.0) -> str:
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while needle.encode() not in seen:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"{needle!r} not seen in {seen.decode(errors='replace')!r}")
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            seen += chunk
+    return seen.decode(errors="replace")
+
+
+def test_typing_while_a_reply_streams_then_stop(tmp_path: Path) -> None:
+    script = tmp_path / "slow.toml"
+    script.write_text(
+        '[[replies]]\ntext = "' + "慢" * 60 + '"\nchunks = 60\nchunk_delay_s = 0.1\n\n'
+        '[[replies]]\ntext = "好的"\n',
+        encoding="utf-8",
+    )
+    db = tmp_path / "chat.db"
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the command, on a terminal
+        os.chdir(ROOT)
+        os.execv(sys.executable, [*CLI, "chat", "--db", str(db), "--script", str(script)])
+    try:
+        _read_until(fd, "/quit.")  # the interactive greeting
+        os.write(fd, "讲个长故事\n".encode())
+        _read_until(fd, "慢慢")  # the reply is streaming
+        os.write(fd, "等一下\n".encode())  # typed mid-turn: it waits to join or queues
+        os.write(fd, b"/stop\n")
+        _read_until(fd, "[aborted")
+        _read_until(fd, "好的")  # the typed line ran next
+        os.write(fd, b"/quit\n")
+        _read_until(fd, "Replay:")
+    finally:
+        os.waitpid(pid, 0)
+        os.close(fd)
+    with SqliteEventStore(db) as store:
+        log = store.read("cli:console")
+    assert [e.by for e in log if isinstance(e, StopRequested)] == [None]  # the owner's own session
+    assert [e.outcome for e in log if isinstance(e, TurnRecorded)] == ["aborted", "replied"]
+    waited = [e.input_id for e in log if isinstance(e, InputQueued)]
+    assert waited  # the mid-turn line was held for the next turn
