@@ -1,9 +1,11 @@
 """``aalis-agent chat``: talk to a session from a terminal, or script it through a pipe.
 
 Lines typed while a turn runs go to the session at once and join or queue exactly as the
-scheduler says; ``/stop`` stops the running turn; ``/quit`` (or end of input) leaves once
-the last turn has ended. The reply streams as it comes, and a one-line token-usage status
-follows each turn. Everything is persisted: ``aalis-agent replay DB`` shows it.
+scheduler says; ``/stop`` stops the running turn; ``/session``, ``/session.set`` and
+``/session.reset`` show and change the session's settings; ``/quit`` (or end of input)
+leaves once the last turn has ended. The reply streams as it comes, and a one-line
+token-usage status follows each turn. Everything is persisted: ``aalis-agent replay DB``
+shows it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+from actors.commands import handle_command
 from actors.runtime import Runtime, SubmitHandle
 from events import Input, Sender, SqliteEventStore
 from services import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, Services
@@ -88,8 +91,10 @@ def run_chat(
                 continue
             if line.strip() == "/quit":
                 break
-            if line.strip() == "/stop":
-                answer = runtime.stop_command(session_id, "cli", "console")
+            if line.startswith(("/stop", "/session")):
+                answer = handle_command(
+                    runtime, session_id, line, platform="cli", user_id="console"
+                )
                 if answer:
                     write(f"{answer}\n")
                 continue

@@ -20,6 +20,7 @@ __all__ = [
     "Passivate",
     "Ping",
     "Release",
+    "SetSetting",
     "Settled",
     "Stop",
     "StopCommand",
@@ -121,6 +122,16 @@ class Settled:
     outcome: TurnOutcome
     reason: str | None = None
     duration_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SetSetting:
+    """Set (or reset) a session-layer setting; the value is already validated."""
+
+    key: str
+    value: Any = None
+    reset: bool = False
+    by: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

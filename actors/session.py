@@ -29,6 +29,7 @@ from actors.messages import (
     Passivate,
     Ping,
     Release,
+    SetSetting,
     Settled,
     Stop,
     StopCommand,
@@ -63,6 +64,7 @@ from events import (
     MessageMeta,
     SessionDeleted,
     SessionEvent,
+    SettingsChanged,
     StopRequested,
     TurnOpened,
     TurnRecorded,
@@ -524,6 +526,11 @@ class SessionActor(pykka.ThreadingActor):
         self._wind_down("clear", msg.done, msg.kinds)
         return "clearing"
 
+    def _on_set_setting(self, msg: SetSetting) -> None:
+        step = self._step()
+        step.add(SettingsChanged, key=msg.key, value=msg.value, reset=msg.reset, by=msg.by)
+        self._commit(step)
+
     def _on_passivate(self, msg: Passivate) -> bool:
         idle = (
             self._runner is None
@@ -558,6 +565,7 @@ class SessionActor(pykka.ThreadingActor):
         Release: _on_release,
         Delete: _on_delete,
         Clear: _on_clear,
+        SetSetting: _on_set_setting,
         Passivate: _on_passivate,
         Ping: _on_ping,
         GetView: _on_get_view,

@@ -1,0 +1,99 @@
+"""Session settings commands (SET3, SET4, SET1's command form) and their validation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pykka
+import pytest
+
+from actors.commands import handle_command
+from actors.runtime import Runtime
+from events import FixedClock, InMemoryEventStore, Input, SequentialIds, SettingsChanged, TurnOpened
+from services import ScriptedModel, Services, StaticAuthority
+
+SID = "qq:group:5"
+
+
+@pytest.fixture
+def runtime() -> Iterator[Runtime]:
+    rt = Runtime(
+        InMemoryEventStore(),
+        Services(llm=ScriptedModel(), authority=StaticAuthority([("qq", "boss")])),
+        FixedClock(),
+        SequentialIds(),
+        janitor=False,
+    )
+    yield rt
+    rt.shutdown(timeout=10)
+    pykka.ActorRegistry.stop_all()
+
+
+def cmd(rt: Runtime, text: str, user: str = "boss") -> str | None:
+    return handle_command(rt, SID, text, platform="qq", user_id=user)
+
+
+def test_session_lists_every_field_with_its_unset_text(runtime: Runtime) -> None:
+    assert cmd(runtime, "/session") == (
+        "模型（llm）：跟随服务偏好\n深度思考（think）：按模型的默认档\n"
+        "最大工具迭代（maxToolIterations）：不限\n历史条数上限（historyLimit）：0"
+    )
+
+
+def test_owner_sets_and_the_next_turn_reads_it(runtime: Runtime) -> None:
+    assert cmd(runtime, "/session.set historyLimit 4") == "已设置历史条数上限（historyLimit）= 4"
+    assert cmd(runtime, "/session.set llm deepseek/deepseek-chat") == (
+        "已设置模型（llm）= deepseek/deepseek-chat"
+    )
+    runtime.submit(SID, Input(id="", content="你好", platform="qq")).result(10)
+    runtime.wait_idle(10)
+    opened = next(e for e in runtime.store.read(SID) if isinstance(e, TurnOpened))
+    assert opened.settings.history_limit == 4
+    assert str(opened.settings.model) == "deepseek/deepseek-chat"
+    changes = [
+        (e.key, e.value, e.by) for e in runtime.store.read(SID) if isinstance(e, SettingsChanged)
+    ]
+    assert changes[0] == ("historyLimit", 4, "boss")
+    assert "历史条数上限（historyLimit）：4" in (cmd(runtime, "/session") or "")
+    assert cmd(runtime, "/session.reset historyLimit") == "已恢复历史条数上限（historyLimit）：0"
+    assert dict(runtime.view(SID).settings) == {
+        "llm": {"provider": "deepseek", "model": "deepseek-chat"}
+    }
+
+
+@pytest.mark.parametrize("key", ["maxToolIterations", "historyLimit"])
+def test_owner_only_fields_refuse_others(runtime: Runtime, key: str) -> None:  # SET3, SET4
+    label = "最大工具迭代" if key == "maxToolIterations" else "历史条数上限"
+    assert (
+        cmd(runtime, f"/session.set {key} 3", user="someone") == f"{label}（{key}）只有 owner 能改"
+    )
+    assert dict(runtime.view(SID).settings) == {}
+
+
+def test_anyone_may_set_the_thinking_level(runtime: Runtime) -> None:
+    assert (
+        cmd(runtime, "/session.set think high", user="someone") == "已设置深度思考（think）= high"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("/session.set historyLimit -1", "'historyLimit': must be >= 0"),
+        ("/session.set maxToolIterations 0", "'maxToolIterations': must be >= 1"),
+        ("/session.set historyLimit many", "'historyLimit': expected an integer"),
+        ("/session.set llm onlymodel", "'llm': expected <provider>/<model>"),
+        ("/session.set colour blue", "unknown session setting 'colour'"),
+    ],
+)
+def test_bad_values_name_the_key_and_change_nothing(
+    runtime: Runtime, text: str, message: str
+) -> None:
+    reply = cmd(runtime, text)
+    assert reply is not None and reply.startswith("设置失败：") and message in reply
+    assert dict(runtime.view(SID).settings) == {}
+
+
+def test_usage_and_unknown_commands(runtime: Runtime) -> None:
+    assert cmd(runtime, "/session.set historyLimit") is not None
+    assert cmd(runtime, "/unknown") is None
