@@ -37,10 +37,11 @@ from events import (
     UsageRecorded,
 )
 from events.schema import TurnEntry
+from projections.texts import stop_marker_text
 
 __all__ = ["SampleWriter", "synthetic_turn", "write_demo_session"]
 
-STOP_MARKER_DEMO = "[已停下] 上一轮没答完就被停下了,没说完的话没有留下,已执行的工具调用以记录为准。"
+STOP_MARKER_DEMO = stop_marker_text("10001")  # the text a live stop by 10001 writes
 
 
 @dataclass

@@ -10,7 +10,7 @@ callers' handles). Nothing here does I/O, reads a clock or starts a thread.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -83,7 +83,6 @@ class OpenContext:
     settings_for: Callable[[Input], TurnSettings]
     new_turn_id: Callable[[], str]
     multi_party: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def archived_input_message(

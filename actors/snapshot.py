@@ -9,15 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from actors.hooks import ContributionView
+from actors.turn import add_contributions, base_prompt
 from events import TokenUsage
 from projections.prompt import (
-    Block,
-    TurnPrompt,
     assemble,
-    render_history,
     split_parts,
-    system_prompt,
     volatile_for,
 )
 from projections.tokens import count_messages, default_counter, tool_definition_tokens
@@ -52,27 +48,20 @@ def token_request(runtime: Runtime, session_id: str, platform: str | None = None
     info = services.sessions.info(session_id)
     now = runtime.clock.now_ms()
     tz = services.tz
-    persona = services.persona.prompt(settings.persona) if services.persona else None
-    memory = services.memory
-    window = memory.window(session_id, view.history, settings.history_limit, None)
-    prompt = TurnPrompt(
-        system=system_prompt(persona, services.config.system_prompt),
-        history=render_history(window, now, tz),
-        volatile=volatile_for(now, tz, where, info.multi_party),
+    prompt, persona, active = base_prompt(
+        services, session_id, view.history, settings, now, exclude_turn=None
     )
-    contribution_view = ContributionView(
+    prompt.volatile = volatile_for(now, tz, where, info.multi_party)
+    add_contributions(
+        runtime.hooks,
+        services,
+        prompt,
         session_id=session_id,
         user_id=None,
         platform=where,
         trigger_type=None,
         dry_run=True,
-        messages=tuple(assemble(prompt)),
     )
-    for built in runtime.hooks.build_contributions(
-        contribution_view, services.config.prompt_build_timeout_ms
-    ):
-        c = built.contribution
-        prompt.blocks.extend(Block(c.anchor, c.injector, text) for text in built.blocks)
     messages = assemble(prompt)
     tools = [t.definition() for t in services.tools.available(settings.tool_groups)]
     llm = services.llm
@@ -109,7 +98,7 @@ def token_request(runtime: Runtime, session_id: str, platform: str | None = None
         estimate=count_messages(counter, result.messages) + tool_tokens,
         trimmed=result.trimmed,
         untrimmed_history=untrimmed,
-        history_messages=memory.count_history(session_id, view.history, None),
+        history_messages=active,
         parts=breakdown(
             counter,
             result.messages,

@@ -41,9 +41,11 @@ from events import (
     TurnOpened,
     TurnOutcome,
     TurnRecord,
+    TurnSettings,
     UsageRecorded,
 )
 from projections import SessionView
+from projections.history import HistoryState
 from projections.labels import time_label
 from projections.prompt import (
     Block,
@@ -78,6 +80,8 @@ __all__ = [
     "TurnAfter",
     "TurnBefore",
     "TurnRunner",
+    "add_contributions",
+    "base_prompt",
 ]
 
 log = structlog.get_logger("aalis.turn")
@@ -162,6 +166,53 @@ class _Call:
     usage: Usage | None = None
 
 
+def base_prompt(
+    services: Services,
+    session_id: str,
+    state: HistoryState,
+    settings: TurnSettings,
+    now: int,
+    *,
+    exclude_turn: str | None,
+) -> tuple[TurnPrompt, str | None, int]:
+    """FLOW3-FLOW4, shared by turns and ``token:request`` snapshots: the system prompt and
+    the history read from memory. Returns the prompt, the persona text and the number of
+    active history messages."""
+    persona = services.persona.prompt(settings.persona) if services.persona else None
+    memory = services.memory  # FLOW4: the history window comes from memory
+    window = memory.window(session_id, state, settings.history_limit, exclude_turn)
+    prompt = TurnPrompt(
+        system=system_prompt(persona, services.config.system_prompt),
+        history=render_history(window, now, services.tz),
+    )
+    return prompt, persona, memory.count_history(session_id, state, exclude_turn)
+
+
+def add_contributions(
+    hooks: Hooks,
+    services: Services,
+    prompt: TurnPrompt,
+    *,
+    session_id: str,
+    user_id: str | None,
+    platform: str | None,
+    trigger_type: str | None,
+    dry_run: bool,
+) -> None:
+    """FLOW6: build the ``agent:prompt`` contributions and place their blocks."""
+    view = ContributionView(
+        session_id=session_id,
+        user_id=user_id,
+        platform=platform,
+        trigger_type=trigger_type,
+        dry_run=dry_run,
+        messages=tuple(assemble(prompt)),
+    )
+    for built in hooks.build_contributions(view, services.config.prompt_build_timeout_ms):
+        c = built.contribution
+        prompt.blocks.extend(Block(c.anchor, c.injector, text) for text in built.blocks)
+
+
 class TurnRunner:
     """Drives one turn: model calls, tool batches and insertion points (FLOW1-FLOW15)."""
 
@@ -203,6 +254,7 @@ class TurnRunner:
         self.last_trim: TrimResult | None = None
         self._persona: str | None = None
         self._history_ids: frozenset[str] | None = None
+        self._tool_tokens = 0
         self._active_count = 0
         self._budget_log = budget_log
         self.thread = threading.Thread(
@@ -336,18 +388,10 @@ class TurnRunner:
             rendered.append(render_input(message, now, tz))
 
         # FLOW3-FLOW6: system prompt, history, tools, contributions.
-        persona = services.persona.prompt(settings.persona) if services.persona else None
-        self._persona = persona
-        memory = services.memory  # FLOW4: the history window comes from memory
-        window = memory.window(
-            self.session_id, self.view.history, settings.history_limit, self.turn_id
+        prompt, self._persona, self._active_count = base_prompt(
+            services, self.session_id, self.view.history, settings, now, exclude_turn=self.turn_id
         )
-        self._active_count = memory.count_history(self.session_id, self.view.history, self.turn_id)
-        prompt = TurnPrompt(
-            system=system_prompt(persona, services.config.system_prompt),
-            history=render_history(window, now, tz),
-            batch_prefix=self.opened.batch_prefix,
-        )
+        prompt.batch_prefix = self.opened.batch_prefix
         self._protected.update(m.id for m in rendered)
         if instruction_input is not None:
             prompt.instruction = instruction_block(instruction_input, now, tz)
@@ -357,17 +401,16 @@ class TurnRunner:
         else:
             prompt.inputs = rendered
             prompt.volatile = volatile_for(now, tz, self.opened.platform, settings.multi_party)
-        view = ContributionView(
+        add_contributions(
+            self.hooks,
+            services,
+            prompt,
             session_id=self.session_id,
             user_id=self._user_id(),
             platform=self.opened.platform,
             trigger_type=self._trigger(),
             dry_run=False,
-            messages=tuple(assemble(prompt)),
         )
-        for built in self.hooks.build_contributions(view, services.config.prompt_build_timeout_ms):
-            c = built.contribution
-            prompt.blocks.extend(Block(c.anchor, c.injector, text) for text in built.blocks)
         tools = services.tools.available(settings.tool_groups)
         tool_defs = [t.definition() for t in tools]
 
@@ -527,7 +570,7 @@ class TurnRunner:
         services = self.services
         llm = services.llm
         counter = default_counter()
-        tool_tokens = tool_definition_tokens(counter, tools)
+        tool_tokens = self._tool_tokens  # counted once, when the call was trimmed
         trimmed = self.last_trim
         history_ids: frozenset[str] = frozenset()
         if trimmed is not None:  # the history's cost is known: count only the rest
@@ -586,6 +629,7 @@ class TurnRunner:
             self._history_ids = frozenset(m.id for m in prompt.history)
         head, hist, rest = split_parts(messages, self._history_ids)
         counter = default_counter()
+        self._tool_tokens = tool_definition_tokens(counter, tools)
         result = trim(
             TrimRequest(
                 head=head,
@@ -594,7 +638,7 @@ class TurnRunner:
                 budget=budget,
                 memory_budget=services.config.memory_token_budget,
                 protected=frozenset(self._protected),
-                tool_tokens=tool_definition_tokens(counter, tools),
+                tool_tokens=self._tool_tokens,
             ),
             counter,
         )
