@@ -1,21 +1,28 @@
-"""Slash commands a session understands: ``/stop`` (CMD3) and the session settings
-(``/session``, ``/session.set KEY VALUE``, ``/session.reset KEY``)."""
+"""Slash commands a session understands: ``/stop`` (CMD3), the session settings
+(``/session``, ``/session.set KEY VALUE``, ``/session.reset KEY``), and the paged
+listings ``/model [keyword] [-p N]`` and ``/persona [keyword] [-p N]`` (CMD1-CMD2)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import TYPE_CHECKING, Any
 
 from actors.messages import SetSetting
 from events import ConfigError
+from projections.texts import listing_footer, listing_header
+from services.models import entry_id, model_name
 from services.settings import SETTING_FIELDS, validate_setting
 
 if TYPE_CHECKING:
     from actors.runtime import Runtime
 
-__all__ = ["handle_command", "set_setting"]
+__all__ = ["PAGE_SIZE", "handle_command", "page_of", "set_setting"]
 
-USAGE = "用法：/session、/session.set <键> <值>、/session.reset <键>"
+PAGE_SIZE = 20
+"""Entries per page of ``/model`` and ``/persona``."""
+
+USAGE = "用法：/session、/session.set <键> <值>、/session.reset <键>、/model [关键词] [-p 页]"
 
 
 def _show(value: Any) -> str:
@@ -43,9 +50,15 @@ def set_setting(
         return f"{field.label}（{key}）只有 owner 能改"
     stored = None if reset else validate_setting(key, value)
     runtime._ask(session_id, SetSetting(key, stored, reset, user_id))
+    shown = next(f for f in runtime.fields(session_id, platform) if f.key == key)
     if reset:
-        return f"已恢复{field.label}（{key}）：{field.unset_text}"
-    return f"已设置{field.label}（{key}）= {_show(stored)}"
+        return f"已恢复{field.label}（{key}）：{shown.text}"
+    given = _show(stored)
+    if shown.text.startswith(given):
+        note = shown.text[len(given) :]
+    else:
+        note = f"，此刻：{shown.text}"
+    return f"已设置{field.label}（{key}）= {_show(stored)}{note}"
 
 
 def handle_command(
@@ -60,11 +73,9 @@ def handle_command(
     if name == "/stop":
         return runtime.stop_command(session_id, platform, user_id)
     if name == "/session":
-        layer = runtime.view(session_id).settings
-        return "\n".join(
-            f"{f.label}（{key}）：{_show(layer[key]) if key in layer else f.unset_text}"
-            for key, f in SETTING_FIELDS.items()
-        )
+        return "\n".join(f.line() for f in runtime.fields(session_id, platform))
+    if name in ("/model", "/persona"):
+        return _listing(runtime, session_id, name, text.strip().split()[1:], platform)
     if name in ("/session.set", "/session.reset"):
         if len(words) < 2 or (name == "/session.set" and len(words) < 3):
             return USAGE
@@ -83,3 +94,66 @@ def handle_command(
         except ConfigError as exc:
             return f"设置失败：{exc}"
     return None
+
+
+def page_of(
+    entries: list[tuple[str, str]], args: list[str]
+) -> tuple[list[tuple[str, str]], str | None, int, int, int]:
+    """Filter ``(id, text)`` entries by the keyword in ``args`` (case-insensitive, on the
+    id and the text) and cut page ``-p N``. Returns the page, the keyword, the total
+    matched, the page number and the page count; a bad ``-p`` raises ValueError."""
+    page, words = 1, []
+    i = 0
+    while i < len(args):
+        if args[i] in ("-p", "--page"):
+            if i + 1 >= len(args):
+                raise ValueError("-p 后面要跟页码")
+            raw = args[i + 1]
+            if not raw.isdigit() or int(raw) < 1:
+                raise ValueError(f"页码要是正整数，不是 {raw!r}")
+            page = int(raw)
+            i += 2
+            continue
+        words.append(args[i])
+        i += 1
+    keyword = " ".join(words) or None
+    if keyword is not None:
+        needle = keyword.casefold()
+        entries = [e for e in entries if needle in e[0].casefold() or needle in e[1].casefold()]
+    pages = max(-(-len(entries) // PAGE_SIZE), 1)
+    start = (page - 1) * PAGE_SIZE
+    return entries[start : start + PAGE_SIZE], keyword, len(entries), page, pages
+
+
+def _listing(
+    runtime: Runtime, session_id: str, name: str, args: list[str], platform: str | None
+) -> str:
+    services = runtime.services
+    if name == "/model":
+        what, current = "对话模型", None
+        with contextlib.suppress(ConfigError):
+            current = next(f.value for f in runtime.fields(session_id, platform) if f.key == "llm")
+        entries = [
+            (entry_id(m), f"{model_name(m)} · 上下文 {m.context_length}")
+            for m in services.models.models()
+        ]
+    else:
+        what, current = "人设", None
+        if services.persona is None:
+            return "没有人设服务，/persona 无可列"
+        entries = list(services.persona.list())
+    try:
+        shown, keyword, total, page, pages = page_of(entries, args)
+    except ValueError as exc:
+        return f"{name}：{exc}"
+    if total == 0:
+        found = f"没有含“{keyword}”的{what}" if keyword else f"没有可用的{what}"
+        return f"{found}\n{listing_footer(name, 1, 1)}"
+    if page > pages:
+        return f"没有第 {page} 页（共 {pages} 页）\n{listing_footer(name, pages, pages)}"
+    lines = [listing_header(what, total, page, pages, keyword)]
+    for eid, text in shown:
+        mark = "  ← 此刻在用" if eid == current else ""
+        lines.append(f"{eid}  {text}{mark}")
+    lines.append(listing_footer(name, page, pages))
+    return "\n".join(lines)

@@ -78,8 +78,9 @@ def run_demo(db_path: str, out: TextIO | None = None) -> int:
     script = _Script()
     store = SqliteEventStore(db_path)
     session_id = _free_session_id(store)
+    model = ScriptedModel(script, model_id="scripted", provider_id="demo")
     services = Services(
-        llm=ScriptedModel(script, model_id="scripted", provider_id="demo"),
+        llm=model,
         tools=ToolRegistry([Tool("weather", weather), Tool("remind", remind)]),
         sessions=StaticSessions({session_id: SessionInfo(session_id, "qq", multi_party=True)}),
     )
@@ -132,7 +133,7 @@ def run_demo(db_path: str, out: TextIO | None = None) -> int:
         )
         last.result(30)
         runtime.wait_idle(30)
-        request = services.llm.requests[-1]  # type: ignore[attr-defined]
+        request = model.requests[-1]
         markers = [m.content for m in request.messages if m.kind == "turn-stopped"]
         say(f"\nThe last turn's model read the stop marker: {markers[0] if markers else 'no'}\n")
     finally:

@@ -22,6 +22,7 @@ import msgspec
 import pykka
 import structlog
 
+from actors.fields import FieldView, session_fields
 from actors.hooks import Hooks
 from actors.messages import (
     Clear,
@@ -31,6 +32,7 @@ from actors.messages import (
     Passivate,
     Ping,
     Release,
+    SetSetting,
     Stop,
     StopCommand,
     Submit,
@@ -43,6 +45,7 @@ from events import (
     EventStore,
     IdSource,
     Input,
+    ModelRef,
     SystemClock,
     TokenUsage,
     UuidIds,
@@ -50,6 +53,7 @@ from events import (
 from projections import SessionView, project, queue
 from projections.usage import BudgetLog, wire
 from services import Services
+from services.settings import validate_setting
 
 __all__ = ["InputBefore", "Runtime", "RuntimeClosed", "SubmitHandle"]
 
@@ -317,6 +321,27 @@ class Runtime:
         usage = token_request(self, session_id, platform)
         self.services.bus.publish("token:usage", wire(usage))
         return usage
+
+    def fields(
+        self, session_id: str, platform: str | None = None, venue: str | None = None
+    ) -> list[FieldView]:
+        """The session's settings as the settings UI shows them (SET): effective value,
+        the layer it comes from and the UI text; the model field reports the model in
+        use. ``platform`` and ``venue`` default to the session's origin."""
+        info = self.services.sessions.info(session_id)
+        return session_fields(
+            self.services,
+            self.view(session_id).settings,
+            platform=platform or info.origin_platform,
+            venue=venue or info.venue,
+        )
+
+    def assign_model(self, session_id: str, model: ModelRef | str) -> None:
+        """Write ``llm`` into the session's own layer (SET1), as when a child session is
+        given a model; ``model`` is a ModelRef or ``"<provider>/<model>"``."""
+        value = model if isinstance(model, str) else str(model)
+        stored = validate_setting("llm", value)
+        self._ask(session_id, SetSetting("llm", stored, False, None))
 
     def active_sessions(self) -> list[str]:
         with self._lock:

@@ -69,7 +69,8 @@ from services import (
     ToolRegistry,
     Usage,
 )
-from services.llm import ToolCallProgress
+from services.llm import ThinkLevel, ToolCallProgress
+from services.models import LlmService, Provider
 
 __all__ = [
     "CallRecord",
@@ -269,7 +270,7 @@ class Scenario:
     owners: tuple[tuple[str, str], ...]
     archive: bool
     config: AgentConfig
-    model: Mapping[str, Any]
+    models: tuple[Mapping[str, Any], ...]  # the first is [model]; the rest [[models]]
     sessions: tuple[SessionSpec, ...]
     tools: tuple[ToolSpec, ...]
     replies: Mapping[str, tuple[ReplySpec, ...]]
@@ -427,7 +428,7 @@ class _Loader:
         owners = self._owners(top)
         archive = top.flag("archive", True)
         config = self._config(top.get("config"))
-        model = self._model(top.get("model"))
+        models = self._models(top.get("model"), top.tables("models"))
         sessions = self._sessions(top.tables("sessions"), top)
         ids = [s.id for s in sessions]
         tools = self._tools(top.tables("tools"))
@@ -445,7 +446,7 @@ class _Loader:
             owners=owners,
             archive=archive,
             config=config,
-            model=model,
+            models=models,
             sessions=tuple(sessions),
             tools=tuple(tools),
             replies=replies,
@@ -517,16 +518,28 @@ class _Loader:
         except (ConfigError, TypeError) as exc:
             raise ScenarioError(str(exc), file=self.file) from None
 
-    def _model(self, data: Any) -> dict[str, Any]:
-        t = self.table(data if data is not None else {}, "[model]")
-        model = {
-            "id": t.text("id", "scripted"),
-            "provider": t.text("provider", "scenario"),
-            "context_length": t.integer("context_length", 32_000, minimum=1),
-            "max_output_tokens": t.integer("max_output_tokens", 4096, minimum=1),
-        }
-        t.done()
-        return model
+    def _models(self, first: Any, more: list[Any]) -> tuple[dict[str, Any], ...]:
+        models: list[dict[str, Any]] = []
+        for i, data in enumerate([first if first is not None else {}, *more]):
+            t = self.table(data, "[model]" if i == 0 else f"[[models]] #{i}")
+            model = {
+                "id": t.text("id", "scripted" if i == 0 else None, required=i > 0),
+                "provider": t.text("provider", "scenario"),
+                "context_length": t.integer("context_length", 32_000, minimum=1),
+                "max_output_tokens": t.integer("max_output_tokens", 4096, minimum=1),
+                "think_levels": tuple(t.texts("think_levels") or ()),
+                "default_think": t.text("default_think"),
+            }
+            entry = f"{model['provider']}/{model['id']}"
+            if any(f"{m['provider']}/{m['id']}" == entry for m in models):
+                raise t.error(f"model {entry!r} is declared twice")
+            if model["default_think"] is not None and (
+                model["default_think"] not in model["think_levels"]
+            ):
+                raise t.error("default_think must be one of think_levels")
+            t.done()
+            models.append(model)
+        return tuple(models)
 
     def _sessions(self, items: list[Any], top: _Table) -> list[SessionSpec]:
         if not items:
@@ -950,6 +963,8 @@ class _Model:
         self.provider_id: str = spec["provider"]
         self.context_length: int = spec["context_length"]
         self.max_output_tokens: int = spec["max_output_tokens"]
+        self.think_levels = tuple(ThinkLevel(id=level) for level in spec["think_levels"])
+        self.default_think: str | None = spec["default_think"]
 
     def chat_stream(self, request: ChatRequest, abort: AbortSignal) -> Iterator[StreamChunk]:
         gate = self._gate
@@ -971,6 +986,15 @@ class _Model:
                 raise ScenarioError(f"model call {call.index} of {sid} was never answered")
         assert call.reply is not None
         yield from call.reply.chunks()
+
+
+def _llm_service(gate: _Gate, specs: tuple[Mapping[str, Any], ...]) -> LlmService:
+    """The scenario's models as providers, in declaration order; the first is the default."""
+    providers: dict[str, Provider] = {}
+    for spec in specs:
+        provider = providers.setdefault(spec["provider"], Provider(spec["provider"]))
+        provider.models.append(_Model(gate, spec))
+    return LlmService(providers.values())
 
 
 class _Tools:
@@ -1023,10 +1047,14 @@ class _Settings:
     layers: Mapping[str, Mapping[str, Any]]
 
     def for_turn(
-        self, session_id: str, platform: str | None, session_layer: Mapping[str, Any]
+        self,
+        session_id: str,
+        platform: str | None,
+        session_layer: Mapping[str, Any],
+        venue: str | None = None,
     ) -> TurnSettings:
         layer = {**self.layers.get(session_id, {}), **session_layer}
-        settings = self.base.for_turn(session_id, platform, layer)
+        settings = self.base.for_turn(session_id, platform, layer, venue)
         model = layer.get("model")
         if isinstance(model, ModelRef):
             settings = msgspec.structs.replace(settings, model=model)
@@ -1213,7 +1241,7 @@ class _Driver:
         )
         config = sc.config
         services = Services(
-            llm=_Model(self.gate, sc.model),
+            llm=_llm_service(self.gate, sc.models),
             tools=registry,
             authority=StaticAuthority(sc.owners),
             sessions=StaticSessions(

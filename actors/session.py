@@ -72,6 +72,7 @@ from events import (
 from projections import SessionView, project, queue
 from projections.texts import NO_RUNNING_TURN, STOP_DENIED, stop_marker_text
 from services import AbortSignal, Services
+from services.settings import venue_of
 
 if TYPE_CHECKING:
     from actors.runtime import Runtime
@@ -143,11 +144,12 @@ class SessionActor(pykka.ThreadingActor):
 
     def _open_context(self) -> OpenContext:
         info = self.services.sessions.info(self.session_id)
-        settings = self.services.settings
+        settings = self.services.resolver
         layer = self.view.settings
 
         def settings_for(inp: Input) -> Any:
-            return settings.for_turn(self.session_id, inp.platform, layer)
+            venue = venue_of(inp.platform, inp.group_id) or info.venue
+            return settings.for_turn(self.session_id, inp.platform, layer, venue)
 
         return OpenContext(
             settings_for=settings_for,

@@ -44,8 +44,8 @@ def token_request(runtime: Runtime, session_id: str, platform: str | None = None
     services = runtime.services
     view = runtime.view(session_id)
     where = snapshot_platform(runtime, session_id, platform)
-    settings = services.settings.for_turn(session_id, where, view.settings)
     info = services.sessions.info(session_id)
+    settings = services.resolver.for_turn(session_id, where, view.settings, info.venue)
     now = runtime.clock.now_ms()
     tz = services.tz
     prompt, persona, active = base_prompt(
@@ -64,7 +64,7 @@ def token_request(runtime: Runtime, session_id: str, platform: str | None = None
     )
     messages = assemble(prompt)
     tools = [t.definition() for t in services.tools.available(settings.tool_groups)]
-    llm = services.llm
+    llm = services.models.resolve(settings.model, warn=False).model
     counter = default_counter()
     tool_tokens = tool_definition_tokens(counter, tools)
     budget = trim_budget(

@@ -68,7 +68,8 @@ from projections.tokens import (
 from projections.trim import TrimRequest, TrimResult, trim, trim_budget
 from projections.usage import BudgetLog, breakdown, usage_payload, wire
 from services import AbortSignal, ChatRequest, OutboundMessage, Services, ToolCallContext
-from services.llm import Usage
+from services.llm import ChatModel, Usage
+from services.models import LlmService, entry_id
 from services.tools import Inbound
 
 __all__ = [
@@ -257,12 +258,21 @@ class TurnRunner:
         self._tool_tokens = 0
         self._active_count = 0
         self._budget_log = budget_log
+        self._model: ChatModel | None = None
         self.thread = threading.Thread(
             target=self._main, name=f"turn:{session_id}:{self.turn_id}", daemon=True
         )
 
     def start(self) -> None:
         self.thread.start()
+
+    @property
+    def model(self) -> ChatModel:
+        """The model of this turn, resolved once from the settings read when it opened
+        (SET1, SCH5); a missing preferred model falls back with a warning (SET5)."""
+        if self._model is None:
+            self._model = self.services.models.resolve(self.opened.settings.model).model
+        return self._model
 
     # --- reporting -------------------------------------------------------------------
 
@@ -469,12 +479,13 @@ class TurnRunner:
         self._call_index += 1
         index = self._call_index
         info = services.sessions.info(self.session_id)
+        model = self.model
         sent = self._trim(prompt, before.messages, before.tools, index)
         request = ChatRequest(
             messages=tuple(sent),
             tools=tuple(before.tools),
-            model=str(settings.model) if settings.model else services.llm.id,
-            think=settings.think,
+            model=entry_id(model),
+            think=LlmService.think_for(model, settings.think),  # SET2
             session_id=self.session_id,
             purpose="子任务" if info.is_child else "对话",  # ACC1
         )
@@ -496,7 +507,7 @@ class TurnRunner:
         reasoning: list[str] = []
         call_ids: dict[int, str] = {}
         try:
-            for chunk in services.llm.chat_stream(request, self.abort):
+            for chunk in model.chat_stream(request, self.abort):
                 if self.abort.aborted:
                     break
                 if chunk.content_delta:
@@ -568,7 +579,7 @@ class TurnRunner:
     ) -> None:
         """ACC2: ``token:usage`` after a call that returned, and the budget log (ACC4)."""
         services = self.services
-        llm = services.llm
+        llm = self.model
         counter = default_counter()
         tool_tokens = self._tool_tokens  # counted once, when the call was trimmed
         trimmed = self.last_trim
@@ -621,7 +632,7 @@ class TurnRunner:
     ) -> list[ChatMessage]:
         """FLOW9: trim the assembled list to the budget (TRIM); keep the trace."""
         services = self.services
-        llm = services.llm
+        llm = self.model
         budget = trim_budget(
             llm.context_length, llm.max_output_tokens, services.config.trim_threshold_ratio
         )
@@ -792,7 +803,7 @@ class TurnRunner:
         services = self.services
         stored: list[ToolCall] = []
         results: list[ChatMessage] = []
-        max_chars = _max_result_chars(services)
+        max_chars = _max_result_chars(services, self.model)
         for tc in call.tool_calls:
             if self.abort.aborted:
                 # Stopped: the calls not yet started never run. The group keeps only the
@@ -901,11 +912,11 @@ class TurnRunner:
         return after.result, after.error, dict(after.metadata)
 
 
-def _max_result_chars(services: Services) -> int | None:
+def _max_result_chars(services: Services, model: ChatModel) -> int | None:
     """CFG4: one tool result may take ``toolResultMaxRatio`` of the context window. Tokens
     are turned into characters at the conservative rate of one character per token."""
     ratio = services.config.tool_result_max_ratio
-    window = getattr(services.llm, "context_length", 0) or 0
+    window = getattr(model, "context_length", 0) or 0
     if window <= 0:
         return None
     return max(int(window * ratio), 1)

@@ -19,9 +19,15 @@ __all__ = [
     "STOP_DENIED",
     "STOP_MARKER_PREFIX",
     "SYSTEM_PREFIX",
+    "THINK_NOT_TUNABLE",
     "TRUNCATED_SUFFIX",
+    "UNLIMITED",
     "focus_guide",
+    "follow_preference",
+    "listing_footer",
+    "listing_header",
     "stop_marker_text",
+    "think_not_in_model",
     "tool_bad_arguments",
     "volatile_context",
 ]
@@ -97,3 +103,34 @@ def volatile_context(time_label: str, platform: str | None, multi_party: bool) -
     """The per-turn context block (current time and where the conversation is)."""
     where = "多人群聊" if multi_party else "单独对话"
     return f"[当前情况] 现在是 {time_label}，平台 {platform or '未知'}，{where}。"
+
+
+# --- session settings (SET) and listings (CMD1-CMD2) -----------------------------------
+
+THINK_NOT_TUNABLE = "当前模型不能调"
+"""The thinking-level field when the session's model declares no levels (SET2)."""
+
+UNLIMITED = "不限"
+"""``maxToolIterations`` unset (SET3)."""
+
+
+def follow_preference(model_name: str) -> str:
+    """The model field when no layer sets ``llm`` (SET1)."""
+    return f"跟随服务偏好（此刻：{model_name}）"
+
+
+def think_not_in_model(default_name: str) -> str:
+    """After the name of a level the session's model does not have (SET2)."""
+    return f"当前模型没有这一档，按默认（{default_name}）"
+
+
+def listing_header(what: str, total: int, page: int, pages: int, keyword: str | None) -> str:
+    """The first line of a paged listing (CMD1-CMD2): the count and the page."""
+    found = f"含“{keyword}”的" if keyword else ""
+    return f"{found}{what}共 {total} 个，第 {page}/{pages} 页"
+
+
+def listing_footer(command: str, page: int, pages: int) -> str:
+    """The last line of a paged listing: how to turn the page or search."""
+    turn = f"{command} -p {page + 1} 看下一页，" if page < pages else ""
+    return f"{turn}{command} <关键词> 搜索"

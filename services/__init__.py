@@ -11,6 +11,7 @@ from services.bus import EventBus
 from services.config import AgentConfig
 from services.llm import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, StreamChunk, Usage
 from services.memory import MemoryService, ProjectionMemory
+from services.models import LlmService, ModelChoice, Provider
 from services.outbound import (
     Gateway,
     LogArchive,
@@ -20,7 +21,7 @@ from services.outbound import (
     StaticPersonas,
 )
 from services.sessions import SessionDirectory, SessionInfo, StaticSessions
-from services.settings import SettingsResolver, StaticSettings
+from services.settings import SettingsLayers, SettingsResolver, StaticSettings
 from services.tools import Inbound, Tool, ToolCallContext, ToolRegistry
 
 __all__ = [
@@ -33,17 +34,21 @@ __all__ = [
     "EventBus",
     "Gateway",
     "Inbound",
+    "LlmService",
     "LogArchive",
     "MemoryService",
     "MessageArchive",
+    "ModelChoice",
     "OutboundMessage",
     "PersonaService",
     "ProjectionMemory",
+    "Provider",
     "ScriptedModel",
     "ScriptedReply",
     "Services",
     "SessionDirectory",
     "SessionInfo",
+    "SettingsLayers",
     "SettingsResolver",
     "StaticAuthority",
     "StaticPersonas",
@@ -61,11 +66,13 @@ __all__ = [
 class Services:
     """Everything a runtime talks to, with embedded defaults: one process, no servers."""
 
-    llm: ChatModel = field(default_factory=ScriptedModel)
+    llm: ChatModel | LlmService = field(default_factory=ScriptedModel)
+    """One chat model, or an :class:`LlmService` of providers and preferences."""
     tools: ToolRegistry = field(default_factory=ToolRegistry)
     authority: Authority = field(default_factory=StaticAuthority)
     sessions: SessionDirectory = field(default_factory=StaticSessions)
-    settings: SettingsResolver = field(default_factory=StaticSettings)
+    settings: SettingsResolver | None = None
+    """The settings layers (SET); None: the plugin config under each session's own layer."""
     bus: EventBus = field(default_factory=EventBus)
     config: AgentConfig = field(default_factory=AgentConfig)
     persona: PersonaService | None = None
@@ -76,6 +83,29 @@ class Services:
     """``None``: replies are emitted as ``outbound:message`` events on the bus (OUT1)."""
     tz: tzinfo = field(default_factory=lambda: _local_tz())
     """The time zone of time labels shown to the model."""
+    _models: LlmService | None = field(default=None, init=False, repr=False, compare=False)
+    _layers: SettingsLayers | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def resolver(self) -> SettingsResolver:
+        """The settings layers in use: :attr:`settings`, else the plugin config alone."""
+        if self.settings is not None:
+            return self.settings
+        cached = self._layers
+        if cached is None or cached.config is not self.config:
+            cached = self._layers = SettingsLayers(config=self.config)
+        return cached
+
+    @property
+    def models(self) -> LlmService:
+        """The llm service; a single model is served as a one-provider service."""
+        llm = self.llm
+        if isinstance(llm, LlmService):
+            return llm
+        cached = self._models
+        if cached is None or cached.providers[0].models[0] is not llm:
+            cached = self._models = LlmService.single(llm)
+        return cached
 
 
 def _local_tz() -> tzinfo:

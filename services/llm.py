@@ -26,9 +26,23 @@ __all__ = [
     "ScriptedModel",
     "ScriptedReply",
     "StreamChunk",
+    "ThinkLevel",
     "ToolCallProgress",
     "Usage",
 ]
+
+
+class ThinkLevel(msgspec.Struct, frozen=True, kw_only=True):
+    """A thinking level a model declares (SET2): its id, the name the UI shows, and what
+    the provider sends for it (``reasoning_effort`` on OpenAI-compatible servers)."""
+
+    id: str
+    name: str = ""
+    effort: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name or self.id
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,7 +86,12 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ChatModel(Protocol):
-    """A streaming chat model. ``chat_stream`` stops yielding soon after ``abort`` is set."""
+    """A streaming chat model. ``chat_stream`` stops yielding soon after ``abort`` is set.
+
+    A model may also declare ``name`` (shown in listings), ``think_levels`` (a tuple of
+    :class:`ThinkLevel`) and ``default_think`` (the id of its default level); the llm
+    service reads them with defaults when absent.
+    """
 
     id: str
     provider_id: str
@@ -112,11 +131,17 @@ class ScriptedModel:
         provider_id: str = "demo",
         context_length: int = 32_000,
         max_output_tokens: int = 4096,
+        name: str | None = None,
+        think_levels: Sequence[ThinkLevel] = (),
+        default_think: str | None = None,
     ) -> None:
         self.id = model_id
         self.provider_id = provider_id
         self.context_length = context_length
         self.max_output_tokens = max_output_tokens
+        self.name = name or model_id
+        self.think_levels = tuple(think_levels)
+        self.default_think = default_think
         self._responder: Responder | None = replies if callable(replies) else None
         self._replies = [] if callable(replies) else list(replies)
         self._default = default or ScriptedReply(text="好的。")

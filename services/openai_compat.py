@@ -12,14 +12,14 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from events.errors import ConfigError
 from events.schema import ChatMessage, ToolCall
 from services.abort import AbortSignal
-from services.llm import ChatRequest, StreamChunk, ToolCallProgress, Usage
+from services.llm import ChatRequest, StreamChunk, ThinkLevel, ToolCallProgress, Usage
 
 __all__ = ["OpenAICompatibleModel", "to_openai_message"]
 
@@ -65,7 +65,9 @@ class OpenAICompatibleModel:
         context_length: int = 128_000,
         max_output_tokens: int = 4096,
         timeout_s: float = 120.0,
-        think_levels: Mapping[str, str] | None = None,
+        think_levels: Mapping[str, str] | Sequence[ThinkLevel] | None = None,
+        default_think: str | None = None,
+        name: str | None = None,
     ) -> None:
         import openai
 
@@ -78,7 +80,12 @@ class OpenAICompatibleModel:
         self.provider_id = provider_id
         self.context_length = context_length
         self.max_output_tokens = max_output_tokens
-        self.think_levels = dict(think_levels or {})  # level id -> reasoning_effort
+        self.name = name or model
+        if isinstance(think_levels, Mapping):  # level id -> reasoning_effort
+            think_levels = [ThinkLevel(id=k, effort=v) for k, v in think_levels.items()]
+        self.think_levels = tuple(think_levels or ())
+        self.default_think = default_think
+        self._efforts = {level.id: level.effort or level.id for level in self.think_levels}
         self._client = openai.OpenAI(
             base_url=base_url,
             api_key=key or "not-needed",  # local servers accept any key
@@ -99,8 +106,8 @@ class OpenAICompatibleModel:
         }
         if request.tools:
             kwargs["tools"] = list(request.tools)
-        if request.think is not None and request.think in self.think_levels:
-            kwargs["reasoning_effort"] = self.think_levels[request.think]
+        if request.think is not None and request.think in self._efforts:
+            kwargs["reasoning_effort"] = self._efforts[request.think]
         if abort.aborted:
             return
         stream = self._client.chat.completions.create(**kwargs)

@@ -17,6 +17,7 @@ class SessionInfo:
     origin_platform: str | None = None
     multi_party: bool = False  # from the root session's origin chat
     parent_id: str | None = None
+    venue: str | None = None  # the venue settings layer's key (SET), e.g. "qq:12345"
 
     @property
     def is_child(self) -> bool:

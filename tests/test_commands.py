@@ -35,15 +35,16 @@ def cmd(rt: Runtime, text: str, user: str = "boss") -> str | None:
 
 def test_session_lists_every_field_with_its_unset_text(runtime: Runtime) -> None:
     assert cmd(runtime, "/session") == (
-        "模型（llm）：跟随服务偏好\n深度思考（think）：按模型的默认档\n"
-        "最大工具迭代（maxToolIterations）：不限\n历史条数上限（historyLimit）：0"
+        "模型（llm）：跟随服务偏好（此刻：scripted）\n深度思考（think）：当前模型不能调\n"
+        "最大工具迭代（maxToolIterations）：不限\n历史条数上限（historyLimit）：0\n"
+        "人设（persona）：默认人设\n工具分组（enabledToolGroups）：全部"
     )
 
 
 def test_owner_sets_and_the_next_turn_reads_it(runtime: Runtime) -> None:
     assert cmd(runtime, "/session.set historyLimit 4") == "已设置历史条数上限（historyLimit）= 4"
     assert cmd(runtime, "/session.set llm deepseek/deepseek-chat") == (
-        "已设置模型（llm）= deepseek/deepseek-chat"
+        "已设置模型（llm）= deepseek/deepseek-chat（不在，用的是 scripted）"
     )
     runtime.submit(SID, Input(id="", content="你好", platform="qq")).result(10)
     runtime.wait_idle(10)
@@ -71,8 +72,8 @@ def test_owner_only_fields_refuse_others(runtime: Runtime, key: str) -> None:  #
 
 
 def test_anyone_may_set_the_thinking_level(runtime: Runtime) -> None:
-    assert (
-        cmd(runtime, "/session.set think high", user="someone") == "已设置深度思考（think）= high"
+    assert cmd(runtime, "/session.set think high", user="someone") == (
+        "已设置深度思考（think）= high，此刻：当前模型不能调"
     )
 
 

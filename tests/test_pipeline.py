@@ -201,7 +201,9 @@ def test_history_is_windowed_labelled_and_uses_visible_text(envs: list[Env]) -> 
     limit = 4
 
     class Limited:
-        def for_turn(self, session_id: str, platform: str | None, layer: Any) -> TurnSettings:
+        def for_turn(
+            self, session_id: str, platform: str | None, layer: Any, venue: Any = None
+        ) -> TurnSettings:
             return TurnSettings(history_limit=limit)
 
     env = make(envs, model=ScriptedModel([ScriptedReply(text=f"答{i}") for i in range(10)]))
@@ -250,7 +252,9 @@ def test_tools_ungrouped_always_grouped_by_enabled_groups(
     envs: list[Env], groups: tuple[str, ...] | None, expected: set[str]
 ) -> None:  # FLOW5
     class Groups:
-        def for_turn(self, session_id: str, platform: str | None, layer: Any) -> TurnSettings:
+        def for_turn(
+            self, session_id: str, platform: str | None, layer: Any, venue: Any = None
+        ) -> TurnSettings:
             return TurnSettings(tool_groups=groups)
 
     tools = ToolRegistry(
@@ -425,7 +429,9 @@ def test_max_tool_iterations_then_a_final_call_without_tools(
     envs: list[Env],
 ) -> None:  # FLOW13, SET3
     class Capped:
-        def for_turn(self, session_id: str, platform: str | None, layer: Any) -> TurnSettings:
+        def for_turn(
+            self, session_id: str, platform: str | None, layer: Any, venue: Any = None
+        ) -> TurnSettings:
             return TurnSettings(max_tool_iterations=2)
 
     looping = ScriptedModel(

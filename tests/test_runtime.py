@@ -228,7 +228,9 @@ def test_settings_are_read_once_when_the_turn_opens(rig: Rig) -> None:  # SCH5
     class Counting:
         limit = 10
 
-        def for_turn(self, session_id: str, platform: str | None, layer: Any) -> TurnSettings:
+        def for_turn(
+            self, session_id: str, platform: str | None, layer: Any, venue: Any = None
+        ) -> TurnSettings:
             reads.append(platform)
             return TurnSettings(history_limit=self.limit)
 

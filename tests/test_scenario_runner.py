@@ -255,7 +255,7 @@ def test_releases_deletion_and_clear_in_two_sessions() -> None:
     assert (opened["turn-1"].history_limit, opened["turn-1"].max_tool_iterations) == (20, 2)
     assert opened["turn-2"].history_limit == 4
     assert {c.request.model for c in r.calls[tg]} == {"openai/gpt-test"}
-    assert {c.request.model for c in r.calls[qq]} == {"scripted"}
+    assert {c.request.model for c in r.calls[qq]} == {"scenario/scripted"}
     # The wait moved the clock an hour: b2 is labelled 09:00.
     assert "(1/1 09:00) [owner-tg]: b2" in r.calls[tg][1].messages[-1].content
 

@@ -1,0 +1,150 @@
+"""``fields()``: a session's settings as the settings UI shows them (SET1-SET4).
+
+Each field carries its effective value, the layer it comes from and the text the UI
+writes. The model field reports the model actually in use; the thinking-level field
+offers the levels of that model and says when the set level is not one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from events.errors import ConfigError
+from events.schema import ModelRef
+from projections.texts import (
+    THINK_NOT_TUNABLE,
+    UNLIMITED,
+    follow_preference,
+    think_not_in_model,
+)
+from services import Services
+from services.models import ModelChoice, model_name, think_default, think_levels
+from services.settings import SETTING_FIELDS, SettingsLayers
+
+__all__ = ["LAYER_TEXT", "FieldView", "session_fields"]
+
+LAYER_TEXT = {
+    "plugin config": "插件配置",
+    "platform profile": "平台档",
+    "platform-type profile": "平台类型档",
+    "venue": "场所",
+    "session": "本会话",
+}
+"""How the UI names each settings layer."""
+
+
+@dataclass(frozen=True, slots=True)
+class FieldView:
+    """One setting as shown: ``value`` is what applies (for ``llm`` the entry id of the
+    model in use), ``layer`` where it is set (None: unset), ``text`` what the UI writes,
+    ``options`` the choices as ``(id, name)`` (the thinking levels of the model)."""
+
+    key: str
+    label: str
+    owner_only: bool
+    value: Any
+    layer: str | None
+    text: str
+    options: tuple[tuple[str, str], ...] = ()
+
+    def line(self) -> str:
+        where = ""
+        if self.layer is not None and self.layer not in ("session", "plugin config"):
+            kind = self.layer.split(" '", 1)[0]
+            where = f" · {LAYER_TEXT.get(kind, kind)}"
+        return f"{self.label}（{self.key}）：{self.text}{where}"
+
+
+def _effective(
+    services: Services, platform: str | None, venue: str | None, layer: Mapping[str, Any]
+) -> dict[str, tuple[Any, str]]:
+    resolver = services.resolver
+    if isinstance(resolver, SettingsLayers):
+        return resolver.effective(platform, layer, venue)
+    # Another resolver: what it gives a turn, attributed to the session when set there.
+    s = resolver.for_turn("", platform, layer, venue)
+    given = {
+        "llm": {"provider": s.model.provider, "model": s.model.model} if s.model else None,
+        "think": s.think,
+        "maxToolIterations": s.max_tool_iterations,
+        "historyLimit": s.history_limit,
+        "persona": s.persona,
+        "enabledToolGroups": list(s.tool_groups) if s.tool_groups is not None else None,
+    }
+    return {
+        k: (v, "session" if k in layer else "settings") for k, v in given.items() if v is not None
+    }
+
+
+def session_fields(
+    services: Services,
+    layer: Mapping[str, Any],
+    *,
+    platform: str | None = None,
+    venue: str | None = None,
+) -> list[FieldView]:
+    """Every field of :data:`SETTING_FIELDS` for a session whose own layer is ``layer``."""
+    eff = _effective(services, platform, venue, layer)
+    out: list[FieldView] = []
+    choice: ModelChoice | None = None
+    llm = eff.get("llm", (None, None))[0]
+    try:
+        ref = ModelRef(provider=llm["provider"], model=llm["model"]) if llm else None
+        choice = services.models.resolve(ref, warn=False)
+    except ConfigError:  # no model at all: the fields still show
+        choice = None
+    for key, spec in SETTING_FIELDS.items():
+        value, where = eff.get(key, (None, None))
+        text = spec.unset_text
+        options: tuple[tuple[str, str], ...] = ()
+        if key == "llm":
+            text, value = _model_text(choice, value)
+        elif key == "think":
+            text, options = _think_text(services, choice, value)
+        elif key == "maxToolIterations":
+            text = UNLIMITED if value is None else str(value)
+        elif key == "historyLimit":
+            value = 0 if value is None else value
+            text = str(value)
+        elif key == "persona" and value is not None:
+            names = dict(services.persona.list()) if services.persona is not None else {}
+            text = f"{names[value]}（{value}）" if value in names else str(value)
+        elif key == "enabledToolGroups" and value is not None:
+            text = "全部" if "*" in value else ("无" if not value else "、".join(value))
+        out.append(FieldView(key, spec.label, spec.owner_only, value, where, text, options))
+    return out
+
+
+def _model_text(choice: ModelChoice | None, value: Any) -> tuple[str, Any]:
+    if choice is None:
+        return ("没有可用的模型", None)
+    name = model_name(choice.model)
+    if value is None:
+        return follow_preference(name), choice.entry_id
+    wanted = f"{value['provider']}/{value['model']}"
+    if choice.source != "setting":  # set, but not there: the fallback is in use (SET5)
+        return f"{wanted}（不在，用的是 {name}）", choice.entry_id
+    return wanted, choice.entry_id
+
+
+def _think_text(
+    services: Services, choice: ModelChoice | None, value: Any
+) -> tuple[str, tuple[tuple[str, str], ...]]:
+    if choice is None:
+        return (THINK_NOT_TUNABLE, ())
+    levels = think_levels(choice.model)
+    options = tuple((lv.id, lv.label) for lv in levels)
+    default = think_default(choice.model)
+    if default is None:
+        return THINK_NOT_TUNABLE, options
+    if value is None:
+        return f"按模型的默认档（{default.label}）", options
+    mine = next((lv for lv in levels if lv.id == value), None)
+    if mine is not None:
+        return mine.label, options
+    # The level's name from whichever model declares it; else its id.
+    known = (lv for m in services.models.models() for lv in think_levels(m) if lv.id == value)
+    name = next((lv.label for lv in known), str(value))
+    return f"{name}（{think_not_in_model(default.label)}）", options
