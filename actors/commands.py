@@ -54,10 +54,7 @@ def set_setting(
     if reset:
         return f"已恢复{field.label}（{key}）：{shown.text}"
     given = _show(stored)
-    if shown.text.startswith(given):
-        note = shown.text[len(given) :]
-    else:
-        note = f"，此刻：{shown.text}"
+    note = shown.text[len(given) :] if shown.text.startswith(given) else f"，此刻：{shown.text}"
     return f"已设置{field.label}（{key}）= {_show(stored)}{note}"
 
 
