@@ -2,7 +2,8 @@
 
 Lines typed while a turn runs go to the session at once and join or queue exactly as the
 scheduler says; ``/stop`` stops the running turn; ``/session``, ``/session.set`` and
-``/session.reset`` show and change the session's settings; ``/quit`` (or end of input)
+``/session.reset`` show and change the session's settings; ``/model`` and ``/persona``
+list the models and personas; ``/quit`` (or end of input)
 leaves once the last turn has ended. The reply streams as it comes, and a one-line
 token-usage status follows each turn. Everything is persisted: ``aalis-agent replay DB``
 shows it.
@@ -49,14 +50,22 @@ def run_chat(
     session_id: str,
     model: ChatModel | None = None,
     *,
+    services: Services | None = None,
     stdin: TextIO | None = None,
     out: TextIO | None = None,
 ) -> int:
+    """Chat with ``session_id``; ``model`` (else ``services``' models, else the scripted
+    default) answers."""
     stdin = sys.stdin if stdin is None else stdin
     out = sys.stdout if out is None else out
     interactive = stdin.isatty()
+    services = services or Services(llm=default_model())
+    if model is not None:
+        services.llm = model
+    elif not services.models.providers:
+        services.llm = default_model()
     store = SqliteEventStore(db_path)
-    runtime = Runtime(store, Services(llm=model or default_model()))
+    runtime = Runtime(store, services)
     lock = threading.Lock()
     last_usage: dict[str, Any] = {}
 
@@ -83,7 +92,10 @@ def run_chat(
     runtime.subscribe("*", on_event)
     handles: list[SubmitHandle] = []
     if interactive:
-        write(f"aalis-agent chat: session {session_id}, log {db_path}. /stop, /quit.\n")
+        write(
+            f"aalis-agent chat: session {session_id}, log {db_path}. "
+            "/stop, /session, /model, /persona, /quit.\n"
+        )
     try:
         for raw in stdin:
             line = raw.rstrip("\n")
@@ -91,7 +103,7 @@ def run_chat(
                 continue
             if line.strip() == "/quit":
                 break
-            if line.startswith(("/stop", "/session")):
+            if line.startswith(("/stop", "/session", "/model", "/persona")):
                 answer = handle_command(
                     runtime, session_id, line, platform="cli", user_id="console"
                 )

@@ -51,12 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="talk to a session from the terminal (or pipe lines in)",
         description=(
             "Chat with a session: each line is a message; lines typed while a turn runs "
-            "join it or queue as the scheduler decides; /stop stops the running turn, "
+            "join it or queue as the scheduler decides; /stop stops the running turn; "
+            "/session, /session.set KEY VALUE and /session.reset KEY show and change the "
+            "session's settings; /model and /persona list what there is (keyword, -p N); "
             "/quit leaves. Reads piped input too (one message a line), waits for the last "
-            "turn, then exits. Uses a scripted model unless --base-url and --model name an "
-            "OpenAI-compatible server (key from OPENAI_API_KEY)."
+            "turn, then exits. Models: --config FILE (providers, preferences, settings "
+            "layers, personas; see docs/configuration.md), or --base-url and --model for one "
+            "OpenAI-compatible server (key from OPENAI_API_KEY), or --script, else a "
+            "scripted model that echoes."
         ),
     )
+    chat.add_argument("--config", metavar="FILE", help="configuration file (TOML)")
     chat.add_argument("--db", default="aalis-chat.db", help="SQLite event database")
     chat.add_argument("--session", default="cli:console", help="session id (default: cli:console)")
     chat.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:11434/v1")
@@ -137,6 +142,11 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from actors.chat import run_chat
     from services import ChatModel, ScriptedModel
 
+    services = None
+    if args.config:
+        from services.config_file import load_config
+
+        services = load_config(args.config).services()
     model: ChatModel | None = None
     if args.base_url or args.model:
         if not (args.base_url and args.model):
@@ -146,7 +156,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         model = OpenAICompatibleModel(base_url=args.base_url, model=args.model)
     elif args.script:
         model = ScriptedModel.from_file(args.script)
-    return run_chat(args.db, args.session, model)
+    return run_chat(args.db, args.session, model, services=services)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -108,9 +108,13 @@ def session_fields(
         elif key == "historyLimit":
             value = 0 if value is None else value
             text = str(value)
-        elif key == "persona" and value is not None:
+        elif key == "persona":
             names = dict(services.persona.list()) if services.persona is not None else {}
-            text = f"{names[value]}（{value}）" if value in names else str(value)
+            if value is not None:
+                text = f"{names[value]}（{value}）" if value in names else str(value)
+            else:
+                default = getattr(services.persona, "default", None)
+                text = f"{text}（{names[default]}）" if default in names else text
         elif key == "enabledToolGroups" and value is not None:
             text = "全部" if "*" in value else ("无" if not value else "、".join(value))
         out.append(FieldView(key, spec.label, spec.owner_only, value, where, text, options))

@@ -4,7 +4,8 @@ Built on the ``openai`` client library. Streams text, reasoning (``reasoning_con
 ``reasoning`` deltas where the server sends them) and tool calls, whose arguments grow
 chunk by chunk: each call is announced with its callId in a ``ToolCallProgress`` as soon
 as it starts. Usage is requested in the stream. An abort closes the HTTP stream at once.
-The API key comes from the argument or the environment and is never logged.
+The API key comes from the argument, else (unless ``env_key=False``) from ``OPENAI_API_KEY`` or
+``AALIS_API_KEY``; it is never logged.
 """
 
 from __future__ import annotations
@@ -21,7 +22,28 @@ from events.schema import ChatMessage, ToolCall
 from services.abort import AbortSignal
 from services.llm import ChatRequest, StreamChunk, ThinkLevel, ToolCallProgress, Usage
 
-__all__ = ["OpenAICompatibleModel", "to_openai_message"]
+__all__ = ["OpenAICompatibleModel", "list_server_models", "to_openai_message"]
+
+
+def _env_key() -> str | None:
+    return os.environ.get("OPENAI_API_KEY") or os.environ.get("AALIS_API_KEY")
+
+
+def list_server_models(base_url: str, api_key: str | None, *, timeout_s: float = 30.0) -> list[str]:
+    """The ids of the models an OpenAI-compatible server lists (``GET /models``); the key
+    is sent only when given."""
+    import openai
+
+    client = openai.OpenAI(
+        base_url=base_url,
+        api_key=api_key or "not-needed",
+        max_retries=0,
+        timeout=timeout_s,
+    )
+    try:
+        return [m.id for m in client.models.list()]
+    finally:
+        client.close()
 
 
 def to_openai_message(m: ChatMessage) -> dict[str, Any]:
@@ -68,10 +90,11 @@ class OpenAICompatibleModel:
         think_levels: Mapping[str, str] | Sequence[ThinkLevel] | None = None,
         default_think: str | None = None,
         name: str | None = None,
+        env_key: bool = True,
     ) -> None:
         import openai
 
-        key = api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("AALIS_API_KEY")
+        key = api_key or (_env_key() if env_key else None)
         if not base_url:
             raise ConfigError("base_url must name the server, e.g. http://127.0.0.1:11434/v1")
         if not model:

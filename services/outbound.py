@@ -67,3 +67,8 @@ class StaticPersonas:
 
     def list(self) -> list[tuple[str, str]]:
         return [(pid, name) for pid, (name, _) in sorted(self._personas.items())]
+
+    @property
+    def default(self) -> str | None:
+        """The persona used when a session sets none."""
+        return self._default

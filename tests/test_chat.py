@@ -91,3 +91,63 @@ def test_typing_while_a_reply_streams_then_stop(tmp_path: Path) -> None:
     assert [e.outcome for e in log if isinstance(e, TurnRecorded)] == ["aborted", "replied"]
     waited = [e.input_id for e in log if isinstance(e, InputQueued)]
     assert waited  # the mid-turn line was held for the next turn
+
+
+def test_a_config_file_gives_models_settings_and_listings(tmp_path: Path) -> None:
+    """``--config``: the file's provider answers, its preference picks the model, its
+    platform layer shows in /session, /model lists and marks the model in use."""
+    config = tmp_path / "aalis.toml"
+    config.write_text(
+        """
+[pluginServicePreferences.agent]
+llm = "local/big"
+[providers.local]
+type = "scripted"
+reply = "本地模型答复。"
+[[providers.local.models]]
+id = "small"
+[[providers.local.models]]
+id = "big"
+contextLength = 20000
+[settings.platform.cli]
+historyLimit = 6
+""",
+        encoding="utf-8",
+    )
+    db = tmp_path / "chat.db"
+    result = subprocess.run(
+        [*CLI, "chat", "--db", str(db), "--config", str(config)],
+        input="/model\n/session\n你好\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "local/big  big · 上下文 20000  ← 此刻在用" in lines
+    assert "local/small  small · 上下文 128000" in lines
+    assert "模型（llm）：跟随服务偏好（此刻：big）" in lines
+    assert "历史条数上限（historyLimit）：6 · 平台档" in lines
+    assert "本地模型答复。" in lines
+    assert any(line.startswith("[用量] ") and "/20000 " in line for line in lines)
+
+
+def test_a_bad_config_file_is_refused_with_its_key(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("[agent]\nhistoryLimit = 'many'\n", encoding="utf-8")
+    result = subprocess.run(
+        [*CLI, "chat", "--db", str(tmp_path / "c.db"), "--config", str(config)],
+        input="你好\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"aalis-agent chat: error: {config}: agent: historyLimit must be an integer, got 'many'\n"
+    )
+    assert not (tmp_path / "c.db").exists()  # nothing was started

@@ -49,12 +49,24 @@ class Server:
         self.scripts: list[list[bytes] | int] = []
         self.requests: list[dict[str, Any]] = []
         self.delay_s = 0.0
+        self.served: list[str] = []
         self.closed_early = threading.Event()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: Any) -> None:
                 pass
+
+            def do_GET(self) -> None:
+                outer.requests.append({"GET": self.path, "auth": self.headers["Authorization"]})
+                body = json.dumps(
+                    {"object": "list", "data": [{"id": m, "object": "model"} for m in outer.served]}
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
@@ -264,3 +276,52 @@ def test_turns_through_the_runtime_with_tools_and_errors(server: Server) -> None
     finally:
         runtime.shutdown(timeout=10)
         pykka.ActorRegistry.stop_all()
+
+
+def test_a_config_file_provider_lists_the_servers_models(server: Server, tmp_path: Any) -> None:
+    """``listModels = true``: the server's models join the configured ones at load."""
+    from services.config_file import load_config
+    from services.models import entry_id
+
+    server.served = ["qwen2.5:7b", "llama3.2", "configured"]
+    path = tmp_path / "aalis.toml"
+    path.write_text(
+        f"""
+[providers.ollama]
+baseUrl = "{server.url}"
+apiKey = "sk-listing"
+listModels = true
+[[providers.ollama.models]]
+id = "configured"
+contextLength = 9000
+""",
+        encoding="utf-8",
+    )
+    fc = load_config(path)
+    models = fc.llm.models()
+    assert [entry_id(m) for m in models] == [
+        "ollama/configured",
+        "ollama/qwen2.5:7b",
+        "ollama/llama3.2",
+    ]
+    assert models[0].context_length == 9000  # the configured entry keeps its own values
+    assert server.requests == [{"GET": "/v1/models", "auth": "Bearer sk-listing"}]
+    # The listed model answers through the same server.
+    server.scripts.append([sse(chunk({"content": "在"})), sse(chunk({}, "stop"))])
+    out = list(models[1].chat_stream(REQ, AbortSignal()))
+    assert "".join(c.content_delta or "" for c in out) == "在"
+    assert server.requests[-1]["model"] == "qwen2.5:7b"
+
+
+def test_a_server_that_cannot_list_is_a_load_error(tmp_path: Any) -> None:
+    from events import ConfigError
+    from services.config_file import load_config
+
+    path = tmp_path / "aalis.toml"
+    path.write_text(
+        '[providers.gone]\nbaseUrl = "http://127.0.0.1:9/v1"\nlistModels = true\n'
+        "timeoutMs = 2000\n",
+        encoding="utf-8",
+    )
+    with pytest.raises(ConfigError, match=r"aalis.toml: providers.gone.listModels: listing"):
+        load_config(path)

@@ -1,0 +1,248 @@
+"""The configuration file: every table loads into the runtime's services, and every
+problem is refused at load naming the file, the key and what is wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+
+from events import ConfigError, ModelRef
+from services.config_file import load_config, parse_config
+from services.models import entry_id, think_levels
+from services.openai_compat import OpenAICompatibleModel
+
+FULL = """
+[agent]
+systemPrompt = "你是助手。"
+historyLimit = 40
+maxToolIterations = 6
+
+[servicePreferences]
+llm = "local/small"
+
+[pluginServicePreferences.agent]
+llm = "remote/gpt"
+
+[providers.local]
+type = "scripted"
+reply = "本地。"
+priority = 5
+[[providers.local.models]]
+id = "small"
+name = "Small"
+contextLength = 8192
+thinkLevels = [{ id = "low", name = "浅" }, "high"]
+defaultThink = "high"
+
+[providers.remote]
+baseUrl = "http://127.0.0.1:9/v1"
+apiKey = "sk-file-secret"
+timeoutMs = 5000
+[[providers.remote.models]]
+id = "gpt"
+contextLength = 64000
+maxOutputTokens = 2048
+thinkLevels = [{ id = "deep", name = "深", effort = "high" }]
+
+[platforms]
+"qq-main" = "onebot"
+
+[settings.platform."qq-main"]
+historyLimit = 10
+[settings.platformType.onebot]
+maxToolIterations = 3
+[settings.venue."qq-main:5"]
+think = "deep"
+
+[personas.helper]
+name = "小助手"
+prompt = "你是小助手。"
+default = true
+[personas.cat]
+prompt = "喵。"
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "aalis.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_a_full_file_loads_every_table(tmp_path: Path) -> None:
+    fc = load_config(write(tmp_path, FULL))
+    assert fc.config.system_prompt == "你是助手。"
+    assert (fc.config.history_limit, fc.config.max_tool_iterations) == (40, 6)
+    # Providers and models, in the order of their priority.
+    assert [entry_id(m) for m in fc.llm.models()] == ["local/small", "remote/gpt"]
+    small, gpt = fc.llm.models()
+    assert (small.context_length, small.max_output_tokens) == (8192, 4096)
+    assert [(lv.id, lv.label) for lv in think_levels(small)] == [("low", "浅"), ("high", "high")]
+    assert isinstance(gpt, OpenAICompatibleModel)
+    assert (gpt.context_length, gpt.max_output_tokens) == (64000, 2048)
+    # Preferences: this plugin's wins over the global one.
+    assert fc.llm.plugin_preference == ModelRef(provider="remote", model="gpt")
+    assert fc.llm.global_preference == ModelRef(provider="local", model="small")
+    assert entry_id(fc.llm.preferred()) == "remote/gpt"
+    # Settings layers: platform, its type (from [platforms]) and the venue.
+    s = fc.settings.for_turn("s", "qq-main", {}, "qq-main:5")
+    assert (s.history_limit, s.max_tool_iterations, s.think) == (10, 3, "deep")
+    assert fc.settings.for_turn("s", "tg", {}).history_limit == 40
+    # Personas, with the default.
+    assert fc.personas is not None
+    assert fc.personas.list() == [("cat", "cat"), ("helper", "小助手")]
+    assert fc.personas.prompt(None) == "你是小助手。"
+    services = fc.services()
+    assert services.models is fc.llm and services.persona is fc.personas
+    assert services.resolver is fc.settings
+
+
+def test_the_api_key_is_never_shown(tmp_path: Path) -> None:
+    fc = load_config(write(tmp_path, FULL))
+    shown = repr(fc) + repr(fc.llm.models()) + str(fc.services())
+    assert "sk-file-secret" not in shown
+
+
+def test_the_key_comes_from_the_variable_the_file_names(tmp_path: Path) -> None:
+    text = """
+[providers.p]
+baseUrl = "http://127.0.0.1:9/v1"
+apiKeyEnv = "MY_KEY"
+[[providers.p.models]]
+id = "m"
+"""
+    fc = load_config(write(tmp_path, text), env={"MY_KEY": "sk-env"})
+    model = fc.llm.models()[0]
+    assert isinstance(model, OpenAICompatibleModel)
+    assert model._client.api_key == "sk-env"
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text), env={})
+    assert str(err.value) == (
+        f"{tmp_path / 'aalis.toml'}: providers.p.apiKeyEnv: "
+        "the environment variable MY_KEY is not set"
+    )
+
+
+def test_a_provider_without_a_key_does_not_borrow_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-someone-elses")
+    text = (
+        '[providers.ollama]\nbaseUrl = "http://127.0.0.1:9/v1"\n'
+        '[[providers.ollama.models]]\nid = "q"\n'
+    )
+    model = load_config(write(tmp_path, text)).llm.models()[0]
+    assert isinstance(model, OpenAICompatibleModel)
+    assert model._client.api_key == "not-needed"
+
+
+def test_an_llm_key_in_the_plugin_config_is_warned_about_and_ignored(tmp_path: Path) -> None:
+    text = '[agent]\nllm = "a/b"\nhistoryLimit = 2\n'
+    with structlog.testing.capture_logs() as logs:
+        fc = load_config(write(tmp_path, text))
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warnings) == 1 and "llm" in warnings[0]["event"]
+    assert fc.config.history_limit == 2
+    assert fc.llm.plugin_preference is None and fc.llm.global_preference is None
+
+
+def test_an_empty_file_is_the_embedded_defaults(tmp_path: Path) -> None:
+    fc = load_config(write(tmp_path, ""))
+    assert fc.config.history_limit == 0 and fc.llm.models() == [] and fc.personas is None
+    assert fc.settings.for_turn("s", "qq", {"historyLimit": 3}).history_limit == 3
+
+
+BAD: list[tuple[str, str, str]] = [
+    ("colour = 1", "colour", "unknown key"),
+    ("[agent]\nhistoryLimit = -1", "agent", "historyLimit must be >= 0"),
+    ("[agent]\nsystemPromt = 'x'", "agent", "unknown key 'systemPromt'"),
+    ("[servicePreferences]\nllm = 'nomodel'", "servicePreferences.llm", "<provider>/<model>"),
+    ("[pluginServicePreferences.agent]\nllm = '/m'", "pluginServicePreferences.agent.llm", ""),
+    ("[pluginServicePreferences.other]\nllm = 'a/b'", "pluginServicePreferences.other", ""),
+    ("[providers.p]\ntype = 'magic'", "providers.p.type", "expected one of"),
+    ("[providers.p]\ntype = 'scripted'", "providers.p", "no models"),
+    ("[providers.p]\n[[providers.p.models]]\nid = 'm'", "providers.p.baseUrl", "required"),
+    (
+        "[providers.p]\ntype = 'scripted'\n[[providers.p.models]]\nname = 'x'",
+        "providers.p.models[0].id",
+        "required",
+    ),
+    (
+        "[providers.p]\ntype = 'scripted'\n[[providers.p.models]]\nid = 'm'\ncontextLength = 'big'",
+        "providers.p.models[0].contextLength",
+        "expected an integer, got text ('big')",
+    ),
+    (
+        "[providers.p]\ntype = 'scripted'\n[[providers.p.models]]\nid = 'm'\ndefaultThink = 'x'",
+        "providers.p.models[0].defaultThink",
+        "not one of thinkLevels",
+    ),
+    (
+        "[providers.p]\ntype = 'scripted'\n[[providers.p.models]]\nid = 'm'\n"
+        "[[providers.p.models]]\nid = 'm'",
+        "providers.p.models",
+        "'m' is listed twice",
+    ),
+    (
+        "[providers.p]\ntype = 'scripted'\nbaseUrl = 'http://x'\n[[providers.p.models]]\nid = 'm'",
+        "providers.p.baseUrl",
+        "not used by a scripted provider",
+    ),
+    ("[settings.platform.qq]\nhistoryLimit = 'lots'", "settings.platform.qq.historyLimit", ""),
+    ("[settings.venue.'qq:1']\nmaxToolIterations = 0", "settings.venue.qq:1.maxToolIterations", ""),
+    ("[settings.platformType.onebot]\ncolour = 1", "settings.platformType.onebot.colour", ""),
+    ("[settings.room.x]\nthink = 'a'", "settings.room", "unknown key"),
+    ("[platforms]\nqq = 3", "platforms.qq", "expected a platform type"),
+    ("[personas.a]\nname = 'A'", "personas.a.prompt", "required"),
+    (
+        "[personas.a]\nprompt = 'x'\ndefault = true\n[personas.b]\nprompt = 'y'\ndefault = true",
+        "personas.b.default",
+        "already the default",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "key", "problem"), BAD)
+def test_bad_files_are_refused_naming_file_key_and_problem(
+    tmp_path: Path, text: str, key: str, problem: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: "), message
+    assert key in message and problem in message, message
+
+
+def test_the_layer_is_named_for_a_bad_setting(tmp_path: Path) -> None:
+    path = write(tmp_path, "[settings.platform.qq]\nhistoryLimit = -2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (
+        f"{path}: settings.platform.qq.historyLimit: platform profile 'qq' setting "
+        "'historyLimit': must be >= 0, got -2"
+    )
+
+
+def test_syntax_errors_and_missing_files_name_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "[agent\nhistoryLimit = 1\n")
+    with pytest.raises(ConfigError, match=r"not valid TOML.*line 1"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "absent.toml")
+
+
+def test_parse_config_checks_an_already_parsed_mapping() -> None:
+    data: dict[str, Any] = {"agent": {"historyLimit": True}}
+    with pytest.raises(ConfigError, match=r"^inline: agent: historyLimit must be an integer"):
+        parse_config(data, file="inline")
+
+
+def test_the_documented_example_loads() -> None:
+    example = Path(__file__).resolve().parent.parent / "docs" / "examples" / "aalis-agent.toml"
+    fc = load_config(example, env={"DEEPSEEK_API_KEY": "sk-example"})
+    assert entry_id(fc.llm.preferred()) == "deepseek/deepseek-chat"
+    assert fc.settings.for_turn("s", "qq-main", {}, "qq-main:123456").max_tool_iterations == 5
