@@ -3,7 +3,8 @@
 Lines typed while a turn runs go to the session at once and join or queue exactly as the
 scheduler says; ``/stop`` stops the running turn; ``/session``, ``/session.set`` and
 ``/session.reset`` show and change the session's settings; ``/model`` and ``/persona``
-list the models and personas; ``/quit`` (or end of input)
+list the models and personas; the built-in tools (time, arithmetic) are offered to the
+model and each call shows as a ``[工具]`` line; ``/quit`` (or end of input)
 leaves once the last turn has ended. The reply streams as it comes, and a one-line
 token-usage status follows each turn. Everything is persisted: ``aalis-agent replay DB``
 shows it.
@@ -20,6 +21,7 @@ from actors.commands import handle_command
 from actors.runtime import Runtime, SubmitHandle
 from events import Input, Sender, SqliteEventStore
 from services import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, Services
+from services.builtin_tools import builtin_tools
 
 __all__ = ["default_model", "run_chat"]
 
@@ -51,15 +53,20 @@ def run_chat(
     model: ChatModel | None = None,
     *,
     services: Services | None = None,
+    tools: bool = True,
     stdin: TextIO | None = None,
     out: TextIO | None = None,
 ) -> int:
     """Chat with ``session_id``; ``model`` (else ``services``' models, else the scripted
-    default) answers."""
+    default) answers. With ``tools``, a services without tools gets the built-in ones
+    (``current_time``, ``calculate``)."""
     stdin = sys.stdin if stdin is None else stdin
     out = sys.stdout if out is None else out
     interactive = stdin.isatty()
     services = services or Services(llm=default_model())
+    if tools and not services.tools.available(None):
+        for tool in builtin_tools(tz=services.tz):
+            services.tools.register(tool)
     if model is not None:
         services.llm = model
     elif not services.models.providers:
@@ -82,6 +89,9 @@ def run_chat(
         elif topic == "token:usage":
             last_usage.clear()
             last_usage.update(payload)
+        elif topic == "tool:execute" and payload.get("phase") == "end":
+            failed = f" 失败：{payload['error'][:80]}" if payload.get("error") else ""
+            write(f"\n[工具] {payload['name']}{failed}\n")
         elif topic == "outbound:message" and payload.get("kind") != "reply":
             write(f"\n{payload['content']}\n")
         elif topic == "turn:ended":

@@ -58,10 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
             "turn, then exits. Models: --config FILE (providers, preferences, settings "
             "layers, personas; see docs/configuration.md), or --base-url and --model for one "
             "OpenAI-compatible server (key from OPENAI_API_KEY), or --script, else a "
-            "scripted model that echoes."
+            "scripted model that echoes. The model may call the built-in tools "
+            "current_time and calculate (--no-tools: none)."
         ),
     )
     chat.add_argument("--config", metavar="FILE", help="configuration file (TOML)")
+    chat.add_argument(
+        "--no-tools",
+        action="store_true",
+        help="do not offer the built-in tools (current_time, calculate) to the model",
+    )
     chat.add_argument("--db", default="aalis-chat.db", help="SQLite event database")
     chat.add_argument("--session", default="cli:console", help="session id (default: cli:console)")
     chat.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:11434/v1")
@@ -156,7 +162,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         model = OpenAICompatibleModel(base_url=args.base_url, model=args.model)
     elif args.script:
         model = ScriptedModel.from_file(args.script)
-    return run_chat(args.db, args.session, model, services=services)
+    return run_chat(args.db, args.session, model, services=services, tools=not args.no_tools)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

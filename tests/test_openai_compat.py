@@ -325,3 +325,42 @@ def test_a_server_that_cannot_list_is_a_load_error(tmp_path: Any) -> None:
     )
     with pytest.raises(ConfigError, match=r"aalis.toml: providers.gone.listModels: listing"):
         load_config(path)
+
+
+def test_chat_converses_with_a_server_and_runs_the_builtin_tools(
+    server: Server, tmp_path: Any
+) -> None:
+    """``aalis-agent chat --base-url --model`` against the loopback server: the model calls
+    ``calculate``, the chat runs it, and the result goes back in the next request."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    call = {
+        "index": 0,
+        "id": "call_calc",
+        "type": "function",
+        "function": {"name": "calculate", "arguments": '{"expression": "6*7"}'},
+    }
+    server.scripts.append([sse(chunk({"tool_calls": [call]}, "tool_calls"))])
+    server.scripts.append([sse(chunk({"content": "是 42。"})), sse(chunk({}, "stop"))])
+    argv = [sys.executable, "-m", "actors.cli", "chat", "--db", str(tmp_path / "c.db")]
+    result = subprocess.run(
+        [*argv, "--base-url", server.url, "--model", "m"],
+        input="六乘七是多少\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=root,
+        check=False,
+        env={"PATH": "/usr/bin:/bin", "OPENAI_API_KEY": "sk-chat"},
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "[工具] calculate" in lines and "是 42。" in lines
+    first, second = server.requests
+    assert {t["function"]["name"] for t in first["tools"]} == {"current_time", "calculate"}
+    tool_messages = [m for m in second["messages"] if m["role"] == "tool"]
+    assert tool_messages == [{"role": "tool", "content": "42", "tool_call_id": "call_calc"}]
+    assert "sk-chat" not in result.stdout + result.stderr
