@@ -7,9 +7,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+import structlog
+
 from events.errors import ConfigError
 
 __all__ = ["AgentConfig"]
+
+log = structlog.get_logger("aalis.config")
 
 _KEYS = {
     "systemPrompt": "system_prompt",
@@ -57,6 +61,12 @@ class AgentConfig:
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
             if key == "llm":
+                # SET1: the model's global layer is the service preference, not this.
+                log.warning(
+                    "an llm key in the plugin config has no effect; set "
+                    "pluginServicePreferences.agent.llm or servicePreferences.llm",
+                    where=where,
+                )
                 continue
             if key not in _KEYS:
                 known = ", ".join(sorted(_KEYS))

@@ -201,13 +201,6 @@ def parse_config(
     r = _Reader(file)
     r.only(data, "", _TOP)
     agent = dict(r.table(data.get("agent"), "agent"))
-    if "llm" in agent:
-        # SET1: the model's global layer is the service preference, not the plugin config.
-        log.warning(
-            "an llm key in the plugin config has no effect; set "
-            "pluginServicePreferences.agent.llm or servicePreferences.llm",
-            file=file,
-        )
     try:
         config = AgentConfig.from_mapping(agent, where=f"{file}: agent")
     except ConfigError as exc:
