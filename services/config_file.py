@@ -55,8 +55,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
 from events.errors import ConfigError
 from events.schema import ModelRef
 from services.config import AgentConfig
@@ -69,8 +67,6 @@ if TYPE_CHECKING:
     from services import Services
 
 __all__ = ["FileConfig", "load_config", "parse_config"]
-
-log = structlog.get_logger("aalis.config")
 
 _TOP = {
     "agent",
