@@ -40,6 +40,7 @@ def set_setting(
     reset: bool = False,
     platform: str | None = None,
     user_id: str | None = None,
+    venue: str | None = None,
 ) -> str:
     """Set or reset a session-layer setting; owner-only keys refuse anyone else (SET3,
     SET4). Returns the reply; a bad key or value raises ConfigError naming it."""
@@ -50,7 +51,7 @@ def set_setting(
         return f"{field.label}（{key}）只有 owner 能改"
     stored = None if reset else validate_setting(key, value)
     runtime._ask(session_id, SetSetting(key, stored, reset, user_id))
-    shown = next(f for f in runtime.fields(session_id, platform) if f.key == key)
+    shown = next(f for f in runtime.fields(session_id, platform, venue) if f.key == key)
     if reset:
         return f"已恢复{field.label}（{key}）：{shown.text}"
     given = _show(stored)
@@ -59,10 +60,18 @@ def set_setting(
 
 
 def handle_command(
-    runtime: Runtime, session_id: str, text: str, *, platform: str | None, user_id: str | None
+    runtime: Runtime,
+    session_id: str,
+    text: str,
+    *,
+    platform: str | None,
+    user_id: str | None,
+    venue: str | None = None,
 ) -> str | None:
     """The reply to a command line, or None when ``text`` is not one of these commands
-    (or, for ``/stop``, when the turn was stopped and there is nothing to say)."""
+    (or, for ``/stop``, when the turn was stopped and there is nothing to say). ``venue``
+    (``venue_of(platform, group id)``) shows the venue layer's values; default: the
+    session's."""
     words = text.strip().split(maxsplit=2)
     if not words:
         return None
@@ -70,9 +79,9 @@ def handle_command(
     if name == "/stop":
         return runtime.stop_command(session_id, platform, user_id)
     if name == "/session":
-        return "\n".join(f.line() for f in runtime.fields(session_id, platform))
+        return "\n".join(f.line() for f in runtime.fields(session_id, platform, venue))
     if name in ("/model", "/persona"):
-        return _listing(runtime, session_id, name, text.strip().split()[1:], platform)
+        return _listing(runtime, session_id, name, text.strip().split()[1:], platform, venue)
     if name in ("/session.set", "/session.reset"):
         if len(words) < 2 or (name == "/session.set" and len(words) < 3):
             return USAGE
@@ -80,14 +89,22 @@ def handle_command(
         try:
             if name == "/session.reset":
                 return set_setting(
-                    runtime, session_id, key, reset=True, platform=platform, user_id=user_id
+                    runtime,
+                    session_id,
+                    key,
+                    reset=True,
+                    platform=platform,
+                    user_id=user_id,
+                    venue=venue,
                 )
             raw = words[2]
             try:
                 value: Any = json.loads(raw)
             except ValueError:
                 value = raw
-            return set_setting(runtime, session_id, key, value, platform=platform, user_id=user_id)
+            return set_setting(
+                runtime, session_id, key, value, platform=platform, user_id=user_id, venue=venue
+            )
         except ConfigError as exc:
             return f"设置失败：{exc}"
     return None
@@ -106,7 +123,7 @@ def page_of(
             if i + 1 >= len(args):
                 raise ValueError("-p 后面要跟页码")
             raw = args[i + 1]
-            if not raw.isdigit() or int(raw) < 1:
+            if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
                 raise ValueError(f"页码要是正整数，不是 {raw!r}")
             page = int(raw)
             i += 2
@@ -123,19 +140,24 @@ def page_of(
 
 
 def _listing(
-    runtime: Runtime, session_id: str, name: str, args: list[str], platform: str | None
+    runtime: Runtime,
+    session_id: str,
+    name: str,
+    args: list[str],
+    platform: str | None,
+    venue: str | None,
 ) -> str:
     services = runtime.services
     if name == "/model":
         what, current = "对话模型", None
         with contextlib.suppress(ConfigError):
-            current = next(f.value for f in runtime.fields(session_id, platform) if f.key == "llm")
-        entries = [
-            (entry_id(m), f"{model_name(m)} · 上下文 {m.context_length}")
-            for m in services.models.models()
-        ]
+            fields = runtime.fields(session_id, platform, venue)
+            current = next(f.value for f in fields if f.key == "llm")
+        models = services.models.models()
+        entries = [(entry_id(m), model_name(m)) for m in models]  # searched: id and name
+        extra = {entry_id(m): f" · 上下文 {m.context_length}" for m in models}
     else:
-        what, current = "人设", None
+        what, current, extra = "人设", None, {}
         if services.persona is None:
             return "没有人设服务，/persona 无可列"
         entries = list(services.persona.list())
@@ -151,6 +173,6 @@ def _listing(
     lines = [listing_header(what, total, page, pages, keyword)]
     for eid, text in shown:
         mark = "  ← 此刻在用" if eid == current else ""
-        lines.append(f"{eid}  {text}{mark}")
+        lines.append(f"{eid}  {text}{extra.get(eid, '')}{mark}")
     lines.append(listing_footer(name, page, pages))
     return "\n".join(lines)

@@ -74,7 +74,7 @@ def parse_model_ref(value: object, *, where: str) -> ModelRef:
     elif isinstance(value, dict):
         provider, model = value.get("provider"), value.get("model")
     elif isinstance(value, ModelRef):
-        return value
+        provider, model = value.provider, value.model
     if not (isinstance(provider, str) and provider and isinstance(model, str) and model):
         raise ConfigError(f"{where}: expected <provider>/<model>, got {value!r}")
     return ModelRef(provider=provider, model=model)
