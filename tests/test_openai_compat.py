@@ -364,3 +364,27 @@ def test_chat_converses_with_a_server_and_runs_the_builtin_tools(
     tool_messages = [m for m in second["messages"] if m["role"] == "tool"]
     assert tool_messages == [{"role": "tool", "content": "42", "tool_call_id": "call_calc"}]
     assert "sk-chat" not in result.stdout + result.stderr
+
+
+def test_a_stalled_stream_times_out_and_the_turn_ends_in_error(server: Server) -> None:
+    """The read timeout ends a stream that stops sending: without it this reply would
+    complete (two pieces, two seconds apart)."""
+    server.delay_s = 2.0
+    server.scripts.append([sse(chunk({"content": "第一段"})), sse(chunk({"content": "第二段"}))])
+    runtime = Runtime(
+        InMemoryEventStore(),
+        Services(llm=model(server, timeout_s=0.3)),
+        FixedClock(),
+        SequentialIds(),
+        janitor=False,
+    )
+    notices: list[Any] = []
+    runtime.subscribe("outbound:message", lambda t, p: notices.append(p))
+    try:
+        assert runtime.submit("s", Input(id="", content="慢慢说")).result(10).outcome == "error"
+        assert [n["kind"] for n in notices] == ["error"]
+        assert notices[0]["content"].startswith("[错误]") and "turn=" in notices[0]["content"]
+        assert "第二段" not in str(runtime.view("s").history)
+    finally:
+        runtime.shutdown(timeout=10)
+        pykka.ActorRegistry.stop_all()
