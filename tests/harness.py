@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pykka
@@ -184,3 +187,22 @@ def settle(
         if last is None:
             time.sleep(0.001)
     raise TimeoutError(f"runtime did not settle: {live} runners, {parked} parked")
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(
+    *args: str, stdin: str = "", env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``aalis-agent ARGS`` in a subprocess from the repository root, ``stdin`` piped in."""
+    return subprocess.run(
+        [sys.executable, "-m", "actors.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=False,
+        env=None if env is None else dict(env),
+    )

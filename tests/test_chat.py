@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import pty
 import select
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from events import InputJoined, InputQueued, SqliteEventStore, StopRequested, TurnRecorded
+from tests.harness import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "actors.cli"]
@@ -18,15 +18,7 @@ CLI = [sys.executable, "-m", "actors.cli"]
 
 def test_piped_lines_are_answered_in_order_and_persisted(tmp_path: Path) -> None:
     db = tmp_path / "chat.db"
-    result = subprocess.run(
-        [*CLI, "chat", "--db", str(db)],
-        input="你好\n今天天气怎么样\n",
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        check=False,
-    )
+    result = run_cli("chat", "--db", str(db), stdin="你好\n今天天气怎么样\n")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "（脚本模型）收到：你好" in lines
@@ -115,14 +107,8 @@ historyLimit = 6
         encoding="utf-8",
     )
     db = tmp_path / "chat.db"
-    result = subprocess.run(
-        [*CLI, "chat", "--db", str(db), "--config", str(config)],
-        input="/model\n/session\n你好\n",
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        check=False,
+    result = run_cli(
+        "chat", "--db", str(db), "--config", str(config), stdin="/model\n/session\n你好\n"
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -137,14 +123,8 @@ historyLimit = 6
 def test_a_bad_config_file_is_refused_with_its_key(tmp_path: Path) -> None:
     config = tmp_path / "bad.toml"
     config.write_text("[agent]\nhistoryLimit = 'many'\n", encoding="utf-8")
-    result = subprocess.run(
-        [*CLI, "chat", "--db", str(tmp_path / "c.db"), "--config", str(config)],
-        input="你好\n",
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        check=False,
+    result = run_cli(
+        "chat", "--db", str(tmp_path / "c.db"), "--config", str(config), stdin="你好\n"
     )
     assert result.returncode == 2
     assert result.stderr == (

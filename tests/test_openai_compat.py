@@ -26,6 +26,7 @@ from events import (
 )
 from services import AbortSignal, ChatRequest, Services, Tool, ToolRegistry
 from services.openai_compat import OpenAICompatibleModel, to_openai_message
+from tests.harness import run_cli
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -332,11 +333,6 @@ def test_chat_converses_with_a_server_and_runs_the_builtin_tools(
 ) -> None:
     """``aalis-agent chat --base-url --model`` against the loopback server: the model calls
     ``calculate``, the chat runs it, and the result goes back in the next request."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
     call = {
         "index": 0,
         "id": "call_calc",
@@ -345,15 +341,9 @@ def test_chat_converses_with_a_server_and_runs_the_builtin_tools(
     }
     server.scripts.append([sse(chunk({"tool_calls": [call]}, "tool_calls"))])
     server.scripts.append([sse(chunk({"content": "是 42。"})), sse(chunk({}, "stop"))])
-    argv = [sys.executable, "-m", "actors.cli", "chat", "--db", str(tmp_path / "c.db")]
-    result = subprocess.run(
-        [*argv, "--base-url", server.url, "--model", "m"],
-        input="六乘七是多少\n",
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=root,
-        check=False,
+    result = run_cli(
+        *("chat", "--db", str(tmp_path / "c.db"), "--base-url", server.url, "--model", "m"),
+        stdin="六乘七是多少\n",
         env={"PATH": "/usr/bin:/bin", "OPENAI_API_KEY": "sk-chat"},
     )
     assert result.returncode == 0, result.stderr
