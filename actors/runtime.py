@@ -378,13 +378,19 @@ class Runtime:
     def recover(self) -> list[str]:
         """Start the sessions whose log shows unfinished work: a turn cut by a crash, or
         inputs still queued. Their actors record the cut turn and schedule the queue."""
-        started = []
-        for session_id in self.store.sessions():
+        started, idle = [], []
+        # Only sessions the log does not know to be idle are folded (ES4: start-up does
+        # not grow with the whole history); those found idle are marked for next time.
+        for session_id in self.store.open_sessions():
             view = self._load(session_id)
-            if view.queue.running is not None or queue.waiting(view.queue) or view.queue.arrived:
+            if queue.has_open_work(view.queue):
                 with self._lock:
                     self._entry(session_id)
                 started.append(session_id)
+            elif view.seq:
+                idle.append((session_id, view.seq))
+        if idle:
+            self.store.mark_idle(idle)
         return started
 
     def passivate_idle(self, idle_s: float | None = None) -> int:

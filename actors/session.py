@@ -181,7 +181,12 @@ class SessionActor(pykka.ThreadingActor):
             return
         before = self.view
         try:
-            self.store.append(self.session_id, events, step.batch.expected_seq)
+            self.store.append(
+                self.session_id,
+                events,
+                step.batch.expected_seq,
+                open_work=queue.has_open_work(step.view.queue),
+            )
         except Exception:
             # Nothing was written: rebuild from what the log holds, then re-raise.
             self.view = project(self.store.read(self.session_id))

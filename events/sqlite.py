@@ -1,8 +1,10 @@
 """``SqliteEventStore``: the durable default store.
 
-One table, ``events`` (WITHOUT ROWID): primary key ``(session_id, seq)`` is the
+The table ``events`` (WITHOUT ROWID): primary key ``(session_id, seq)`` is the
 concurrency check, a unique global ``position`` orders ``read_all``, ``type`` is the
-event's tag (handy in SQL), ``data`` the MessagePack-encoded event. WAL journal with
+event's tag (handy in SQL), ``data`` the MessagePack-encoded event. Beside it,
+``idle_sessions`` lists the sessions whose last append said they had no unfinished work,
+written in the same transaction, so recovery folds only the others. WAL journal with
 ``synchronous=NORMAL``: an append is acknowledged after its transaction commits. A batch
 is one transaction.
 
@@ -26,8 +28,22 @@ from events.store import CorruptHandler, Recorded, check_batch, check_limit, enc
 
 __all__ = ["SqliteEventStore"]
 
-_STORE_FORMAT = 1  # PRAGMA user_version of a database this code created
+_STORE_FORMAT = 2  # PRAGMA user_version of a database this code created
+# Format 1 had no ``idle_sessions``; opening one adds the (empty) table, which is all
+# format 2 adds: every session then counts as possibly open until recovery marks it.
+_SESSION_IDS = (
+    "WITH RECURSIVE s(id) AS ("
+    " SELECT (SELECT min(session_id) FROM events)"
+    " UNION ALL"
+    " SELECT (SELECT min(session_id) FROM events WHERE session_id > s.id)"
+    " FROM s WHERE s.id IS NOT NULL) "
+    "SELECT id FROM s WHERE id IS NOT NULL"
+)
+"""Every session id, sorted, by skipping along the primary key: one seek per session
+rather than a visit to every event."""
 _INSERT = "INSERT INTO events (position, session_id, seq, type, data) VALUES (?, ?, ?, ?, ?)"
+_MARK_IDLE = "INSERT OR IGNORE INTO idle_sessions (session_id) VALUES (?)"
+_UNMARK_IDLE = "DELETE FROM idle_sessions WHERE session_id = ?"
 
 
 class SqliteEventStore:
@@ -63,6 +79,7 @@ class SqliteEventStore:
         self._exclusive = exclusive
         # Last seq per session and last position, exact while no other connection writes.
         self._seq_cache: dict[str, int] = {}
+        self._idle_cache: dict[str, bool] = {}  # session -> has a row in idle_sessions
         self._position_cache: int | None = None
         self._data_version: int | None = None
         try:
@@ -83,6 +100,11 @@ class SqliteEventStore:
         db = sqlite_utils.Database(self._conn)
         version = self._conn.execute("PRAGMA user_version").fetchone()[0]
         if "events" in db.table_names():
+            if version == 1:
+                with db.conn:
+                    self._create_idle_table()
+                    self._conn.execute(f"PRAGMA user_version={_STORE_FORMAT}")
+                return
             if version != _STORE_FORMAT:
                 raise StoreError(
                     f"{self.path!r}: event table format {version} is not {_STORE_FORMAT}"
@@ -101,12 +123,27 @@ class SqliteEventStore:
             db["events"].create_index(  # type: ignore[union-attr]
                 ["position"], index_name="events_position", unique=True
             )
+            self._create_idle_table()
         self._conn.execute(f"PRAGMA user_version={_STORE_FORMAT}")
+
+    def _create_idle_table(self) -> None:
+        # Sessions whose writer said they have no unfinished work (see open_sessions).
+        self._conn.execute(
+            "CREATE TABLE IF NOT EXISTS idle_sessions (session_id TEXT PRIMARY KEY) WITHOUT ROWID"
+        )
 
     # --- writing ---------------------------------------------------------------------
 
-    def append(self, session_id: str, events: Sequence[SessionEvent], expected_seq: int) -> int:
+    def append(
+        self,
+        session_id: str,
+        events: Sequence[SessionEvent],
+        expected_seq: int,
+        *,
+        open_work: bool | None = None,
+    ) -> int:
         check_batch(session_id, events, expected_seq)
+        idle = open_work is False
         rows = [(session_id, e.seq, event_tag(e), blob) for e, blob in encode_batch(events)]
         with self._lock:
             conn = self._conn
@@ -131,6 +168,11 @@ class SqliteEventStore:
                     conn.executemany(
                         _INSERT, [(position + i, *row) for i, row in enumerate(rows, 1)]
                     )
+                if rows and self._idle_cache.get(session_id) is not idle:
+                    if idle:
+                        conn.execute(_MARK_IDLE, (session_id,))
+                    else:
+                        conn.execute(_UNMARK_IDLE, (session_id,))
                 conn.execute("COMMIT")
             except BaseException as exc:
                 if conn.in_transaction:
@@ -147,6 +189,8 @@ class SqliteEventStore:
             # Committed: the caches now hold what the database holds.
             self._seq_cache[session_id] = expected_seq + len(rows)
             self._position_cache = position + len(rows)
+            if rows:
+                self._idle_cache[session_id] = idle
         return expected_seq + len(rows)
 
     def _refresh_cache(self) -> None:
@@ -165,7 +209,33 @@ class SqliteEventStore:
 
     def _forget_cache(self) -> None:
         self._seq_cache.clear()
+        self._idle_cache.clear()
         self._position_cache = None
+
+    def mark_idle(self, sessions: Sequence[tuple[str, int]]) -> int:
+        marked = 0
+        with self._lock:
+            conn = self._conn
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                raise StoreError(f"{self.path!r}: cannot start a write: {exc}") from None
+            try:
+                self._refresh_cache()
+                for session_id, seq in sessions:
+                    if seq > 0 and self._last_seq_unlocked(session_id) == seq:
+                        conn.execute(_MARK_IDLE, (session_id,))
+                        marked += 1
+                conn.execute("COMMIT")
+            except BaseException as exc:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                self._forget_cache()
+                if isinstance(exc, sqlite3.Error):
+                    raise StoreError(f"{self.path!r}: marking idle failed: {exc}") from None
+                raise
+            self._idle_cache.clear()  # cheap to rebuild; marks are rare
+        return marked
 
     # --- reading ---------------------------------------------------------------------
 
@@ -213,10 +283,14 @@ class SqliteEventStore:
 
     def sessions(self) -> list[str]:
         with self._lock:
-            rows = self._conn.execute(
-                "SELECT DISTINCT session_id FROM events ORDER BY session_id"
-            ).fetchall()
+            rows = self._conn.execute(_SESSION_IDS).fetchall()
         return [r[0] for r in rows]
+
+    def open_sessions(self) -> list[str]:
+        with self._lock:
+            rows = self._conn.execute(_SESSION_IDS).fetchall()
+            idle = {r[0] for r in self._conn.execute("SELECT session_id FROM idle_sessions")}
+        return [r[0] for r in rows if r[0] not in idle]
 
     def count(self, session_id: str | None = None) -> int:
         """How many events the store holds (for one session, or all)."""

@@ -43,13 +43,35 @@ class Recorded(msgspec.Struct, frozen=True):
 class EventStore(Protocol):
     """Per-session append-only logs with a global order."""
 
-    def append(self, session_id: str, events: Sequence[SessionEvent], expected_seq: int) -> int:
+    def append(
+        self,
+        session_id: str,
+        events: Sequence[SessionEvent],
+        expected_seq: int,
+        *,
+        open_work: bool | None = None,
+    ) -> int:
         """Append ``events`` atomically after ``expected_seq``; return the new last seq.
+
+        ``open_work`` is the writer's word, stored in the same transaction, on whether the
+        session has unfinished work after this batch (a running turn, inputs waiting);
+        None (a writer that does not say) makes it unknown. See :meth:`open_sessions`.
 
         Raises :class:`ConcurrencyConflict` when the log's last seq is not
         ``expected_seq`` (nothing is written), and :class:`InvalidBatch` when an event
         names another session or its seq does not follow on.
         """
+        ...
+
+    def open_sessions(self) -> list[str]:
+        """Sessions that may have unfinished work, sorted: all but those whose last
+        append said ``open_work=False`` or that :meth:`mark_idle` marked. Recovery folds
+        only these."""
+        ...
+
+    def mark_idle(self, sessions: Sequence[tuple[str, int]]) -> int:
+        """Record ``(session, seq)`` pairs found idle when folded up to ``seq``; a session
+        whose log has moved past ``seq`` is left as it is. Returns how many were marked."""
         ...
 
     def read(
@@ -128,8 +150,16 @@ class InMemoryEventStore:
         self._lock = threading.Lock()
         self._logs: dict[str, list[bytes]] = {}
         self._all: list[tuple[str, int, bytes]] = []
+        self._idle: set[str] = set()
 
-    def append(self, session_id: str, events: Sequence[SessionEvent], expected_seq: int) -> int:
+    def append(
+        self,
+        session_id: str,
+        events: Sequence[SessionEvent],
+        expected_seq: int,
+        *,
+        open_work: bool | None = None,
+    ) -> int:
         check_batch(session_id, events, expected_seq)
         encoded = encode_batch(events)
         with self._lock:
@@ -143,7 +173,25 @@ class InMemoryEventStore:
                 log = self._logs[session_id] = []
             log.extend(blob for _, blob in encoded)
             self._all.extend((session_id, e.seq, blob) for e, blob in encoded)
+            if open_work is False:
+                self._idle.add(session_id)
+            else:
+                self._idle.discard(session_id)
             return len(log)
+
+    def open_sessions(self) -> list[str]:
+        with self._lock:
+            return sorted(s for s in self._logs if s not in self._idle)
+
+    def mark_idle(self, sessions: Sequence[tuple[str, int]]) -> int:
+        marked = 0
+        with self._lock:
+            for session_id, seq in sessions:
+                log = self._logs.get(session_id)
+                if log and len(log) == seq:
+                    self._idle.add(session_id)
+                    marked += 1
+        return marked
 
     def read(
         self, session_id: str, after_seq: int = 0, *, on_corrupt: CorruptHandler | None = None

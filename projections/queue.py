@@ -37,7 +37,16 @@ from events.schema import (
 )
 from projections._dispatch import Handler, check_complete, fold, keep
 
-__all__ = ["HANDLERS", "QueueState", "RunningTurn", "Waiting", "evolve", "project", "waiting"]
+__all__ = [
+    "HANDLERS",
+    "QueueState",
+    "RunningTurn",
+    "Waiting",
+    "evolve",
+    "has_open_work",
+    "project",
+    "waiting",
+]
 
 
 class Waiting(msgspec.Struct, frozen=True):
@@ -206,3 +215,9 @@ def project(events: Iterable[SessionEvent], state: QueueState | None = None) -> 
 def waiting(state: QueueState) -> list[Waiting]:
     """Queued and pending inputs together, in arrival order (what ``agent:queue`` reports)."""
     return sorted((*state.queued, *state.pending), key=lambda w: w.arrival)
+
+
+def has_open_work(state: QueueState) -> bool:
+    """Whether the session has unfinished work: a running turn, inputs accepted but not
+    yet decided, or inputs queued or pending. A restart must resume such a session."""
+    return bool(state.running is not None or state.arrived or state.queued or state.pending)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pykka
 import pytest
@@ -22,6 +23,8 @@ from events import (
     InputReleased,
     MessageSaved,
     SequentialIds,
+    SessionEvent,
+    SettingsChanged,
     SqliteEventStore,
     TurnOpened,
     TurnRecorded,
@@ -122,3 +125,52 @@ def test_sigkill_mid_turn_loses_nothing_and_runs_nothing_twice(tmp_path: Path) -
     finally:
         runtime.shutdown(timeout=30)
         store.close()
+
+
+class CountingStore(InMemoryEventStore):
+    """Counts which sessions' logs were read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: Counter[str] = Counter()
+
+    def read(self, session_id: str, after_seq: int = 0, **kw: Any) -> list[SessionEvent]:
+        self.reads[session_id] += 1
+        return super().read(session_id, after_seq, **kw)
+
+
+def test_recovery_folds_only_sessions_that_may_have_work() -> None:
+    """ES4: the runtime marks each batch with whether work is left, so a restart reads
+    only the sessions cut mid-work (and, once, those written without the mark)."""
+    store = CountingStore()
+    model = GatedModel()
+    first = Runtime(store, Services(llm=model), FixedClock(), SequentialIds(), janitor=False)
+    for n in range(5):  # five sessions that finished their turns
+        sid = f"done-{n}"
+        handle = first.submit(sid, Input(id=f"i{n}", content="你好"))
+        settle(first, model)
+        model.answer("好")
+        assert handle.result(10).outcome == "replied"
+    first.submit("busy", Input(id="b", content="在吗"))  # cut mid-turn
+    settle(first, model)
+    assert store.open_sessions() == ["busy"]
+    # A session written by a writer that does not mark its batches: folded once.
+    setting = SettingsChanged(session_id="legacy", seq=1, at=0, key="historyLimit", value=3)
+    store.append("legacy", [setting], 0)
+    for ref in pykka.ActorRegistry.get_all():
+        ref.stop()
+    for call in model.parked:
+        call.abort.abort("crash")
+    store.reads.clear()
+    second = Runtime(
+        store, Services(llm=ScriptedModel()), FixedClock(), SequentialIds(), janitor=False
+    )
+    try:
+        assert second.recover() == ["busy"]
+        assert set(store.reads) == {"busy", "legacy"}
+        assert second.wait_idle(10)
+        assert store.open_sessions() == []  # legacy was marked idle; busy finished
+        assert [e.outcome for e in store.read("busy") if isinstance(e, TurnRecorded)] == ["aborted"]
+    finally:
+        second.shutdown(timeout=10)
+        first.shutdown(timeout=10)

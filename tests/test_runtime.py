@@ -575,11 +575,13 @@ class FlakyStore(InMemoryEventStore):
         super().__init__()
         self.fail_next_message = False
 
-    def append(self, session_id: str, events: Any, expected_seq: int) -> int:
+    def append(
+        self, session_id: str, events: Any, expected_seq: int, *, open_work: bool | None = None
+    ) -> int:
         if self.fail_next_message and any(isinstance(e, MessageSaved) for e in events):
             self.fail_next_message = False
             raise OSError("disk full")
-        return super().append(session_id, events, expected_seq)
+        return super().append(session_id, events, expected_seq, open_work=open_work)
 
 
 def test_a_failed_append_from_a_runner_does_not_stop_the_session() -> None:

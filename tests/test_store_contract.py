@@ -504,6 +504,38 @@ class StoreContract:
         store.append("ü", events, 0)
         assert [e.message.content for e in store.read("ü")] == texts  # type: ignore[union-attr]
 
+    # --- which sessions may have unfinished work (recovery's index) -----------------
+
+    def test_sessions_are_open_until_a_writer_says_idle(self, store: EventStore) -> None:
+        store.append("a", [queued("a", 1)], 0)  # the writer did not say: unknown
+        store.append("b", [queued("b", 1)], 0, open_work=True)
+        store.append("c", [queued("c", 1)], 0, open_work=False)
+        assert store.open_sessions() == ["a", "b"]
+        store.append("c", [queued("c", 2)], 1, open_work=True)  # work again
+        store.append("b", [queued("b", 2)], 1, open_work=False)  # done
+        assert store.open_sessions() == ["a", "c"]
+        store.append("b", [queued("b", 3)], 2)  # a writer that does not say: unknown again
+        assert store.open_sessions() == ["a", "b", "c"]
+        assert store.sessions() == ["a", "b", "c"]
+
+    def test_a_refused_append_leaves_the_mark_alone(self, store: EventStore) -> None:
+        store.append("a", [queued("a", 1)], 0, open_work=False)
+        with pytest.raises(ConcurrencyConflict):
+            store.append("a", [queued("a", 5)], 4, open_work=True)
+        with pytest.raises(InvalidBatch):
+            store.append("a", [queued("a", 3)], 1, open_work=True)
+        assert store.open_sessions() == []
+        store.append("a", [], 1, open_work=True)  # an empty batch writes nothing at all
+        assert store.open_sessions() == []
+
+    def test_mark_idle_only_where_the_log_has_not_moved(self, store: EventStore) -> None:
+        store.append("a", batch("a", 1, 2), 0)
+        store.append("b", batch("b", 1, 2), 0)
+        assert store.mark_idle([("a", 2), ("b", 1), ("nobody", 0), ("nobody", 3)]) == 1
+        assert store.open_sessions() == ["b"]
+        store.append("a", [queued("a", 3)], 2)  # moved on: unknown again
+        assert store.open_sessions() == ["a", "b"]
+
 
 class TestInMemoryStore(StoreContract):
     def make_store(self, tmp_path: Path) -> EventStore:
@@ -549,6 +581,46 @@ class TestSqliteStore(StoreContract):
                     "VALUES (?, ?, ?, ?, ?)",
                     (position[0] + 1, session_id, seq, "message_saved", data),
                 )
+        finally:
+            conn.close()
+
+    def test_idle_marks_survive_reopen_and_other_writers(self, tmp_path: Path) -> None:
+        path = tmp_path / "events.db"
+        with SqliteEventStore(path) as first, SqliteEventStore(path) as second:
+            first.append("a", [queued("a", 1)], 0, open_work=False)
+            first.append("b", [queued("b", 1)], 0, open_work=False)
+            assert second.open_sessions() == []
+            second.append("a", [queued("a", 2)], 1)  # another writer, not saying
+            assert first.open_sessions() == ["a"]
+            # first's memory of "a is idle" must not skip writing the mark again.
+            first.append("a", [queued("a", 3)], 2, open_work=False)
+            assert second.open_sessions() == []
+        with SqliteEventStore(path) as store:
+            assert store.open_sessions() == []
+            assert store.sessions() == ["a", "b"]
+
+    def test_a_format_1_database_gains_the_index_with_every_session_open(
+        self, tmp_path: Path
+    ) -> None:
+        path = tmp_path / "v1.db"
+        conn = sqlite3.connect(path)
+        conn.executescript(
+            "CREATE TABLE events (position INTEGER NOT NULL, session_id TEXT NOT NULL, "
+            "seq INTEGER NOT NULL, type TEXT NOT NULL, data BLOB NOT NULL, "
+            "PRIMARY KEY (session_id, seq)) WITHOUT ROWID;"
+            "CREATE UNIQUE INDEX events_position ON events (position);"
+            "PRAGMA user_version=1;"
+        )
+        conn.close()
+        for sid in ("x", "y"):  # two sessions written the old way
+            self._raw_insert(path, sid, 1, codec.encode(queued(sid, 1)))
+        with SqliteEventStore(path) as store:
+            assert store.open_sessions() == ["x", "y"]
+            assert store.mark_idle([("x", 1)]) == 1
+            assert store.open_sessions() == ["y"]
+        conn = sqlite3.connect(path)
+        try:
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
         finally:
             conn.close()
 
