@@ -1,4 +1,4 @@
-"""The ``aalis-agent`` command: ``demo``, ``chat``, ``replay`` and ``scenario``.
+"""The ``aalis-agent`` command: ``demo``, ``chat``, ``config``, ``replay`` and ``scenario``.
 
 structlog and output are configured here, never on import.
 """
@@ -73,6 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:11434/v1")
     chat.add_argument("--model", help="model id on that server")
     chat.add_argument("--script", help="a scripted model's replies (TOML or JSON), instead")
+
+    config = sub.add_parser(
+        "config",
+        help="check a configuration file and show what it gives",
+        description=(
+            "Load a configuration file (TOML; see docs/configuration.md) as chat --config "
+            "would, and show the plugin config, the models in priority order with their "
+            "thinking levels, the preferences and the model a session would use now, the "
+            "settings layers and the personas. A problem stops it with a line naming the "
+            "file, the key and what is wrong (exit status 2). Keys are never shown."
+        ),
+    )
+    config.add_argument("file", metavar="FILE", help="configuration file (TOML)")
 
     replay = sub.add_parser(
         "replay",
@@ -165,6 +178,13 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(args.db, args.session, model, services=services, tools=not args.no_tools)
 
 
+def _cmd_config(args: argparse.Namespace) -> int:
+    from services.config_file import describe, load_config
+
+    sys.stdout.write(describe(load_config(args.file)))
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from actors.demo import run_demo
 
@@ -194,6 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_demo(args)
         if args.command == "chat":
             return _cmd_chat(args)
+        if args.command == "config":
+            return _cmd_config(args)
         if args.command == "scenario":
             from actors.scenario import run_cli
 

@@ -66,7 +66,7 @@ from services.settings import SettingsLayers, validate_setting
 if TYPE_CHECKING:
     from services import Services
 
-__all__ = ["FileConfig", "load_config", "parse_config"]
+__all__ = ["FileConfig", "describe", "load_config", "parse_config"]
 
 _TOP = {
     "agent",
@@ -420,3 +420,69 @@ def _personas(r: _Reader, value: Any) -> StaticPersonas | None:
                 raise r.error(f"{key}.default", f"{default!r} is already the default persona")
             default = pid
     return StaticPersonas(personas, default)
+
+
+def describe(fc: FileConfig) -> str:
+    """A readable summary of what ``fc`` gives a runtime (``aalis-agent config``)."""
+    from services.models import entry_id, model_name, think_default, think_levels
+
+    c = fc.config
+    prompt = f"{len(c.system_prompt)} chars" if c.system_prompt else "none"
+    lines = [
+        f"{fc.path}: ok",
+        f"plugin config: systemPrompt {prompt}, historyLimit {c.history_limit}, "
+        f"maxToolIterations {c.max_tool_iterations or 'unlimited'}, think {c.think or 'unset'}, "
+        f"memoryTokenBudget {c.memory_token_budget}, trimThresholdRatio {c.trim_threshold_ratio}",
+    ]
+    models = fc.llm.models()
+    lines.append(f"models ({len(models)}, in priority order):")
+    for m in models:
+        levels = think_levels(m)
+        default = think_default(m)
+        think = (
+            "; think "
+            + ", ".join(lv.id + (f" ({lv.name})" if lv.name else "") for lv in levels)
+            + f", default {default.id}"
+            if levels and default is not None
+            else ""
+        )
+        lines.append(
+            f"  {entry_id(m)}  {model_name(m)} · context {m.context_length} · "
+            f"max output {m.max_output_tokens}{think}"
+        )
+    for label, ref in (
+        ("this plugin's preference", fc.llm.plugin_preference),
+        ("global preference", fc.llm.global_preference),
+    ):
+        if ref is not None:
+            there = "present" if fc.llm.find(ref) is not None else "MISSING: falls back"
+            lines.append(f"{label}: {ref} ({there})")
+    if models:
+        choice = fc.llm.resolve(None, warn=False)
+        lines.append(f"a session without an llm setting uses: {choice.entry_id} ({choice.source})")
+    else:
+        lines.append("no models: chat falls back to its scripted model")
+    layers = fc.settings
+    for label, table in (
+        ("platform profile", layers.platforms),
+        ("platform-type profile", layers.types),
+        ("venue", layers.venues),
+    ):
+        for key, values in table.items():
+            shown = ", ".join(f"{k} {_shown(v)}" for k, v in values.items()) or "(empty)"
+            lines.append(f"{label} {key!r}: {shown}")
+    for platform, kind in layers.platform_types.items():
+        lines.append(f"platform {platform!r} is of type {kind!r}")
+    if fc.personas is not None:
+        names = [
+            pid + (" (default)" if pid == fc.personas.default else "")
+            for pid, _ in fc.personas.list()
+        ]
+        lines.append("personas: " + ", ".join(names))
+    return "\n".join(lines) + "\n"
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, Mapping) and {"provider", "model"} <= value.keys():
+        return f"{value['provider']}/{value['model']}"
+    return str(value)

@@ -13,6 +13,7 @@ from events import ConfigError, ModelRef
 from services.config_file import load_config, parse_config
 from services.models import entry_id, think_levels
 from services.openai_compat import OpenAICompatibleModel
+from tests.harness import run_cli
 
 FULL = """
 [agent]
@@ -246,3 +247,27 @@ def test_the_documented_example_loads() -> None:
     fc = load_config(example, env={"DEEPSEEK_API_KEY": "sk-example"})
     assert entry_id(fc.llm.preferred()) == "deepseek/deepseek-chat"
     assert fc.settings.for_turn("s", "qq-main", {}, "qq-main:123456").max_tool_iterations == 5
+
+
+def test_the_config_command_shows_what_the_file_gives(tmp_path: Path) -> None:
+    path = write(tmp_path, FULL.replace('llm = "remote/gpt"', 'llm = "remote/gone"'))
+    result = run_cli("config", str(path))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"{path}: ok"
+    assert (
+        "  local/small  Small · context 8192 · max output 4096; think low (浅), high, default high"
+    ) in lines
+    assert "this plugin's preference: remote/gone (MISSING: falls back)" in lines
+    assert "a session without an llm setting uses: local/small (global-preference)" in lines
+    assert "platform-type profile 'onebot': maxToolIterations 3" in lines
+    assert "venue 'qq-main:5': think deep" in lines
+    assert "personas: cat, helper (default)" in lines
+    assert "sk-file-secret" not in result.stdout + result.stderr
+
+
+def test_the_config_command_refuses_a_bad_file_with_its_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "[providers.p]\ntype = 'magic'\n")
+    result = run_cli("config", str(path))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(f"aalis-agent config: error: {path}: providers.p.type:")
