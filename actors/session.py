@@ -115,6 +115,9 @@ class SessionActor(pykka.ThreadingActor):
         self._winding_down: list[tuple[str, Future[Any], tuple[str, ...]]] = []
         self._deferred: list[Submit] = []
         self._last_activity = time.monotonic()
+        # Turn ids the log has used, kept up as finished turns are added (_new_turn_id).
+        self._used_turn_ids: set[str] = set()
+        self._used_turn_ids_seen: tuple[int, Any] | None = None
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -159,12 +162,21 @@ class SessionActor(pykka.ThreadingActor):
 
     def _new_turn_id(self) -> str:
         """A turn id this session's log has not used (id sources may restart)."""
-        used = {t.turn_id for t in self.view.turns.finished}
-        if self.view.turns.current is not None:
-            used.add(self.view.turns.current.turn_id)
+        finished = self.view.turns.finished
+        used, seen = self._used_turn_ids, self._used_turn_ids_seen
+        # The finished turns only grow: add the new ones, unless the view was rebuilt.
+        start = 0
+        if seen is not None and len(finished) >= seen[0] and finished[seen[0] - 1] is seen[1]:
+            start = seen[0]
+        else:
+            used.clear()
+        used.update(t.turn_id for t in finished[start:])
+        if finished:
+            self._used_turn_ids_seen = (len(finished), finished[-1])
+        current = self.view.turns.current
         while True:
             turn_id = self.ids.new("turn")
-            if turn_id not in used:
+            if turn_id not in used and (current is None or turn_id != current.turn_id):
                 return turn_id
 
     def _known_inputs(self, before: SessionView, events: list[SessionEvent]) -> dict[str, Input]:

@@ -602,3 +602,24 @@ def test_a_failed_append_from_a_runner_does_not_stop_the_session() -> None:
         assert saved == ["好", "二", "也好"]  # only the refused write is missing
     finally:
         runtime.shutdown(timeout=10)
+
+
+def test_turn_ids_stay_unique_when_the_id_source_restarts() -> None:
+    """A turn id is never used twice in a session's log: not within one actor's life (the
+    used ids are kept up turn by turn) and not after a restart whose id source starts
+    again from the beginning (the log is the authority)."""
+    store = InMemoryEventStore()
+    for _ in range(3):  # three "processes", each with a fresh SequentialIds
+        runtime = Runtime(
+            store, Services(llm=ScriptedModel()), FixedClock(), SequentialIds(), janitor=False
+        )
+        try:
+            for k in range(4):
+                assert runtime.submit("s", Input(id="", content=f"{k}")).result(10).outcome == (
+                    "replied"
+                )
+            assert runtime.passivate_idle(0) == 1  # the next runtime rebuilds from the log
+        finally:
+            runtime.shutdown(timeout=10)
+    opened = [e.turn_id for e in store.read("s") if isinstance(e, TurnOpened)]
+    assert len(opened) == 12 and len(set(opened)) == 12
