@@ -104,7 +104,7 @@ def run_chat(
     if interactive:
         write(
             f"aalis-agent chat: session {session_id}, log {db_path}. "
-            "/stop, /session, /model, /persona, /quit.\n"
+            "/help lists the commands; /quit leaves.\n"
         )
     try:
         for raw in stdin:
@@ -113,7 +113,7 @@ def run_chat(
                 continue
             if line.strip() == "/quit":
                 break
-            if line.startswith(("/stop", "/session", "/model", "/persona")):
+            if line.startswith(("/help", "/stop", "/session", "/model", "/persona")):
                 answer = handle_command(
                     runtime, session_id, line, platform="cli", user_id="console"
                 )

@@ -1,4 +1,4 @@
-"""Slash commands a session understands: ``/stop`` (CMD3), the session settings
+"""Slash commands a session understands: ``/help``, ``/stop`` (CMD3), the session settings
 (``/session``, ``/session.set KEY VALUE``, ``/session.reset KEY``), and the paged
 listings ``/model [keyword] [-p N]`` and ``/persona [keyword] [-p N]`` (CMD1-CMD2)."""
 
@@ -17,7 +17,19 @@ from services.settings import SETTING_FIELDS, validate_setting
 if TYPE_CHECKING:
     from actors.runtime import Runtime
 
-__all__ = ["PAGE_SIZE", "handle_command", "page_of", "set_setting"]
+__all__ = ["HELP", "PAGE_SIZE", "handle_command", "page_of", "set_setting"]
+
+HELP = "\n".join(
+    (
+        "/stop  停下在跑的一轮（参与这一轮的人和 owner）",
+        "/session  看本会话的设置：模型、深度思考、最大工具迭代、历史条数上限、人设、工具分组",
+        "/session.set <键> <值>  改本会话的一项设置（如 /session.set llm openai/gpt-4o）",
+        "/session.reset <键>  恢复一项设置",
+        "/model [关键词] [-p 页]  列出 / 搜索对话模型",
+        "/persona [关键词] [-p 页]  列出 / 搜索人设",
+    )
+)
+"""What ``/help`` answers."""
 
 PAGE_SIZE = 20
 """Entries per page of ``/model`` and ``/persona``."""
@@ -76,6 +88,8 @@ def handle_command(
     if not words:
         return None
     name = words[0]
+    if name == "/help":
+        return HELP
     if name == "/stop":
         return runtime.stop_command(session_id, platform, user_id)
     if name == "/session":

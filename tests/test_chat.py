@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pty
 import select
+import signal
 import sys
 import time
 from pathlib import Path
@@ -65,7 +66,7 @@ def test_typing_while_a_reply_streams_then_stop(tmp_path: Path) -> None:
         os.chdir(ROOT)
         os.execv(sys.executable, [*CLI, "chat", "--db", str(db), "--script", str(script)])
     try:
-        _read_until(fd, "/quit.")  # the interactive greeting
+        _read_until(fd, "/quit leaves.")  # the interactive greeting
         os.write(fd, "讲个长故事\n".encode())
         _read_until(fd, "慢慢")  # the reply is streaming
         os.write(fd, "等一下\n".encode())  # typed mid-turn: it waits to join or queues
@@ -74,6 +75,9 @@ def test_typing_while_a_reply_streams_then_stop(tmp_path: Path) -> None:
         _read_until(fd, "好的")  # the typed line ran next
         os.write(fd, b"/quit\n")
         _read_until(fd, "Replay:")
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)  # a failed step must not leave the test waiting
+        raise
     finally:
         os.waitpid(pid, 0)
         os.close(fd)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pykka
 import pytest
 
-from actors.commands import handle_command
+from actors.commands import HELP, handle_command
 from actors.runtime import Runtime
 from events import FixedClock, InMemoryEventStore, Input, SequentialIds, SettingsChanged, TurnOpened
 from services import ScriptedModel, Services, StaticAuthority
@@ -98,3 +98,10 @@ def test_bad_values_name_the_key_and_change_nothing(
 def test_usage_and_unknown_commands(runtime: Runtime) -> None:
     assert cmd(runtime, "/session.set historyLimit") is not None
     assert cmd(runtime, "/unknown") is None
+
+
+def test_help_lists_every_command(runtime: Runtime) -> None:
+    reply = cmd(runtime, "/help")
+    assert reply == HELP
+    for name in ("/stop", "/session", "/session.set", "/session.reset", "/model", "/persona"):
+        assert any(line.startswith(name + " ") for line in reply.splitlines()), name
