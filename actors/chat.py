@@ -17,7 +17,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-from actors.commands import handle_command
+from actors.commands import COMMANDS, handle_command
 from actors.runtime import Runtime, SubmitHandle
 from events import Input, Sender, SqliteEventStore
 from services import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, Services
@@ -29,12 +29,19 @@ CONSOLE = Sender(user_id="console", nickname="console")
 
 
 def default_model() -> ScriptedModel:
-    """The embedded default: a scripted model that says what it received."""
+    """The embedded default: a scripted model that says what it received since its last
+    answer (lines that joined a running turn are answered together)."""
 
     def reply(request: ChatRequest, n: int) -> ScriptedReply:
-        said = next((m.content for m in reversed(request.messages) if m.role == "user"), "")
-        text = said.split(") ", 1)[-1] if said.startswith("(") else said
-        return ScriptedReply(text=f"（脚本模型）收到：{text}", chunks=4)
+        said: list[str] = []  # the user messages since the last answer, oldest first
+        for m in reversed(request.messages):
+            if m.role == "assistant":
+                break
+            if m.role == "user":
+                said.insert(
+                    0, m.content.split(") ", 1)[-1] if m.content.startswith("(") else m.content
+                )
+        return ScriptedReply(text=f"（脚本模型）收到：{' / '.join(said)}", chunks=4)
 
     return ScriptedModel(reply, model_id="scripted", provider_id="demo")
 
@@ -113,12 +120,16 @@ def run_chat(
                 continue
             if line.strip() == "/quit":
                 break
-            if line.startswith(("/help", "/stop", "/session", "/model", "/persona")):
+            word = line.split(maxsplit=1)[0]
+            if word in COMMANDS:
                 answer = handle_command(
                     runtime, session_id, line, platform="cli", user_id="console"
                 )
                 if answer:
                     write(f"{answer}\n")
+                continue
+            if word.startswith("/") and word.isascii() and len(word) > 1:
+                write(f"没有这个命令：{word}（/help 看有哪些）\n")
                 continue
             handles.append(
                 runtime.submit(

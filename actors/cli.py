@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
             "/quit leaves. Reads piped input too (one message a line), waits for the last "
             "turn, then exits. Models: --config FILE (providers, preferences, settings "
             "layers, personas; see docs/configuration.md), or --base-url and --model for one "
-            "OpenAI-compatible server (key from OPENAI_API_KEY), or --script, else a "
+            "OpenAI-compatible server (key from --api-key-env NAME; for an https server "
+            "OPENAI_API_KEY by default), or --script, else a "
             "scripted model that echoes. The model may call the built-in tools "
             "current_time and calculate (--no-tools: none)."
         ),
@@ -72,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--session", default="cli:console", help="session id (default: cli:console)")
     chat.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:11434/v1")
     chat.add_argument("--model", help="model id on that server")
+    chat.add_argument(
+        "--api-key-env",
+        metavar="NAME",
+        help="environment variable holding that server's API key (default for https "
+        "servers: OPENAI_API_KEY or AALIS_API_KEY; http servers get none unless named)",
+    )
     chat.add_argument("--script", help="a scripted model's replies (TOML or JSON), instead")
 
     config = sub.add_parser(
@@ -172,7 +179,17 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             raise ConfigError("--base-url and --model go together")
         from services.openai_compat import OpenAICompatibleModel
 
-        model = OpenAICompatibleModel(base_url=args.base_url, model=args.model)
+        api_key = None
+        if args.api_key_env:
+            api_key = os.environ.get(args.api_key_env)
+            if not api_key:
+                name = args.api_key_env
+                raise ConfigError(f"--api-key-env: the environment variable {name} is not set")
+        model = OpenAICompatibleModel(
+            base_url=args.base_url, model=args.model, api_key=api_key, env_key=not args.api_key_env
+        )
+    elif args.api_key_env:
+        raise ConfigError("--api-key-env goes with --base-url and --model")
     elif args.script:
         model = ScriptedModel.from_file(args.script)
     return run_chat(args.db, args.session, model, services=services, tools=not args.no_tools)

@@ -17,7 +17,7 @@ from services.settings import SETTING_FIELDS, validate_setting
 if TYPE_CHECKING:
     from actors.runtime import Runtime
 
-__all__ = ["HELP", "PAGE_SIZE", "handle_command", "page_of", "set_setting"]
+__all__ = ["COMMANDS", "HELP", "PAGE_SIZE", "handle_command", "page_of", "set_setting"]
 
 HELP = "\n".join(
     (
@@ -31,6 +31,14 @@ HELP = "\n".join(
 )
 """What ``/help`` answers."""
 
+TEXT_KEYS = frozenset({"llm", "think", "persona"})
+"""Settings whose value is taken as typed (``/session.set persona 123`` sets ``"123"``)."""
+
+COMMANDS = frozenset(
+    {"/help", "/stop", "/session", "/session.set", "/session.reset", "/model", "/persona"}
+)
+"""Every command :func:`handle_command` understands."""
+
 PAGE_SIZE = 20
 """Entries per page of ``/model`` and ``/persona``."""
 
@@ -40,6 +48,8 @@ USAGE = "用法：/session、/session.set <键> <值>、/session.reset <键>、/
 def _show(value: Any) -> str:
     if isinstance(value, dict) and {"provider", "model"} <= value.keys():
         return f"{value['provider']}/{value['model']}"
+    if isinstance(value, list):
+        return "、".join(map(str, value)) or "无"
     return str(value)
 
 
@@ -67,8 +77,13 @@ def set_setting(
     if reset:
         return f"已恢复{field.label}（{key}）：{shown.text}"
     given = _show(stored)
-    note = shown.text[len(given) :] if shown.text.startswith(given) else f"，此刻：{shown.text}"
-    return f"已设置{field.label}（{key}）= {_show(stored)}{note}"
+    if shown.text == given:
+        note = ""
+    elif shown.text.startswith(given + "（"):  # the set value, with a remark on it
+        note = shown.text[len(given) :]
+    else:
+        note = f"，此刻：{shown.text}"
+    return f"已设置{field.label}（{key}）= {given}{note}"
 
 
 def handle_command(
@@ -112,10 +127,10 @@ def handle_command(
                     venue=venue,
                 )
             raw = words[2]
-            try:
-                value: Any = json.loads(raw)
-            except ValueError:
-                value = raw
+            value: Any = raw
+            if key not in TEXT_KEYS:  # numbers and lists may be written as JSON
+                with contextlib.suppress(ValueError):
+                    value = json.loads(raw)
             return set_setting(
                 runtime, session_id, key, value, platform=platform, user_id=user_id, venue=venue
             )

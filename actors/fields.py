@@ -58,13 +58,17 @@ class FieldView:
 
 
 def _effective(
-    services: Services, platform: str | None, venue: str | None, layer: Mapping[str, Any]
+    services: Services,
+    session_id: str,
+    platform: str | None,
+    venue: str | None,
+    layer: Mapping[str, Any],
 ) -> dict[str, tuple[Any, str]]:
     resolver = services.resolver
     if isinstance(resolver, SettingsLayers):
         return resolver.effective(platform, layer, venue)
     # Another resolver: what it gives a turn, attributed to the session when set there.
-    s = resolver.for_turn("", platform, layer, venue)
+    s = resolver.for_turn(session_id, platform, layer, venue)
     given = {
         "llm": {"provider": s.model.provider, "model": s.model.model} if s.model else None,
         "think": s.think,
@@ -80,13 +84,15 @@ def _effective(
 
 def session_fields(
     services: Services,
+    session_id: str,
     layer: Mapping[str, Any],
     *,
     platform: str | None = None,
     venue: str | None = None,
 ) -> list[FieldView]:
-    """Every field of :data:`SETTING_FIELDS` for a session whose own layer is ``layer``."""
-    eff = _effective(services, platform, venue, layer)
+    """Every field of :data:`SETTING_FIELDS` for ``session_id``, whose own layer is
+    ``layer``, read for ``platform`` and ``venue``."""
+    eff = _effective(services, session_id, platform, venue, layer)
     out: list[FieldView] = []
     choice: ModelChoice | None = None
     llm = eff.get("llm", (None, None))[0]

@@ -50,7 +50,7 @@ from events import (
     TokenUsage,
     UuidIds,
 )
-from projections import SessionView, project, queue
+from projections import SessionView, project, queue, turns
 from projections.usage import BudgetLog, wire
 from services import Services
 from services.settings import validate_setting
@@ -327,19 +327,25 @@ class Runtime:
     ) -> list[FieldView]:
         """The session's settings as the settings UI shows them (SET): effective value,
         the layer it comes from and the UI text; the model field reports the model in
-        use. ``platform`` and ``venue`` default to the session's origin."""
+        use. ``platform`` and ``venue`` default to those the latest turn read its settings
+        for, else the session's origin."""
         info = self.services.sessions.info(session_id)
+        view = self.view(session_id)
+        last = turns.last_opened(view.turns)  # where the latest turn read its settings
         return session_fields(
             self.services,
-            self.view(session_id).settings,
-            platform=platform or info.origin_platform,
-            venue=venue or info.venue,
+            session_id,
+            view.settings,
+            platform=platform or (last.platform if last else None) or info.origin_platform,
+            venue=venue or (last.venue if last else None) or info.venue,
         )
 
     def assign_model(self, session_id: str, model: ModelRef | str) -> None:
         """Write ``llm`` into the session's own layer (SET1), as when a child session is
         given a model; ``model`` is a ModelRef or ``"<provider>/<model>"``."""
-        value = model if isinstance(model, str) else str(model)
+        value = (
+            model if isinstance(model, str) else {"provider": model.provider, "model": model.model}
+        )
         stored = validate_setting("llm", value)
         self._ask(session_id, SetSetting("llm", stored, False, None))
 

@@ -83,6 +83,7 @@ class OpenContext:
     settings_for: Callable[[Input], TurnSettings]
     new_turn_id: Callable[[], str]
     multi_party: bool = False
+    venue_for: Callable[[Input], str | None] = lambda inp: None
 
 
 def archived_input_message(
@@ -124,6 +125,7 @@ def _open(step: Step, batch: list[Input], ctx: OpenContext, *, from_queue: bool)
         settings=_with_party(ctx.settings_for(head), ctx.multi_party),
         from_queue=from_queue,
         batch_prefix=prefix,
+        venue=ctx.venue_for(head),
     )
     for inp in batch:
         step.add(InputJoined, input_id=inp.id, turn_id=turn_id, entry="opened")

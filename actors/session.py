@@ -150,14 +150,17 @@ class SessionActor(pykka.ThreadingActor):
         settings = self.services.resolver
         layer = self.view.settings
 
+        def venue_for(inp: Input) -> str | None:
+            return venue_of(inp.platform, inp.group_id) or info.venue
+
         def settings_for(inp: Input) -> Any:
-            venue = venue_of(inp.platform, inp.group_id) or info.venue
-            return settings.for_turn(self.session_id, inp.platform, layer, venue)
+            return settings.for_turn(self.session_id, inp.platform, layer, venue_for(inp))
 
         return OpenContext(
             settings_for=settings_for,
             new_turn_id=self._new_turn_id,
             multi_party=info.multi_party,
+            venue_for=venue_for,
         )
 
     def _new_turn_id(self) -> str:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from actors.turn import add_contributions, base_prompt
 from events import TokenUsage
+from projections import turns
 from projections.prompt import (
     assemble,
     split_parts,
@@ -45,7 +46,9 @@ def token_request(runtime: Runtime, session_id: str, platform: str | None = None
     view = runtime.view(session_id)
     where = snapshot_platform(runtime, session_id, platform)
     info = services.sessions.info(session_id)
-    settings = services.resolver.for_turn(session_id, where, view.settings, info.venue)
+    last = turns.last_opened(view.turns)  # a turn now would be read for the same venue
+    venue = (last.venue if last else None) or info.venue
+    settings = services.resolver.for_turn(session_id, where, view.settings, venue)
     now = runtime.clock.now_ms()
     tz = services.tz
     prompt, persona, active = base_prompt(

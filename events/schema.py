@@ -303,6 +303,7 @@ class TurnOpened(Event, frozen=True, tag="turn_opened"):
     settings: TurnSettings = TurnSettings()
     from_queue: bool = False
     batch_prefix: str | None = None
+    venue: str | None = None  # the venue settings layer's key the settings were read for
 
 
 class ModelCallStarted(Event, frozen=True, tag="model_call_started"):

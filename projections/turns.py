@@ -44,6 +44,7 @@ __all__ = [
     "all_turns",
     "evolve",
     "find_turn",
+    "last_opened",
     "project",
     "turn_info",
 ]
@@ -279,3 +280,10 @@ def find_turn(state: TurnsState, turn_id: str) -> TurnLog | None:
         if turn.turn_id == turn_id:
             return turn
     return None
+
+
+def last_opened(state: TurnsState) -> TurnOpened | None:
+    """How the latest turn opened (its platform, venue and settings), if any did."""
+    if state.current is not None:
+        return state.current.opened
+    return state.finished[-1].opened if state.finished else None

@@ -32,10 +32,20 @@ _UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {
     ast.UAdd: operator.pos,
     ast.USub: operator.neg,
 }
+
+
+def _round(value: Any, ndigits: Any = None) -> Any:
+    if ndigits is None:
+        return round(value)
+    if isinstance(ndigits, bool) or not isinstance(ndigits, int) or abs(ndigits) > 100:
+        raise ToolError("round's digits must be a whole number from -100 to 100")
+    return round(value, ndigits)
+
+
 _FUNCS: dict[str, Callable[..., Any]] = {
     "sqrt": math.sqrt,
     "abs": abs,
-    "round": round,
+    "round": _round,
     "log": math.log,
     "sin": math.sin,
     "cos": math.cos,
@@ -95,6 +105,8 @@ def calculate(expression: str) -> str:
         raise ToolError("division by zero") from None
     except (ValueError, TypeError, OverflowError) as exc:
         raise ToolError(f"cannot compute: {exc}") from None
+    if not isinstance(value, int | float):  # e.g. a complex root of a negative number
+        raise ToolError(f"not a real number: {expression!r}")
     if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
         return str(int(value))
     return str(value)

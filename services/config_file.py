@@ -49,6 +49,7 @@ what is wrong; nothing is half-loaded. The layout, with every table optional::
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -273,7 +274,8 @@ def _providers(r: _Reader, value: Any, env: Mapping[str, str]) -> list[Provider]
         else:
             models = _openai_models(r, t, key, pid, specs, env)
         if not models:
-            raise r.error(key, "no models: add [[models]] tables or set listModels = true")
+            hint = "" if kind == "scripted" else " or set listModels = true"
+            raise r.error(key, f"no models: add [[{key}.models]] tables{hint}")
         providers.append(Provider(pid, models, priority=priority))
     return providers
 
@@ -300,6 +302,9 @@ def _openai_models(
     api_key = r.text(t, key, "apiKey")
     key_env = r.text(t, key, "apiKeyEnv")
     if key_env is not None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key_env):
+            # Never echoed: this is where a pasted key would end up.
+            raise r.error(f"{key}.apiKeyEnv", "must name an environment variable, not hold a key")
         api_key = env.get(key_env)
         if not api_key:
             raise r.error(f"{key}.apiKeyEnv", f"the environment variable {key_env} is not set")
@@ -312,7 +317,10 @@ def _openai_models(
             raise r.error(
                 f"{key}.listModels", f"listing the server's models failed: {exc}"
             ) from None
-        specs = specs + [_model_spec(r, {"id": m}, key) for m in served if m not in listed]
+        for m in served:
+            if m not in listed:  # a server may list a model twice
+                listed.add(m)
+                specs.append(_model_spec(r, {"id": m}, key))
     return [
         OpenAICompatibleModel(
             base_url=base_url,

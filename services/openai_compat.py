@@ -4,8 +4,9 @@ Built on the ``openai`` client library. Streams text, reasoning (``reasoning_con
 ``reasoning`` deltas where the server sends them) and tool calls, whose arguments grow
 chunk by chunk: each call is announced with its callId in a ``ToolCallProgress`` as soon
 as it starts. Usage is requested in the stream. An abort closes the HTTP stream at once.
-The API key comes from the argument, else (unless ``env_key=False``) from ``OPENAI_API_KEY`` or
-``AALIS_API_KEY``; it is never logged.
+The API key comes from the argument; else, for an ``https`` server and unless
+``env_key=False``, from ``OPENAI_API_KEY`` or ``AALIS_API_KEY`` (a plain-``http`` server,
+typically a local one, never gets a key it was not given). It is never logged.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def _env_key() -> str | None:
 
 
 def list_server_models(base_url: str, api_key: str | None, *, timeout_s: float = 30.0) -> list[str]:
-    """The ids of the models an OpenAI-compatible server lists (``GET /models``); the key
-    is sent only when given."""
+    """The ids of the models an OpenAI-compatible server lists (``GET /models``); without
+    a key a placeholder is sent, never one from the environment."""
     import openai
 
     client = openai.OpenAI(
@@ -94,7 +95,8 @@ class OpenAICompatibleModel:
     ) -> None:
         import openai
 
-        key = api_key or (_env_key() if env_key else None)
+        from_env = env_key and base_url.lower().startswith("https://")
+        key = api_key or (_env_key() if from_env else None)
         if not base_url:
             raise ConfigError("base_url must name the server, e.g. http://127.0.0.1:11434/v1")
         if not model:

@@ -20,6 +20,8 @@ from services.builtin_tools import ToolError, builtin_tools, calculate, current_
         ("-3 + +1", "-2"),
         ("sqrt(16) + abs(-1)", "5"),
         ("round(pi, 2)", "3.14"),
+        ("round(1234, -2)", "1200"),
+        ("round(2.5)", "2"),
     ],
 )
 def test_arithmetic(expression: str, value: str) -> None:
@@ -39,6 +41,10 @@ def test_arithmetic(expression: str, value: str) -> None:
         ("sqrt(-1)", "cannot compute"),
         ("1 +", "not an arithmetic expression"),
         ("1" * 600, "too long"),
+        ("round(1, -10**1000)", "digits must be a whole number"),
+        ("round(1, 0.5)", "digits must be a whole number"),
+        ("(-1)**0.5", "not a real number"),
+        ("round(1, 2, 3)", "cannot compute"),
     ],
 )
 def test_anything_else_is_refused_with_a_reason(expression: str, problem: str) -> None:

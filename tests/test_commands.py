@@ -105,3 +105,14 @@ def test_help_lists_every_command(runtime: Runtime) -> None:
     assert reply == HELP
     for name in ("/stop", "/session", "/session.set", "/session.reset", "/model", "/persona"):
         assert any(line.startswith(name + " ") for line in reply.splitlines()), name
+
+
+def test_text_settings_are_taken_as_typed_and_lists_read_well(runtime: Runtime) -> None:
+    assert cmd(runtime, "/session.set persona 123") == "已设置人设（persona）= 123"
+    assert runtime.view(SID).settings["persona"] == "123"
+    assert cmd(runtime, '/session.set enabledToolGroups ["web", "files"]') == (
+        "已设置工具分组（enabledToolGroups）= web、files"
+    )
+    assert runtime.view(SID).settings["enabledToolGroups"] == ["web", "files"]
+    assert cmd(runtime, "/session.set historyLimit 4") == "已设置历史条数上限（historyLimit）= 4"
+    assert runtime.view(SID).settings["historyLimit"] == 4

@@ -271,3 +271,12 @@ def test_the_config_command_refuses_a_bad_file_with_its_key(tmp_path: Path) -> N
     result = run_cli("config", str(path))
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith(f"aalis-agent config: error: {path}: providers.p.type:")
+
+
+def test_a_key_pasted_into_api_key_env_is_not_echoed(tmp_path: Path) -> None:
+    text = '[providers.p]\nbaseUrl = "https://x/v1"\napiKeyEnv = "sk-abc-123"\n'
+    text += '[[providers.p.models]]\nid = "m"\n'
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text), env={})
+    assert "providers.p.apiKeyEnv: must name an environment variable" in str(err.value)
+    assert "sk-abc-123" not in str(err.value)

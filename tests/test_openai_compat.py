@@ -51,6 +51,7 @@ class Server:
         self.requests: list[dict[str, Any]] = []
         self.delay_s = 0.0
         self.served: list[str] = []
+        self.auths: list[str] = []
         self.closed_early = threading.Event()
         outer = self
 
@@ -72,6 +73,7 @@ class Server:
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 outer.requests.append(json.loads(body))
+                outer.auths.append(self.headers["Authorization"])
                 script = outer.scripts.pop(0) if outer.scripts else []
                 if isinstance(script, int):
                     self.send_response(script)
@@ -346,6 +348,8 @@ def test_chat_converses_with_a_server_and_runs_the_builtin_tools(
         stdin="六乘七是多少\n",
         env={"PATH": "/usr/bin:/bin", "OPENAI_API_KEY": "sk-chat"},
     )
+    # A plain-http server never gets OPENAI_API_KEY unasked.
+    assert set(server.auths) == {"Bearer not-needed"}
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "[工具] calculate" in lines and "是 42。" in lines
@@ -378,3 +382,31 @@ def test_a_stalled_stream_times_out_and_the_turn_ends_in_error(server: Server) -
     finally:
         runtime.shutdown(timeout=10)
         pykka.ActorRegistry.stop_all()
+
+
+def test_chat_sends_the_key_the_user_names(server: Server, tmp_path: Any) -> None:
+    server.scripts.append([sse(chunk({"content": "好"})), sse(chunk({}, "stop"))])
+    args = ("chat", "--db", str(tmp_path / "c.db"), "--base-url", server.url, "--model", "m")
+    result = run_cli(
+        *args,
+        "--api-key-env",
+        "MY_SERVER_KEY",
+        stdin="你好\n",
+        env={"PATH": "/usr/bin:/bin", "MY_SERVER_KEY": "sk-mine", "OPENAI_API_KEY": "sk-other"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert server.auths == ["Bearer sk-mine"]
+    missing = run_cli(*args, "--api-key-env", "NOT_SET", stdin="", env={"PATH": "/usr/bin:/bin"})
+    assert missing.returncode == 2
+    assert "--api-key-env: the environment variable NOT_SET is not set" in missing.stderr
+
+
+def test_an_https_server_may_take_the_key_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+    remote = OpenAICompatibleModel(base_url="https://api.example.com/v1", model="m")
+    local = OpenAICompatibleModel(base_url="http://127.0.0.1:9/v1", model="m")
+    off = OpenAICompatibleModel(base_url="https://api.example.com/v1", model="m", env_key=False)
+    assert remote._client.api_key == "sk-env"
+    assert local._client.api_key == off._client.api_key == "not-needed"

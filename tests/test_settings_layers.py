@@ -25,7 +25,7 @@ from events import (
     SettingsChanged,
     TurnOpened,
 )
-from events.schema import ToolCall
+from events.schema import ToolCall, TurnSettings
 from projections.texts import (
     THINK_NOT_TUNABLE,
     UNLIMITED,
@@ -324,7 +324,11 @@ def test_the_session_layer_wins_in_a_turn(make_runtime: Any) -> None:
     assert turn(rt, group_id="77").settings.history_limit == 6
 
 
-def test_without_a_settings_service_only_the_plugin_config_applies(make_runtime: Any) -> None:
+def test_without_a_settings_service_the_plugin_config_is_the_only_layer_below_the_session(
+    make_runtime: Any,
+) -> None:
+    """No platform, type or venue layers: the plugin config, under the session's own
+    layer (kept in its log, so /session.set still works)."""
     rt = make_runtime(config=AgentConfig(history_limit=3, think="high"))
     opened = turn(rt, group_id="77")
     assert (opened.settings.history_limit, opened.settings.think) == (3, "high")
@@ -736,11 +740,13 @@ def test_session_fields_without_a_runtime() -> None:
         llm=model("a"),
         settings=SettingsLayers(venues={"qq:1": {"maxToolIterations": 2}}),
     )
-    views = {f.key: f for f in session_fields(services, {}, platform="qq", venue="qq:1")}
+    views = {f.key: f for f in session_fields(services, "s", {}, platform="qq", venue="qq:1")}
     assert (views["maxToolIterations"].value, views["maxToolIterations"].text) == (2, "2")
     views = {
         f.key: f
-        for f in session_fields(services, {"maxToolIterations": 5}, platform="qq", venue="qq:1")
+        for f in session_fields(
+            services, "s", {"maxToolIterations": 5}, platform="qq", venue="qq:1"
+        )
     }
     assert (views["maxToolIterations"].value, views["maxToolIterations"].layer) == (5, "session")
 
@@ -766,3 +772,66 @@ def test_commands_show_the_venue_layer_of_the_room_they_come_from() -> None:
         rt.shutdown(timeout=10)
     assert here is not None and "历史条数上限（historyLimit）：0" in here.splitlines()
     assert there is not None and "历史条数上限（historyLimit）：7 · 场所" in there.splitlines()
+
+
+def test_snapshot_and_fields_read_the_venue_the_turns_read() -> None:
+    """The venue comes from the opening input's group: ``token:request`` (ACC3: the same
+    settings as a real turn) and ``/session`` use the venue the latest turn was read for."""
+    sid = "qq:group:77"
+    big = ScriptedModel(model_id="a", provider_id="p", context_length=32_000)
+    small = ScriptedModel(model_id="b", provider_id="p", context_length=8_000)
+    rt = Runtime(
+        InMemoryEventStore(),
+        Services(
+            llm=LlmService([Provider("p", [big, small])]),
+            settings=SettingsLayers(venues={"qq:77": {"llm": "p/b", "historyLimit": 2}}),
+            sessions=StaticSessions({sid: SessionInfo(sid, origin_platform="qq")}),
+        ),
+        FixedClock(),
+        SequentialIds(),
+        janitor=False,
+    )
+    try:
+        for i in range(3):
+            rt.submit(sid, Input(id="", content=f"你好{i}", platform="qq", group_id="77")).result(
+                10
+            )
+        rt.wait_idle(10)
+        opened = [e for e in rt.store.read(sid) if isinstance(e, TurnOpened)]
+        assert {e.venue for e in opened} == {"qq:77"}
+        assert small.requests and not big.requests  # the turns used the venue's model
+        usage = rt.token_request(sid)
+        assert usage.context_window == 8_000
+        lines = (handle_command(rt, sid, "/session", platform="qq", user_id="u") or "").split("\n")
+        assert "模型（llm）：p/b · 场所" in lines
+        assert "历史条数上限（historyLimit）：2 · 场所" in lines
+    finally:
+        rt.shutdown(timeout=10)
+
+
+def test_fields_ask_a_custom_resolver_for_the_session_itself() -> None:
+    """A resolver that answers per session: fields() report what that session's turns get."""
+
+    class PerSession:
+        def for_turn(
+            self, session_id: str, platform: Any, layer: Any, venue: Any = None
+        ) -> TurnSettings:
+            model = ModelRef(provider="p", model="b") if session_id == "s1" else None
+            return TurnSettings(model=model)
+
+    a = ScriptedModel(model_id="a", provider_id="p")
+    b = ScriptedModel(model_id="b", provider_id="p")
+    rt = Runtime(
+        InMemoryEventStore(),
+        Services(llm=LlmService([Provider("p", [a, b])]), settings=PerSession()),
+        FixedClock(),
+        SequentialIds(),
+        janitor=False,
+    )
+    try:
+        fields = {f.key: f for f in rt.fields("s1")}
+        assert (fields["llm"].value, fields["llm"].text) == ("p/b", "p/b")
+        other = {f.key: f for f in rt.fields("s2")}
+        assert other["llm"].value == "p/a"
+    finally:
+        rt.shutdown(timeout=10)
