@@ -89,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
             "would, and show the plugin config, the models in priority order with their "
             "thinking levels, the preferences and the model a session would use now, the "
             "settings layers and the personas. A problem stops it with a line naming the "
-            "file, the key and what is wrong (exit status 2). Keys are never shown."
+            "file, the key and what is wrong (exit status 2). An API-key variable that is not "
+            "set here is listed, and the status is 1 (chat would refuse the file). Keys are "
+            "never shown."
         ),
     )
     config.add_argument("file", metavar="FILE", help="configuration file (TOML)")
@@ -198,8 +200,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 def _cmd_config(args: argparse.Namespace) -> int:
     from services.config_file import describe, load_config
 
-    sys.stdout.write(describe(load_config(args.file)))
-    return 0
+    fc = load_config(args.file, require_keys=False)
+    sys.stdout.write(describe(fc))
+    return 1 if fc.missing else 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -102,6 +102,8 @@ class FileConfig:
     llm: LlmService
     settings: SettingsLayers
     personas: StaticPersonas | None
+    missing: tuple[str, ...] = ()
+    """API-key variables that are not set (only when loaded with ``require_keys=False``)."""
 
     def services(self, **overrides: Any) -> Services:
         """Services built from this file (any field may be overridden)."""
@@ -120,8 +122,10 @@ class FileConfig:
 class _Reader:
     """Checks values by dotted key; every error names the file and the key."""
 
-    def __init__(self, file: str) -> None:
+    def __init__(self, file: str, *, require_keys: bool = True) -> None:
         self.file = file
+        self.require_keys = require_keys
+        self.missing: list[str] = []  # problems let through when keys are not required
 
     def error(self, key: str, problem: str) -> ConfigError:
         return ConfigError(f"{self.file}: {key}: {problem}" if key else f"{self.file}: {problem}")
@@ -176,9 +180,12 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> FileConfig:
+def load_config(
+    path: str | Path, *, env: Mapping[str, str] | None = None, require_keys: bool = True
+) -> FileConfig:
     """Read and check ``path``. ``env`` (default: the process environment) gives the
-    variables named by ``apiKeyEnv``."""
+    variables named by ``apiKeyEnv``; with ``require_keys=False`` a variable that is not
+    set is listed in :attr:`FileConfig.missing` instead of refusing the file."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -188,14 +195,18 @@ def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Fi
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: not valid TOML: {exc}") from None
-    return parse_config(data, file=str(p), env=env)
+    return parse_config(data, file=str(p), env=env, require_keys=require_keys)
 
 
 def parse_config(
-    data: Mapping[str, Any], *, file: str = "config", env: Mapping[str, str] | None = None
+    data: Mapping[str, Any],
+    *,
+    file: str = "config",
+    env: Mapping[str, str] | None = None,
+    require_keys: bool = True,
 ) -> FileConfig:
     """Check an already-parsed configuration; errors name ``file``."""
-    r = _Reader(file)
+    r = _Reader(file, require_keys=require_keys)
     r.only(data, "", _TOP)
     agent = dict(r.table(data.get("agent"), "agent"))
     try:
@@ -215,6 +226,7 @@ def parse_config(
         llm=llm,
         settings=_layers(r, data, config),
         personas=_personas(r, data.get("personas")),
+        missing=tuple(r.missing),
     )
 
 
@@ -307,7 +319,10 @@ def _openai_models(
             raise r.error(f"{key}.apiKeyEnv", "must name an environment variable, not hold a key")
         api_key = env.get(key_env)
         if not api_key:
-            raise r.error(f"{key}.apiKeyEnv", f"the environment variable {key_env} is not set")
+            problem = r.error(f"{key}.apiKeyEnv", f"the environment variable {key_env} is not set")
+            if r.require_keys:
+                raise problem
+            r.missing.append(str(problem))
     timeout_ms = r.integer(t, key, "timeoutMs", 120_000, minimum=1)
     if r.flag(t, key, "listModels"):
         listed = {s["id"] for s in specs}
@@ -437,7 +452,7 @@ def describe(fc: FileConfig) -> str:
     c = fc.config
     prompt = f"{len(c.system_prompt)} chars" if c.system_prompt else "none"
     lines = [
-        f"{fc.path}: ok",
+        f"{fc.path}: ok" if not fc.missing else f"{fc.path}: valid, but keys are missing",
         f"plugin config: systemPrompt {prompt}, historyLimit {c.history_limit}, "
         f"maxToolIterations {c.max_tool_iterations or 'unlimited'}, think {c.think or 'unset'}, "
         f"memoryTokenBudget {c.memory_token_budget}, trimThresholdRatio {c.trim_threshold_ratio}",
@@ -481,6 +496,8 @@ def describe(fc: FileConfig) -> str:
             lines.append(f"{label} {key!r}: {shown}")
     for platform, kind in layers.platform_types.items():
         lines.append(f"platform {platform!r} is of type {kind!r}")
+    for problem in fc.missing:
+        lines.append(f"not usable here: {problem}")
     if fc.personas is not None:
         names = [
             pid + (" (default)" if pid == fc.personas.default else "")

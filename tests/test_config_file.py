@@ -280,3 +280,20 @@ def test_a_key_pasted_into_api_key_env_is_not_echoed(tmp_path: Path) -> None:
         load_config(write(tmp_path, text), env={})
     assert "providers.p.apiKeyEnv: must name an environment variable" in str(err.value)
     assert "sk-abc-123" not in str(err.value)
+
+
+def test_the_config_command_lists_missing_key_variables(tmp_path: Path) -> None:
+    text = '[providers.p]\nbaseUrl = "https://x/v1"\napiKeyEnv = "UNSET_KEY_VAR"\n'
+    text += '[[providers.p.models]]\nid = "m"\n'
+    path = write(tmp_path, text)
+    result = run_cli("config", str(path), env={"PATH": "/usr/bin:/bin"})
+    assert result.returncode == 1, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"{path}: valid, but keys are missing"
+    assert (
+        f"not usable here: {path}: providers.p.apiKeyEnv: the environment variable "
+        "UNSET_KEY_VAR is not set"
+    ) in lines
+    assert "  p/m  m · context 128000 · max output 4096" in lines
+    with pytest.raises(ConfigError, match="UNSET_KEY_VAR is not set"):
+        load_config(path, env={})  # chat's way: refused
