@@ -4,9 +4,13 @@ Built on the ``openai`` client library. Streams text, reasoning (``reasoning_con
 ``reasoning`` deltas where the server sends them) and tool calls, whose arguments grow
 chunk by chunk: each call is announced with its callId in a ``ToolCallProgress`` as soon
 as it starts. Usage is requested in the stream. An abort closes the HTTP stream at once.
-The API key comes from the argument; else, for an ``https`` server and unless
-``env_key=False``, from ``OPENAI_API_KEY`` or ``AALIS_API_KEY`` (a plain-``http`` server,
-typically a local one, never gets a key it was not given). It is never logged.
+Servers that refuse ``stream_options`` or ``max_tokens`` (asking for
+``max_completion_tokens``) with a 400 get the request again without / renamed, once, and
+the model remembers it. Tool-call deltas without an ``index`` (some servers leave it out)
+are told apart by their ids. The API key comes from the argument; else, for an
+``https`` server and unless ``env_key=False``, from ``OPENAI_API_KEY`` or
+``AALIS_API_KEY`` (a plain-``http`` server, typically a local one, never gets a key it
+was not given). It is never logged.
 """
 
 from __future__ import annotations
@@ -75,6 +79,30 @@ class _Pending:
     arguments: list[str] = field(default_factory=list)
 
 
+def _index_of(tc: Any, pending: dict[int, _Pending]) -> int:
+    """The slot of a tool-call delta: its ``index``; without one (some servers leave it
+    out), a delta with a new id starts the next call and one without continues the last."""
+    if tc.index is not None:
+        return int(tc.index)
+    if not pending:
+        return 0
+    last = max(pending)
+    if tc.id and tc.id != pending[last].id:
+        return last + 1
+    return last
+
+
+def _usage(u: Any) -> Usage:
+    """Usage from a chunk; counts a server leaves out are 0, a missing total is the sum."""
+    prompt = u.prompt_tokens or 0
+    completion = u.completion_tokens or 0
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=u.total_tokens or prompt + completion,
+    )
+
+
 class OpenAICompatibleModel:
     """A :class:`services.llm.ChatModel` speaking the OpenAI chat completions protocol."""
 
@@ -117,25 +145,55 @@ class OpenAICompatibleModel:
             max_retries=0,
             timeout=timeout_s,
         )
+        # what this server accepts, learnt from its 400s (see _adapt)
+        self._usage_option = True
+        self._max_tokens_key = "max_tokens"
+
+    def _request(self, request: ChatRequest) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "model": self.id,
+            "messages": [to_openai_message(m) for m in request.messages],
+            "stream": True,
+            self._max_tokens_key: self.max_output_tokens,
+        }
+        if self._usage_option:
+            kwargs["stream_options"] = {"include_usage": True}
+        if request.tools:
+            kwargs["tools"] = list(request.tools)
+        if request.think is not None and request.think in self._efforts:
+            kwargs["reasoning_effort"] = self._efforts[request.think]
+        return kwargs
+
+    def _open(self, request: ChatRequest) -> Any:
+        """Start the streamed call; a 400 naming a parameter this server will not take is
+        answered by adapting the request (see :meth:`_adapt`) and sending it again."""
+        import openai
+
+        while True:
+            try:
+                return self._client.chat.completions.create(**self._request(request))
+            except openai.BadRequestError as e:
+                if not self._adapt(str(e)):
+                    raise
+
+    def _adapt(self, message: str) -> bool:
+        """Learn from a 400's message; True when the request changed and may be retried."""
+        text = message.lower()
+        if self._usage_option and "stream_options" in text:
+            self._usage_option = False  # usage is then counted locally (ACC)
+            return True
+        if self._max_tokens_key == "max_tokens" and "max_completion_tokens" in text:
+            self._max_tokens_key = "max_completion_tokens"
+            return True
+        return False
 
     def __repr__(self) -> str:  # never shows the key
         return f"OpenAICompatibleModel(provider={self.provider_id!r}, model={self.id!r})"
 
     def chat_stream(self, request: ChatRequest, abort: AbortSignal) -> Iterator[StreamChunk]:
-        kwargs: dict[str, Any] = {
-            "model": self.id,
-            "messages": [to_openai_message(m) for m in request.messages],
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "max_tokens": self.max_output_tokens,
-        }
-        if request.tools:
-            kwargs["tools"] = list(request.tools)
-        if request.think is not None and request.think in self._efforts:
-            kwargs["reasoning_effort"] = self._efforts[request.think]
         if abort.aborted:
             return
-        stream = self._client.chat.completions.create(**kwargs)
+        stream = self._open(request)
         closed = threading.Event()
 
         def close() -> None:
@@ -151,11 +209,7 @@ class OpenAICompatibleModel:
                 if abort.aborted:
                     return
                 if chunk.usage is not None:
-                    usage = Usage(
-                        prompt_tokens=chunk.usage.prompt_tokens,
-                        completion_tokens=chunk.usage.completion_tokens,
-                        total_tokens=chunk.usage.total_tokens,
-                    )
+                    usage = _usage(chunk.usage)
                 for choice in chunk.choices:
                     delta = choice.delta
                     reasoning = getattr(delta, "reasoning_content", None) or getattr(
@@ -166,10 +220,11 @@ class OpenAICompatibleModel:
                     if delta.content:
                         yield StreamChunk(content_delta=delta.content)
                     for tc in delta.tool_calls or ():
-                        call = pending.get(tc.index)
+                        index = _index_of(tc, pending)
+                        call = pending.get(index)
                         if call is None:
                             call_id = tc.id or f"call-{uuid.uuid4().hex[:12]}"
-                            call = pending[tc.index] = _Pending(call_id)
+                            call = pending[index] = _Pending(call_id)
                         if tc.function is not None:
                             if tc.function.name:
                                 call.name += tc.function.name
@@ -177,7 +232,7 @@ class OpenAICompatibleModel:
                                 call.arguments.append(tc.function.arguments)
                         yield StreamChunk(
                             tool_call_progress=ToolCallProgress(
-                                index=tc.index,
+                                index=index,
                                 name=call.name,
                                 call_id=call.id,
                                 chars_accumulated=sum(len(a) for a in call.arguments),

@@ -47,7 +47,8 @@ class Server:
     """A loopback chat-completions server whose replies the test scripts."""
 
     def __init__(self) -> None:
-        self.scripts: list[list[bytes] | int] = []
+        # a reply: SSE pieces, an error status, or an error status with its message
+        self.scripts: list[list[bytes] | int | tuple[int, str]] = []
         self.requests: list[dict[str, Any]] = []
         self.delay_s = 0.0
         self.served: list[str] = []
@@ -75,11 +76,16 @@ class Server:
                 outer.requests.append(json.loads(body))
                 outer.auths.append(self.headers["Authorization"])
                 script = outer.scripts.pop(0) if outer.scripts else []
-                if isinstance(script, int):
-                    self.send_response(script)
+                if isinstance(script, (int, tuple)):
+                    status, message = (
+                        script if isinstance(script, tuple) else (script, "overloaded")
+                    )
+                    error = json.dumps({"error": {"message": message, "type": "invalid_request"}})
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(error.encode())))
                     self.end_headers()
-                    self.wfile.write(b'{"error": {"message": "overloaded"}}')
+                    self.wfile.write(error.encode())
                     return
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
@@ -410,3 +416,86 @@ def test_an_https_server_may_take_the_key_from_the_environment(
     off = OpenAICompatibleModel(base_url="https://api.example.com/v1", model="m", env_key=False)
     assert remote._client.api_key == "sk-env"
     assert local._client.api_key == off._client.api_key == "not-needed"
+
+
+def test_tool_calls_without_an_index_are_told_apart_by_their_ids(server: Server) -> None:
+    """Some servers leave ``index`` out of tool-call deltas: a new id starts a new call."""
+    server.scripts.append(
+        [
+            sse(chunk({"tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": ""}}]})),
+            sse(chunk({"tool_calls": [{"function": {"arguments": '{"a": 1}'}}]})),
+            sse(
+                chunk({"tool_calls": [{"id": "c2", "function": {"name": "g", "arguments": "{}"}}]})
+            ),
+            sse(chunk({}, "tool_calls")),
+        ]
+    )
+    out = list(model(server).chat_stream(REQ, AbortSignal()))
+    assert out[-1].tool_calls == (
+        ToolCall(id="c1", name="f", arguments='{"a": 1}'),
+        ToolCall(id="c2", name="g", arguments="{}"),
+    )
+    progress = [c.tool_call_progress for c in out if c.tool_call_progress]
+    assert [(p.index, p.call_id) for p in progress] == [(0, "c1"), (0, "c1"), (1, "c2")]
+
+
+def test_usage_with_counts_left_out_is_completed(server: Server) -> None:
+    server.scripts.append(
+        [
+            sse(chunk({"content": "好"}, "stop")),
+            sse(
+                {**chunk({}), "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 1}}
+            ),
+        ]
+    )
+    out = list(model(server).chat_stream(REQ, AbortSignal()))
+    assert out[-1].usage is not None
+    assert (out[-1].usage.prompt_tokens, out[-1].usage.total_tokens) == (7, 8)
+
+
+def test_a_server_refusing_stream_options_is_asked_again_without_them(server: Server) -> None:
+    """The 400 is answered once; the model remembers, and the turn's usage is counted
+    locally since the server sends none."""
+    refusal = (400, "Unrecognized request argument supplied: stream_options")
+    server.scripts += [refusal, [sse(chunk({"content": "好"}, "stop"))]]
+    server.scripts.append([sse(chunk({"content": "又好"}, "stop"))])
+    runtime = Runtime(
+        InMemoryEventStore(),
+        Services(llm=model(server)),
+        FixedClock(),
+        SequentialIds(),
+        janitor=False,
+    )
+    usages: list[Any] = []
+    runtime.subscribe("token:usage", lambda t, p: usages.append(p))
+    try:
+        assert runtime.submit("s", Input(id="", content="你好")).result(10).outcome == "replied"
+        assert runtime.submit("s", Input(id="", content="再来")).result(10).outcome == "replied"
+    finally:
+        runtime.shutdown(timeout=10)
+        pykka.ActorRegistry.stop_all()
+    assert ["stream_options" in r for r in server.requests] == [True, False, False]
+    assert len(usages) == 2 and all(u["used"] > 0 for u in usages)
+
+
+def test_a_server_wanting_max_completion_tokens_gets_it(server: Server) -> None:
+    refusal = (
+        400,
+        "Unsupported parameter: 'max_tokens' is not supported with this model. "
+        "Use 'max_completion_tokens' instead.",
+    )
+    server.scripts += [refusal, [sse(chunk({"content": "好"}, "stop"))]]
+    out = list(model(server, max_output_tokens=321).chat_stream(REQ, AbortSignal()))
+    assert "".join(c.content_delta or "" for c in out) == "好"
+    first, second = server.requests
+    assert first["max_tokens"] == 321 and "max_completion_tokens" not in first
+    assert second["max_completion_tokens"] == 321 and "max_tokens" not in second
+
+
+def test_another_bad_request_is_not_retried(server: Server) -> None:
+    import openai
+
+    server.scripts += [(400, "messages: too long"), [sse(chunk({"content": "好"}, "stop"))]]
+    with pytest.raises(openai.BadRequestError, match="too long"):
+        list(model(server).chat_stream(REQ, AbortSignal()))
+    assert len(server.requests) == 1
