@@ -6,6 +6,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -122,6 +123,17 @@ def server() -> Iterator[Server]:
     s = Server()
     yield s
     s.close()
+
+
+@contextmanager
+def running(services: Services) -> Iterator[Runtime]:
+    """A runtime on ``services`` (in-memory log, fixed clock), shut down afterwards."""
+    runtime = Runtime(InMemoryEventStore(), services, FixedClock(), SequentialIds(), janitor=False)
+    try:
+        yield runtime
+    finally:
+        runtime.shutdown(timeout=10)
+        pykka.ActorRegistry.stop_all()
 
 
 def model(server: Server, **kw: Any) -> OpenAICompatibleModel:
@@ -259,16 +271,9 @@ def test_turns_through_the_runtime_with_tools_and_errors(server: Server) -> None
         500,
     ]
     tools = ToolRegistry([Tool("echo", lambda args, ctx: f"echo {args['x']}")])
-    runtime = Runtime(
-        InMemoryEventStore(),
-        Services(llm=model(server), tools=tools),
-        FixedClock(),
-        SequentialIds(),
-        janitor=False,
-    )
-    notices: list[Any] = []
-    runtime.subscribe("outbound:message", lambda t, p: notices.append(p))
-    try:
+    with running(Services(llm=model(server), tools=tools)) as runtime:
+        notices: list[Any] = []
+        runtime.subscribe("outbound:message", lambda t, p: notices.append(p))
         assert runtime.submit("s", Input(id="", content="跑一下")).result(10).outcome == "replied"
         log = runtime.store.read("s")
         assert [e.call_id for e in log if isinstance(e, ToolStarted)] == ["call_1"]
@@ -282,9 +287,6 @@ def test_turns_through_the_runtime_with_tools_and_errors(server: Server) -> None
             "replied",
             "error",
         ]
-    finally:
-        runtime.shutdown(timeout=10)
-        pykka.ActorRegistry.stop_all()
 
 
 def test_a_config_file_provider_lists_the_servers_models(server: Server, tmp_path: Any) -> None:
@@ -371,23 +373,13 @@ def test_a_stalled_stream_times_out_and_the_turn_ends_in_error(server: Server) -
     complete (two pieces, two seconds apart)."""
     server.delay_s = 2.0
     server.scripts.append([sse(chunk({"content": "第一段"})), sse(chunk({"content": "第二段"}))])
-    runtime = Runtime(
-        InMemoryEventStore(),
-        Services(llm=model(server, timeout_s=0.3)),
-        FixedClock(),
-        SequentialIds(),
-        janitor=False,
-    )
-    notices: list[Any] = []
-    runtime.subscribe("outbound:message", lambda t, p: notices.append(p))
-    try:
+    with running(Services(llm=model(server, timeout_s=0.3))) as runtime:
+        notices: list[Any] = []
+        runtime.subscribe("outbound:message", lambda t, p: notices.append(p))
         assert runtime.submit("s", Input(id="", content="慢慢说")).result(10).outcome == "error"
         assert [n["kind"] for n in notices] == ["error"]
         assert notices[0]["content"].startswith("[错误]") and "turn=" in notices[0]["content"]
         assert "第二段" not in str(runtime.view("s").history)
-    finally:
-        runtime.shutdown(timeout=10)
-        pykka.ActorRegistry.stop_all()
 
 
 def test_chat_sends_the_key_the_user_names(server: Server, tmp_path: Any) -> None:
@@ -459,21 +451,11 @@ def test_a_server_refusing_stream_options_is_asked_again_without_them(server: Se
     refusal = (400, "Unrecognized request argument supplied: stream_options")
     server.scripts += [refusal, [sse(chunk({"content": "好"}, "stop"))]]
     server.scripts.append([sse(chunk({"content": "又好"}, "stop"))])
-    runtime = Runtime(
-        InMemoryEventStore(),
-        Services(llm=model(server)),
-        FixedClock(),
-        SequentialIds(),
-        janitor=False,
-    )
-    usages: list[Any] = []
-    runtime.subscribe("token:usage", lambda t, p: usages.append(p))
-    try:
+    with running(Services(llm=model(server))) as runtime:
+        usages: list[Any] = []
+        runtime.subscribe("token:usage", lambda t, p: usages.append(p))
         assert runtime.submit("s", Input(id="", content="你好")).result(10).outcome == "replied"
         assert runtime.submit("s", Input(id="", content="再来")).result(10).outcome == "replied"
-    finally:
-        runtime.shutdown(timeout=10)
-        pykka.ActorRegistry.stop_all()
     assert ["stream_options" in r for r in server.requests] == [True, False, False]
     assert len(usages) == 2 and all(u["used"] > 0 for u in usages)
 
