@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _open_existing(path: str) -> SqliteEventStore:
     if not Path(path).is_file():
         raise ReplayError(f"no event database at {path!r}")
-    return SqliteEventStore(path)
+    return SqliteEventStore(path, read_only=True)  # replay only reads
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ import sqlite3
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import quote
 
 import sqlite_utils
 
@@ -31,6 +32,7 @@ __all__ = ["SqliteEventStore"]
 _STORE_FORMAT = 2  # PRAGMA user_version of a database this code created
 # Format 1 had no ``idle_sessions``; opening one adds the (empty) table, which is all
 # format 2 adds: every session then counts as possibly open until recovery marks it.
+# Opened ``read_only`` (as replay does), a format-1 file is read as it is.
 _SESSION_IDS = (
     "WITH RECURSIVE s(id) AS ("
     " SELECT (SELECT min(session_id) FROM events)"
@@ -56,6 +58,7 @@ class SqliteEventStore:
         timeout_s: float = 30.0,
         exclusive: bool = False,
         wal_autocheckpoint: int = 4000,
+        read_only: bool = False,
     ) -> None:
         """Open (and create when new) the event database at ``path``.
 
@@ -63,14 +66,21 @@ class SqliteEventStore:
         skip the per-transaction locking (about a third faster here) but no other
         process can read the database meanwhile, ``aalis-agent replay`` included.
         ``wal_autocheckpoint`` is the WAL size, in pages, that triggers a checkpoint.
+        ``read_only`` opens an existing file for reading only: nothing is created,
+        migrated or written (an older format is read as it is), and writes are refused.
         """
         self.path = str(path)
+        self.read_only = read_only
+        if read_only and self.path == ":memory:":
+            raise StoreError("a read-only event database must be a file")
+        target = f"file:{quote(self.path)}?mode=ro" if read_only else self.path
         try:
             conn = sqlite3.connect(
-                self.path,
+                target,
                 check_same_thread=False,
                 isolation_level=None,  # we issue BEGIN/COMMIT ourselves
                 timeout=timeout_s,
+                uri=read_only,
             )
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open event database {self.path!r}: {exc}") from None
@@ -82,7 +92,11 @@ class SqliteEventStore:
         self._idle_cache: dict[str, bool] = {}  # session -> has a row in idle_sessions
         self._position_cache: int | None = None
         self._data_version: int | None = None
+        self._has_idle_table = True
         try:
+            if read_only:
+                self._check_schema_read_only()
+                return
             if exclusive:
                 conn.execute("PRAGMA locking_mode=EXCLUSIVE")
             conn.execute("PRAGMA journal_mode=WAL")
@@ -95,6 +109,21 @@ class SqliteEventStore:
         except sqlite3.DatabaseError as exc:
             conn.close()
             raise StoreError(f"{self.path!r} is not a usable event database: {exc}") from None
+
+    def _check_schema_read_only(self) -> None:
+        tables = {
+            r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
+        }
+        if "events" not in tables:
+            raise StoreError(f"{self.path!r} holds no event table")
+        version = self._conn.execute("PRAGMA user_version").fetchone()[0]
+        if version not in (1, _STORE_FORMAT):
+            raise StoreError(f"{self.path!r}: event table format {version} is not {_STORE_FORMAT}")
+        self._has_idle_table = "idle_sessions" in tables
+
+    def _refuse_if_read_only(self) -> None:
+        if self.read_only:
+            raise StoreError(f"{self.path!r} is opened read-only: nothing can be written")
 
     def _ensure_schema(self) -> None:
         db = sqlite_utils.Database(self._conn)
@@ -142,6 +171,7 @@ class SqliteEventStore:
         *,
         open_work: bool | None = None,
     ) -> int:
+        self._refuse_if_read_only()
         check_batch(session_id, events, expected_seq)
         idle = open_work is False
         rows = [(session_id, e.seq, event_tag(e), blob) for e, blob in encode_batch(events)]
@@ -213,6 +243,7 @@ class SqliteEventStore:
         self._position_cache = None
 
     def mark_idle(self, sessions: Sequence[tuple[str, int]]) -> int:
+        self._refuse_if_read_only()
         marked = 0
         with self._lock:
             conn = self._conn
@@ -289,6 +320,8 @@ class SqliteEventStore:
     def open_sessions(self) -> list[str]:
         with self._lock:
             rows = self._conn.execute(_SESSION_IDS).fetchall()
+            if not self._has_idle_table:  # a format-1 file opened read-only
+                return [r[0] for r in rows]
             idle = {r[0] for r in self._conn.execute("SELECT session_id FROM idle_sessions")}
         return [r[0] for r in rows if r[0] not in idle]
 

@@ -203,3 +203,19 @@ def test_console_script_runs(demo_db: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "state of demo:room-1 at seq 56" in result.stdout
+
+
+def test_replay_reads_an_older_database_without_changing_it(
+    demo_db: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Replay opens the file read-only: a format-1 file (no session index) is not migrated."""
+    old = tmp_path / "old.db"
+    shutil.copy(demo_db, old)
+    conn = sqlite3.connect(old)
+    conn.executescript("DROP TABLE idle_sessions; PRAGMA user_version=1;")
+    conn.close()
+    before = old.read_bytes()
+    code, out, err = run(capsys, "replay", str(old), "--session", SESSION)
+    assert code == 0, err
+    assert f"== session {SESSION} (56 events) ==" in out
+    assert old.read_bytes() == before

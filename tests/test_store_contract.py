@@ -599,10 +599,7 @@ class TestSqliteStore(StoreContract):
             assert store.open_sessions() == []
             assert store.sessions() == ["a", "b"]
 
-    def test_a_format_1_database_gains_the_index_with_every_session_open(
-        self, tmp_path: Path
-    ) -> None:
-        path = tmp_path / "v1.db"
+    def _format_1_database(self, path: Path) -> None:
         conn = sqlite3.connect(path)
         conn.executescript(
             "CREATE TABLE events (position INTEGER NOT NULL, session_id TEXT NOT NULL, "
@@ -614,6 +611,12 @@ class TestSqliteStore(StoreContract):
         conn.close()
         for sid in ("x", "y"):  # two sessions written the old way
             self._raw_insert(path, sid, 1, codec.encode(queued(sid, 1)))
+
+    def test_a_format_1_database_gains_the_index_with_every_session_open(
+        self, tmp_path: Path
+    ) -> None:
+        path = tmp_path / "v1.db"
+        self._format_1_database(path)
         with SqliteEventStore(path) as store:
             assert store.open_sessions() == ["x", "y"]
             assert store.mark_idle([("x", 1)]) == 1
@@ -623,6 +626,42 @@ class TestSqliteStore(StoreContract):
             assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
         finally:
             conn.close()
+
+    def test_read_only_reads_an_old_format_as_it_is_and_refuses_writes(
+        self, tmp_path: Path
+    ) -> None:
+        path = tmp_path / "v1.db"
+        self._format_1_database(path)
+        before = path.read_bytes()
+        with SqliteEventStore(path, read_only=True) as store:
+            assert store.read("x") == [queued("x", 1)]
+            assert store.open_sessions() == ["x", "y"]  # no index: every session open
+            with pytest.raises(StoreError, match="read-only"):
+                store.append("x", [queued("x", 2)], 1)
+            with pytest.raises(StoreError, match="read-only"):
+                store.mark_idle([("x", 1)])
+        assert path.read_bytes() == before  # not migrated, not written
+
+    def test_read_only_sees_what_a_writer_appends(self, tmp_path: Path) -> None:
+        path = tmp_path / "events.db"
+        with SqliteEventStore(path) as writer:
+            writer.append("s", [queued("s", 1)], 0, open_work=False)
+            with SqliteEventStore(path, read_only=True) as reader:
+                assert reader.open_sessions() == []
+                writer.append("s", [queued("s", 2)], 1)
+                assert reader.read("s") == [queued("s", 1), queued("s", 2)]
+                assert reader.open_sessions() == ["s"]
+
+    def test_read_only_needs_an_event_database(self, tmp_path: Path) -> None:
+        with pytest.raises(StoreError, match="must be a file"):
+            SqliteEventStore(":memory:", read_only=True)
+        with pytest.raises(StoreError, match="cannot open"):
+            SqliteEventStore(tmp_path / "absent.db", read_only=True)
+        assert not (tmp_path / "absent.db").exists()
+        other = tmp_path / "other.db"
+        sqlite3.connect(other).execute("CREATE TABLE t (x)").connection.close()
+        with pytest.raises(StoreError, match="no event table"):
+            SqliteEventStore(other, read_only=True)
 
     def test_data_survives_close_and_reopen(self, tmp_path: Path) -> None:
         path = tmp_path / "events.db"
