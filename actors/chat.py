@@ -2,7 +2,8 @@
 
 Lines typed while a turn runs go to the session at once and join or queue exactly as the
 scheduler says; ``/stop`` stops the running turn; ``/session``, ``/session.set`` and
-``/session.reset`` show and change the session's settings; ``/model`` and ``/persona``
+``/session.reset`` show and change the session's settings; at a terminal, Ctrl-C stops
+the running turn the same way, and with no turn running it leaves; ``/model`` and ``/persona``
 list the models and personas; the built-in tools (time, arithmetic) are offered to the
 model and each call shows as a ``[工具]`` line; ``/quit`` (or end of input)
 leaves once the last turn has ended. The reply streams as it comes, and a one-line
@@ -12,6 +13,7 @@ shows it.
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 from collections.abc import Mapping
@@ -82,6 +84,7 @@ def run_chat(
     runtime = Runtime(store, services)
     lock = threading.Lock()
     last_usage: dict[str, Any] = {}
+    running: set[str] = set()  # this session's turns that have opened and not ended
 
     def write(text: str) -> None:
         with lock:
@@ -101,18 +104,36 @@ def run_chat(
             write(f"\n[工具] {payload['name']}{failed}\n")
         elif topic == "outbound:message" and payload.get("kind") != "reply":
             write(f"\n{payload['content']}\n")
+        elif topic == "turn:opened":
+            running.add(payload["turnId"])
         elif topic == "turn:ended":
+            running.discard(payload["turnId"])
             reason = f"（{payload['reason']}）" if payload.get("reason") else ""
             end = "" if payload["outcome"] == "replied" else f" [{payload['outcome']}{reason}]"
             write(f"{end}\n{_status(last_usage) if last_usage else ''}\n")
 
+    def on_interrupt(signum: int, frame: Any) -> None:
+        """Ctrl-C: the stop button while a turn runs, else leave. The stop is asked from
+        another thread: this handler may have interrupted a write holding ``lock``."""
+        if not running:
+            raise KeyboardInterrupt
+        threading.Thread(
+            target=runtime.stop,
+            args=(session_id,),
+            kwargs={"platform": "cli", "user_id": CONSOLE.user_id},
+            daemon=True,
+        ).start()
+
     runtime.subscribe("*", on_event)
     handles: list[SubmitHandle] = []
+    previous_handler = None
     if interactive:
         write(
             f"aalis-agent chat: session {session_id}, log {db_path}. "
-            "/help lists the commands; /quit leaves.\n"
+            "/help lists the commands; Ctrl-C stops a reply; /quit leaves.\n"
         )
+        if threading.current_thread() is threading.main_thread():
+            previous_handler = signal.signal(signal.SIGINT, on_interrupt)
     try:
         for raw in stdin:
             line = raw.rstrip("\n")
@@ -142,6 +163,8 @@ def run_chat(
     except KeyboardInterrupt:
         write("\n")
     finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGINT, previous_handler)
         runtime.shutdown(timeout=30)
         store.close()
     write(f"Replay: aalis-agent replay {db_path} --session {session_id}\n")

@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="talk to a session from the terminal (or pipe lines in)",
         description=(
             "Chat with a session: each line is a message; lines typed while a turn runs "
-            "join it or queue as the scheduler decides; /stop stops the running turn; "
+            "join it or queue as the scheduler decides; /stop (or Ctrl-C) stops the running "
+            "turn, and Ctrl-C with none running leaves; "
             "/session, /session.set KEY VALUE and /session.reset KEY show and change the "
             "session's settings; /model and /persona list what there is (keyword, -p N); "
             "/quit leaves. Reads piped input too (one message a line), waits for the last "

@@ -53,6 +53,8 @@ def _read_until(fd: int, needle: str, timeout: float = 20.0) -> str:
             if not chunk:
                 break
             seen += chunk
+    if needle.encode() not in seen:  # the terminal closed first: the program has ended
+        raise EOFError(f"{needle!r} not seen before the end: {seen.decode(errors='replace')!r}")
     return seen.decode(errors="replace")
 
 
@@ -90,6 +92,45 @@ def test_typing_while_a_reply_streams_then_stop(tmp_path: Path) -> None:
     assert [e.outcome for e in log if isinstance(e, TurnRecorded)] == ["aborted", "replied"]
     waited = [e.input_id for e in log if isinstance(e, InputQueued)]
     assert waited  # the mid-turn line was held for the next turn
+
+
+def test_ctrl_c_stops_a_streaming_reply_and_leaves_when_idle(tmp_path: Path) -> None:
+    script = tmp_path / "slow.toml"
+    script.write_text(
+        '[[replies]]\ntext = "' + "慢" * 60 + '"\nchunks = 60\nchunk_delay_s = 0.1\n\n'
+        '[[replies]]\ntext = "我在这儿"\n',
+        encoding="utf-8",
+    )
+    db = tmp_path / "chat.db"
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(ROOT)
+        os.execv(sys.executable, [*CLI, "chat", "--db", str(db), "--script", str(script)])
+    try:
+        _read_until(fd, "/quit leaves.")
+        os.write(fd, "讲个长故事\n".encode())
+        _read_until(fd, "慢慢")
+        os.write(fd, b"\x03")  # Ctrl-C mid-reply: the turn stops, the chat goes on
+        _read_until(fd, "[aborted")
+        os.write(fd, "还在吗\n".encode())
+        _read_until(fd, "我在这儿\r\n[用量]")  # the reply, then its status: the turn ended
+        os.write(fd, b"\x03")  # Ctrl-C with nothing running: leave
+        _read_until(fd, "Replay:")
+        _, status = os.waitpid(pid, 0)
+        pid = 0
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    except BaseException:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        if pid:
+            os.waitpid(pid, 0)
+        os.close(fd)
+    with SqliteEventStore(db) as store:
+        log = store.read("cli:console")
+    assert [e.by for e in log if isinstance(e, StopRequested)] == [None]
+    assert [e.outcome for e in log if isinstance(e, TurnRecorded)] == ["aborted", "replied"]
 
 
 def test_a_config_file_gives_models_settings_and_listings(tmp_path: Path) -> None:
