@@ -88,6 +88,8 @@ _TOLD = (AppendEvents, CallEnded, Settled, Delete, Clear)
 class SessionActor(pykka.ThreadingActor):
     """One session: decides, appends, then acts. Built from its log (``view``)."""
 
+    _ENDED_KEPT: ClassVar[int] = 64  # ended turns whose participants stay known
+
     def __init__(
         self,
         *,
@@ -109,7 +111,10 @@ class SessionActor(pykka.ThreadingActor):
         self.ids = ids
         self._waiters: dict[str, Future[InputOutcome]] = {}
         self._turn_inputs: dict[str, list[Input]] = {}
+        # CMD3 participants per turn. An ended turn's stay a while (the last
+        # _ENDED_KEPT): a continuation or subtask it started may join a later turn.
         self._participants: dict[str, set[tuple[str | None, str]]] = {}
+        self._ended_turns: list[str] = []
         self._runner: TurnRunner | None = None
         self._abort: AbortSignal | None = None
         self._winding_down: list[tuple[str, Future[Any], tuple[str, ...]]] = []
@@ -275,7 +280,11 @@ class SessionActor(pykka.ThreadingActor):
 
     def _turn_ended(self, event: TurnRecorded) -> None:
         inputs = self._turn_inputs.pop(event.turn_id, [])
-        self._participants.pop(event.turn_id, None)
+        self._ended_turns.append(event.turn_id)
+        if len(self._ended_turns) > self._ENDED_KEPT:
+            for old in self._ended_turns[: -self._ENDED_KEPT]:
+                self._participants.pop(old, None)
+            del self._ended_turns[: -self._ENDED_KEPT]
         for inp in inputs:
             self._resolve(inp.id, InputOutcome(inp.id, event.turn_id, event.outcome, event.reason))
         log.info(

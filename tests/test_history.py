@@ -45,6 +45,7 @@ from projections.history import (
     history_window,
     window_start,
 )
+from services.memory import ProjectionMemory
 
 SID = "s-history"
 NOW = 1_767_225_600_000
@@ -317,6 +318,25 @@ def test_window_start_inside_a_tool_group_drops_the_group_but_keeps_messages_ins
     assert ids(history_window(state, 4)) == ["inside", "u2", "a2"]
     # With N=5 (h=3): start = 3, the call is in the window and the group goes whole.
     assert ids(history_window(state, 5)) == ["call", "r1", "inside", "u2", "a2"]
+
+
+def test_window_start_on_a_tool_result_drops_the_call_with_its_results() -> None:  # SET4
+    state = fold(
+        msg("u0"),
+        msg("a0", "assistant"),
+        msg("u1"),
+        call("call", "c1", "c2"),
+        result("r1", "c1"),
+        result("r2", "c2"),
+        msg("u2"),
+        msg("a2", "assistant"),
+    )
+    # A=8, N=4, h=2: start = 4, on the first result: the group head is not pulled back in.
+    expected = ["u2", "a2"]
+    assert ids(history_window(state, 4)) == expected
+    # The memory a turn reads (FLOW4) gives the same window.
+    assert ids(ProjectionMemory().window("s", state, 4, None)) == expected
+    assert ProjectionMemory().count_history("s", state, None) == 8
 
 
 def test_history_window_exclude_turn_leaves_out_that_turns_messages() -> None:

@@ -16,6 +16,7 @@ from structlog.testing import capture_logs
 
 from actors.messages import Submit
 from actors.runtime import Runtime, RuntimeClosed
+from actors.session import SessionActor
 from events import (
     FixedClock,
     InMemoryEventStore,
@@ -432,6 +433,39 @@ def test_stop_command_permissions(rig: Rig) -> None:  # CMD3
     assert rig.of(TurnRecorded)[0].outcome == "aborted"
     # The owner may stop any turn.
     assert rig.runtime.stop_command(SID, "qq", "owner") is None
+
+
+def test_a_continuation_turn_may_be_stopped_by_those_of_the_turn_that_started_it(
+    rig: Rig,
+) -> None:  # CMD3: originTurnOf of a continuation is the starting turn's participants
+    rig.submit("一", **human("a"))
+    started = rig.of(TurnOpened)[0].turn_id
+    rig.submit("续做", platform="qq", source="continuation", from_turn=started)
+    rig.model.answer("好")
+    rig.settle()
+    assert [e.turn_id for e in rig.of(TurnOpened)][-1] != started  # the continuation's turn
+    assert rig.runtime.stop_command(SID, "qq", "stranger") == STOP_DENIED
+    assert rig.runtime.stop_command(SID, "qq", "a") is None
+
+
+@pytest.mark.parametrize("kept, a_may_stop", [(64, True), (1, False)])
+def test_ended_turns_participants_are_kept_for_a_bounded_while(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, kept: int, a_may_stop: bool
+) -> None:
+    """A continuation of a turn that ended a while ago still brings its participants,
+    but only the last ``_ENDED_KEPT`` ended turns are remembered (memory stays bounded)."""
+    monkeypatch.setattr(SessionActor, "_ENDED_KEPT", kept)
+    for user in ("a", "b"):
+        rig.submit(f"{user} 说", **human(user))
+        rig.model.answer("好")
+        rig.settle()
+    first, second = (e.turn_id for e in rig.of(TurnOpened))
+    assert [e.turn_id for e in rig.of(TurnRecorded)] == [first, second]
+    rig.submit("续做", platform="qq", source="continuation", from_turn=first)
+    assert rig.of(TurnOpened)[-1].turn_id not in (first, second)
+    answer = rig.runtime.stop_command(SID, "qq", "a")
+    assert (answer is None) is a_may_stop
+    assert answer in (None, STOP_DENIED)
 
 
 def test_stop_marker_names_who_stopped(rig: Rig) -> None:  # SAVE6
