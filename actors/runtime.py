@@ -197,6 +197,11 @@ class Runtime:
             self._runners.discard(runner)
             self._runners_idle.notify_all()
 
+    def turn_threads(self) -> int:
+        """How many turn threads are alive (a turn's thread outlives its end a moment)."""
+        with self._runners_idle:
+            return len(self._runners)
+
     # --- inputs ----------------------------------------------------------------------
 
     def submit(self, session_id: str, inp: Input) -> SubmitHandle:

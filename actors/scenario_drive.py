@@ -366,13 +366,16 @@ class _Driver:
         while True:
             for sid in sessions:
                 self.runtime.view(sid)  # answered after every message before it
+            threads = self.runtime.turn_threads()
             with self.gate.cv:
                 live = sum(self.gate.opened.get(s, 0) - self.gate.ended.get(s, 0) for s in sessions)
                 parked = len(self.parked_calls()) + len(self.parked_runs())
                 problems = list(self.gate.problems)
             if problems:
                 raise self.error(problems[0])
-            if live == parked:
+            # Every opened turn parked, and no turn thread still working (one that ended
+            # may still be winding down, one that opened may not have announced it yet).
+            if live == parked and threads <= parked:
                 stable += 1
                 if stable >= 2:
                     return
