@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+import pykka
 import pytest
 import structlog
 from hypothesis import HealthCheck, settings
+
+from actors.runtime import Runtime
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -21,3 +24,13 @@ def _reset_structlog() -> Iterator[None]:
     """A test that runs the CLI configures structlog; later tests start from defaults."""
     yield
     structlog.reset_defaults()
+
+
+@pytest.fixture
+def runtimes() -> Iterator[list[Runtime]]:
+    """Runtimes a test makes (it appends them), shut down after it."""
+    made: list[Runtime] = []
+    yield made
+    for rt in made:
+        rt.shutdown(timeout=10)
+    pykka.ActorRegistry.stop_all()

@@ -58,11 +58,13 @@ def _read_until(fd: int, needle: str, timeout: float = 20.0) -> str:
     return seen.decode(errors="replace")
 
 
-def test_typing_while_a_reply_streams_then_stop(tmp_path: Path) -> None:
+def _chat_on_a_terminal(tmp_path: Path, second_reply: str) -> tuple[int, int, Path]:
+    """``chat`` on a pty (pid, its terminal, its log): the first reply streams slowly
+    (60 pieces, 0.1 s apart), the second is ``second_reply``."""
     script = tmp_path / "slow.toml"
     script.write_text(
         '[[replies]]\ntext = "' + "慢" * 60 + '"\nchunks = 60\nchunk_delay_s = 0.1\n\n'
-        '[[replies]]\ntext = "好的"\n',
+        f'[[replies]]\ntext = "{second_reply}"\n',
         encoding="utf-8",
     )
     db = tmp_path / "chat.db"
@@ -70,6 +72,11 @@ def test_typing_while_a_reply_streams_then_stop(tmp_path: Path) -> None:
     if pid == 0:  # the child: the command, on a terminal
         os.chdir(ROOT)
         os.execv(sys.executable, [*CLI, "chat", "--db", str(db), "--script", str(script)])
+    return pid, fd, db
+
+
+def test_typing_while_a_reply_streams_then_stop(tmp_path: Path) -> None:
+    pid, fd, db = _chat_on_a_terminal(tmp_path, "好的")
     try:
         _read_until(fd, "/quit leaves.")  # the interactive greeting
         os.write(fd, "讲个长故事\n".encode())
@@ -95,17 +102,7 @@ def test_typing_while_a_reply_streams_then_stop(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_stops_a_streaming_reply_and_leaves_when_idle(tmp_path: Path) -> None:
-    script = tmp_path / "slow.toml"
-    script.write_text(
-        '[[replies]]\ntext = "' + "慢" * 60 + '"\nchunks = 60\nchunk_delay_s = 0.1\n\n'
-        '[[replies]]\ntext = "我在这儿"\n',
-        encoding="utf-8",
-    )
-    db = tmp_path / "chat.db"
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.chdir(ROOT)
-        os.execv(sys.executable, [*CLI, "chat", "--db", str(db), "--script", str(script)])
+    pid, fd, db = _chat_on_a_terminal(tmp_path, "我在这儿")
     try:
         _read_until(fd, "/quit leaves.")
         os.write(fd, "讲个长故事\n".encode())

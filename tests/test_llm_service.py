@@ -8,7 +8,6 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import pykka
 import pytest
 import structlog
 
@@ -74,16 +73,6 @@ class BareModel:
 
 
 # --- runtime plumbing ---------------------------------------------------------------
-
-
-@pytest.fixture
-def runtimes() -> Iterator[list[Runtime]]:
-    """Runtimes made by a test, shut down after it."""
-    made: list[Runtime] = []
-    yield made
-    for rt in made:
-        rt.shutdown(timeout=10)
-    pykka.ActorRegistry.stop_all()
 
 
 @pytest.fixture

@@ -3,10 +3,8 @@ is broken (found by mutating the code one clause at a time)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import pykka
 import pytest
 
 from actors.commands import handle_command
@@ -45,15 +43,6 @@ from services.settings import SettingsLayers, validate_setting
 from tests.harness import GatedModel, settle
 
 SID = "qq:group:9"
-
-
-@pytest.fixture
-def runtimes() -> Iterator[list[Runtime]]:
-    made: list[Runtime] = []
-    yield made
-    for rt in made:
-        rt.shutdown(timeout=10)
-    pykka.ActorRegistry.stop_all()
 
 
 def make(runtimes: list[Runtime], llm: Any, **kwargs: Any) -> Runtime:

@@ -4,10 +4,8 @@ listings ``/model`` and ``/persona`` (CMD1-CMD2)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
-import pykka
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -65,15 +63,6 @@ def model(model_id: str, provider: str = "p", **kwargs: Any) -> ScriptedModel:
 
 
 # --- runtime plumbing ---------------------------------------------------------------
-
-
-@pytest.fixture
-def runtimes() -> Iterator[list[Runtime]]:
-    made: list[Runtime] = []
-    yield made
-    for rt in made:
-        rt.shutdown(timeout=10)
-    pykka.ActorRegistry.stop_all()
 
 
 @pytest.fixture
