@@ -110,7 +110,12 @@ class SqliteEventStore:
             conn.close()
             raise StoreError(f"{self.path!r} is not a usable event database: {exc}") from None
 
+    def _unknown_format(self, version: int) -> StoreError:
+        return StoreError(f"{self.path!r}: event table format {version} is not {_STORE_FORMAT}")
+
     def _check_schema_read_only(self) -> None:
+        """The checks of :meth:`_ensure_schema` without its writes: format 1 is read as
+        it is (no session index, so every session counts as open)."""
         tables = {
             r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
         }
@@ -118,7 +123,7 @@ class SqliteEventStore:
             raise StoreError(f"{self.path!r} holds no event table")
         version = self._conn.execute("PRAGMA user_version").fetchone()[0]
         if version not in (1, _STORE_FORMAT):
-            raise StoreError(f"{self.path!r}: event table format {version} is not {_STORE_FORMAT}")
+            raise self._unknown_format(version)
         self._has_idle_table = "idle_sessions" in tables
 
     def _refuse_if_read_only(self) -> None:
@@ -135,9 +140,7 @@ class SqliteEventStore:
                     self._conn.execute(f"PRAGMA user_version={_STORE_FORMAT}")
                 return
             if version != _STORE_FORMAT:
-                raise StoreError(
-                    f"{self.path!r}: event table format {version} is not {_STORE_FORMAT}"
-                )
+                raise self._unknown_format(version)
             return
         # sqlite-utils writes the table definition; WITHOUT ROWID (which it has no flag
         # for) clusters rows by (session_id, seq), so reading one session is one range scan.
