@@ -19,11 +19,11 @@ import threading
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-from actors.commands import COMMANDS, handle_command
-from actors.runtime import Runtime, SubmitHandle
-from events import Input, Sender, SqliteEventStore
-from services import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, Services
-from services.builtin_tools import builtin_tools
+from aalis_agent.actors.commands import COMMANDS, handle_command
+from aalis_agent.actors.runtime import Runtime, SubmitHandle
+from aalis_agent.events import Input, Sender, SqliteEventStore
+from aalis_agent.services import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, Services
+from aalis_agent.services.builtin_tools import builtin_tools
 
 __all__ = ["default_model", "run_chat"]
 

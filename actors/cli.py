@@ -13,8 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
-
-from events import AgentError, ConfigError, ReplayError, SqliteEventStore, StoreError
+from aalis_agent.events import AgentError, ConfigError, ReplayError, SqliteEventStore, StoreError
 
 __all__ = ["build_parser", "main"]
 
@@ -143,7 +142,7 @@ def _open_existing(path: str) -> SqliteEventStore:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from actors.replay import run_replay
+    from aalis_agent.actors.replay import run_replay
 
     if args.at is not None and args.at < 1:
         raise ReplayError(f"--at must be a seq of 1 or more, got {args.at}")
@@ -168,19 +167,19 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from actors.chat import run_chat
-    from services import ChatModel, ScriptedModel
+    from aalis_agent.actors.chat import run_chat
+    from aalis_agent.services import ChatModel, ScriptedModel
 
     services = None
     if args.config:
-        from services.config_file import load_config
+        from aalis_agent.services.config_file import load_config
 
         services = load_config(args.config).services()
     model: ChatModel | None = None
     if args.base_url or args.model:
         if not (args.base_url and args.model):
             raise ConfigError("--base-url and --model go together")
-        from services.openai_compat import OpenAICompatibleModel
+        from aalis_agent.services.openai_compat import OpenAICompatibleModel
 
         api_key = None
         if args.api_key_env:
@@ -199,7 +198,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from services.config_file import describe, load_config
+    from aalis_agent.services.config_file import describe, load_config
 
     fc = load_config(args.file, require_keys=False)
     sys.stdout.write(describe(fc))
@@ -207,7 +206,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from actors.demo import run_demo
+    from aalis_agent.actors.demo import run_demo
 
     return run_demo(args.db)
 
@@ -238,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "config":
             return _cmd_config(args)
         if args.command == "scenario":
-            from actors.scenario import run_cli
+            from aalis_agent.actors.scenario import run_cli
 
             configure_logging(args.verbose, quiet=not args.verbose)
             return run_cli(args.file, db=args.db, as_json=args.json)

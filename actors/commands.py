@@ -8,14 +8,14 @@ import contextlib
 import json
 from typing import TYPE_CHECKING, Any
 
-from actors.messages import SetSetting
-from events import ConfigError
-from projections.texts import listing_footer, listing_header
-from services.models import entry_id, model_name
-from services.settings import SETTING_FIELDS, validate_setting
+from aalis_agent.actors.messages import SetSetting
+from aalis_agent.events import ConfigError
+from aalis_agent.projections.texts import listing_footer, listing_header
+from aalis_agent.services.models import entry_id, model_name
+from aalis_agent.services.settings import SETTING_FIELDS, validate_setting
 
 if TYPE_CHECKING:
-    from actors.runtime import Runtime
+    from aalis_agent.actors.runtime import Runtime
 
 __all__ = ["COMMANDS", "HELP", "PAGE_SIZE", "handle_command", "page_of", "set_setting"]
 

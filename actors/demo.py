@@ -14,10 +14,10 @@ import threading
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-from actors.replay import render_state, replay_session, run_replay
-from actors.runtime import Runtime
-from events import Input, Sender, SequentialIds, SqliteEventStore, ToolCall
-from services import (
+from aalis_agent.actors.replay import render_state, replay_session, run_replay
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import Input, Sender, SequentialIds, SqliteEventStore, ToolCall
+from aalis_agent.services import (
     ChatRequest,
     ScriptedModel,
     ScriptedReply,

@@ -11,17 +11,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from events.errors import ConfigError
-from events.schema import ModelRef
-from projections.texts import (
+from aalis_agent.events.errors import ConfigError
+from aalis_agent.events.schema import ModelRef
+from aalis_agent.projections.texts import (
     THINK_NOT_TUNABLE,
     UNLIMITED,
     follow_preference,
     think_not_in_model,
 )
-from services import Services
-from services.models import ModelChoice, model_name, think_default, think_levels
-from services.settings import SETTING_FIELDS, SettingsLayers
+from aalis_agent.services import Services
+from aalis_agent.services.models import ModelChoice, model_name, think_default, think_levels
+from aalis_agent.services.settings import SETTING_FIELDS, SettingsLayers
 
 __all__ = ["LAYER_TEXT", "FieldView", "session_fields"]
 

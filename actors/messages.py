@@ -6,8 +6,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from events import Input, SessionEvent, TurnOutcome
-from events.schema import ReleaseReason
+from aalis_agent.events import Input, SessionEvent, TurnOutcome
+from aalis_agent.events.schema import ReleaseReason
 
 __all__ = [
     "AppendEvents",

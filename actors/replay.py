@@ -13,8 +13,7 @@ from datetime import datetime
 from typing import Any, TextIO
 
 import msgspec
-
-from events import (
+from aalis_agent.events import (
     ChatMessage,
     ContextCleared,
     CorruptEvent,
@@ -39,8 +38,8 @@ from events import (
     UsageRecorded,
     to_builtins,
 )
-from events.codec import event_tag
-from projections import SessionView, history, project, queue
+from aalis_agent.events.codec import event_tag
+from aalis_agent.projections import SessionView, history, project, queue
 
 __all__ = [
     "ReplayReport",

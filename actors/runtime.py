@@ -21,10 +21,9 @@ from typing import Any
 import msgspec
 import pykka
 import structlog
-
-from actors.fields import FieldView, session_fields
-from actors.hooks import Hooks
-from actors.messages import (
+from aalis_agent.actors.fields import FieldView, session_fields
+from aalis_agent.actors.hooks import Hooks
+from aalis_agent.actors.messages import (
     Clear,
     Delete,
     GetView,
@@ -37,9 +36,9 @@ from actors.messages import (
     StopCommand,
     Submit,
 )
-from actors.session import SessionActor
-from actors.turn import TurnRunner
-from events import (
+from aalis_agent.actors.session import SessionActor
+from aalis_agent.actors.turn import TurnRunner
+from aalis_agent.events import (
     AgentError,
     Clock,
     EventStore,
@@ -50,10 +49,10 @@ from events import (
     TokenUsage,
     UuidIds,
 )
-from projections import SessionView, project, queue, turns
-from projections.usage import BudgetLog, wire
-from services import Services
-from services.settings import validate_setting
+from aalis_agent.projections import SessionView, project, queue, turns
+from aalis_agent.projections.usage import BudgetLog, wire
+from aalis_agent.services import Services
+from aalis_agent.services.settings import validate_setting
 
 __all__ = ["InputBefore", "Runtime", "RuntimeClosed", "SubmitHandle"]
 
@@ -321,7 +320,7 @@ class Runtime:
     def token_request(self, session_id: str, platform: str | None = None) -> TokenUsage:
         """``token:request`` (ACC3): the usage a turn would have now, built the same way
         (same read, same trim) without writing or logging anything; no turn id."""
-        from actors.snapshot import token_request
+        from aalis_agent.actors.snapshot import token_request
 
         usage = token_request(self, session_id, platform)
         self.services.bus.publish("token:usage", wire(usage))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from events import (
+from aalis_agent.events import (
     Batch,
     ChatMessage,
     Clock,
@@ -36,8 +36,8 @@ from events import (
     TurnSettings,
     UsageRecorded,
 )
-from events.schema import TurnEntry
-from projections.texts import stop_marker_text
+from aalis_agent.events.schema import TurnEntry
+from aalis_agent.projections.texts import stop_marker_text
 
 __all__ = ["SampleWriter", "synthetic_turn", "write_demo_session"]
 

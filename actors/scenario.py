@@ -20,16 +20,16 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from actors.scenario_drive import run_scenario
-from actors.scenario_load import load_scenario
-from actors.scenario_result import (
+from aalis_agent.actors.scenario_drive import run_scenario
+from aalis_agent.actors.scenario_load import load_scenario
+from aalis_agent.actors.scenario_result import (
     CallRecord,
     InputRecord,
     ScenarioResult,
     StepRecord,
     message_json,
 )
-from actors.scenario_spec import (
+from aalis_agent.actors.scenario_spec import (
     Point,
     ReplySpec,
     Scenario,

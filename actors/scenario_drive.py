@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-
-from actors.messages import InputOutcome
-from actors.runtime import Runtime, SubmitHandle
-from actors.scenario_load import load_scenario
-from actors.scenario_result import CallRecord, InputRecord, ScenarioResult, StepRecord
-from actors.scenario_spec import (
+from aalis_agent.actors.messages import InputOutcome
+from aalis_agent.actors.runtime import Runtime, SubmitHandle
+from aalis_agent.actors.scenario_load import load_scenario
+from aalis_agent.actors.scenario_result import CallRecord, InputRecord, ScenarioResult, StepRecord
+from aalis_agent.actors.scenario_spec import (
     Point,
     ReplySpec,
     Scenario,
@@ -31,7 +30,7 @@ from actors.scenario_spec import (
     ToolOutcome,
     ToolSpec,
 )
-from events import (
+from aalis_agent.events import (
     EventStore,
     FixedClock,
     InMemoryEventStore,
@@ -41,7 +40,7 @@ from events import (
     SqliteEventStore,
     TurnSettings,
 )
-from services import (
+from aalis_agent.services import (
     AbortSignal,
     ChatRequest,
     LogArchive,
@@ -55,8 +54,8 @@ from services import (
     ToolCallContext,
     ToolRegistry,
 )
-from services.llm import ThinkLevel
-from services.models import LlmService, Provider
+from aalis_agent.services.llm import ThinkLevel
+from aalis_agent.services.models import LlmService, Provider
 
 PARK_LIMIT_S = 600.0
 """Safety net: a parked model call or tool gives up after this long without the driver."""

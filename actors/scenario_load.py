@@ -14,7 +14,7 @@ from datetime import UTC, date, datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Any, get_args
 
-from actors.scenario_spec import (
+from aalis_agent.actors.scenario_spec import (
     Point,
     PointKind,
     ReplySpec,
@@ -26,9 +26,9 @@ from actors.scenario_spec import (
     ToolOutcome,
     ToolSpec,
 )
-from events import ConfigError, HostNotice, Input, ModelRef, Sender, ToolCall
-from events.schema import TriggerType
-from services import AgentConfig, Usage
+from aalis_agent.events import ConfigError, HostNotice, Input, ModelRef, Sender, ToolCall
+from aalis_agent.events.schema import TriggerType
+from aalis_agent.services import AgentConfig, Usage
 
 DEFAULT_START_MS = 1_767_225_600_000
 """2026-01-01T00:00:00Z, when a scenario gives no ``start``."""

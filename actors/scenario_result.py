@@ -10,12 +10,11 @@ from datetime import datetime
 from typing import Any
 
 import msgspec
-
-from actors.replay import render_event
-from actors.scenario_spec import ReplySpec, Scenario, StepSpec, ToolOutcome
-from events import ChatMessage, SessionEvent, to_builtins
-from projections.validate import provider_violations
-from services import ChatRequest
+from aalis_agent.actors.replay import render_event
+from aalis_agent.actors.scenario_spec import ReplySpec, Scenario, StepSpec, ToolOutcome
+from aalis_agent.events import ChatMessage, SessionEvent, to_builtins
+from aalis_agent.projections.validate import provider_violations
+from aalis_agent.services import ChatRequest
 
 
 @dataclass(frozen=True)

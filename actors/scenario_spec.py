@@ -9,10 +9,9 @@ from datetime import tzinfo
 from typing import Any, Literal
 
 import msgspec
-
-from events import AgentError, Input, ToolCall
-from services import AgentConfig, StreamChunk, Usage
-from services.llm import ToolCallProgress
+from aalis_agent.events import AgentError, Input, ToolCall
+from aalis_agent.services import AgentConfig, StreamChunk, Usage
+from aalis_agent.services.llm import ToolCallProgress
 
 StepKind = Literal[
     "say", "inject", "stop", "stop_command", "stop_all", "mute", "delete", "clear", "wait"

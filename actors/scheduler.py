@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
-
-from events import (
+from aalis_agent.events import (
     Batch,
     ChatMessage,
     Input,
@@ -36,10 +35,10 @@ from events import (
     TurnRecorded,
     TurnSettings,
 )
-from events.schema import ReleaseReason
-from projections import SessionView, evolve, queue
-from projections.texts import BATCH_NO_REPLY_NEEDED, BATCH_PREFIX
-from projections.turns import TurnLog
+from aalis_agent.events.schema import ReleaseReason
+from aalis_agent.projections import SessionView, evolve, queue
+from aalis_agent.projections.texts import BATCH_NO_REPLY_NEEDED, BATCH_PREFIX
+from aalis_agent.projections.turns import TurnLog
 
 __all__ = [
     "OpenContext",

@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import pykka
 import structlog
-
-from actors import logs
-from actors.messages import (
+from aalis_agent.actors import logs
+from aalis_agent.actors.messages import (
     AppendEvents,
     CallEnded,
     Clear,
@@ -35,7 +34,7 @@ from actors.messages import (
     StopCommand,
     Submit,
 )
-from actors.scheduler import (
+from aalis_agent.actors.scheduler import (
     OpenContext,
     Step,
     decide_call_ended,
@@ -47,8 +46,8 @@ from actors.scheduler import (
     decide_submit,
     turn_left_history,
 )
-from actors.turn import TurnRunner
-from events import (
+from aalis_agent.actors.turn import TurnRunner
+from aalis_agent.events import (
     Batch,
     ChatMessage,
     Clock,
@@ -69,13 +68,13 @@ from events import (
     TurnOpened,
     TurnRecorded,
 )
-from projections import SessionView, project, queue
-from projections.texts import NO_RUNNING_TURN, STOP_DENIED, stop_marker_text
-from services import AbortSignal, Services
-from services.settings import venue_of
+from aalis_agent.projections import SessionView, project, queue
+from aalis_agent.projections.texts import NO_RUNNING_TURN, STOP_DENIED, stop_marker_text
+from aalis_agent.services import AbortSignal, Services
+from aalis_agent.services.settings import venue_of
 
 if TYPE_CHECKING:
-    from actors.runtime import Runtime
+    from aalis_agent.actors.runtime import Runtime
 
 __all__ = ["SessionActor"]
 

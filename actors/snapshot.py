@@ -9,20 +9,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from actors.turn import add_contributions, base_prompt
-from events import TokenUsage
-from projections import turns
-from projections.prompt import (
+from aalis_agent.actors.turn import add_contributions, base_prompt
+from aalis_agent.events import TokenUsage
+from aalis_agent.projections import turns
+from aalis_agent.projections.prompt import (
     assemble,
     split_parts,
     volatile_for,
 )
-from projections.tokens import count_messages, default_counter, tool_definition_tokens
-from projections.trim import TrimRequest, trim, trim_budget
-from projections.usage import breakdown, usage_payload
+from aalis_agent.projections.tokens import count_messages, default_counter, tool_definition_tokens
+from aalis_agent.projections.trim import TrimRequest, trim, trim_budget
+from aalis_agent.projections.usage import breakdown, usage_payload
 
 if TYPE_CHECKING:
-    from actors.runtime import Runtime
+    from aalis_agent.actors.runtime import Runtime
 
 __all__ = ["snapshot_platform", "token_request"]
 

@@ -22,11 +22,10 @@ from typing import Any
 
 import pykka
 import structlog
-
-from actors.hooks import ContributionView, Hooks
-from actors.messages import AppendEvents, CallEnded, InsertionPoint, Settled
-from actors.scheduler import archived_input_message
-from events import (
+from aalis_agent.actors.hooks import ContributionView, Hooks
+from aalis_agent.actors.messages import AppendEvents, CallEnded, InsertionPoint, Settled
+from aalis_agent.actors.scheduler import archived_input_message
+from aalis_agent.events import (
     ChatMessage,
     Clock,
     IdSource,
@@ -44,10 +43,10 @@ from events import (
     TurnSettings,
     UsageRecorded,
 )
-from projections import SessionView
-from projections.history import HistoryState
-from projections.labels import time_label
-from projections.prompt import (
+from aalis_agent.projections import SessionView
+from aalis_agent.projections.history import HistoryState
+from aalis_agent.projections.labels import time_label
+from aalis_agent.projections.prompt import (
     Block,
     TurnPrompt,
     assemble,
@@ -59,18 +58,24 @@ from projections.prompt import (
     system_prompt,
     volatile_for,
 )
-from projections.textnorm import strip_leaked_special_tokens, truncate
-from projections.texts import ERROR_PREFIX, focus_guide, tool_bad_arguments
-from projections.tokens import (
+from aalis_agent.projections.textnorm import strip_leaked_special_tokens, truncate
+from aalis_agent.projections.texts import ERROR_PREFIX, focus_guide, tool_bad_arguments
+from aalis_agent.projections.tokens import (
     default_counter,
     tool_definition_tokens,
 )
-from projections.trim import TrimRequest, TrimResult, trim, trim_budget
-from projections.usage import BudgetLog, breakdown, usage_payload, wire
-from services import AbortSignal, ChatRequest, OutboundMessage, Services, ToolCallContext
-from services.llm import ChatModel, Usage
-from services.models import LlmService, entry_id
-from services.tools import Inbound
+from aalis_agent.projections.trim import TrimRequest, TrimResult, trim, trim_budget
+from aalis_agent.projections.usage import BudgetLog, breakdown, usage_payload, wire
+from aalis_agent.services import (
+    AbortSignal,
+    ChatRequest,
+    OutboundMessage,
+    Services,
+    ToolCallContext,
+)
+from aalis_agent.services.llm import ChatModel, Usage
+from aalis_agent.services.models import LlmService, entry_id
+from aalis_agent.services.tools import Inbound
 
 __all__ = [
     "LlmAfter",

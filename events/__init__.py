@@ -3,9 +3,16 @@
 This package imports nothing else of the project's.
 """
 
-from events.batch import Batch
-from events.clock import Clock, FixedClock, IdSource, SequentialIds, SystemClock, UuidIds
-from events.codec import (
+from aalis_agent.events.batch import Batch
+from aalis_agent.events.clock import (
+    Clock,
+    FixedClock,
+    IdSource,
+    SequentialIds,
+    SystemClock,
+    UuidIds,
+)
+from aalis_agent.events.codec import (
     decode,
     decode_json,
     encode,
@@ -14,7 +21,7 @@ from events.codec import (
     restamp,
     to_builtins,
 )
-from events.errors import (
+from aalis_agent.events.errors import (
     AgentError,
     ConcurrencyConflict,
     ConfigError,
@@ -23,10 +30,10 @@ from events.errors import (
     ReplayError,
     StoreError,
 )
-from events.schema import *  # noqa: F403 -- the vocabulary is re-exported whole
-from events.schema import __all__ as _schema_all
-from events.sqlite import SqliteEventStore
-from events.store import EventStore, InMemoryEventStore, Recorded, check_batch
+from aalis_agent.events.schema import *  # noqa: F403 -- the vocabulary is re-exported whole
+from aalis_agent.events.schema import __all__ as _schema_all
+from aalis_agent.events.sqlite import SqliteEventStore
+from aalis_agent.events.store import EventStore, InMemoryEventStore, Recorded, check_batch
 
 __all__ = [
     *_schema_all,

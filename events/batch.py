@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from events.clock import Clock
-from events.schema import SessionEvent
+from aalis_agent.events.clock import Clock
+from aalis_agent.events.schema import SessionEvent
 
 __all__ = ["Batch"]
 

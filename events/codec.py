@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import msgspec
-
-from events.errors import CorruptEvent
-from events.schema import Event, SessionEvent
+from aalis_agent.events.errors import CorruptEvent
+from aalis_agent.events.schema import Event, SessionEvent
 
 __all__ = [
     "decode",

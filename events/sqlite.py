@@ -21,11 +21,16 @@ from pathlib import Path
 from urllib.parse import quote
 
 import sqlite_utils
-
-from events.codec import decode, event_tag
-from events.errors import ConcurrencyConflict, CorruptEvent, StoreError
-from events.schema import SessionEvent
-from events.store import CorruptHandler, Recorded, check_batch, check_limit, encode_batch
+from aalis_agent.events.codec import decode, event_tag
+from aalis_agent.events.errors import ConcurrencyConflict, CorruptEvent, StoreError
+from aalis_agent.events.schema import SessionEvent
+from aalis_agent.events.store import (
+    CorruptHandler,
+    Recorded,
+    check_batch,
+    check_limit,
+    encode_batch,
+)
 
 __all__ = ["SqliteEventStore"]
 

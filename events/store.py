@@ -13,10 +13,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
-
-from events.codec import decode, encode
-from events.errors import ConcurrencyConflict, CorruptEvent, InvalidBatch
-from events.schema import Event, SessionEvent
+from aalis_agent.events.codec import decode, encode
+from aalis_agent.events.errors import ConcurrencyConflict, CorruptEvent, InvalidBatch
+from aalis_agent.events.schema import Event, SessionEvent
 
 __all__ = [
     "CorruptHandler",

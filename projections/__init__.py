@@ -3,8 +3,8 @@
 No I/O, no clock, no logging, no threads. Imports ``events`` only.
 """
 
-from projections import history, queue, turns
-from projections.chain import Chain
-from projections.session import SessionView, evolve, project
+from aalis_agent.projections import history, queue, turns
+from aalis_agent.projections.chain import Chain
+from aalis_agent.projections.session import SessionView, evolve, project
 
 __all__ = ["Chain", "SessionView", "evolve", "history", "project", "queue", "turns"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar, get_args
 
-from events.schema import SessionEvent
+from aalis_agent.events.schema import SessionEvent
 
 __all__ = ["EVENT_TYPES", "Handler", "check_complete", "fold", "keep"]
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import msgspec
-
-from events.schema import (
+from aalis_agent.events.schema import (
     CONTROL_KINDS,
     ChatMessage,
     ContextCleared,
@@ -38,8 +37,8 @@ from events.schema import (
     TurnRecorded,
     UsageRecorded,
 )
-from projections._dispatch import Handler, check_complete, fold, keep
-from projections.chain import Chain
+from aalis_agent.projections._dispatch import Handler, check_complete, fold, keep
+from aalis_agent.projections.chain import Chain
 
 __all__ = [
     "COMPACTION_KIND",

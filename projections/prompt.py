@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, tzinfo
 
 import msgspec
-
-from events.schema import ChatMessage, Input, MessageMeta
-from projections.labels import sender_label, time_label
-from projections.texts import (
+from aalis_agent.events.schema import ChatMessage, Input, MessageMeta
+from aalis_agent.projections.labels import sender_label, time_label
+from aalis_agent.projections.texts import (
     DELEGATION_HEAD,
     HOST_NOTICE_HEAD,
     INPUT_CONVENTION,

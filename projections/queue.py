@@ -11,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import msgspec
-from msgspec.structs import replace
-
-from events.schema import (
+from aalis_agent.events.schema import (
     ContextCleared,
     Input,
     InputHeld,
@@ -35,7 +33,8 @@ from events.schema import (
     TurnRecorded,
     UsageRecorded,
 )
-from projections._dispatch import Handler, check_complete, fold, keep
+from aalis_agent.projections._dispatch import Handler, check_complete, fold, keep
+from msgspec.structs import replace
 
 __all__ = [
     "HANDLERS",

@@ -7,13 +7,12 @@ from types import MappingProxyType
 from typing import Any
 
 import msgspec
-
-from events.schema import SessionDeleted, SessionEvent, SettingsChanged
-from projections import history, queue, turns
-from projections._dispatch import keep
-from projections.history import HistoryState
-from projections.queue import QueueState
-from projections.turns import TurnsState
+from aalis_agent.events.schema import SessionDeleted, SessionEvent, SettingsChanged
+from aalis_agent.projections import history, queue, turns
+from aalis_agent.projections._dispatch import keep
+from aalis_agent.projections.history import HistoryState
+from aalis_agent.projections.queue import QueueState
+from aalis_agent.projections.turns import TurnsState
 
 __all__ = ["SessionView", "evolve", "project"]
 

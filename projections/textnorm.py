@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from projections.texts import TRUNCATED_SUFFIX
+from aalis_agent.projections.texts import TRUNCATED_SUFFIX
 
 __all__ = ["strip_leaked_special_tokens", "truncate"]
 

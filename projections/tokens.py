@@ -15,8 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import msgspec
-
-from events.schema import ChatMessage
+from aalis_agent.events.schema import ChatMessage
 
 __all__ = [
     "MESSAGE_OVERHEAD",

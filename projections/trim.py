@@ -31,11 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
-
-from events.schema import ChatMessage, MessageMeta
-from projections.textnorm import truncate
-from projections.texts import CONTINUATION_HINT
-from projections.tokens import TokenCounter, message_tokens
+from aalis_agent.events.schema import ChatMessage, MessageMeta
+from aalis_agent.projections.textnorm import truncate
+from aalis_agent.projections.texts import CONTINUATION_HINT
+from aalis_agent.projections.tokens import TokenCounter, message_tokens
 
 __all__ = [
     "COLLAPSED_PREFIX",

@@ -6,8 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import msgspec
-
-from events.schema import (
+from aalis_agent.events.schema import (
     ContextCleared,
     InputHeld,
     InputJoined,
@@ -31,8 +30,8 @@ from events.schema import (
     TurnSettings,
     UsageRecorded,
 )
-from projections._dispatch import Handler, check_complete, fold, keep
-from projections.chain import Chain
+from aalis_agent.projections._dispatch import Handler, check_complete, fold, keep
+from aalis_agent.projections.chain import Chain
 
 __all__ = [
     "HANDLERS",

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-
-from events.schema import ChatMessage, TokenBreakdown, TokenPart, TokenUsage
-from projections.tokens import TokenCounter, message_tokens
+from aalis_agent.events.schema import ChatMessage, TokenBreakdown, TokenPart, TokenUsage
+from aalis_agent.projections.tokens import TokenCounter, message_tokens
 
 __all__ = [
     "PART_LABELS",

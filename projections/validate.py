@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from events.schema import ChatMessage
+from aalis_agent.events.schema import ChatMessage
 
 __all__ = ["provider_violations"]
 

@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from actors.sample import synthetic_turn
-from events import (
+from aalis_agent.actors.sample import synthetic_turn
+from aalis_agent.events import (
     Batch,
     ChatMessage,
     FixedClock,
@@ -29,7 +29,7 @@ from events import (
     MessageSaved,
     SqliteEventStore,
 )
-from projections import project
+from aalis_agent.projections import project
 
 SESSIONS = 100
 EVENTS_PER_SESSION = 1000  # 66 synthetic turns (15 events each) + 5 queued inputs
@@ -176,8 +176,8 @@ def bench_startup(tmp: Path, sessions: int = 2000, turns: int = 10, busy: int = 
     """``Runtime.recover()`` on a database of many finished sessions and a few with
     queued work: with the idle index it folds only those; the first start of a database
     written without the index (as after an upgrade) folds every session once."""
-    from actors.runtime import Runtime
-    from services import ScriptedModel, Services
+    from aalis_agent.actors.runtime import Runtime
+    from aalis_agent.services import ScriptedModel, Services
 
     _quiet_logs()
     path = tmp / "startup.db"
@@ -266,9 +266,9 @@ def _quiet_logs() -> None:
 
 def bench_sched_decision(tmp: Path) -> None:
     """Scheduler decision plus durable append, per input, while a turn runs."""
-    from actors.scheduler import OpenContext, Step, decide_submit
-    from events import TurnSettings
-    from projections import SessionView
+    from aalis_agent.actors.scheduler import OpenContext, Step, decide_submit
+    from aalis_agent.events import TurnSettings
+    from aalis_agent.projections import SessionView
 
     store = SqliteEventStore(tmp / "sched.db")
     turn_ids = iter(range(1, 10**9))
@@ -295,8 +295,8 @@ def bench_sched_decision(tmp: Path) -> None:
 
 def bench_stop_latency(tmp: Path) -> None:
     """From a stop request to the turn settled, while a model call streams."""
-    from actors.runtime import Runtime
-    from services import ScriptedModel, ScriptedReply, Services
+    from aalis_agent.actors.runtime import Runtime
+    from aalis_agent.services import ScriptedModel, ScriptedReply, Services
 
     _quiet_logs()
     started = threading.Event()
@@ -339,8 +339,8 @@ def _rss_mb() -> float:
 
 def bench_passivated_10k(tmp: Path) -> None:
     """10,000 sessions that each got one message, after passivation: threads and memory."""
-    from actors.runtime import Runtime
-    from services import ScriptedModel, Services
+    from aalis_agent.actors.runtime import Runtime
+    from aalis_agent.services import ScriptedModel, Services
 
     _quiet_logs()
     store = SqliteEventStore(tmp / "passivate.db")
@@ -377,8 +377,8 @@ def bench_inputs_per_s_1k(tmp: Path) -> None:
     """One runtime, 1,000 concurrent sessions, the instant scripted model, SQLite log."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from actors.runtime import Runtime
-    from services import ScriptedModel, Services
+    from aalis_agent.actors.runtime import Runtime
+    from aalis_agent.services import ScriptedModel, Services
 
     _quiet_logs()
     store = SqliteEventStore(tmp / "load.db")
@@ -412,7 +412,7 @@ def bench_inputs_per_s_1k(tmp: Path) -> None:
 
 def _conversation(n: int) -> list[ChatMessage]:
     """``n`` history messages: user/assistant pairs with a tool group every tenth turn."""
-    from events import ToolCall
+    from aalis_agent.events import ToolCall
 
     out: list[ChatMessage] = []
     i = 0
@@ -431,8 +431,8 @@ def _conversation(n: int) -> list[ChatMessage]:
 
 def bench_trim(tmp: Path) -> None:
     """Trim of a 1,000-message history: with counts kept, and counting from scratch."""
-    from projections.tokens import TiktokenCounter, default_counter
-    from projections.trim import TrimRequest, trim, trim_budget
+    from aalis_agent.projections.tokens import TiktokenCounter, default_counter
+    from aalis_agent.projections.trim import TrimRequest, trim, trim_budget
 
     history = _conversation(1000)
     head = [ChatMessage(id="sys", role="system", content="你是一个助手。" * 20)]
@@ -464,10 +464,10 @@ def bench_turns(tmp: Path) -> None:
     """Tokens encoded per turn as history grows, and the whole orchestration cost of a turn
     (a user message, one tool call, a final reply) on the instant scripted model with the
     durable SQLite log, for 10, 100 and 1,000 history messages."""
-    from actors.runtime import Runtime
-    from events import ToolCall
-    from projections.tokens import default_counter
-    from services import ScriptedModel, ScriptedReply, Services, Tool, ToolRegistry
+    from aalis_agent.actors.runtime import Runtime
+    from aalis_agent.events import ToolCall
+    from aalis_agent.projections.tokens import default_counter
+    from aalis_agent.services import ScriptedModel, ScriptedReply, Services, Tool, ToolRegistry
 
     _quiet_logs()
 

@@ -12,8 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from actors.sample import write_demo_session
-from events import (
+from aalis_agent.actors.sample import write_demo_session
+from aalis_agent.events import (
     SCHEMA_VERSION,
     Batch,
     ChatMessage,

@@ -5,14 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, tzinfo
 
-from services.abort import Aborted, AbortSignal
-from services.authority import Authority, StaticAuthority
-from services.bus import EventBus
-from services.config import AgentConfig
-from services.llm import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, StreamChunk, Usage
-from services.memory import MemoryService, ProjectionMemory
-from services.models import LlmService, ModelChoice, Provider
-from services.outbound import (
+from aalis_agent.services.abort import Aborted, AbortSignal
+from aalis_agent.services.authority import Authority, StaticAuthority
+from aalis_agent.services.bus import EventBus
+from aalis_agent.services.config import AgentConfig
+from aalis_agent.services.llm import (
+    ChatModel,
+    ChatRequest,
+    ScriptedModel,
+    ScriptedReply,
+    StreamChunk,
+    Usage,
+)
+from aalis_agent.services.memory import MemoryService, ProjectionMemory
+from aalis_agent.services.models import LlmService, ModelChoice, Provider
+from aalis_agent.services.outbound import (
     Gateway,
     LogArchive,
     MessageArchive,
@@ -20,9 +27,9 @@ from services.outbound import (
     PersonaService,
     StaticPersonas,
 )
-from services.sessions import SessionDirectory, SessionInfo, StaticSessions
-from services.settings import SettingsLayers, SettingsResolver, StaticSettings
-from services.tools import Inbound, Tool, ToolCallContext, ToolRegistry
+from aalis_agent.services.sessions import SessionDirectory, SessionInfo, StaticSessions
+from aalis_agent.services.settings import SettingsLayers, SettingsResolver, StaticSettings
+from aalis_agent.services.tools import Inbound, Tool, ToolCallContext, ToolRegistry
 
 __all__ = [
     "AbortSignal",

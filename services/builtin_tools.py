@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from typing import Any
 
-from services.tools import Tool, ToolCallContext
+from aalis_agent.services.tools import Tool, ToolCallContext
 
 __all__ = ["ToolError", "builtin_tools", "calculate", "current_time"]
 

@@ -8,8 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import structlog
-
-from events.errors import ConfigError
+from aalis_agent.events.errors import ConfigError
 
 __all__ = ["AgentConfig"]
 

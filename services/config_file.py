@@ -56,16 +56,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from events.errors import ConfigError
-from events.schema import ModelRef
-from services.config import AgentConfig
-from services.llm import ChatModel, ScriptedModel, ScriptedReply, ThinkLevel
-from services.models import LlmService, Provider, parse_model_ref
-from services.outbound import StaticPersonas
-from services.settings import SettingsLayers, validate_setting
+from aalis_agent.events.errors import ConfigError
+from aalis_agent.events.schema import ModelRef
+from aalis_agent.services.config import AgentConfig
+from aalis_agent.services.llm import ChatModel, ScriptedModel, ScriptedReply, ThinkLevel
+from aalis_agent.services.models import LlmService, Provider, parse_model_ref
+from aalis_agent.services.outbound import StaticPersonas
+from aalis_agent.services.settings import SettingsLayers, validate_setting
 
 if TYPE_CHECKING:
-    from services import Services
+    from aalis_agent.services import Services
 
 __all__ = ["FileConfig", "describe", "load_config", "parse_config"]
 
@@ -107,7 +107,7 @@ class FileConfig:
 
     def services(self, **overrides: Any) -> Services:
         """Services built from this file (any field may be overridden)."""
-        from services import Services
+        from aalis_agent.services import Services
 
         given: dict[str, Any] = {
             "llm": self.llm,
@@ -300,7 +300,7 @@ def _openai_models(
     specs: list[dict[str, Any]],
     env: Mapping[str, str],
 ) -> list[ChatModel]:
-    from services.openai_compat import OpenAICompatibleModel, list_server_models
+    from aalis_agent.services.openai_compat import OpenAICompatibleModel, list_server_models
 
     if "reply" in t:
         raise r.error(f"{key}.reply", "only a scripted provider takes a reply")
@@ -447,7 +447,7 @@ def _personas(r: _Reader, value: Any) -> StaticPersonas | None:
 
 def describe(fc: FileConfig) -> str:
     """A readable summary of what ``fc`` gives a runtime (``aalis-agent config``)."""
-    from services.models import entry_id, model_name, think_default, think_levels
+    from aalis_agent.services.models import entry_id, model_name, think_default, think_levels
 
     c = fc.config
     prompt = f"{len(c.system_prompt)} chars" if c.system_prompt else "none"

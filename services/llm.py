@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
-
-from events.errors import ConfigError
-from events.schema import ChatMessage, ToolCall
-from services.abort import AbortSignal
+from aalis_agent.events.errors import ConfigError
+from aalis_agent.events.schema import ChatMessage, ToolCall
+from aalis_agent.services.abort import AbortSignal
 
 __all__ = [
     "ChatModel",

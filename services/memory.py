@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from events.schema import ChatMessage
-from projections import history
-from projections.history import HistoryState
+from aalis_agent.events.schema import ChatMessage
+from aalis_agent.projections import history
+from aalis_agent.projections.history import HistoryState
 
 __all__ = ["MemoryService", "ProjectionMemory"]
 

@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import structlog
-
-from events.errors import ConfigError
-from events.schema import ModelRef
-from services.llm import ChatModel, ThinkLevel
+from aalis_agent.events.errors import ConfigError
+from aalis_agent.events.schema import ModelRef
+from aalis_agent.services.llm import ChatModel, ThinkLevel
 
 __all__ = [
     "LlmService",

@@ -22,10 +22,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from events.errors import ConfigError
-from events.schema import ChatMessage, ToolCall
-from services.abort import AbortSignal
-from services.llm import ChatRequest, StreamChunk, ThinkLevel, ToolCallProgress, Usage
+from aalis_agent.events.errors import ConfigError
+from aalis_agent.events.schema import ChatMessage, ToolCall
+from aalis_agent.services.abort import AbortSignal
+from aalis_agent.services.llm import ChatRequest, StreamChunk, ThinkLevel, ToolCallProgress, Usage
 
 __all__ = ["OpenAICompatibleModel", "list_server_models", "to_openai_message"]
 

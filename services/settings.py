@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from events.errors import ConfigError
-from events.schema import ModelRef, TurnSettings
-from services.config import AgentConfig
+from aalis_agent.events.errors import ConfigError
+from aalis_agent.events.schema import ModelRef, TurnSettings
+from aalis_agent.services.config import AgentConfig
 
 __all__ = [
     "LAYER_NAMES",

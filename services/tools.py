@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.abort import AbortSignal
+from aalis_agent.services.abort import AbortSignal
 
 __all__ = ["Inbound", "Tool", "ToolCallContext", "ToolRegistry"]
 

@@ -8,9 +8,8 @@ from collections.abc import Iterator
 import pykka
 import pytest
 import structlog
+from aalis_agent.actors.runtime import Runtime
 from hypothesis import HealthCheck, settings
-
-from actors.runtime import Runtime
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]

@@ -12,10 +12,9 @@ import time
 from typing import Any
 
 import structlog
-
-from actors.runtime import Runtime
-from events import Input, SqliteEventStore, ToolCall
-from services import ScriptedModel, ScriptedReply, Services, Tool, ToolRegistry
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import Input, SqliteEventStore, ToolCall
+from aalis_agent.services import ScriptedModel, ScriptedReply, Services, Tool, ToolRegistry
 
 
 def work(args: Any, ctx: Any) -> str:

@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pykka
-
-from actors.messages import Ping
-from actors.runtime import Runtime
-from events import ToolCall
-from services import AbortSignal, ChatRequest, StreamChunk, ToolCallContext
-from services.llm import Usage
+from aalis_agent.actors.messages import Ping
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import ToolCall
+from aalis_agent.services import AbortSignal, ChatRequest, StreamChunk, ToolCallContext
+from aalis_agent.services.llm import Usage
 
 
 @dataclass
@@ -197,7 +196,7 @@ def run_cli(
 ) -> subprocess.CompletedProcess[str]:
     """``aalis-agent ARGS`` in a subprocess from the repository root, ``stdin`` piped in."""
     return subprocess.run(
-        [sys.executable, "-m", "actors.cli", *args],
+        [sys.executable, "-m", "aalis_agent.actors.cli", *args],
         input=stdin,
         capture_output=True,
         text=True,

@@ -5,9 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
-
-from services import AbortSignal, ToolCallContext
-from services.builtin_tools import ToolError, builtin_tools, calculate, current_time
+from aalis_agent.services import AbortSignal, ToolCallContext
+from aalis_agent.services.builtin_tools import ToolError, builtin_tools, calculate, current_time
 
 
 @pytest.mark.parametrize(

@@ -10,11 +10,18 @@ import sys
 import time
 from pathlib import Path
 
-from events import InputJoined, InputQueued, SqliteEventStore, StopRequested, TurnRecorded
+from aalis_agent.events import (
+    InputJoined,
+    InputQueued,
+    SqliteEventStore,
+    StopRequested,
+    TurnRecorded,
+)
+
 from tests.harness import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "actors.cli"]
+CLI = [sys.executable, "-m", "aalis_agent.actors.cli"]
 
 
 def test_piped_lines_are_answered_in_order_and_persisted(tmp_path: Path) -> None:

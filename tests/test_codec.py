@@ -8,12 +8,9 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from events import codec
-from events.errors import CorruptEvent
-from events.schema import (
+from aalis_agent.events import codec
+from aalis_agent.events.errors import CorruptEvent
+from aalis_agent.events.schema import (
     ChatMessage,
     Event,
     Input,
@@ -26,6 +23,8 @@ from events.schema import (
     SettingsChanged,
     TurnOpened,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 EVENT_TYPES: tuple[type[Event], ...] = typing.get_args(SessionEvent)
 

@@ -6,11 +6,17 @@ from collections.abc import Iterator
 
 import pykka
 import pytest
-
-from actors.commands import HELP, handle_command
-from actors.runtime import Runtime
-from events import FixedClock, InMemoryEventStore, Input, SequentialIds, SettingsChanged, TurnOpened
-from services import ScriptedModel, Services, StaticAuthority
+from aalis_agent.actors.commands import HELP, handle_command
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import (
+    FixedClock,
+    InMemoryEventStore,
+    Input,
+    SequentialIds,
+    SettingsChanged,
+    TurnOpened,
+)
+from aalis_agent.services import ScriptedModel, Services, StaticAuthority
 
 SID = "qq:group:5"
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 import structlog
+from aalis_agent.events import ConfigError, ModelRef
+from aalis_agent.services.config_file import load_config, parse_config
+from aalis_agent.services.models import entry_id, think_levels
+from aalis_agent.services.openai_compat import OpenAICompatibleModel
 
-from events import ConfigError, ModelRef
-from services.config_file import load_config, parse_config
-from services.models import entry_id, think_levels
-from services.openai_compat import OpenAICompatibleModel
 from tests.harness import run_cli
 
 FULL = """

@@ -12,9 +12,8 @@ from typing import Any
 
 import pykka
 import pytest
-
-from actors.runtime import Runtime
-from events import (
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import (
     FixedClock,
     InMemoryEventStore,
     Input,
@@ -29,8 +28,9 @@ from events import (
     TurnOpened,
     TurnRecorded,
 )
-from projections import project
-from services import ScriptedModel, Services
+from aalis_agent.projections import project
+from aalis_agent.services import ScriptedModel, Services
+
 from tests.harness import GatedModel, settle
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,9 +6,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from events import SqliteEventStore, decode_json, encode_json
-from projections import history, project, turns
+from aalis_agent.events import SqliteEventStore, decode_json, encode_json
+from aalis_agent.projections import history, project, turns
 
 GOLDEN = Path(__file__).parent / "golden"
 JSONL = sorted(GOLDEN.glob("v*_session.jsonl"))

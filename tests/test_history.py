@@ -17,13 +17,10 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from actors.sample import write_demo_session
-from events import FixedClock, InMemoryEventStore
-from events.batch import Batch
-from events.schema import (
+from aalis_agent.actors.sample import write_demo_session
+from aalis_agent.events import FixedClock, InMemoryEventStore
+from aalis_agent.events.batch import Batch
+from aalis_agent.events.schema import (
     CONTROL_KINDS,
     ChatMessage,
     ContextCleared,
@@ -36,16 +33,18 @@ from events.schema import (
     StopMarkerSaved,
     ToolCall,
 )
-from events.schema import Input as InputValue
-from projections import history
-from projections.history import (
+from aalis_agent.events.schema import Input as InputValue
+from aalis_agent.projections import history
+from aalis_agent.projections.history import (
     HistoryState,
     active_history,
     group_tool_calls,
     history_window,
     window_start,
 )
-from services.memory import ProjectionMemory
+from aalis_agent.services.memory import ProjectionMemory
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 SID = "s-history"
 NOW = 1_767_225_600_000

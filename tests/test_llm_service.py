@@ -10,10 +10,9 @@ from typing import Any
 
 import pytest
 import structlog
-
-from actors.commands import set_setting
-from actors.runtime import Runtime
-from events import (
+from aalis_agent.actors.commands import set_setting
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import (
     ConfigError,
     FixedClock,
     InMemoryEventStore,
@@ -23,12 +22,12 @@ from events import (
     SequentialIds,
     TurnRecorded,
 )
-from events.schema import ToolCall
-from projections.texts import ERROR_PREFIX
-from projections.trim import trim_budget
-from services import ScriptedModel, ScriptedReply, Services
-from services.llm import ThinkLevel
-from services.models import (
+from aalis_agent.events.schema import ToolCall
+from aalis_agent.projections.texts import ERROR_PREFIX
+from aalis_agent.projections.trim import trim_budget
+from aalis_agent.services import ScriptedModel, ScriptedReply, Services
+from aalis_agent.services.llm import ThinkLevel
+from aalis_agent.services.models import (
     LlmService,
     ModelChoice,
     Provider,
@@ -38,7 +37,7 @@ from services.models import (
     think_default,
     think_levels,
 )
-from services.tools import Tool, ToolRegistry
+from aalis_agent.services.tools import Tool, ToolRegistry
 
 SID = "qq:group:5"
 FALLBACK_EVENT = "preferred model missing; using the fallback"

@@ -12,9 +12,8 @@ from typing import Any
 
 import pykka
 import pytest
-
-from actors.runtime import Runtime
-from events import (
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import (
     ChatMessage,
     FixedClock,
     InMemoryEventStore,
@@ -25,8 +24,9 @@ from events import (
     ToolStarted,
     TurnRecorded,
 )
-from services import AbortSignal, ChatRequest, Services, Tool, ToolRegistry
-from services.openai_compat import OpenAICompatibleModel, to_openai_message
+from aalis_agent.services import AbortSignal, ChatRequest, Services, Tool, ToolRegistry
+from aalis_agent.services.openai_compat import OpenAICompatibleModel, to_openai_message
+
 from tests.harness import run_cli
 
 
@@ -291,8 +291,8 @@ def test_turns_through_the_runtime_with_tools_and_errors(server: Server) -> None
 
 def test_a_config_file_provider_lists_the_servers_models(server: Server, tmp_path: Any) -> None:
     """``listModels = true``: the server's models join the configured ones at load."""
-    from services.config_file import load_config
-    from services.models import entry_id
+    from aalis_agent.services.config_file import load_config
+    from aalis_agent.services.models import entry_id
 
     server.served = ["qwen2.5:7b", "llama3.2", "configured"]
     path = tmp_path / "aalis.toml"
@@ -325,8 +325,8 @@ contextLength = 9000
 
 
 def test_a_server_that_cannot_list_is_a_load_error(tmp_path: Any) -> None:
-    from events import ConfigError
-    from services.config_file import load_config
+    from aalis_agent.events import ConfigError
+    from aalis_agent.services.config_file import load_config
 
     path = tmp_path / "aalis.toml"
     path.write_text(

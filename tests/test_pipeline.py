@@ -10,11 +10,10 @@ from typing import Any
 
 import pykka
 import pytest
-
-from actors.hooks import Contribution, ContributionView, Hooks
-from actors.runtime import Runtime
-from actors.turn import LlmBefore, ReplyBefore, ToolAfter, ToolBefore, TurnAfter
-from events import (
+from aalis_agent.actors.hooks import Contribution, ContributionView, Hooks
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.actors.turn import LlmBefore, ReplyBefore, ToolAfter, ToolBefore, TurnAfter
+from aalis_agent.events import (
     ChatMessage,
     FixedClock,
     HostNotice,
@@ -33,14 +32,14 @@ from events import (
     TurnRecorded,
     TurnSettings,
 )
-from projections.texts import (
+from aalis_agent.projections.texts import (
     DELEGATION_HEAD,
     ERROR_PREFIX,
     HOST_NOTICE_HEAD,
     INPUT_CONVENTION,
     STOP_MARKER_PREFIX,
 )
-from services import (
+from aalis_agent.services import (
     AgentConfig,
     ChatRequest,
     OutboundMessage,
@@ -56,7 +55,8 @@ from services import (
     ToolCallContext,
     ToolRegistry,
 )
-from services.llm import ToolCallProgress
+from aalis_agent.services.llm import ToolCallProgress
+
 from tests.harness import GatedModel, GatedTool, settle
 
 SID = "qq:group:9"
@@ -676,7 +676,7 @@ def test_archive_absent_turns_run_and_nothing_new_is_archived(envs: list[Env]) -
     second = env.requests()[1].messages
     assert second[-1].content.endswith("[Alice(a)]: 二")  # built as the archive would build it
     assert any(m.content.endswith("一") for m in second)  # old history still readable
-    from services import LogArchive
+    from aalis_agent.services import LogArchive
 
     env.runtime.services.archive = LogArchive()  # back: archiving resumes, no back-fill
     env.say("四", **ALICE)
@@ -812,7 +812,7 @@ def test_requests_are_trimmed_to_the_budget_without_orphans(envs: list[Env]) -> 
 
 
 def test_a_memory_backend_supplies_the_history(envs: list[Env]) -> None:  # FLOW4
-    from services import ProjectionMemory
+    from aalis_agent.services import ProjectionMemory
 
     class Remembering(ProjectionMemory):
         def __init__(self) -> None:

@@ -11,13 +11,10 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from actors.sample import synthetic_turn, write_demo_session
-from events import FixedClock, InMemoryEventStore
-from events.batch import Batch
-from events.schema import (
+from aalis_agent.actors.sample import synthetic_turn, write_demo_session
+from aalis_agent.events import FixedClock, InMemoryEventStore
+from aalis_agent.events.batch import Batch
+from aalis_agent.events.schema import (
     ChatMessage,
     ContextCleared,
     Event,
@@ -46,12 +43,14 @@ from events.schema import (
     TurnSettings,
     UsageRecorded,
 )
-from projections import SessionView, evolve, history, project, queue, turns
-from projections._dispatch import EVENT_TYPES, check_complete, keep
-from projections.chain import Chain
-from projections.history import HistoryState
-from projections.queue import QueueState, RunningTurn
-from projections.turns import TurnsState, turn_info
+from aalis_agent.projections import SessionView, evolve, history, project, queue, turns
+from aalis_agent.projections._dispatch import EVENT_TYPES, check_complete, keep
+from aalis_agent.projections.chain import Chain
+from aalis_agent.projections.history import HistoryState
+from aalis_agent.projections.queue import QueueState, RunningTurn
+from aalis_agent.projections.turns import TurnsState, turn_info
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 SID = "s-proj"
 NOW = 1_767_225_600_000

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
-
-from actors.cli import main
-from actors.sample import synthetic_turn, write_demo_session
-from events import Batch, FixedClock, SqliteEventStore
+from aalis_agent.actors.cli import main
+from aalis_agent.actors.sample import synthetic_turn, write_demo_session
+from aalis_agent.events import Batch, FixedClock, SqliteEventStore
 
 SESSION = "demo:room-1"
 

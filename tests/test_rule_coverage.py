@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-from actors.commands import handle_command
-from actors.runtime import Runtime
-from events import (
+from aalis_agent.actors.commands import handle_command
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import (
     FixedClock,
     InMemoryEventStore,
     Input,
@@ -20,7 +19,7 @@ from events import (
     ToolStarted,
     TurnRecorded,
 )
-from projections.texts import (
+from aalis_agent.projections.texts import (
     NO_RUNNING_TURN,
     STOP_DENIED,
     THINK_NOT_TUNABLE,
@@ -28,7 +27,7 @@ from projections.texts import (
     follow_preference,
     think_not_in_model,
 )
-from services import (
+from aalis_agent.services import (
     ScriptedModel,
     ScriptedReply,
     Services,
@@ -36,10 +35,11 @@ from services import (
     Tool,
     ToolRegistry,
 )
-from services.config import AgentConfig
-from services.llm import ChatRequest
-from services.models import LlmService, Provider
-from services.settings import SettingsLayers, validate_setting
+from aalis_agent.services.config import AgentConfig
+from aalis_agent.services.llm import ChatRequest
+from aalis_agent.services.models import LlmService, Provider
+from aalis_agent.services.settings import SettingsLayers, validate_setting
+
 from tests.harness import GatedModel, settle
 
 SID = "qq:group:9"

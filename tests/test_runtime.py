@@ -12,12 +12,10 @@ from typing import Any
 
 import pykka
 import pytest
-from structlog.testing import capture_logs
-
-from actors.messages import Submit
-from actors.runtime import Runtime, RuntimeClosed
-from actors.session import SessionActor
-from events import (
+from aalis_agent.actors.messages import Submit
+from aalis_agent.actors.runtime import Runtime, RuntimeClosed
+from aalis_agent.actors.session import SessionActor
+from aalis_agent.events import (
     FixedClock,
     InMemoryEventStore,
     Input,
@@ -38,8 +36,8 @@ from events import (
     TurnRecorded,
     TurnSettings,
 )
-from projections import history, project, turns
-from projections.texts import (
+from aalis_agent.projections import history, project, turns
+from aalis_agent.projections.texts import (
     BATCH_NO_REPLY_NEEDED,
     BATCH_PREFIX,
     FOCUS_GUIDE_HEAD,
@@ -47,7 +45,7 @@ from projections.texts import (
     STOP_DENIED,
     STOP_MARKER_PREFIX,
 )
-from services import (
+from aalis_agent.services import (
     ScriptedModel,
     Services,
     SessionInfo,
@@ -56,6 +54,8 @@ from services import (
     Tool,
     ToolRegistry,
 )
+from structlog.testing import capture_logs
+
 from tests.harness import GatedModel, GatedTool, settle
 
 SID = "qq:group:1"

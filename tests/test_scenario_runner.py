@@ -12,16 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from actors.cli import main
-from actors.scenario import (
+from aalis_agent.actors.cli import main
+from aalis_agent.actors.scenario import (
     CallRecord,
     ScenarioError,
     ScenarioResult,
     load_scenario,
     run_scenario,
 )
-from events import (
+from aalis_agent.events import (
     AgentError,
     ChatMessage,
     InputJoined,
@@ -34,8 +33,8 @@ from events import (
     TurnOpened,
     TurnRecorded,
 )
-from projections import project
-from projections.texts import (
+from aalis_agent.projections import project
+from aalis_agent.projections.texts import (
     BATCH_PREFIX,
     FOCUS_GUIDE_HEAD,
     HOST_NOTICE_HEAD,

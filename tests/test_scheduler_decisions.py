@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from actors.scheduler import (
+from aalis_agent.actors.scheduler import (
     OpenContext,
     Step,
     decide_call_ended,
@@ -16,7 +16,7 @@ from actors.scheduler import (
     decide_stop,
     decide_submit,
 )
-from events import (
+from aalis_agent.events import (
     Batch,
     Input,
     InputJoined,
@@ -28,8 +28,8 @@ from events import (
     TurnOpened,
     TurnSettings,
 )
-from projections import SessionView, project
-from projections.texts import BATCH_NO_REPLY_NEEDED, BATCH_PREFIX
+from aalis_agent.projections import SessionView, project
+from aalis_agent.projections.texts import BATCH_NO_REPLY_NEEDED, BATCH_PREFIX
 
 SID = "s"
 

@@ -26,19 +26,9 @@ from typing import Any
 
 import pykka
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
-
-from actors.messages import Ping
-from actors.runtime import Runtime, SubmitHandle
-from events import (
+from aalis_agent.actors.messages import Ping
+from aalis_agent.actors.runtime import Runtime, SubmitHandle
+from aalis_agent.events import (
     ContextCleared,
     FixedClock,
     HostNotice,
@@ -64,15 +54,15 @@ from events import (
     TurnOpened,
     TurnRecorded,
 )
-from projections import project, queue
-from projections.texts import (
+from aalis_agent.projections import project, queue
+from aalis_agent.projections.texts import (
     BATCH_NO_REPLY_NEEDED,
     BATCH_PREFIX,
     FOCUS_GUIDE_HEAD,
     stop_marker_text,
 )
-from projections.turns import all_turns, turn_info
-from services import (
+from aalis_agent.projections.turns import all_turns, turn_info
+from aalis_agent.services import (
     Services,
     SessionInfo,
     StaticAuthority,
@@ -81,6 +71,16 @@ from services import (
     ToolCallContext,
     ToolRegistry,
 )
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
 from tests.harness import GatedModel
 
 DM = "qq:private:a"  # single-party

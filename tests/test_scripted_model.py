@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from events import ConfigError, ToolCall
-from services import AbortSignal, ChatRequest, ScriptedModel, ScriptedReply
-from services.llm import Usage
+from aalis_agent.events import ConfigError, ToolCall
+from aalis_agent.services import AbortSignal, ChatRequest, ScriptedModel, ScriptedReply
+from aalis_agent.services.llm import Usage
 
 REQUEST = ChatRequest(messages=())
 

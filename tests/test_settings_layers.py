@@ -7,13 +7,10 @@ import threading
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from actors.commands import PAGE_SIZE, handle_command, page_of, set_setting
-from actors.fields import FieldView, session_fields
-from actors.runtime import Runtime
-from events import (
+from aalis_agent.actors.commands import PAGE_SIZE, handle_command, page_of, set_setting
+from aalis_agent.actors.fields import FieldView, session_fields
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import (
     ConfigError,
     FixedClock,
     InMemoryEventStore,
@@ -23,8 +20,8 @@ from events import (
     SettingsChanged,
     TurnOpened,
 )
-from events.schema import ToolCall, TurnSettings
-from projections.texts import (
+from aalis_agent.events.schema import ToolCall, TurnSettings
+from aalis_agent.projections.texts import (
     THINK_NOT_TUNABLE,
     UNLIMITED,
     follow_preference,
@@ -32,7 +29,7 @@ from projections.texts import (
     listing_header,
     think_not_in_model,
 )
-from services import (
+from aalis_agent.services import (
     AgentConfig,
     ScriptedModel,
     ScriptedReply,
@@ -43,10 +40,12 @@ from services import (
     StaticPersonas,
     StaticSessions,
 )
-from services.llm import ThinkLevel
-from services.models import LlmService, Provider
-from services.settings import validate_setting, venue_of
-from services.tools import Tool, ToolRegistry
+from aalis_agent.services.llm import ThinkLevel
+from aalis_agent.services.models import LlmService, Provider
+from aalis_agent.services.settings import validate_setting, venue_of
+from aalis_agent.services.tools import Tool, ToolRegistry
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 SID = "qq:group:5"
 LOW = ThinkLevel(id="low", name="低")

@@ -7,12 +7,18 @@ from typing import Any
 
 import pykka
 import pytest
+from aalis_agent.actors.hooks import Contribution, ContributionView
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import FixedClock, InMemoryEventStore, Input, SequentialIds
+from aalis_agent.services import (
+    ScriptedModel,
+    ScriptedReply,
+    Services,
+    SessionInfo,
+    StaticSessions,
+    Usage,
+)
 from structlog.testing import capture_logs
-
-from actors.hooks import Contribution, ContributionView
-from actors.runtime import Runtime
-from events import FixedClock, InMemoryEventStore, Input, SequentialIds
-from services import ScriptedModel, ScriptedReply, Services, SessionInfo, StaticSessions, Usage
 
 
 @pytest.fixture

@@ -9,10 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from events import codec
-from events.errors import ConcurrencyConflict, CorruptEvent, InvalidBatch, StoreError
-from events.schema import (
+from aalis_agent.events import codec
+from aalis_agent.events.errors import ConcurrencyConflict, CorruptEvent, InvalidBatch, StoreError
+from aalis_agent.events.schema import (
     ChatMessage,
     ContextCleared,
     HostNotice,
@@ -45,8 +44,8 @@ from events.schema import (
     TurnSettings,
     UsageRecorded,
 )
-from events.sqlite import SqliteEventStore
-from events.store import EventStore, InMemoryEventStore, Recorded
+from aalis_agent.events.sqlite import SqliteEventStore
+from aalis_agent.events.store import EventStore, InMemoryEventStore, Recorded
 
 T0 = 1_767_225_600_000
 

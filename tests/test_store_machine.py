@@ -13,15 +13,14 @@ import shutil
 import tempfile
 from typing import Any
 
+from aalis_agent.events.codec import restamp
+from aalis_agent.events.errors import ConcurrencyConflict, InvalidBatch
+from aalis_agent.events.schema import ChatMessage, InputQueued, MessageSaved, SessionEvent
+from aalis_agent.events.sqlite import SqliteEventStore
+from aalis_agent.events.store import InMemoryEventStore, Recorded
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-
-from events.codec import restamp
-from events.errors import ConcurrencyConflict, InvalidBatch
-from events.schema import ChatMessage, InputQueued, MessageSaved, SessionEvent
-from events.sqlite import SqliteEventStore
-from events.store import InMemoryEventStore, Recorded
 
 SESSIONS = ("a", "B", "会话", "")
 UNKNOWN = ("nobody", "A", "会")

@@ -11,15 +11,12 @@ from fractions import Fraction
 from itertools import groupby
 from typing import Any
 
+import aalis_agent.projections.tokens as tokens_mod
 import pytest
 import tiktoken
 import tiktoken.registry
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-import projections.tokens as tokens_mod
-from events.schema import ChatMessage, ToolCall
-from projections.tokens import (
+from aalis_agent.events.schema import ChatMessage, ToolCall
+from aalis_agent.projections.tokens import (
     MESSAGE_OVERHEAD,
     EstimateCounter,
     TiktokenCounter,
@@ -29,6 +26,8 @@ from projections.tokens import (
     message_tokens,
     tool_definition_tokens,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 IDEOGRAPHS = "中文字词汉语你好世界"
 

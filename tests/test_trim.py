@@ -13,13 +13,10 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 import pytest
-from hypothesis import event, given, settings
-from hypothesis import strategies as st
-
-from events.schema import ChatMessage, MessageMeta, ToolCall
-from projections.texts import CONTINUATION_HINT, TRUNCATED_SUFFIX
-from projections.tokens import EstimateCounter, count_messages, message_tokens
-from projections.trim import (
+from aalis_agent.events.schema import ChatMessage, MessageMeta, ToolCall
+from aalis_agent.projections.texts import CONTINUATION_HINT, TRUNCATED_SUFFIX
+from aalis_agent.projections.tokens import EstimateCounter, count_messages, message_tokens
+from aalis_agent.projections.trim import (
     COLLAPSED_PREFIX,
     TrimAction,
     TrimRequest,
@@ -27,6 +24,8 @@ from projections.trim import (
     trim,
     trim_budget,
 )
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 
 class Chars:

@@ -6,10 +6,9 @@ from typing import Any
 
 import pykka
 import pytest
-
-from actors.runtime import Runtime
-from actors.turn import ReplyBefore
-from events import (
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.actors.turn import ReplyBefore
+from aalis_agent.events import (
     FixedClock,
     InMemoryEventStore,
     Input,
@@ -17,8 +16,8 @@ from events import (
     TokenBreakdown,
     UsageRecorded,
 )
-from projections.usage import PART_LABELS, BudgetLog, bucket, budget_line, usage_payload
-from services import ScriptedModel, ScriptedReply, Services, Usage
+from aalis_agent.projections.usage import PART_LABELS, BudgetLog, bucket, budget_line, usage_payload
+from aalis_agent.services import ScriptedModel, ScriptedReply, Services, Usage
 
 
 def payload(used: float | None, estimate: int = 900, window: int = 32000) -> Any:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from events import ChatMessage, ToolCall
-from projections.validate import provider_violations
+from aalis_agent.events import ChatMessage, ToolCall
+from aalis_agent.projections.validate import provider_violations
 
 
 def m(id_: str, role: str, content: str = "x", **kw: object) -> ChatMessage:

@@ -1,0 +1,95 @@
+"""aalis-agent: an embedded, event-sourced actor runtime for LLM chat sessions.
+
+Everything installs under this one import name; the repository keeps its folders at the
+top level (``events/``, ``projections/``, ``actors/``, ``services/``) and the
+distribution maps them to ``aalis_agent.events`` and so on, so a project's own
+``events`` or ``services`` package never collides with ours.
+
+    from aalis_agent import Input, Runtime, ScriptedModel, ScriptedReply, Services
+    from aalis_agent import SqliteEventStore
+
+    runtime = Runtime(SqliteEventStore("agent.db"), Services(llm=ScriptedModel([...])))
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
+from aalis_agent.actors.hooks import Contribution, Hooks
+from aalis_agent.actors.messages import InputOutcome
+from aalis_agent.actors.runtime import InputBefore, Runtime, RuntimeClosed, SubmitHandle
+from aalis_agent.events import (
+    AgentError,
+    ConcurrencyConflict,
+    ConfigError,
+    CorruptEvent,
+    EventStore,
+    InMemoryEventStore,
+    Input,
+    InvalidBatch,
+    ModelRef,
+    ReplayError,
+    Sender,
+    SqliteEventStore,
+    StoreError,
+)
+from aalis_agent.services import (
+    Aborted,
+    AbortSignal,
+    ChatModel,
+    ChatRequest,
+    LlmService,
+    OutboundMessage,
+    Provider,
+    ScriptedModel,
+    ScriptedReply,
+    Services,
+    StreamChunk,
+    Tool,
+    ToolCallContext,
+    ToolRegistry,
+)
+
+try:
+    __version__ = _version("aalis-agent")
+except PackageNotFoundError:  # pragma: no cover - running from a tree that is not installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "AbortSignal",
+    "Aborted",
+    "AgentError",
+    "ChatModel",
+    "ChatRequest",
+    "ConcurrencyConflict",
+    "ConfigError",
+    "Contribution",
+    "CorruptEvent",
+    "EventStore",
+    "Hooks",
+    "InMemoryEventStore",
+    "Input",
+    "InputBefore",
+    "InputOutcome",
+    "InvalidBatch",
+    "LlmService",
+    "ModelRef",
+    "OutboundMessage",
+    "Provider",
+    "ReplayError",
+    "Runtime",
+    "RuntimeClosed",
+    "ScriptedModel",
+    "ScriptedReply",
+    "Sender",
+    "Services",
+    "SqliteEventStore",
+    "StoreError",
+    "StreamChunk",
+    "SubmitHandle",
+    "Tool",
+    "ToolCallContext",
+    "ToolRegistry",
+    "__version__",
+]
