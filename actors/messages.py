@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from aalis_agent.events import Input, SessionEvent, TurnOutcome
 from aalis_agent.events.schema import ReleaseReason
@@ -90,10 +90,10 @@ class Clear:
 
 @dataclass(frozen=True, slots=True)
 class AppendEvents:
-    """Facts a turn runner reports, as event drafts (``kind``, fields) for the actor to log."""
+    """Facts a turn runner reports, as typed events the actor stamps and logs."""
 
     turn_id: str
-    drafts: tuple[tuple[type[SessionEvent], dict[str, Any]], ...]
+    events: tuple[SessionEvent, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +109,7 @@ class CallEnded:
 
     turn_id: str
     index: int
-    status: str = "ok"
+    status: Literal["ok", "error", "aborted"] = "ok"
     tool_calls: int = 0
     error: str | None = None
 

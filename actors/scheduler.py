@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Literal, TypeVar
 
 import msgspec
 from aalis_agent.events import (
@@ -65,10 +65,11 @@ class Step:
     view: SessionView
     batch: Batch
 
-    def add(self, kind: type[E], **fields: Any) -> E:
-        event = self.batch.add(kind, **fields)
-        self.view = evolve(self.view, event)
-        return event
+    def add(self, event: E) -> E:
+        """Stamp ``event`` into the batch and fold it into the view."""
+        stamped = self.batch.add(event)
+        self.view = evolve(self.view, stamped)
+        return stamped
 
     @property
     def events(self) -> list[SessionEvent]:
@@ -116,18 +117,19 @@ def _open(step: Step, batch: list[Input], ctx: OpenContext, *, from_queue: bool)
             prefix = f"{BATCH_PREFIX}\n{BATCH_NO_REPLY_NEEDED}"
     turn_id = ctx.new_turn_id()
     step.add(
-        TurnOpened,
-        turn_id=turn_id,
-        input_ids=tuple(i.id for i in batch),
-        source=head.source,
-        platform=head.platform,
-        settings=_with_party(ctx.settings_for(head), ctx.multi_party),
-        from_queue=from_queue,
-        batch_prefix=prefix,
-        venue=ctx.venue_for(head),
+        TurnOpened(
+            turn_id=turn_id,
+            input_ids=tuple(i.id for i in batch),
+            source=head.source,
+            platform=head.platform,
+            settings=_with_party(ctx.settings_for(head), ctx.multi_party),
+            from_queue=from_queue,
+            batch_prefix=prefix,
+            venue=ctx.venue_for(head),
+        )
     )
     for inp in batch:
-        step.add(InputJoined, input_id=inp.id, turn_id=turn_id, entry="opened")
+        step.add(InputJoined(input_id=inp.id, turn_id=turn_id, entry="opened"))
     return turn_id
 
 
@@ -140,23 +142,23 @@ def _with_party(settings: TurnSettings, multi_party: bool) -> TurnSettings:
 def decide_submit(step: Step, inp: Input, generation: int, ctx: OpenContext) -> str:
     """An input arrives (SCH1-SCH4, DEL2). Returns where it went: ``开轮``, ``待插入``,
     ``排队`` or ``放掉`` (the words of the SCH8 log line)."""
-    step.add(InputReceived, input=inp, generation=generation)
+    step.add(InputReceived(input=inp, generation=generation))
     if generation != step.view.queue.generation:
         # An input of a generation before a deletion: dropped, unarchived (DEL2).
-        step.add(InputReleased, input_id=inp.id, reason="stale-generation")
+        step.add(InputReleased(input_id=inp.id, reason="stale-generation"))
         return "放掉"
     running = step.view.queue.running
     if running is None:
         if step.view.queue.queued or step.view.queue.pending:
-            step.add(InputQueued, input_id=inp.id)
+            step.add(InputQueued(input_id=inp.id))
             decide_open_next(step, ctx)
             return "排队"
         _open(step, [inp], ctx, from_queue=False)
         return "开轮"
     if inp.source is None and running.accepts_inserts:
-        step.add(InputHeld, input_id=inp.id, turn_id=running.turn_id)
+        step.add(InputHeld(input_id=inp.id, turn_id=running.turn_id))
         return "待插入"
-    step.add(InputQueued, input_id=inp.id)
+    step.add(InputQueued(input_id=inp.id))
     return "排队"
 
 
@@ -168,7 +170,7 @@ def decide_insertion(step: Step, turn_id: str) -> list[Input]:
         return []
     joined = [w.input for w in step.view.queue.pending if w.held_for == turn_id]
     for inp in joined:
-        step.add(InputJoined, input_id=inp.id, turn_id=turn_id, entry="joined")
+        step.add(InputJoined(input_id=inp.id, turn_id=turn_id, entry="joined"))
     return joined
 
 
@@ -177,24 +179,21 @@ def decide_call_ended(
     turn_id: str,
     index: int,
     *,
-    status: str = "ok",
+    status: Literal["ok", "error", "aborted"] = "ok",
     tool_calls: int = 0,
     error: str | None = None,
 ) -> None:
     """A model call returned. After the final call (no tool calls) inserts are over: the
     inputs still waiting to join this turn wait for the next one (SCH2)."""
     step.add(
-        ModelCallEnded,
-        turn_id=turn_id,
-        index=index,
-        status=status,
-        tool_calls=tool_calls,
-        error=error,
+        ModelCallEnded(
+            turn_id=turn_id, index=index, status=status, tool_calls=tool_calls, error=error
+        )
     )
     if status == "ok" and tool_calls == 0:
         for w in step.view.queue.pending:
             if w.held_for == turn_id:
-                step.add(InputQueued, input_id=w.input.id)
+                step.add(InputQueued(input_id=w.input.id))
 
 
 def decide_stop(step: Step, by: str | None = None, reason: str = "stop") -> str | None:
@@ -203,7 +202,7 @@ def decide_stop(step: Step, by: str | None = None, reason: str = "stop") -> str 
     if running is None:
         return None
     if not running.stop_requested:
-        step.add(StopRequested, turn_id=running.turn_id, by=by, reason=reason)
+        step.add(StopRequested(turn_id=running.turn_id, by=by, reason=reason))
     return running.turn_id
 
 
@@ -215,7 +214,7 @@ def turn_left_history(view: SessionView, turn_id: str) -> bool:
 def _archive_released(step: Step, next_id: Callable[[], str]) -> None:
     """Archive, without turn id, the inputs released with ``archived=True`` (SCH6)."""
     for w in step.view.queue.to_archive:
-        step.add(MessageSaved, message=archived_input_message(w.input, None, None, next_id()))
+        step.add(MessageSaved(message=archived_input_message(w.input, None, None, next_id())))
 
 
 def decide_release(
@@ -234,7 +233,7 @@ def decide_release(
     for w in waiting:
         # An idle prompt is never archived (INS3), released or not.
         keep = archived and w.input.trigger_type != "idle"
-        step.add(InputReleased, input_id=w.input.id, reason=reason, archived=keep)
+        step.add(InputReleased(input_id=w.input.id, reason=reason, archived=keep))
     if stopped is None:
         _archive_released(step, message_id)
     return stopped
@@ -261,32 +260,36 @@ def decide_settled(
     if running is None or running.turn_id != turn_id:
         return
     if stop_marker is not None and archive:
-        step.add(StopMarkerSaved, turn_id=turn_id, message=stop_marker)
+        step.add(StopMarkerSaved(turn_id=turn_id, message=stop_marker))
     if outcome != "replied" and archive:
         # No saved reply carries the record: it gets its own control marker (SAVE5).
         step.add(
-            MessageSaved,
-            message=ChatMessage(
-                id=message_id(),
-                role="system",
-                kind="turn-record",
-                meta=MessageMeta(
-                    turn_id=turn_id,
-                    turn_record=TurnRecord(turn_id=turn_id, outcome=outcome, source=running.source),
-                ),
-            ),
+            MessageSaved(
+                message=ChatMessage(
+                    id=message_id(),
+                    role="system",
+                    kind="turn-record",
+                    meta=MessageMeta(
+                        turn_id=turn_id,
+                        turn_record=TurnRecord(
+                            turn_id=turn_id, outcome=outcome, source=running.source
+                        ),
+                    ),
+                )
+            )
         )
     step.add(
-        TurnRecorded,
-        turn_id=turn_id,
-        outcome=outcome,
-        source=running.source,
-        reason=reason,
-        duration_ms=duration_ms,
+        TurnRecorded(
+            turn_id=turn_id,
+            outcome=outcome,
+            source=running.source,
+            reason=reason,
+            duration_ms=duration_ms,
+        )
     )
     _archive_released(step, message_id)
     for w in step.view.queue.pending:
-        step.add(InputQueued, input_id=w.input.id)
+        step.add(InputQueued(input_id=w.input.id))
     if open_next:
         decide_open_next(step, ctx)
 
@@ -333,6 +336,6 @@ def decide_recover(
     # Inputs received but never placed (a crash inside a batch cannot leave any, since
     # batches are atomic; kept for logs written by other tools) are queued.
     for w in step.view.queue.arrived:
-        step.add(InputQueued, input_id=w.input.id)
+        step.add(InputQueued(input_id=w.input.id))
     decide_open_next(step, ctx)
     return cut

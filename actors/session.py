@@ -422,8 +422,8 @@ class SessionActor(pykka.ThreadingActor):
         if not self._running(msg.turn_id) or self._winding_down:
             return  # a deleted (or stale) turn writes nothing more (DEL1)
         step = self._step()
-        for kind, fields in msg.drafts:
-            step.add(kind, **fields)
+        for event in msg.events:
+            step.add(event)
         self._commit(step)
 
     def _on_call_ended(self, msg: CallEnded) -> None:
@@ -526,9 +526,9 @@ class SessionActor(pykka.ThreadingActor):
         step = self._step()
         for kind, _done, kinds in pending:
             if kind == "delete":
-                step.add(SessionDeleted, generation=step.view.queue.generation + 1)
+                step.add(SessionDeleted(generation=step.view.queue.generation + 1))
             else:
-                step.add(ContextCleared, kinds=kinds)
+                step.add(ContextCleared(kinds=kinds))
         self._commit(step)
         for kind, done, _kinds in pending:
             if not done.done():
@@ -549,7 +549,7 @@ class SessionActor(pykka.ThreadingActor):
         if msg.kinds and "context" not in msg.kinds:
             # Clears that do not touch the message history do not stop the session.
             step = self._step()
-            step.add(ContextCleared, kinds=msg.kinds)
+            step.add(ContextCleared(kinds=msg.kinds))
             self._commit(step)
             msg.done.set_result(None)
             return "cleared"
@@ -558,7 +558,7 @@ class SessionActor(pykka.ThreadingActor):
 
     def _on_set_setting(self, msg: SetSetting) -> None:
         step = self._step()
-        step.add(SettingsChanged, key=msg.key, value=msg.value, reset=msg.reset, by=msg.by)
+        step.add(SettingsChanged(key=msg.key, value=msg.value, reset=msg.reset, by=msg.by))
         self._commit(step)
 
     def _on_passivate(self, msg: Passivate) -> bool:

@@ -253,7 +253,7 @@ class TurnRunner:
         self._on_exit = on_exit
         self._on_archive_missed = on_archive_missed
         self._addressed: list[tuple[str, str]] = []
-        self._drafts: list[tuple[type[SessionEvent], dict[str, Any]]] = []
+        self._drafts: list[SessionEvent] = []
         self._call_index = 0
         self._protected: set[str] = set()  # this turn's inputs and instruction block (TRIM-N)
         self.trimmed = False
@@ -281,7 +281,7 @@ class TurnRunner:
 
     # --- reporting -------------------------------------------------------------------
 
-    def _report(self, *drafts: tuple[type[SessionEvent], dict[str, Any]]) -> None:
+    def _report(self, *drafts: SessionEvent) -> None:
         """Queue facts for the actor; they go out together at the next :meth:`_flush`."""
         self._drafts.extend(drafts)
 
@@ -299,7 +299,7 @@ class TurnRunner:
             if self._on_archive_missed is not None:
                 self._on_archive_missed()
             return
-        self._report((MessageSaved, {"message": message}))
+        self._report(MessageSaved(message=message))
 
     def _send(self, content: str, kind: str = "reply") -> None:
         """OUT1-OUT2: through the gateway, or an ``outbound:message`` event without one."""
@@ -495,15 +495,12 @@ class TurnRunner:
             purpose="子任务" if info.is_child else "对话",  # ACC1
         )
         self._report(
-            (
-                ModelCallStarted,
-                {
-                    "turn_id": self.turn_id,
-                    "index": index,
-                    "model": request.model,
-                    "purpose": request.purpose,
-                    "format_retry": retry,
-                },
+            ModelCallStarted(
+                turn_id=self.turn_id,
+                index=index,
+                model=request.model,
+                purpose=request.purpose,
+                format_retry=retry,
             )
         )
         self._flush()
@@ -621,7 +618,7 @@ class TurnRunner:
             history_messages=self._active_count + appended,
             parts=parts,
         )
-        self._report((UsageRecorded, {"usage": usage}))
+        self._report(UsageRecorded(usage=usage))
         services.bus.publish("token:usage", wire(usage))
         if self._budget_log is not None:
             line = self._budget_log.observe(usage)
@@ -819,10 +816,7 @@ class TurnRunner:
             stored.append(ToolCall(id=tc.id, name=tc.name, arguments=kept))
             context = self._tool_context(tc.id)
             self._report(
-                (
-                    ToolStarted,
-                    {"turn_id": self.turn_id, "call_id": tc.id, "name": tc.name, "arguments": kept},
-                )
+                ToolStarted(turn_id=self.turn_id, call_id=tc.id, name=tc.name, arguments=kept)
             )
             services.bus.publish(
                 "tool:execute",
@@ -842,16 +836,13 @@ class TurnRunner:
             if result is not None and max_chars is not None:
                 result = truncate(result, max_chars)  # CFG4
             self._report(
-                (
-                    ToolFinished,
-                    {
-                        "turn_id": self.turn_id,
-                        "call_id": tc.id,
-                        "name": tc.name,
-                        "result": result,
-                        "error": error,
-                        "metadata": metadata,
-                    },
+                ToolFinished(
+                    turn_id=self.turn_id,
+                    call_id=tc.id,
+                    name=tc.name,
+                    result=result,
+                    error=error,
+                    metadata=metadata,
                 )
             )
             services.bus.publish(

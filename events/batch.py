@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from aalis_agent.events.clock import Clock
 from aalis_agent.events.schema import SessionEvent
+from msgspec.structs import replace
 
 __all__ = ["Batch"]
 
@@ -17,7 +18,7 @@ class Batch:
 
     >>> batch = Batch("s1", last_seq=4, now_ms=0)
     >>> from events.schema import InputQueued
-    >>> batch.add(InputQueued, input_id="in-1").seq
+    >>> batch.add(InputQueued(input_id="in-1")).seq
     5
     """
 
@@ -42,13 +43,15 @@ class Batch:
         """The seq of the newest event in the batch (``expected_seq`` when empty)."""
         return self.expected_seq + len(self.events)
 
-    def add(self, kind: type[E], **fields: Any) -> E:
-        """Build one event of ``kind`` with the next seq and add it to the batch."""
+    def add(self, event: E) -> E:
+        """Stamp ``event`` with this batch's session, the next seq and the time, and add
+        it; returns the stamped event. The event is built typed by the caller
+        (``InputQueued(input_id=...)``), so a misspelled field is a type error."""
         at = self._clock.now_ms() if self._clock is not None else self._now
         assert at is not None
-        event = kind(session_id=self.session_id, seq=self.last_seq + 1, at=at, **fields)
-        self.events.append(event)
-        return event
+        stamped = replace(event, session_id=self.session_id, seq=self.last_seq + 1, at=at)
+        self.events.append(stamped)
+        return stamped
 
     def __len__(self) -> int:
         return len(self.events)

@@ -243,11 +243,18 @@ class TokenUsage(_Value, frozen=True, rename="camel"):
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type"):
-    """Base of every logged event."""
+    """Base of every logged event.
 
-    session_id: str
-    seq: int
-    at: int
+    Code that decides builds an event with its own fields only, e.g.
+    ``InputQueued(input_id="in-1")``; the batch it is added to stamps ``session_id``,
+    ``seq`` and ``at`` (see :class:`aalis_agent.events.Batch`). A stored event always has
+    all three: the store refuses a batch whose events do not name its session and follow
+    on without gaps.
+    """
+
+    session_id: str = ""
+    seq: int = 0
+    at: int = 0
     v: int = 1
 
 

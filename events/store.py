@@ -101,15 +101,22 @@ class EventStore(Protocol):
 
 
 def encode_batch(events: Iterable[SessionEvent]) -> list[tuple[SessionEvent, bytes]]:
-    """Encode a batch for storage; a value the codec cannot store refuses the batch."""
+    """Encode a batch for storage. Nothing unreadable is ever written: a value the codec
+    cannot store, or a row that would not decode back into its event (a wrong type, say
+    ``None`` where the schema wants text), refuses the whole batch with
+    :class:`InvalidBatch` naming the session, seq, event type and the problem."""
     out = []
     for event in events:
+        where = f"session {event.session_id!r} seq {event.seq} ({type(event).__name__})"
         try:
-            out.append((event, encode(event)))
-        except (msgspec.EncodeError, OverflowError, TypeError) as exc:
-            raise InvalidBatch(
-                f"session {event.session_id!r} seq {event.seq}: cannot encode event: {exc}"
-            ) from None
+            data = encode(event)
+        except (msgspec.EncodeError, OverflowError, TypeError, ValueError) as exc:
+            raise InvalidBatch(f"{where}: cannot encode event: {exc}") from None
+        try:
+            decode(data, session_id=event.session_id, seq=event.seq)
+        except CorruptEvent as exc:
+            raise InvalidBatch(f"{where}: the row would not read back: {exc.reason}") from None
+        out.append((event, data))
     return out
 
 

@@ -51,8 +51,8 @@ def fill_session(store: SqliteEventStore, session_id: str, clock: FixedClock) ->
         last = store.append(session_id, batch.events, last)
     batch = Batch(session_id, last, clock=clock)
     for k in range(5):
-        batch.add(InputReceived, input=Input(id=f"q-{k}", content=USER_TEXT))
-        batch.add(InputQueued, input_id=f"q-{k}")
+        batch.add(InputReceived(input=Input(id=f"q-{k}", content=USER_TEXT)))
+        batch.add(InputQueued(input_id=f"q-{k}"))
     store.append(session_id, batch.events, last)
 
 
@@ -192,8 +192,8 @@ def bench_startup(tmp: Path, sessions: int = 2000, turns: int = 10, busy: int = 
             last = store.append(sid, batch.events, last, open_work=False)
         if k >= sessions - busy:
             batch = Batch(sid, last, clock=clock)
-            batch.add(InputReceived, input=Input(id="q", content=USER_TEXT))
-            batch.add(InputQueued, input_id="q")
+            batch.add(InputReceived(input=Input(id="q", content=USER_TEXT)))
+            batch.add(InputQueued(input_id="q"))
             store.append(sid, batch.events, last, open_work=True)
     total = store.count()
     store.close()

@@ -38,18 +38,19 @@ GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden"
 def extra_events(session_id: str, last_seq: int, clock: FixedClock) -> Batch:
     """Events the demo does not write: settings, releases, compaction, clear, deletion."""
     b = Batch(session_id, last_seq, clock=clock)
-    b.add(SettingsChanged, key="historyLimit", value=40, by="10001")
-    b.add(SettingsChanged, key="think", reset=True)
+    b.add(SettingsChanged(key="historyLimit", value=40, by="10001"))
+    b.add(SettingsChanged(key="think", reset=True))
     inp = Input(id="in-9", content="还在吗", platform="qq", group_id="g1", addressed=False)
-    b.add(InputReceived, input=inp, generation=0)
-    b.add(InputQueued, input_id=inp.id)
-    b.add(InputReleased, input_id=inp.id, reason="mute", archived=True)
+    b.add(InputReceived(input=inp, generation=0))
+    b.add(InputQueued(input_id=inp.id))
+    b.add(InputReleased(input_id=inp.id, reason="mute", archived=True))
     b.add(
-        MessageSaved,
-        message=ChatMessage(id="msg-sep", role="system", kind="compaction", meta=MessageMeta()),
+        MessageSaved(
+            message=ChatMessage(id="msg-sep", role="system", kind="compaction", meta=MessageMeta())
+        )
     )
-    b.add(ContextCleared, kinds=("context",))
-    b.add(SessionDeleted, generation=1)
+    b.add(ContextCleared(kinds=("context",)))
+    b.add(SessionDeleted(generation=1))
     return b
 
 

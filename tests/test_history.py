@@ -87,9 +87,9 @@ def result(mid: str, call_id: str, turn: str | None = None) -> ChatMessage:
 def add_message(batch: Batch, message: ChatMessage) -> None:
     """Archive ``message`` as the session actor would: stop markers have their own event."""
     if message.kind == STOP_KIND:
-        batch.add(StopMarkerSaved, turn_id=message.meta.turn_id or "turn-x", message=message)
+        batch.add(StopMarkerSaved(turn_id=message.meta.turn_id or "turn-x", message=message))
     else:
-        batch.add(MessageSaved, message=message)
+        batch.add(MessageSaved(message=message))
 
 
 def events_of(items: Iterable[ChatMessage | tuple[type, dict[str, Any]]]) -> list[SessionEvent]:
@@ -100,7 +100,7 @@ def events_of(items: Iterable[ChatMessage | tuple[type, dict[str, Any]]]) -> lis
             add_message(batch, item)
         else:
             kind, fields = item
-            batch.add(kind, **fields)
+            batch.add(kind(**fields))
     return batch.events
 
 

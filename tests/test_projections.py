@@ -94,7 +94,7 @@ class LogBuilder:
 
     def _receive(self, source: str | None) -> Input:
         inp = Input(id=self._next("x"), content="hello", source=source)
-        self.batch.add(InputReceived, input=inp, generation=self.generation)
+        self.batch.add(InputReceived(input=inp, generation=self.generation))
         return inp
 
     def apply(self, op: tuple[Any, ...]) -> None:
@@ -107,47 +107,52 @@ class LogBuilder:
         elif name == "open":
             inp = self._receive(op[1])
             turn_id = self._next("o")
-            b.add(InputJoined, input_id=inp.id, turn_id=turn_id, entry="opened")
-            b.add(TurnOpened, turn_id=turn_id, input_ids=(inp.id,), source=op[1])
-            b.add(MessageSaved, message=self._user(inp, turn_id))
+            b.add(InputJoined(input_id=inp.id, turn_id=turn_id, entry="opened"))
+            b.add(TurnOpened(turn_id=turn_id, input_ids=(inp.id,), source=op[1]))
+            b.add(MessageSaved(message=self._user(inp, turn_id)))
             self.current, self.call_index = turn_id, 0
         elif name == "call":
             self.call_index += 1
-            b.add(ModelCallStarted, turn_id=self._turn(), index=self.call_index)
+            b.add(ModelCallStarted(turn_id=self._turn(), index=self.call_index))
             b.add(
-                ModelCallEnded,
-                turn_id=self._turn(),
-                index=self.call_index,
-                status=op[2],
-                tool_calls=op[1],
+                ModelCallEnded(
+                    turn_id=self._turn(), index=self.call_index, status=op[2], tool_calls=op[1]
+                )
             )
         elif name == "tool":
             call_id = self._next("call-x")
             tc = ToolCall(id=call_id, name="search", arguments='{"q": 1}')
-            b.add(ToolStarted, turn_id=self._turn(), call_id=call_id, name="search")
+            b.add(ToolStarted(turn_id=self._turn(), call_id=call_id, name="search"))
             b.add(
-                ToolFinished,
-                turn_id=self._turn(),
-                call_id=call_id,
-                name="search",
-                result=None if op[1] else "found",
-                error="boom" if op[1] else None,
+                ToolFinished(
+                    turn_id=self._turn(),
+                    call_id=call_id,
+                    name="search",
+                    result=None if op[1] else "found",
+                    error="boom" if op[1] else None,
+                )
             )
             meta = MessageMeta(turn_id=self.current)
             b.add(
-                MessageSaved,
-                message=ChatMessage(
-                    id=f"m-{call_id}", role="assistant", tool_calls=(tc,), meta=meta
-                ),
+                MessageSaved(
+                    message=ChatMessage(
+                        id=f"m-{call_id}", role="assistant", tool_calls=(tc,), meta=meta
+                    )
+                )
             )
             b.add(
-                MessageSaved,
-                message=ChatMessage(
-                    id=f"m-{call_id}-r", role="tool", tool_call_id=call_id, content="r", meta=meta
-                ),
+                MessageSaved(
+                    message=ChatMessage(
+                        id=f"m-{call_id}-r",
+                        role="tool",
+                        tool_call_id=call_id,
+                        content="r",
+                        meta=meta,
+                    )
+                )
             )
         elif name == "stop":
-            b.add(StopRequested, turn_id=self._turn(), by=op[1])
+            b.add(StopRequested(turn_id=self._turn(), by=op[1]))
         elif name == "marker":
             marker = ChatMessage(
                 id=self._next("stop"),
@@ -156,37 +161,37 @@ class LogBuilder:
                 content="[stopped]",
                 meta=MessageMeta(turn_id=self.current),
             )
-            b.add(StopMarkerSaved, turn_id=self._turn(), message=marker)
+            b.add(StopMarkerSaved(turn_id=self._turn(), message=marker))
         elif name == "record":
-            b.add(TurnRecorded, turn_id=self._turn(), outcome=op[1], duration_ms=self.k)
+            b.add(TurnRecorded(turn_id=self._turn(), outcome=op[1], duration_ms=self.k))
             self.current = None
         elif name == "input":
             fate = op[1]
             inp = self._receive("schedule" if op[2] else None)
             if fate == "queued":
-                b.add(InputQueued, input_id=inp.id)
+                b.add(InputQueued(input_id=inp.id))
                 self.waiting.append(inp.id)
             elif fate == "held":
-                b.add(InputHeld, input_id=inp.id, turn_id=self._turn())
+                b.add(InputHeld(input_id=inp.id, turn_id=self._turn()))
                 self.waiting.append(inp.id)
             elif fate == "joined":
-                b.add(InputJoined, input_id=inp.id, turn_id=self._turn(), entry="joined")
-                b.add(MessageSaved, message=self._user(inp, self.current))
+                b.add(InputJoined(input_id=inp.id, turn_id=self._turn(), entry="joined"))
+                b.add(MessageSaved(message=self._user(inp, self.current)))
             elif fate == "released":
-                b.add(InputReleased, input_id=inp.id, reason="mute")
+                b.add(InputReleased(input_id=inp.id, reason="mute"))
         elif name == "release_waiting":
             if self.waiting:
-                b.add(InputReleased, input_id=self.waiting.pop(0), reason="stop-all", archived=True)
+                b.add(InputReleased(input_id=self.waiting.pop(0), reason="stop-all", archived=True))
         elif name == "settings":
-            b.add(SettingsChanged, key=op[1], value=op[2], reset=op[3], by="u1")
+            b.add(SettingsChanged(key=op[1], value=op[2], reset=op[3], by="u1"))
         elif name == "deleted":
             self.generation += 1
-            b.add(SessionDeleted, generation=self.generation)
+            b.add(SessionDeleted(generation=self.generation))
         elif name == "cleared":
-            b.add(ContextCleared, kinds=op[1])
+            b.add(ContextCleared(kinds=op[1]))
         elif name == "control":
             message = ChatMessage(id=self._next("ctl"), role="system", kind=op[1], content="c")
-            b.add(MessageSaved, message=message)
+            b.add(MessageSaved(message=message))
         elif name == "message":
             message = ChatMessage(
                 id=self._next("plain"),
@@ -194,7 +199,7 @@ class LogBuilder:
                 content="text",
                 meta=MessageMeta(turn_id=self.current),
             )
-            b.add(MessageSaved, message=message)
+            b.add(MessageSaved(message=message))
         else:  # pragma: no cover - the strategy makes only the ops above
             raise AssertionError(op)
 
@@ -332,20 +337,20 @@ def test_old_views_are_unchanged_by_later_folds_of_the_demo() -> None:
 
 def test_settings_are_set_reset_and_dropped_by_deletion() -> None:
     b = Batch(SID, 0, now_ms=NOW)
-    b.add(SettingsChanged, key="historyLimit", value=10)
-    b.add(SettingsChanged, key="persona", value="cat")
+    b.add(SettingsChanged(key="historyLimit", value=10))
+    b.add(SettingsChanged(key="persona", value="cat"))
     first = project(b.events)
     assert dict(first.settings) == {"historyLimit": 10, "persona": "cat"}
     b2 = Batch(SID, b.last_seq, now_ms=NOW)
-    b2.add(SettingsChanged, key="persona", reset=True)
-    b2.add(SettingsChanged, key="historyLimit", value=4)
+    b2.add(SettingsChanged(key="persona", reset=True))
+    b2.add(SettingsChanged(key="historyLimit", value=4))
     second = project(b2.events, first)
     assert dict(second.settings) == {"historyLimit": 4}
     assert dict(first.settings) == {"historyLimit": 10, "persona": "cat"}
     with pytest.raises(TypeError):
         second.settings["x"] = 1  # type: ignore[index]
     b3 = Batch(SID, b2.last_seq, now_ms=NOW)
-    b3.add(SessionDeleted, generation=1)
+    b3.add(SessionDeleted(generation=1))
     assert dict(project(b3.events, second).settings) == {}
     assert project(b3.events, second).seq == b3.last_seq
 
@@ -461,9 +466,9 @@ def test_demo_stopped_turn(demo: tuple[list[SessionEvent], SessionView]) -> None
 
 def test_a_turn_in_flight_and_a_turn_cut_off_without_a_record() -> None:
     b = Batch(SID, 0, now_ms=NOW)
-    b.add(TurnOpened, turn_id="t1", input_ids=())
-    b.add(ModelCallStarted, turn_id="t1", index=1)
-    b.add(ModelCallStarted, turn_id="other", index=7)  # not the current turn: ignored
+    b.add(TurnOpened(turn_id="t1", input_ids=()))
+    b.add(ModelCallStarted(turn_id="t1", index=1))
+    b.add(ModelCallStarted(turn_id="other", index=7))  # not the current turn: ignored
     state = turns.project(b.events)
     assert state.current is not None and state.current.turn_id == "t1"
     running = turn_info(state.current)
@@ -471,8 +476,8 @@ def test_a_turn_in_flight_and_a_turn_cut_off_without_a_record() -> None:
     assert [(c.index, c.status) for c in running.model_calls] == [(1, None)]
 
     b2 = Batch(SID, b.last_seq, now_ms=NOW)
-    b2.add(TurnOpened, turn_id="t2", input_ids=())
-    b2.add(TurnRecorded, turn_id="t1", outcome="error")  # t1 is no longer current
+    b2.add(TurnOpened(turn_id="t2", input_ids=()))
+    b2.add(TurnRecorded(turn_id="t1", outcome="error"))  # t1 is no longer current
     after = turns.project(b2.events, state)
     assert [t.turn_id for t in after.finished] == ["t1"]
     assert after.finished[0].record is None
@@ -489,15 +494,15 @@ def _inp(input_id: str, source: str | None = None) -> Input:
 
 def test_queue_reports_queued_and_pending_inputs_in_arrival_order() -> None:
     b = Batch(SID, 0, now_ms=NOW)
-    b.add(TurnOpened, turn_id="t1", input_ids=())
-    b.add(InputReceived, input=_inp("q1", "schedule"))
-    b.add(InputReceived, input=_inp("h1"))
-    b.add(InputHeld, input_id="h1", turn_id="t1")  # placed before q1 is
-    b.add(InputQueued, input_id="q1")
-    b.add(InputReceived, input=_inp("q2"))
-    b.add(InputQueued, input_id="q2")
-    b.add(InputReceived, input=_inp("h2"))
-    b.add(InputHeld, input_id="h2", turn_id="t1")
+    b.add(TurnOpened(turn_id="t1", input_ids=()))
+    b.add(InputReceived(input=_inp("q1", "schedule")))
+    b.add(InputReceived(input=_inp("h1")))
+    b.add(InputHeld(input_id="h1", turn_id="t1"))  # placed before q1 is
+    b.add(InputQueued(input_id="q1"))
+    b.add(InputReceived(input=_inp("q2")))
+    b.add(InputQueued(input_id="q2"))
+    b.add(InputReceived(input=_inp("h2")))
+    b.add(InputHeld(input_id="h2", turn_id="t1"))
     state = queue.project(b.events)
     waiting = queue.waiting(state)
     assert [w.input.id for w in waiting] == ["q1", "h1", "q2", "h2"]
@@ -508,9 +513,9 @@ def test_queue_reports_queued_and_pending_inputs_in_arrival_order() -> None:
     assert [w.arrival for w in waiting] == sorted(w.arrival for w in waiting)
 
     b2 = Batch(SID, b.last_seq, now_ms=NOW)
-    b2.add(InputJoined, input_id="h1", turn_id="t1", entry="joined")
-    b2.add(InputReleased, input_id="q2", reason="mute")
-    b2.add(InputQueued, input_id="h2")  # a pending input moved back to the queue
+    b2.add(InputJoined(input_id="h1", turn_id="t1", entry="joined"))
+    b2.add(InputReleased(input_id="q2", reason="mute"))
+    b2.add(InputQueued(input_id="h2"))  # a pending input moved back to the queue
     after = queue.project(b2.events, state)
     assert [(w.input.id, w.held_for) for w in queue.waiting(after)] == [
         ("q1", None),
@@ -521,20 +526,20 @@ def test_queue_reports_queued_and_pending_inputs_in_arrival_order() -> None:
 
 def test_received_inputs_wait_in_arrived_until_placed() -> None:
     b = Batch(SID, 0, now_ms=NOW)
-    b.add(InputReceived, input=_inp("a"), generation=3)
+    b.add(InputReceived(input=_inp("a"), generation=3))
     state = queue.project(b.events)
     assert [(w.input.id, w.generation) for w in state.arrived] == [("a", 3)]
     assert queue.waiting(state) == []
     b2 = Batch(SID, b.last_seq, now_ms=NOW)
-    b2.add(InputJoined, input_id="a", turn_id="t", entry="opened")
+    b2.add(InputJoined(input_id="a", turn_id="t", entry="opened"))
     assert queue.project(b2.events, state).arrived == ()
 
 
 def _running(*adds: tuple[type, dict[str, Any]], source: str | None = None) -> RunningTurn:
     b = Batch(SID, 0, now_ms=NOW)
-    b.add(TurnOpened, turn_id="t1", input_ids=("i1",), source=source)
+    b.add(TurnOpened(turn_id="t1", input_ids=("i1",), source=source))
     for kind, fields in adds:
-        b.add(kind, **fields)
+        b.add(kind(**fields))
     state = queue.project(b.events)
     assert state.running is not None
     return state.running
@@ -564,20 +569,20 @@ def test_an_injection_opened_turn_never_accepts_inserts() -> None:
 
 def test_a_recorded_turn_is_no_longer_running() -> None:
     b = Batch(SID, 0, now_ms=NOW)
-    b.add(TurnOpened, turn_id="t1", input_ids=())
-    b.add(TurnRecorded, turn_id="t0", outcome="replied")
+    b.add(TurnOpened(turn_id="t1", input_ids=()))
+    b.add(TurnRecorded(turn_id="t0", outcome="replied"))
     assert queue.project(b.events).running is not None
-    b.add(TurnRecorded, turn_id="t1", outcome="replied")
+    b.add(TurnRecorded(turn_id="t1", outcome="replied"))
     assert queue.project(b.events).running is None
 
 
 def test_session_deleted_bumps_the_generation() -> None:
     b = Batch(SID, 0, now_ms=NOW)
     assert queue.project(b.events).generation == 0
-    b.add(SessionDeleted, generation=1)
+    b.add(SessionDeleted(generation=1))
     first = queue.project(b.events)
     assert first.generation == 1
-    b.add(SessionDeleted, generation=2)
+    b.add(SessionDeleted(generation=2))
     assert queue.project(b.events).generation == 2
     assert project(b.events).queue.generation == 2
     assert first.generation == 1
@@ -604,28 +609,29 @@ def sample_events(turn_id: str = "t1") -> list[Event]:
     inp = Input(id="i1", content="hi", host_notice=HostNotice(kind="k", id="n1"))
     meta = MessageMeta(turn_id=turn_id)
     b = Batch(SID, 0, now_ms=NOW)
-    b.add(InputReceived, input=inp)
-    b.add(InputQueued, input_id="i1")
-    b.add(InputHeld, input_id="i1", turn_id=turn_id)
-    b.add(InputJoined, input_id="i1", turn_id=turn_id, entry="joined")
-    b.add(InputReleased, input_id="i1", reason="clear")
-    b.add(TurnOpened, turn_id=turn_id, input_ids=("i1",))
-    b.add(ModelCallStarted, turn_id=turn_id, index=1)
-    b.add(ModelCallEnded, turn_id=turn_id, index=1, status="error", error="x")
-    b.add(MessageSaved, message=ChatMessage(id="m1", role="user", meta=meta))
-    b.add(ToolStarted, turn_id=turn_id, call_id="c1", name="n")
-    b.add(ToolFinished, turn_id=turn_id, call_id="c1", name="n", result="r")
-    b.add(UsageRecorded, usage=TokenUsage(session_id=SID, turn_id=turn_id))
-    b.add(StopRequested, turn_id=turn_id)
+    b.add(InputReceived(input=inp))
+    b.add(InputQueued(input_id="i1"))
+    b.add(InputHeld(input_id="i1", turn_id=turn_id))
+    b.add(InputJoined(input_id="i1", turn_id=turn_id, entry="joined"))
+    b.add(InputReleased(input_id="i1", reason="clear"))
+    b.add(TurnOpened(turn_id=turn_id, input_ids=("i1",)))
+    b.add(ModelCallStarted(turn_id=turn_id, index=1))
+    b.add(ModelCallEnded(turn_id=turn_id, index=1, status="error", error="x"))
+    b.add(MessageSaved(message=ChatMessage(id="m1", role="user", meta=meta)))
+    b.add(ToolStarted(turn_id=turn_id, call_id="c1", name="n"))
+    b.add(ToolFinished(turn_id=turn_id, call_id="c1", name="n", result="r"))
+    b.add(UsageRecorded(usage=TokenUsage(session_id=SID, turn_id=turn_id)))
+    b.add(StopRequested(turn_id=turn_id))
     b.add(
-        StopMarkerSaved,
-        turn_id=turn_id,
-        message=ChatMessage(id="m2", role="system", kind="turn-stopped", meta=meta),
+        StopMarkerSaved(
+            turn_id=turn_id,
+            message=ChatMessage(id="m2", role="system", kind="turn-stopped", meta=meta),
+        )
     )
-    b.add(TurnRecorded, turn_id=turn_id, outcome="aborted")
-    b.add(SessionDeleted, generation=1)
-    b.add(ContextCleared)
-    b.add(SettingsChanged, key="k", value=[1, 2])
+    b.add(TurnRecorded(turn_id=turn_id, outcome="aborted"))
+    b.add(SessionDeleted(generation=1))
+    b.add(ContextCleared())
+    b.add(SettingsChanged(key="k", value=[1, 2]))
     return list(b.events)
 
 

@@ -212,7 +212,7 @@ def test_delete_releases_unarchived() -> None:
 
 def test_a_stale_generation_is_dropped_unarchived() -> None:
     s = Session()
-    s.step(lambda st: st.add(SessionDeleted, generation=1))
+    s.step(lambda st: st.add(SessionDeleted(generation=1)))
     result: list[str] = []
     s.step(lambda st: result.append(decide_submit(st, h(1), 0, s.ctx)))
     assert result == ["放掉"]

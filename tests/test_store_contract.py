@@ -260,8 +260,33 @@ class StoreContract:
         self, store: EventStore
     ) -> None:
         bad = SettingsChanged(session_id="s", seq=1, at=0, key="k", value=2**70)
-        with pytest.raises(InvalidBatch, match="seq 1: cannot encode event"):
+        with pytest.raises(InvalidBatch, match=r"seq 1 \(SettingsChanged\): cannot encode event"):
             store.append("s", [bad], 0)
+        assert store.last_seq("s") == 0 and store.read_all() == []
+
+    @pytest.mark.parametrize(
+        ("content", "problem"),
+        [
+            (
+                None,
+                r"the row would not read back: Expected `str`, got `None` - at `\$.input.content`",
+            ),
+            (
+                123,
+                r"the row would not read back: Expected `str`, got `int` - at `\$.input.content`",
+            ),
+            ("half an emoji \ud83d", "cannot encode event"),
+        ],
+    )
+    def test_a_row_that_would_not_read_back_refuses_the_batch(
+        self, store: EventStore, content: Any, problem: str
+    ) -> None:
+        """Nothing unreadable is ever written: a wrong type or a lone surrogate is refused
+        before it reaches the log, naming the event and the path of the bad value."""
+        good = InputQueued(session_id="s", seq=1, at=0, input_id="a")
+        bad = InputReceived(session_id="s", seq=2, at=0, input=Input(id="b", content=content))
+        with pytest.raises(InvalidBatch, match=rf"seq 2 \(InputReceived\): {problem}"):
+            store.append("s", [good, bad], 0)
         assert store.last_seq("s") == 0 and store.read_all() == []
 
     def test_empty_store(self, store: EventStore) -> None:
