@@ -155,38 +155,41 @@ def window_start(active_count: int, limit: int) -> int:
 def group_tool_calls(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
     """Order tool calls with their results and skip what cannot be sent (FLOW4).
 
-    An assistant message with tool calls and a result for every call is a group: the
-    results follow the call at once, and the other messages archived between the call
-    and its results move after the group. A call missing any result is skipped with the
-    results it has; a result without its call is skipped.
+    A result answers the latest earlier assistant call with its id that is still
+    unanswered: results follow their call, and ids are matched per call, never looked up
+    across the history (servers number calls per response, ``call_0`` in every one, and
+    two parallel calls may share an id: each takes one result). An assistant message
+    whose every call is answered is a group: its results follow it at once, and the other
+    messages archived between the call and its results move after the group. A call
+    missing any result is skipped with the results it has; a result without its call is
+    skipped.
     """
-    n = len(messages)
-    used = [False] * n
+    open_calls: dict[str, list[int]] = {}  # call id -> its unanswered calls' messages
+    waiting: dict[int, int] = {}  # assistant message -> calls not answered yet
+    answers: dict[int, list[int]] = {}  # assistant message -> its results, in order
+    for i, message in enumerate(messages):
+        if message.role == "tool":
+            stack = open_calls.get(message.tool_call_id or "")
+            if stack:
+                owner = stack.pop()
+                answers[owner].append(i)
+                waiting[owner] -= 1
+        elif message.role == "assistant" and message.tool_calls:
+            waiting[i] = len(message.tool_calls)
+            answers[i] = []
+            for call in message.tool_calls:
+                open_calls.setdefault(call.id, []).append(i)
     out: list[ChatMessage] = []
     for i, message in enumerate(messages):
-        if used[i]:
-            continue
-        used[i] = True
         if message.role == "tool":
-            continue  # its call is not before it (or was skipped): an orphan
-        if message.role != "assistant" or not message.tool_calls:
+            continue  # sent with its call, or an orphan
+        left = waiting.get(i)
+        if left is None:
             out.append(message)
-            continue
-        missing = {call.id for call in message.tool_calls}
-        found: list[int] = []
-        for j in range(i + 1, n):
-            if not missing:
-                break
-            other = messages[j]
-            if not used[j] and other.role == "tool" and other.tool_call_id in missing:
-                missing.discard(other.tool_call_id)
-                found.append(j)
-        for j in found:
-            used[j] = True
-        if missing:
-            continue  # incomplete group: skipped whole
-        out.append(message)
-        out.extend(messages[j] for j in found)
+        elif left == 0:
+            out.append(message)
+            out.extend(messages[j] for j in answers[i])
+        # else: incomplete group, skipped whole
     return out
 
 

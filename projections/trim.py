@@ -6,8 +6,9 @@ request has three parts: head, history and this turn. ``u = ⌈B/4⌉``; history
 
 1. always: history over its allowance drops from the earliest message until at least
    ``k = ⌈(history − allowance)/u⌉`` units are dropped; a cut inside a tool group drops the
-   rest of the group. The cut depends only on head and history, and moves only when the
-   history grows by another unit (TRIM-P).
+   rest of the group (even the last message, when the turn part is empty). The cut depends
+   only on head and history, and moves only when the history grows by another unit
+   (TRIM-P).
 2. still over: this turn's tool results over 1500 characters keep 500; reasoning over 200
    characters is cut oldest first (older keep 200, the newest 400); earlier tool groups
    collapse into one ``[历史工具调用]`` line each when that saves tokens.
@@ -16,6 +17,10 @@ request has three parts: head, history and this turn. ``u = ⌈B/4⌉``; history
    instruction block) over ``memoryTokenBudget`` shrink proportionally (at least 200
    characters each), then the frontmost go.
 5. still over: the last tool group's results keep 500 characters, its reasoning 400.
+
+Tool groups are found by position: an assistant message with calls and the results right
+after it, ids matched within that message only (``pairing``), so no step leaves a call
+without its result or a result without its call, whatever the call ids are.
 
 Never touched: the first system message and this turn's inputs. The last tool group and
 the last message are only ever truncated, in step 5. After a trim that reached step 4 and
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 from aalis_agent.events.schema import ChatMessage, MessageMeta
+from aalis_agent.projections.pairing import group_results, pair_results
 from aalis_agent.projections.textnorm import truncate
 from aalis_agent.projections.texts import CONTINUATION_HINT
 from aalis_agent.projections.tokens import TokenCounter, message_tokens
@@ -155,8 +161,11 @@ def _cut_at(state: _State, units: int, unit: int) -> int:
 
 
 def _drop_to(state: _State, step: int, cut: int) -> None:
-    if not state.turn:
-        cut = min(cut, max(len(state.history) - 1, 0))  # the last message is never dropped
+    history = state.history
+    if not state.turn and cut >= len(history) and history and history[-1].role != "tool":
+        # The last message is never dropped, unless it is a result of a group whose call
+        # goes: then the rest of that group goes with it, as at any other cut.
+        cut = len(history) - 1
     if cut <= state.dropped:
         return
     gone = state.history[state.dropped : cut]
@@ -165,15 +174,11 @@ def _drop_to(state: _State, step: int, cut: int) -> None:
 
 
 def _last_group(turn: Sequence[ChatMessage]) -> set[int]:
-    """Indexes of the turn's last tool group (its last assistant with calls + results)."""
+    """Indexes of the turn's last tool group: its last assistant with calls and the
+    results right after it (matched within that message, never by id across the turn)."""
     for i in range(len(turn) - 1, -1, -1):
         if turn[i].role == "assistant" and turn[i].tool_calls:
-            ids = {c.id for c in turn[i].tool_calls}
-            group = {i}
-            for j in range(i + 1, len(turn)):
-                if turn[j].role == "tool" and turn[j].tool_call_id in ids:
-                    group.add(j)
-            return group
+            return {i, *group_results(turn, i)}
     return set()
 
 
@@ -252,15 +257,13 @@ def _step2(state: _State) -> bool:
         if i in locked or m.role != "assistant" or not m.tool_calls or m.id in protected:
             i += 1
             continue
-        ids = {c.id for c in m.tool_calls}
-        members = [i] + [
-            j
-            for j in range(i + 1, len(turn))
-            if turn[j].role == "tool" and turn[j].tool_call_id in ids
-        ]
-        results = {turn[j].tool_call_id: turn[j].content for j in members[1:]}
+        # the group: this message and the results right after it, never a later batch's
+        # results that reuse its ids
+        members = [i, *group_results(turn, i)]
+        answers = pair_results(m.tool_calls, [turn[j] for j in members[1:]])
         lines = [
-            f"{COLLAPSED_PREFIX} {c.name} → {results.get(c.id, '')[:100]}" for c in m.tool_calls
+            f"{COLLAPSED_PREFIX} {c.name} → {(r.content if r is not None else '')[:100]}"
+            for c, r in zip(m.tool_calls, answers, strict=True)
         ]
         collapsed = ChatMessage(
             id=m.id,
