@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from aalis_agent.events import Input, SessionEvent, TurnOutcome
 from aalis_agent.events.schema import ReleaseReason
+from aalis_agent.services.outbound import OutboundMessage
 
 __all__ = [
     "AppendEvents",
@@ -94,13 +95,17 @@ class AppendEvents:
 
     turn_id: str
     events: tuple[SessionEvent, ...]
+    final: bool = False  # saves the reply: refused when a stop came first
 
 
 @dataclass(frozen=True, slots=True)
 class InsertionPoint:
-    """A runner asks which pending inputs join its turn now (FLOW8)."""
+    """A runner asks which pending inputs join its turn now (FLOW8), committing its
+    queued facts in the same batch. Answered with the joined inputs, or None when the
+    turn is no longer recorded (stopped by deletion, or not running)."""
 
     turn_id: str
+    events: tuple[SessionEvent, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,12 +121,15 @@ class CallEnded:
 
 @dataclass(frozen=True, slots=True)
 class Settled:
-    """The runner finished its turn."""
+    """The runner finished its turn: its last facts, recorded with the turn's record in
+    one batch, and an error notice to send once that batch is durable."""
 
     turn_id: str
     outcome: TurnOutcome
     reason: str | None = None
     duration_ms: int = 0
+    events: tuple[SessionEvent, ...] = ()
+    notice: OutboundMessage | None = None
 
 
 @dataclass(frozen=True, slots=True)

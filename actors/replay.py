@@ -23,6 +23,7 @@ from aalis_agent.events import (
     InputQueued,
     InputReceived,
     InputReleased,
+    InputRequeued,
     MessageSaved,
     ModelCallEnded,
     ModelCallStarted,
@@ -105,6 +106,11 @@ def render_event(event: SessionEvent) -> str:
         case InputReleased():
             archived = "archived" if event.archived else "not archived"
             return f"input {event.input_id} released ({event.reason}, {archived})"
+        case InputRequeued():
+            return (
+                f"input {event.input_id} back to the head of the queue "
+                f"({event.turn_id} was cut by a {event.reason} before a model call carried it)"
+            )
         case TurnOpened():
             who = "human" if event.source is None else f"source={event.source}"
             s = event.settings

@@ -45,6 +45,7 @@ from aalis_agent.events import (
     IdSource,
     Input,
     ModelRef,
+    SessionFailed,
     SystemClock,
     TokenUsage,
     UuidIds,
@@ -162,9 +163,29 @@ class Runtime:
         return entry
 
     def _ask(self, session_id: str, message: Any) -> Any:
+        for attempt in (1, 2):
+            with self._lock:
+                ref = self._entry(session_id).ref
+            try:
+                return ref.ask(message, block=False).get(timeout=self.ask_timeout_s)
+            except pykka.ActorDeadError:
+                # It stopped (passivated, or fenced after a failed write) under us: the
+                # next actor is rebuilt from the log.
+                self._forget(session_id, ref)
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _forget(self, session_id: str, ref: pykka.ActorRef[Any]) -> None:
         with self._lock:
-            future = self._entry(session_id).ref.ask(message, block=False)
-        return future.get(timeout=self.ask_timeout_s)
+            entry = self._entries.get(session_id)
+            if entry is not None and entry.ref.actor_urn == ref.actor_urn:
+                del self._entries[session_id]
+
+    def _session_failed(self, session_id: str, actor: SessionActor) -> None:
+        """Called by an actor fenced after a failed write: forget it, so the session's
+        next use rebuilds it from its log."""
+        self._forget(session_id, actor.actor_ref)
 
     def _unregister_if_idle(self, session_id: str, actor: SessionActor) -> bool:
         """Called by an actor passivating itself: nothing may be on its way to it."""
@@ -223,12 +244,20 @@ class Runtime:
             done.set_result(InputOutcome(inp.id, None, "dropped", "agent:input:before"))
             return SubmitHandle(inp.id, "dropped", done)
         inp = ctx.message
-        with self._lock:
-            entry = self._entry(session_id)
-            generation = arrived_in if arrived_in is not None else entry.generation
-            future = entry.ref.ask(Submit(inp, generation, done), block=False)
-        where = future.get(timeout=self.ask_timeout_s)
-        return SubmitHandle(inp.id, where, done)
+        for attempt in (1, 2):
+            with self._lock:
+                entry = self._entry(session_id)
+                generation = arrived_in if arrived_in is not None else entry.generation
+                future = entry.ref.ask(Submit(inp, generation, done), block=False)
+            try:
+                where = future.get(timeout=self.ask_timeout_s)
+            except pykka.ActorDeadError:
+                self._forget(session_id, entry.ref)  # stopped under us: try a fresh one
+                if attempt == 2:
+                    raise
+                continue
+            return SubmitHandle(inp.id, where, done)
+        raise AssertionError("unreachable")
 
     # --- stopping --------------------------------------------------------------------
 
@@ -284,21 +313,30 @@ class Runtime:
             self._closed = True
             entries = list(self._entries.items())
         self._janitor_stop.set()
-        futures = []
-        for _, e in entries:
-            with contextlib.suppress(pykka.ActorDeadError):
-                futures.append(e.ref.ask(Release("shutdown"), block=False))
-        for f in futures:
-            with contextlib.suppress(pykka.ActorDeadError):
-                f.get(timeout=self.ask_timeout_s)
-        self.wait_idle(timeout)
-        for _, e in entries:
-            with contextlib.suppress(pykka.ActorDeadError):
-                e.ref.stop(block=True, timeout=self.ask_timeout_s)
-        with self._lock:
-            self._entries.clear()
-        if self._janitor is not None:
-            self._janitor.join(timeout=5)
+        try:
+            futures = []
+            for _, e in entries:
+                with contextlib.suppress(Exception):
+                    futures.append(e.ref.ask(Release("shutdown"), block=False))
+            for f in futures:
+                try:
+                    f.get(timeout=self.ask_timeout_s)
+                except pykka.ActorDeadError:
+                    pass
+                except Exception:  # a failed write: that session is already fenced
+                    log.warning("a session could not release its inputs at shutdown")
+            self.wait_idle(timeout)
+        finally:
+            # Always stop every actor (their threads would keep the process alive).
+            with self._lock:
+                refs = [e.ref for e in self._entries.values()]
+                refs += [e.ref for _, e in entries]
+                self._entries.clear()
+            for ref in refs:
+                with contextlib.suppress(Exception):
+                    ref.stop(block=True, timeout=self.ask_timeout_s)
+            if self._janitor is not None:
+                self._janitor.join(timeout=5)
 
     close = shutdown
 
@@ -315,7 +353,10 @@ class Runtime:
             future = entry.ref.ask(GetView(), block=False) if entry else None
         if future is None:
             return self._load(session_id)
-        return future.get(timeout=self.ask_timeout_s)  # type: ignore[no-any-return]
+        try:
+            return future.get(timeout=self.ask_timeout_s)  # type: ignore[no-any-return]
+        except (pykka.ActorDeadError, SessionFailed):
+            return self._load(session_id)  # it stopped: the log is the truth
 
     def token_request(self, session_id: str, platform: str | None = None) -> TokenUsage:
         """``token:request`` (ACC3): the usage a turn would have now, built the same way
@@ -377,7 +418,7 @@ class Runtime:
             for ref in refs:
                 try:
                     busy |= not ref.ask(Ping(), timeout=self.ask_timeout_s)
-                except pykka.ActorDeadError:
+                except (pykka.ActorDeadError, SessionFailed):
                     continue
             with self._runners_idle:
                 if not busy and not self._runners:

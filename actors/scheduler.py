@@ -23,6 +23,7 @@ from aalis_agent.events import (
     InputQueued,
     InputReceived,
     InputReleased,
+    InputRequeued,
     MessageMeta,
     MessageSaved,
     ModelCallEnded,
@@ -197,9 +198,11 @@ def decide_call_ended(
 
 
 def decide_stop(step: Step, by: str | None = None, reason: str = "stop") -> str | None:
-    """Stop the running turn (SCH6); returns its id, or None when none runs."""
+    """Stop the running turn (SCH6); returns its id, or None when none runs. A turn whose
+    reply is already durable is past stopping: it ends as replied, and for a stop no turn
+    runs any more."""
     running = step.view.queue.running
-    if running is None:
+    if running is None or not running.stoppable:
         return None
     if not running.stop_requested:
         step.add(StopRequested(turn_id=running.turn_id, by=by, reason=reason))
@@ -315,17 +318,25 @@ def decide_recover(
     message_id: Callable[[], str],
     now_ms: int,
 ) -> str | None:
-    """On start: a turn opened without a record was cut by a crash. Record it ``aborted``
-    (reason ``crash``), then schedule the queue as usual. Returns the cut turn's id."""
+    """On start: a turn opened without a record was cut by a crash (or a failed write).
+    Its inputs that no model call carried (nor the archive took) go back to the head of
+    the queue: they never reached the model, so they run rather than being lost. The turn
+    is recorded ``aborted`` (reason ``crash``), or ``replied`` when its reply was already
+    durable; then the queue is scheduled as usual. Returns the cut turn's id."""
     current = step.view.turns.current
+    running = step.view.queue.running
     cut = None
-    if current is not None and step.view.queue.running is not None:
+    if current is not None and running is not None:
         cut = current.turn_id
-        marker = stop_marker(current) if turn_left_history(step.view, cut) else None
+        for w in running.uncarried:
+            step.add(InputRequeued(input_id=w.input.id, turn_id=cut, reason="crash"))
+        replied = running.reply_saved
+        left = not replied and turn_left_history(step.view, cut)
+        marker = stop_marker(current) if left else None
         decide_settled(
             step,
             cut,
-            "aborted",
+            "replied" if replied else "aborted",
             ctx,
             reason="crash",
             duration_ms=max(now_ms - current.opened.at, 0),

@@ -9,10 +9,12 @@ Turns run on their own threads (``actors.turn``), never on the actor's mailbox t
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import pykka
 import structlog
@@ -46,7 +48,7 @@ from aalis_agent.actors.scheduler import (
     decide_submit,
     turn_left_history,
 )
-from aalis_agent.actors.turn import TurnRunner
+from aalis_agent.actors.turn import TurnRunner, deliver
 from aalis_agent.events import (
     Batch,
     ChatMessage,
@@ -60,9 +62,12 @@ from aalis_agent.events import (
     InputQueued,
     InputReceived,
     InputReleased,
+    InputRequeued,
+    InvalidBatch,
     MessageMeta,
     SessionDeleted,
     SessionEvent,
+    SessionFailed,
     SettingsChanged,
     StopRequested,
     TurnOpened,
@@ -70,7 +75,7 @@ from aalis_agent.events import (
 )
 from aalis_agent.projections import SessionView, project, queue
 from aalis_agent.projections.texts import NO_RUNNING_TURN, STOP_DENIED, stop_marker_text
-from aalis_agent.services import AbortSignal, Services
+from aalis_agent.services import AbortSignal, OutboundMessage, Services
 from aalis_agent.services.settings import venue_of
 
 if TYPE_CHECKING:
@@ -122,11 +127,15 @@ class SessionActor(pykka.ThreadingActor):
         # Turn ids the log has used, kept up as finished turns are added (_new_turn_id).
         self._used_turn_ids: set[str] = set()
         self._used_turn_ids_seen: tuple[int, Any] | None = None
+        self._failed: SessionFailed | None = None  # set by _fence: nothing more happens
+        self._notice: OutboundMessage | None = None  # sent once its turn's record commits
 
     # --- lifecycle -------------------------------------------------------------------
 
     def on_start(self) -> None:
-        """Recover: a turn opened without a record was cut by a crash (or a kill)."""
+        """Recover: a turn opened without a record was cut by a crash, a kill or a failed
+        write. When recording that fails too, the actor is fenced (see :meth:`_fence`)
+        and every message it gets is answered with the error."""
         step = self._step()
         decide_recover(
             step,
@@ -135,7 +144,8 @@ class SessionActor(pykka.ThreadingActor):
             message_id=self._message_id,
             now_ms=self.clock.now_ms(),
         )
-        self._commit(step)
+        with contextlib.suppress(SessionFailed):
+            self._commit(step)
 
     def on_stop(self) -> None:
         if self._abort is not None:
@@ -187,14 +197,23 @@ class SessionActor(pykka.ThreadingActor):
                 return turn_id
 
     def _known_inputs(self, before: SessionView, events: list[SessionEvent]) -> dict[str, Input]:
-        known = {w.input.id: w.input for w in (*before.queue.arrived, *queue.waiting(before.queue))}
+        running = before.queue.running
+        joined = running.joined if running is not None else ()  # inputs put back (recovery)
+        known = {
+            w.input.id: w.input
+            for w in (*before.queue.arrived, *queue.waiting(before.queue), *joined)
+        }
         for event in events:
             if isinstance(event, InputReceived):
                 known[event.input.id] = event.input
         return known
 
-    def _commit(self, step: Step) -> None:
-        """Append the step's batch atomically, adopt its view, then perform its effects."""
+    def _commit(self, step: Step, *, refusable: bool = False) -> None:
+        """Append the step's batch atomically, adopt its view, then perform its effects.
+
+        A failed append fences the actor (:meth:`_fence`). Only where ``refusable`` (a
+        new input, a setting) is a batch the store refuses as invalid merely refused:
+        nothing was written, so the session goes on without that message."""
         events = step.events
         if not events:
             return
@@ -206,12 +225,44 @@ class SessionActor(pykka.ThreadingActor):
                 step.batch.expected_seq,
                 open_work=queue.has_open_work(step.view.queue),
             )
-        except Exception:
-            # Nothing was written: rebuild from what the log holds, then re-raise.
-            self.view = project(self.store.read(self.session_id))
-            raise
+        except InvalidBatch:
+            if not refusable:
+                self._fence(sys.exc_info()[1])
+            raise  # nothing was written and the view is unchanged: refuse this message
+        except Exception as exc:
+            self._fence(exc)
         self.view = step.view
         self._effects(before, events)
+
+    def _fence(self, exc: BaseException | None) -> NoReturn:
+        """Persist, then act: a write failed, so this actor stops here (as Akka
+        Persistence does). Its turn is aborted with no further effects, every caller
+        waiting on it gets :class:`SessionFailed`, and the runtime forgets it, so the next
+        use rebuilds the session from its log, which holds a consistent state: the
+        failed batch was written whole or not at all."""
+        reason = f"{type(exc).__name__}: {exc}"
+        error = SessionFailed(self.session_id, reason)
+        self._failed = error
+        log.error(
+            "session stopped: a write to its log failed", session=self.session_id, error=reason
+        )
+        if self._abort is not None:
+            self._abort.abort("store")
+        waiters, self._waiters = self._waiters, {}
+        for future in waiters.values():
+            if not future.done():
+                future.set_exception(error)
+        winding, self._winding_down = self._winding_down, []
+        for _kind, done, _kinds in winding:
+            if not done.done():
+                done.set_exception(error)
+        deferred, self._deferred = self._deferred, []
+        for submit in deferred:
+            if not submit.done.done():
+                submit.done.set_exception(error)
+        self.runtime._session_failed(self.session_id, self)
+        self.stop()
+        raise error from exc
 
     def _effects(self, before: SessionView, events: list[SessionEvent]) -> None:
         known = self._known_inputs(before, events)
@@ -236,6 +287,17 @@ class SessionActor(pykka.ThreadingActor):
                     where = "开轮" if event.entry == "opened" else "插入"
                     seq = inp.gateway_seq if inp else None
                     log.debug(logs.handed_on(where, seq, sid, event.turn_id))
+                case InputRequeued():
+                    queue_changed = True
+                    inp = known.get(event.input_id)
+                    log.warning(
+                        "input put back at the head of the queue: its turn was cut before "
+                        "a model call carried it",
+                        session=sid,
+                        input=event.input_id,
+                        turn=event.turn_id,
+                        reason=event.reason,
+                    )
                 case InputReleased():
                     queue_changed = True
                     inp = known.get(event.input_id)
@@ -278,6 +340,12 @@ class SessionActor(pykka.ThreadingActor):
             future.set_result(outcome)
 
     def _turn_ended(self, event: TurnRecorded) -> None:
+        notice, self._notice = self._notice, None
+        if notice is not None and notice.turn_id == event.turn_id:
+            try:  # the turn's record is durable: now its error notice may go out
+                deliver(self.services, notice)
+            except Exception:
+                log.exception("sending the error notice failed", session=self.session_id)
         inputs = self._turn_inputs.pop(event.turn_id, [])
         self._ended_turns.append(event.turn_id)
         if len(self._ended_turns) > self._ENDED_KEPT:
@@ -374,6 +442,15 @@ class SessionActor(pykka.ThreadingActor):
     # --- messages --------------------------------------------------------------------
 
     def on_receive(self, message: Any) -> Any:
+        if self._failed is not None:
+            # Fenced after a failed write: nothing more happens here. Asks get the error;
+            # told messages with a future get it there.
+            if not isinstance(message, _TOLD):
+                raise self._failed
+            done = getattr(message, "done", None)
+            if isinstance(done, Future) and not done.done():
+                done.set_exception(self._failed)
+            return None
         if not isinstance(message, Passivate | Ping | GetView):
             self._last_activity = time.monotonic()
         handler = self._HANDLERS.get(type(message))
@@ -384,11 +461,14 @@ class SessionActor(pykka.ThreadingActor):
         try:
             return handler(self, message)
         except Exception as exc:
-            # Nobody waits on a told message: log, rebuild from the log, keep serving.
-            log.exception(
-                "session actor failed", session=self.session_id, message=type(message).__name__
-            )
-            self.view = project(self.store.read(self.session_id))
+            if self._failed is None:
+                # Nobody waits on a told message: log, rebuild from the log, keep serving.
+                log.exception(
+                    "session actor failed",
+                    session=self.session_id,
+                    message=type(message).__name__,
+                )
+                self.view = project(self.store.read(self.session_id))
             done = getattr(message, "done", None)
             if isinstance(done, Future) and not done.done():
                 done.set_exception(exc)
@@ -402,14 +482,18 @@ class SessionActor(pykka.ThreadingActor):
         step = self._step()
         try:
             where = decide_submit(step, msg.input, msg.generation, self._open_context())
-            self._commit(step)
+            self._commit(step, refusable=True)
         except BaseException:
             self._waiters.pop(msg.input.id, None)
             raise
         return where
 
-    def _on_insertion(self, msg: InsertionPoint) -> list[Input]:
+    def _on_insertion(self, msg: InsertionPoint) -> list[Input] | None:
+        if not self._running(msg.turn_id) or self._winding_down:
+            return None  # a deleted (or stale) turn writes nothing more (DEL1)
         step = self._step()
+        for event in msg.events:
+            step.add(event)
         joined = decide_insertion(step, msg.turn_id)
         self._commit(step)
         return joined
@@ -418,13 +502,20 @@ class SessionActor(pykka.ThreadingActor):
         running = self.view.queue.running
         return running is not None and running.turn_id == turn_id
 
-    def _on_append(self, msg: AppendEvents) -> None:
-        if not self._running(msg.turn_id) or self._winding_down:
-            return  # a deleted (or stale) turn writes nothing more (DEL1)
+    def _on_append(self, msg: AppendEvents) -> bool:
+        """Commit a runner's facts; False when they are refused: the turn is not running
+        (deleted turns write nothing more, DEL1), or this batch saves the reply and a stop
+        came first (a stopped turn saves no reply and sends none)."""
+        running = self.view.queue.running
+        if running is None or running.turn_id != msg.turn_id or self._winding_down:
+            return False
+        if msg.final and running.stop_requested:
+            return False
         step = self._step()
         for event in msg.events:
             step.add(event)
         self._commit(step)
+        return True
 
     def _on_call_ended(self, msg: CallEnded) -> None:
         if not self._running(msg.turn_id) or self._winding_down:
@@ -447,20 +538,24 @@ class SessionActor(pykka.ThreadingActor):
         if not self._running(msg.turn_id):
             return
         winding = self._winding_down
-        running = self.view.queue.running
+        step = self._step()
+        if not winding:  # the runner's last facts (a deleted turn writes nothing more)
+            for event in msg.events:
+                step.add(event)
+        running = step.view.queue.running
         by = None
-        if self.view.turns.current is not None:
-            stops = [e for e in self.view.turns.current.events if isinstance(e, StopRequested)]
+        if step.view.turns.current is not None:
+            stops = [e for e in step.view.turns.current.events if isinstance(e, StopRequested)]
             by = stops[-1].by if stops else None
         marker = None
         if (
             msg.outcome == "aborted"
             and not winding
             and running is not None
-            and turn_left_history(self.view, msg.turn_id)
+            and turn_left_history(step.view, msg.turn_id)
         ):
             marker = self._marker(by)
-        step = self._step()
+        self._notice = msg.notice if not winding else None
         decide_settled(
             step,
             msg.turn_id,
@@ -486,7 +581,7 @@ class SessionActor(pykka.ThreadingActor):
     def _on_stop_command(self, msg: StopCommand) -> str | None:
         """``/stop`` (CMD3): the reply to send, or None when the turn was stopped."""
         running = self.view.queue.running
-        if running is None:
+        if running is None or not running.stoppable:
             return NO_RUNNING_TURN
         allowed = self.services.authority.is_owner(msg.platform, msg.user_id) or (
             msg.user_id is not None
@@ -559,7 +654,7 @@ class SessionActor(pykka.ThreadingActor):
     def _on_set_setting(self, msg: SetSetting) -> None:
         step = self._step()
         step.add(SettingsChanged(key=msg.key, value=msg.value, reset=msg.reset, by=msg.by))
-        self._commit(step)
+        self._commit(step, refusable=True)
 
     def _on_passivate(self, msg: Passivate) -> bool:
         idle = (

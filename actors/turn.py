@@ -34,6 +34,7 @@ from aalis_agent.events import (
     MessageSaved,
     ModelCallStarted,
     SessionEvent,
+    StoreError,
     ToolCall,
     ToolFinished,
     ToolStarted,
@@ -75,11 +76,13 @@ from aalis_agent.services import (
 )
 from aalis_agent.services.llm import ChatModel, Usage
 from aalis_agent.services.models import LlmService, entry_id
+from aalis_agent.services.outbound import OutboundKind
 from aalis_agent.services.tools import Inbound
 
 __all__ = [
     "LlmAfter",
     "LlmBefore",
+    "NotRecorded",
     "ReplyBefore",
     "ToolAfter",
     "ToolBefore",
@@ -88,6 +91,7 @@ __all__ = [
     "TurnRunner",
     "add_contributions",
     "base_prompt",
+    "deliver",
 ]
 
 log = structlog.get_logger("aalis.turn")
@@ -96,6 +100,36 @@ MAX_FORMAT_RETRIES = 2
 
 
 # --- hook payloads (the original framework's shapes, UPSTREAM-FACTS) --------------------
+
+
+class NotRecorded(Exception):
+    """The session actor refused a turn's facts (the turn was stopped before its reply
+    was durable, deleted, or is not running): the turn ends with no further effects."""
+
+    def __init__(self, turn_id: str) -> None:
+        super().__init__(f"turn {turn_id}: the session no longer records this turn")
+        self.turn_id = turn_id
+
+
+def deliver(services: Services, message: OutboundMessage) -> None:
+    """OUT1-OUT2: send through the gateway, or as an ``outbound:message`` event without
+    one. Called only once the events recording the message are durable."""
+    gateway = services.gateway
+    if gateway is not None:
+        gateway.dispatch_outbound(message)
+        return
+    services.bus.publish(
+        "outbound:message",
+        {
+            "sessionId": message.session_id,
+            "turnId": message.turn_id,
+            "content": message.content,
+            "kind": message.kind,
+            "platform": message.platform,
+            "hostNotice": message.host_notice,
+            "replyTo": message.reply_to,
+        },
+    )
 
 
 @dataclass
@@ -285,12 +319,20 @@ class TurnRunner:
         """Queue facts for the actor; they go out together at the next :meth:`_flush`."""
         self._drafts.extend(drafts)
 
-    def _flush(self) -> None:
-        """Send the queued facts as one batch: before anything that waits (a model call,
-        a tool, a question to the actor), so the log shows what was under way."""
-        if self._drafts:
-            drafts, self._drafts = tuple(self._drafts), []
-            self.actor.tell(AppendEvents(self.turn_id, drafts))
+    def _flush(self, *, final: bool = False) -> None:
+        """Persist, then act: commit the queued facts as one batch and wait until they
+        are durable, before anything that acts on them (a model call, a tool, sending).
+
+        ``final`` marks the batch that saves the reply: the actor refuses it when a stop
+        came first, and after it commits no stop applies. A refused batch (the turn was
+        stopped, deleted or is no longer running) raises :class:`NotRecorded`; a failed
+        write raises the store's error (the actor has stopped). Either way the turn ends
+        without further effects."""
+        if not self._drafts and not final:
+            return
+        events, self._drafts = tuple(self._drafts), []
+        if not self.actor.ask(AppendEvents(self.turn_id, events, final=final)):
+            raise NotRecorded(self.turn_id)
 
     def _archive(self, message: ChatMessage) -> None:
         """Archive through the message archive: the session log by default; when the
@@ -301,34 +343,19 @@ class TurnRunner:
             return
         self._report(MessageSaved(message=message))
 
-    def _send(self, content: str, kind: str = "reply") -> None:
-        """OUT1-OUT2: through the gateway, or an ``outbound:message`` event without one."""
+    def _outbound(self, content: str, kind: OutboundKind = "reply") -> OutboundMessage:
+        """OUT2: a message leaving this turn, carrying its turn id (and the host notice it
+        answers, if any)."""
         head = self.inputs[-1] if self.inputs else None
         notice = head.host_notice if head is not None else None
-        message = OutboundMessage(
+        return OutboundMessage(
             session_id=self.session_id,
             turn_id=self.turn_id,
             content=content,
-            kind=kind,  # type: ignore[arg-type]
+            kind=kind,
             platform=self.opened.platform,
             host_notice={"kind": notice.kind, "id": notice.id} if notice else None,
             reply_to=notice.reply_to if notice else None,
-        )
-        gateway = self.services.gateway
-        if gateway is not None:
-            gateway.dispatch_outbound(message)
-            return
-        self.services.bus.publish(
-            "outbound:message",
-            {
-                "sessionId": message.session_id,
-                "turnId": message.turn_id,
-                "content": message.content,
-                "kind": message.kind,
-                "platform": message.platform,
-                "hostNotice": message.host_notice,
-                "replyTo": message.reply_to,
-            },
         )
 
     # --- the turn --------------------------------------------------------------------
@@ -337,28 +364,45 @@ class TurnRunner:
         started = self.clock.now_ms()
         outcome: TurnOutcome = "error"
         reason: str | None = None
+        notice: OutboundMessage | None = None
+        settle = True
         try:
             outcome, reason = self._run()
-        except pykka.ActorDeadError:
-            # The session's actor is gone (the runtime was stopped under the turn): there
-            # is nobody to report to, and the log will record the turn on recovery.
+        except (pykka.ActorDeadError, StoreError) as exc:
+            # The session's actor is gone (stopped under the turn, or after a failed
+            # write): nobody records the turn now, and nothing more may happen in it.
+            # The log records it when the session next starts.
+            settle = False
             outcome, reason = "aborted", "crash"
+            if isinstance(exc, StoreError):
+                log.warning(
+                    "turn ended: its session stopped after a failed write",
+                    session=self.session_id,
+                    turn=self.turn_id,
+                )
+        except NotRecorded:
+            # The actor refused this turn's facts: it was stopped before its reply was
+            # durable, or deleted. It ends without further effects.
+            outcome, reason = "aborted", self.abort.reason or "stop"
         except Exception as exc:
             log.exception("turn failed", session=self.session_id, turn=self.turn_id)
             outcome, reason = "error", type(exc).__name__
             if not self.abort.aborted:
-                with contextlib.suppress(Exception):
-                    self._send(
-                        f"{ERROR_PREFIX} 这一轮出错了（{type(exc).__name__}），turn={self.turn_id}",
-                        "error",
-                    )
+                # Sent by the actor once the turn's record is durable (persist, then act).
+                notice = self._outbound(
+                    f"{ERROR_PREFIX} 这一轮出错了（{type(exc).__name__}），turn={self.turn_id}",
+                    "error",
+                )
         finally:
             if self.abort.aborted and outcome != "replied":
                 outcome, reason = "aborted", self.abort.reason
             duration = max(self.clock.now_ms() - started, 0)
-            with contextlib.suppress(pykka.ActorDeadError):
-                self._flush()
-                self.actor.tell(Settled(self.turn_id, outcome, reason, duration))
+            events, self._drafts = tuple(self._drafts), []
+            if settle:
+                with contextlib.suppress(pykka.ActorDeadError):
+                    self.actor.tell(
+                        Settled(self.turn_id, outcome, reason, duration, events, notice)
+                    )
             if self._on_exit is not None:
                 self._on_exit(self)
 
@@ -450,9 +494,12 @@ class TurnRunner:
             return self._reply(prompt, call)
 
     def _insertion_point(self, prompt: TurnPrompt) -> None:
-        """FLOW8: pending inputs join before this call, archived with entry ``joined``."""
-        self._flush()
-        joined: list[Input] = self.actor.ask(InsertionPoint(self.turn_id))  # type: ignore[assignment]
+        """FLOW8: pending inputs join before this call, archived with entry ``joined``.
+        The facts queued so far are committed in the same batch as the joining."""
+        events, self._drafts = tuple(self._drafts), []
+        joined: list[Input] | None = self.actor.ask(InsertionPoint(self.turn_id, events))  # type: ignore[assignment]
+        if joined is None:
+            raise NotRecorded(self.turn_id)
         if not joined:
             return
         guide = self._focus_guide(joined)
@@ -739,8 +786,8 @@ class TurnRunner:
                     ),
                 )
             )
-            self._flush()
-            self._send(final)
+            self._flush(final=True)  # refused when a stop came first (NotRecorded)
+            deliver(self.services, self._outbound(final))
         after = TurnAfter(
             message=list(self.inputs),
             reply=final if outcome == "replied" else None,

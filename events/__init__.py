@@ -28,6 +28,7 @@ from aalis_agent.events.errors import (
     CorruptEvent,
     InvalidBatch,
     ReplayError,
+    SessionFailed,
     StoreError,
 )
 from aalis_agent.events.schema import *  # noqa: F403 -- the vocabulary is re-exported whole
@@ -50,6 +51,7 @@ __all__ = [
     "InvalidBatch",
     "Recorded",
     "ReplayError",
+    "SessionFailed",
     "SequentialIds",
     "SqliteEventStore",
     "StoreError",

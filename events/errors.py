@@ -5,7 +5,9 @@
     ├── StoreError
     │   ├── ConcurrencyConflict         an append's expected_seq did not match the log
     │   ├── InvalidBatch (ValueError)   a batch that cannot be appended as given
-    │   └── CorruptEvent                a stored row that does not decode
+    │   ├── CorruptEvent                a stored row that does not decode
+    │   └── SessionFailed               a session stopped after a failed write, or
+    │                                   quarantined because its log does not decode
     └── ReplayError                     a log that cannot be replayed as asked
 
 Developer misuse (a wrong argument) raises the builtin-flavoured subclasses; failures of
@@ -21,6 +23,7 @@ __all__ = [
     "CorruptEvent",
     "InvalidBatch",
     "ReplayError",
+    "SessionFailed",
     "StoreError",
 ]
 
@@ -62,6 +65,28 @@ class CorruptEvent(StoreError):
         self.session_id = session_id
         self.seq = seq
         self.reason = reason
+
+
+class SessionFailed(StoreError):
+    """A session stopped because a write to its log failed (persist, then act: nothing
+    more happens in it), or it is quarantined because its log does not decode.
+
+    Everything the log accepted before the failure is kept: a stopped session restarts
+    from its log at its next use; a quarantined one stays refused until repaired."""
+
+    def __init__(self, session_id: str, reason: str, *, quarantined: bool = False) -> None:
+        if quarantined:
+            text = f"session {session_id!r} is quarantined: {reason}"
+        else:
+            text = (
+                f"session {session_id!r} stopped: a write to its log failed ({reason}); "
+                "what the log accepted before is kept, and the session restarts from it "
+                "at its next use"
+            )
+        super().__init__(text)
+        self.session_id = session_id
+        self.reason = reason
+        self.quarantined = quarantined
 
 
 class ReplayError(AgentError):

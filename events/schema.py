@@ -30,6 +30,7 @@ __all__ = [
     "InputQueued",
     "InputReceived",
     "InputReleased",
+    "InputRequeued",
     "MessageMeta",
     "MessageSaved",
     "ModelCallEnded",
@@ -297,6 +298,16 @@ class InputReleased(Event, frozen=True, tag="input_released"):
     archived: bool = False
 
 
+class InputRequeued(Event, frozen=True, tag="input_requeued"):
+    """An input of a turn cut by a crash (or a failed write) before any model call carried
+    it goes back to the head of the queue: it never reached the model, so it runs again
+    rather than being lost. Written by recovery, before the cut turn's record."""
+
+    input_id: str
+    turn_id: str
+    reason: str = "crash"
+
+
 class TurnOpened(Event, frozen=True, tag="turn_opened"):
     """A turn opened for ``input_ids`` (in arrival order) with its settings read once.
 
@@ -417,6 +428,7 @@ SessionEvent: TypeAlias = (
     | InputHeld
     | InputJoined
     | InputReleased
+    | InputRequeued
     | TurnOpened
     | ModelCallStarted
     | ModelCallEnded

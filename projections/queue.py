@@ -19,6 +19,7 @@ from aalis_agent.events.schema import (
     InputQueued,
     InputReceived,
     InputReleased,
+    InputRequeued,
     MessageSaved,
     ModelCallEnded,
     ModelCallStarted,
@@ -49,12 +50,14 @@ __all__ = [
 
 
 class Waiting(msgspec.Struct, frozen=True):
-    """An accepted input that has not entered a turn; ``arrival`` is its event seq."""
+    """An accepted input that has not entered a turn; ``arrival`` is its event seq.
+    ``front`` marks an input put back by recovery: it waits ahead of the others."""
 
     input: Input
     arrival: int
     generation: int
     held_for: str | None = None  # the turn it waits to join, when pending
+    front: bool = False
 
 
 class RunningTurn(msgspec.Struct, frozen=True):
@@ -64,11 +67,25 @@ class RunningTurn(msgspec.Struct, frozen=True):
     source: str | None
     stop_requested: bool = False
     final_call_returned: bool = False  # a model call returned without tool calls
+    joined: tuple[Waiting, ...] = ()  # the inputs that entered it, in order
+    carried: frozenset[str] = frozenset()  # of those, archived or sent to the model
+    reply_saved: bool = False  # its reply is durable: a stop no longer applies
 
     @property
     def accepts_inserts(self) -> bool:
         """Human inputs may join it now (SCH2)."""
         return self.source is None and not self.final_call_returned and not self.stop_requested
+
+    @property
+    def stoppable(self) -> bool:
+        """A stop still applies: the turn's reply is not yet durable (SAVE, SCH6)."""
+        return not self.reply_saved
+
+    @property
+    def uncarried(self) -> tuple[Waiting, ...]:
+        """Inputs that entered the turn but were neither archived nor carried by a model
+        call: if the turn is cut now, they never reached the model."""
+        return tuple(w for w in self.joined if w.input.id not in self.carried)
 
 
 class QueueState(msgspec.Struct, frozen=True):
@@ -120,7 +137,37 @@ def _on_held(state: QueueState, event: InputHeld) -> QueueState:
 
 
 def _on_joined(state: QueueState, event: InputJoined) -> QueueState:
-    return _take(state, event.input_id)[0]
+    state, taken = _take(state, event.input_id)
+    running = state.running
+    if taken is None or running is None or running.turn_id != event.turn_id:
+        return state
+    joined = replace(taken, held_for=None, front=False)
+    return replace(state, running=replace(running, joined=(*running.joined, joined)))
+
+
+def _on_requeued(state: QueueState, event: InputRequeued) -> QueueState:
+    running = state.running
+    if running is None or running.turn_id != event.turn_id:
+        return state
+    for w in running.joined:
+        if w.input.id == event.input_id:
+            joined = tuple(j for j in running.joined if j is not w)
+            return replace(
+                state,
+                running=replace(running, joined=joined),
+                queued=(*state.queued, replace(w, front=True)),
+            )
+    return state
+
+
+def _on_call_started(state: QueueState, event: ModelCallStarted) -> QueueState:
+    running = state.running
+    if running is None or running.turn_id != event.turn_id:
+        return state
+    carried = frozenset(w.input.id for w in running.joined)
+    if carried == running.carried:
+        return state
+    return replace(state, running=replace(running, carried=carried))
 
 
 def _on_released(state: QueueState, event: InputReleased) -> QueueState:
@@ -131,9 +178,17 @@ def _on_released(state: QueueState, event: InputReleased) -> QueueState:
 
 
 def _on_message(state: QueueState, event: MessageSaved) -> QueueState:
+    running = state.running
+    meta = event.message.meta
+    if running is not None and meta.turn_id == running.turn_id:
+        if meta.input_id is not None and meta.input_id not in running.carried:
+            running = replace(running, carried=running.carried | {meta.input_id})
+            state = replace(state, running=running)
+        if meta.turn_record is not None and event.message.role == "assistant":
+            state = replace(state, running=replace(running, reply_saved=True))
     if not state.to_archive:
         return state
-    input_id = event.message.meta.input_id
+    input_id = meta.input_id
     if input_id is None:
         return state
     return replace(state, to_archive=_without(state.to_archive, input_id))
@@ -179,6 +234,8 @@ HANDLERS: dict[type, Handler[QueueState]] = {
     InputHeld: _on_held,
     InputJoined: _on_joined,
     InputReleased: _on_released,
+    InputRequeued: _on_requeued,
+    ModelCallStarted: _on_call_started,
     MessageSaved: _on_message,
     TurnOpened: _on_opened,
     ModelCallEnded: _on_call_ended,
@@ -187,7 +244,6 @@ HANDLERS: dict[type, Handler[QueueState]] = {
     SessionDeleted: _on_deleted,
     **dict.fromkeys(
         (
-            ModelCallStarted,
             ToolStarted,
             ToolFinished,
             UsageRecorded,
@@ -212,8 +268,9 @@ def project(events: Iterable[SessionEvent], state: QueueState | None = None) -> 
 
 
 def waiting(state: QueueState) -> list[Waiting]:
-    """Queued and pending inputs together, in arrival order (what ``agent:queue`` reports)."""
-    return sorted((*state.queued, *state.pending), key=lambda w: w.arrival)
+    """Queued and pending inputs together, in arrival order (what ``agent:queue`` reports);
+    inputs put back by recovery come first."""
+    return sorted((*state.queued, *state.pending), key=lambda w: (not w.front, w.arrival))
 
 
 def has_open_work(state: QueueState) -> bool:

@@ -13,6 +13,7 @@ from aalis_agent.events.schema import (
     InputQueued,
     InputReceived,
     InputReleased,
+    InputRequeued,
     MessageSaved,
     ModelCallEnded,
     ModelCallStarted,
@@ -134,6 +135,7 @@ def _on_opened(state: TurnsState, event: TurnOpened) -> TurnsState:
 def _on_turn_event(
     state: TurnsState,
     event: InputJoined
+    | InputRequeued
     | ModelCallStarted
     | ModelCallEnded
     | ToolStarted
@@ -168,6 +170,7 @@ HANDLERS: dict[type, Handler[TurnsState]] = {
     ModelCallEnded: _on_turn_event,
     ToolStarted: _on_turn_event,
     ToolFinished: _on_turn_event,
+    InputRequeued: _on_turn_event,
     StopRequested: _on_turn_event,
     StopMarkerSaved: _on_turn_event,
     MessageSaved: _on_message,

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeAlias
 
 __all__ = [
     "Gateway",
     "LogArchive",
     "MessageArchive",
+    "OutboundKind",
     "OutboundMessage",
     "PersonaService",
     "StaticPersonas",
 ]
+
+
+OutboundKind: TypeAlias = Literal["reply", "error", "system"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +26,7 @@ class OutboundMessage:
     session_id: str
     turn_id: str | None
     content: str
-    kind: Literal["reply", "error", "system"] = "reply"
+    kind: OutboundKind = "reply"
     platform: str | None = None
     host_notice: dict[str, str] | None = None  # {kind, id} when replying to a host notice
     reply_to: str | None = None

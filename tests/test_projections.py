@@ -25,6 +25,7 @@ from aalis_agent.events.schema import (
     InputQueued,
     InputReceived,
     InputReleased,
+    InputRequeued,
     MessageMeta,
     MessageSaved,
     ModelCallEnded,
@@ -622,6 +623,7 @@ def sample_events(turn_id: str = "t1") -> list[Event]:
     b.add(ToolFinished(turn_id=turn_id, call_id="c1", name="n", result="r"))
     b.add(UsageRecorded(usage=TokenUsage(session_id=SID, turn_id=turn_id)))
     b.add(StopRequested(turn_id=turn_id))
+    b.add(InputRequeued(input_id="in-1", turn_id=turn_id))
     b.add(
         StopMarkerSaved(
             turn_id=turn_id,

@@ -23,12 +23,14 @@ from aalis_agent.events import (
     InputJoined,
     InputQueued,
     InputReleased,
+    InputRequeued,
     MessageSaved,
     ModelCallEnded,
     Sender,
     SequentialIds,
     SessionDeleted,
     SessionEvent,
+    SessionFailed,
     StopMarkerSaved,
     ToolCall,
     ToolFinished,
@@ -618,22 +620,41 @@ class FlakyStore(InMemoryEventStore):
         return super().append(session_id, events, expected_seq, open_work=open_work)
 
 
-def test_a_failed_append_from_a_runner_does_not_stop_the_session() -> None:
+def test_a_failed_append_stops_the_session_and_its_next_use_rebuilds_it() -> None:
+    """Persist, then act: the archive of the opening input fails, so the model is never
+    called; the handle gets SessionFailed. The next input rebuilds the session from its
+    log: the cut turn is recorded, the unarchived input is put back at the head of the
+    queue and runs; nothing is lost, nothing half-applied."""
     store = FlakyStore()
     model = GatedModel()
     runtime = Runtime(store, Services(llm=model), FixedClock(), SequentialIds(), janitor=False)
     try:
         store.fail_next_message = True  # the archive of the opening input fails
         first = runtime.submit(SID, Input(id="", content="一"))
-        model.answer("好")
-        assert first.result(5).outcome == "replied"
+        with pytest.raises(SessionFailed, match=r"a write to its log failed.*disk full"):
+            first.result(5)
+        assert model.calls == []  # nothing acted on what was not durable
+        assert runtime.active_sessions() == []  # the fenced actor is gone
         second = runtime.submit(SID, Input(id="", content="二"))
-        model.answer("也好")
+        call = model.answer("好")
+        sent = [m.content for m in call.request.messages if m.role == "user"]
+        assert sent[0].endswith("一")  # the put-back input runs first
+        if second.where == "排队":  # it came after the insertion point: its own turn
+            model.answer("也好")
         assert second.result(5).outcome == "replied"
         log = store.read(SID)
         assert project(log) == runtime.view(SID)  # the actor's view is the log's
-        saved = [e.message.content for e in log if isinstance(e, MessageSaved)]
-        assert saved == ["好", "二", "也好"]  # only the refused write is missing
+        requeued = [e for e in log if isinstance(e, InputRequeued)]
+        assert [(e.turn_id, e.reason) for e in requeued] == [("turn-1", "crash")]
+        recorded = [(e.turn_id, e.outcome, e.reason) for e in log if isinstance(e, TurnRecorded)]
+        assert recorded[0] == ("turn-1", "aborted", "crash")
+        saved = [
+            e.message.content
+            for e in log
+            if isinstance(e, MessageSaved) and e.message.role in ("user", "assistant")
+        ]
+        assert saved[:2] == ["一", "二"] or saved[:2] == ["一", "好"]
+        assert saved.count("一") == 1  # archived once, in the turn that ran it
     finally:
         runtime.shutdown(timeout=10)
 

@@ -21,6 +21,7 @@ from aalis_agent.events.schema import (
     InputQueued,
     InputReceived,
     InputReleased,
+    InputRequeued,
     MessageMeta,
     MessageSaved,
     ModelCallEnded,
@@ -64,7 +65,7 @@ def batch(session_id: str, first_seq: int, n: int) -> list[SessionEvent]:
 
 
 def one_of_every_event(session_id: str) -> list[SessionEvent]:
-    """Realistic instances of every event type (two messages), seq 1..19, as a turn logs them."""
+    """Realistic instances of every event type (two messages), seq 1..20, as a turn logs them."""
     sender = Sender(user_id="u-42", nickname="小明")
     user_input = Input(
         id="in-1",
@@ -199,6 +200,7 @@ def one_of_every_event(session_id: str) -> list[SessionEvent]:
         UsageRecorded(session_id=s, seq=12, at=T0 + 11, usage=usage),
         StopRequested(session_id=s, seq=13, at=T0 + 12, turn_id="turn-1", by="u-42", reason="mute"),
         StopMarkerSaved(session_id=s, seq=14, at=T0 + 13, turn_id="turn-1", message=stop_marker),
+        InputRequeued(session_id=s, seq=0, at=T0 + 13, input_id="in-2", turn_id="turn-1"),
         TurnRecorded(
             session_id=s,
             seq=15,
@@ -220,7 +222,7 @@ def one_of_every_event(session_id: str) -> list[SessionEvent]:
             by="u-42",
         ),
     ]
-    # The assistant's tool-call message follows the user's message: 19 events in all.
+    # The assistant's tool-call message follows the user's message: 20 events in all.
     events.insert(9, MessageSaved(session_id=s, seq=0, at=T0 + 8, message=tool_msg))
     return [codec.restamp(e, seq=i) for i, e in enumerate(events, start=1)]
 
@@ -583,10 +585,10 @@ class TestSqliteExclusiveStore(StoreContract):
             with pytest.raises(StoreError) as info:
                 SqliteEventStore(path, timeout_s=0.01)
             assert "locked" in str(info.value)
-            assert store.append("s", [queued("s", 20)], 19) == 20  # still ours
+            assert store.append("s", [queued("s", 21)], 20) == 21  # still ours
         with SqliteEventStore(path, timeout_s=0.01) as store:
-            assert store.read("s") == [*events, queued("s", 20)]
-            assert store.append("s", [queued("s", 21)], 20) == 21
+            assert store.read("s") == [*events, queued("s", 21)]
+            assert store.append("s", [queued("s", 22)], 21) == 22
 
 
 class TestSqliteStore(StoreContract):
@@ -697,11 +699,11 @@ class TestSqliteStore(StoreContract):
         with SqliteEventStore(path) as store:
             assert snapshot(store) == before
             assert store.read("s") == events
-            assert store.append("s", batch("s", 20, 1), 19) == 20
-            assert [r.position for r in store.read_all()] == list(range(1, 23))
+            assert store.append("s", batch("s", 21, 1), 20) == 21
+            assert [r.position for r in store.read_all()] == list(range(1, 24))
         with SqliteEventStore(str(path)) as store:
-            assert store.last_seq("s") == 20
-            assert store.count() == 22 and store.count("t") == 2
+            assert store.last_seq("s") == 21
+            assert store.count() == 23 and store.count("t") == 2
 
     def test_uses_wal_journal(self, tmp_path: Path) -> None:
         path = tmp_path / "events.db"
