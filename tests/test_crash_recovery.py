@@ -14,18 +14,26 @@ import pykka
 import pytest
 from aalis_agent.actors.runtime import Runtime
 from aalis_agent.events import (
+    Batch,
+    ChatMessage,
     FixedClock,
     InMemoryEventStore,
     Input,
     InputJoined,
+    InputQueued,
     InputReceived,
     InputReleased,
+    InputRequeued,
+    MessageMeta,
     MessageSaved,
+    ModelCallStarted,
     SequentialIds,
     SessionEvent,
     SettingsChanged,
     SqliteEventStore,
+    StopMarkerSaved,
     TurnOpened,
+    TurnRecord,
     TurnRecorded,
 )
 from aalis_agent.projections import project
@@ -174,3 +182,60 @@ def test_recovery_folds_only_sessions_that_may_have_work() -> None:
     finally:
         second.shutdown(timeout=10)
         first.shutdown(timeout=10)
+
+
+def _cut_log(*, archived: bool, reply_saved: bool) -> list[SessionEvent]:
+    """A log a kill left behind: turn-1 opened with input a; then, maybe, a's archive and
+    the model call; maybe the reply saved; never the turn's record."""
+    b = Batch("s", 0, now_ms=1_000)
+    b.add(InputReceived(input=Input(id="a", content="一", timestamp=1_000)))
+    b.add(TurnOpened(turn_id="turn-1", input_ids=("a",)))
+    b.add(InputJoined(input_id="a", turn_id="turn-1", entry="opened"))
+    b.add(InputReceived(input=Input(id="b", content="二", timestamp=1_000)))
+    b.add(InputQueued(input_id="b"))
+    if archived:
+        meta = MessageMeta(turn_id="turn-1", entry="opened", input_id="a")
+        b.add(MessageSaved(message=ChatMessage(id="m-a", role="user", content="一", meta=meta)))
+        b.add(ModelCallStarted(turn_id="turn-1", index=1))
+    if reply_saved:
+        record = TurnRecord(turn_id="turn-1", outcome="replied")
+        meta = MessageMeta(turn_id="turn-1", turn_record=record)
+        b.add(
+            MessageSaved(message=ChatMessage(id="m-r", role="assistant", content="好", meta=meta))
+        )
+    return b.events
+
+
+@pytest.mark.parametrize(("archived", "reply_saved"), [(False, False), (True, False), (True, True)])
+def test_recovery_puts_back_what_never_reached_the_model(archived: bool, reply_saved: bool) -> None:
+    """An acknowledged input is never silently dropped: cut before its archive, it never
+    reached the model, so recovery puts it back at the head of the queue (ahead of b, which
+    was queued later) and it runs. Archived and carried, it is not run again. A cut turn
+    whose reply was durable is recorded replied, with no stop marker."""
+    store = InMemoryEventStore()
+    events = _cut_log(archived=archived, reply_saved=reply_saved)
+    store.append("s", events, 0)
+    model = ScriptedModel()
+    runtime = Runtime(store, Services(llm=model), FixedClock(), SequentialIds(), janitor=False)
+    try:
+        assert runtime.recover() == ["s"]
+        assert runtime.wait_idle(10)
+        log = store.read("s")[len(events) :]
+        requeued = [e.input_id for e in log if isinstance(e, InputRequeued)]
+        assert requeued == ([] if archived else ["a"])
+        records = [(e.turn_id, e.outcome, e.reason) for e in log if isinstance(e, TurnRecorded)]
+        cut = ("turn-1", "replied" if reply_saved else "aborted", "crash")
+        assert records[0] == cut and all(r[1] == "replied" for r in records[1:])
+        opened = [e.input_ids for e in log if isinstance(e, TurnOpened)]
+        assert opened == ([("a", "b")] if not archived else [("b",)])
+        user = [
+            e.message.content
+            for e in store.read("s")
+            if isinstance(e, MessageSaved) and e.message.role == "user"
+        ]
+        assert user == ["一", "二"]  # each archived exactly once, a first
+        markers = [e for e in log if isinstance(e, StopMarkerSaved)]
+        assert len(markers) == (1 if archived and not reply_saved else 0)
+        assert not project(store.read("s")).queue.queued
+    finally:
+        runtime.shutdown(timeout=10)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pykka
 import pytest
+from aalis_agent.actors.hooks import Hooks
 from aalis_agent.actors.messages import Submit
 from aalis_agent.actors.runtime import Runtime, RuntimeClosed
 from aalis_agent.actors.session import SessionActor
@@ -32,6 +33,7 @@ from aalis_agent.events import (
     SessionEvent,
     SessionFailed,
     StopMarkerSaved,
+    StopRequested,
     ToolCall,
     ToolFinished,
     TurnOpened,
@@ -49,6 +51,7 @@ from aalis_agent.projections.texts import (
 )
 from aalis_agent.services import (
     ScriptedModel,
+    ScriptedReply,
     Services,
     SessionInfo,
     StaticAuthority,
@@ -678,3 +681,72 @@ def test_turn_ids_stay_unique_when_the_id_source_restarts() -> None:
             runtime.shutdown(timeout=10)
     opened = [e.turn_id for e in store.read("s") if isinstance(e, TurnOpened)]
     assert len(opened) == 12 and len(set(opened)) == 12
+
+
+@pytest.mark.parametrize("hook", ["agent:llm:after", "agent:reply:before"])
+@pytest.mark.parametrize("how", ["stop", "stop_command", "stop_all"])
+def test_a_stop_acknowledged_before_the_reply_is_durable_wins(hook: str, how: str) -> None:
+    """「被停下的一轮不落库回复、不外发,结局为aborted」: a stop that arrives while the final
+    call's ``agent:llm:after`` or ``agent:reply:before`` runs is acknowledged and wins:
+    no reply is saved or sent, the outcome is aborted."""
+    hooks = Hooks()
+    acked: list[str | None] = []
+    runtime = Runtime(
+        InMemoryEventStore(),
+        Services(llm=ScriptedModel([ScriptedReply(text="回答")])),
+        FixedClock(),
+        SequentialIds(),
+        janitor=False,
+        hooks=hooks,
+    )
+
+    def stop_now(ctx: Any, next_: Any) -> Any:
+        if how == "stop":
+            acked.append(runtime.stop(SID))
+        elif how == "stop_command":
+            refused = runtime.stop_command(SID, "cli", "u1")  # None: stopped
+            acked.append("stopped" if refused is None else None)
+        else:
+            acked.append(runtime.stop_all(SID))
+        return next_()
+
+    hooks.use(hook, stop_now)
+    sent: list[Any] = []
+    runtime.subscribe("outbound:message", lambda _t, p: sent.append(p))
+    try:
+        handle = runtime.submit(SID, Input(id="", content="问", sender=Sender(user_id="u1")))
+        outcome = handle.result(5)
+        assert acked and acked[0] is not None  # the stop was acknowledged
+        assert outcome.outcome == "aborted"
+        assert sent == []
+        log = runtime.store.read(SID)
+        assert not [e for e in log if isinstance(e, MessageSaved) and e.message.role == "assistant"]
+    finally:
+        runtime.shutdown(timeout=10)
+
+
+def test_after_the_reply_is_durable_a_stop_finds_no_turn() -> None:
+    hooks = Hooks()
+    answers: list[str | None] = []
+    runtime = Runtime(
+        InMemoryEventStore(),
+        Services(llm=ScriptedModel([ScriptedReply(text="回答")])),
+        FixedClock(),
+        SequentialIds(),
+        janitor=False,
+        hooks=hooks,
+    )
+
+    def stop_late(ctx: Any, next_: Any) -> Any:
+        answers.append(runtime.stop(SID))
+        answers.append(runtime.stop_command(SID, "cli", None))
+        return next_()
+
+    hooks.use("agent:turn:after", stop_late)
+    try:
+        outcome = runtime.submit(SID, Input(id="", content="问")).result(5)
+        assert outcome.outcome == "replied"
+        assert answers == [None, NO_RUNNING_TURN]
+        assert not [e for e in runtime.store.read(SID) if isinstance(e, StopRequested)]
+    finally:
+        runtime.shutdown(timeout=10)
