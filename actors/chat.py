@@ -9,6 +9,11 @@ model and each call shows as a ``[工具]`` line; ``/quit`` (or end of input)
 leaves once the last turn has ended. The reply streams as it comes, and a one-line
 token-usage status follows each turn. Everything is persisted: ``aalis-agent replay DB``
 shows it.
+
+Input is read as bytes and decoded line by line: a line that is not valid UTF-8 is
+reported on stderr (``chat: line 3 is not valid UTF-8; skipped``) and skipped, and the
+chat goes on with the next one, so no undecodable text (no lone surrogate) reaches the
+runtime.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from collections.abc import Mapping
-from typing import Any, TextIO
+from collections.abc import Iterator, Mapping
+from typing import IO, Any, TextIO
 
 from aalis_agent.actors.commands import COMMANDS, handle_command
 from aalis_agent.actors.runtime import Runtime, SubmitHandle
@@ -56,6 +61,32 @@ def _status(usage: Mapping[str, Any]) -> str:
     )
 
 
+def _lines(stdin: IO[Any]) -> Iterator[tuple[int, str | None]]:
+    """``(number, text)`` for each line of ``stdin``, numbered from 1, its line end (LF or
+    CR LF) removed; the text is ``None`` for a line that is not valid UTF-8.
+    A text stream is read through its byte buffer when it has one; a line of a text stream
+    without one (a ``StringIO``) that holds a lone surrogate counts as not valid."""
+    source: IO[Any] = getattr(stdin, "buffer", stdin)
+    number = 0
+    while raw := source.readline():  # not iteration: each line as soon as it is there
+        number += 1
+        text: str | None
+        if isinstance(raw, bytes):
+            try:
+                text = raw.decode("utf-8")  # strict: never a surrogate
+            except UnicodeDecodeError:
+                text = None
+        else:
+            text = raw
+            try:
+                raw.encode("utf-8")
+            except UnicodeEncodeError:
+                text = None
+        if text is not None:
+            text = text.removesuffix("\n").removesuffix("\r")
+        yield number, text
+
+
 def run_chat(
     db_path: str,
     session_id: str,
@@ -63,14 +94,18 @@ def run_chat(
     *,
     services: Services | None = None,
     tools: bool = True,
-    stdin: TextIO | None = None,
+    stdin: IO[Any] | None = None,
     out: TextIO | None = None,
+    err: TextIO | None = None,
 ) -> int:
     """Chat with ``session_id``; ``model`` (else ``services``' models, else the scripted
     default) answers. With ``tools``, a services without tools gets the built-in ones
-    (``current_time``, ``calculate``)."""
+    (``current_time``, ``calculate``). ``stdin`` (default: ``sys.stdin``) is read as
+    UTF-8 bytes; a line that is not valid UTF-8 is reported on ``err`` (default:
+    ``sys.stderr``) and skipped."""
     stdin = sys.stdin if stdin is None else stdin
     out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     interactive = stdin.isatty()
     services = services or Services(llm=default_model())
     if tools and not services.tools.available(None):
@@ -135,8 +170,12 @@ def run_chat(
         if threading.current_thread() is threading.main_thread():
             previous_handler = signal.signal(signal.SIGINT, on_interrupt)
     try:
-        for raw in stdin:
-            line = raw.rstrip("\n")
+        for number, line in _lines(stdin):
+            if line is None:
+                with lock:
+                    err.write(f"chat: line {number} is not valid UTF-8; skipped\n")
+                    err.flush()
+                continue
             if not line.strip():
                 continue
             if line.strip() == "/quit":

@@ -1,6 +1,8 @@
 """The ``aalis-agent`` command: ``demo``, ``chat``, ``config``, ``replay`` and ``scenario``.
 
-structlog and output are configured here, never on import.
+structlog and output are configured here, never on import. Registered secrets (API keys,
+see :mod:`services.secrets`) are masked in the log, in error lines and in ``config``'s
+output.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import structlog
 from aalis_agent.events import AgentError, ConfigError, ReplayError, SqliteEventStore, StoreError
+from aalis_agent.services.secrets import redact, redact_processor
 
 __all__ = ["build_parser", "main"]
 
@@ -54,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
             "turn, and Ctrl-C with none running leaves; "
             "/session, /session.set KEY VALUE and /session.reset KEY show and change the "
             "session's settings; /model and /persona list what there is (keyword, -p N); "
-            "/quit leaves. Reads piped input too (one message a line), waits for the last "
+            "/quit leaves. Reads piped input too (one message a line, UTF-8: a line that is "
+            "not valid UTF-8 is reported on stderr and skipped), waits for the last "
             "turn, then exits. Models: --config FILE (providers, preferences, settings "
             "layers, personas; see docs/configuration.md), or --base-url and --model for one "
             "OpenAI-compatible server (key from --api-key-env NAME; for an https server "
@@ -91,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
             "settings layers and the personas. A problem stops it with a line naming the "
             "file, the key and what is wrong (exit status 2). An API-key variable that is not "
             "set here is listed, and the status is 1 (chat would refuse the file). Keys are "
-            "never shown."
+            "never shown, not even in a server's error."
         ),
     )
     config.add_argument("file", metavar="FILE", help="configuration file (TOML)")
@@ -201,7 +205,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from aalis_agent.services.config_file import describe, load_config
 
     fc = load_config(args.file, require_keys=False)
-    sys.stdout.write(describe(fc))
+    sys.stdout.write(redact(describe(fc)))  # a listed model id could echo the key
     return 1 if fc.missing else 0
 
 
@@ -212,9 +216,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def configure_logging(verbose: bool = False, quiet: bool = False) -> None:
-    """Route structlog to stderr: INFO, DEBUG with ``verbose``, WARNING with ``quiet``."""
+    """Route structlog to stderr: INFO, DEBUG with ``verbose``, WARNING with ``quiet``;
+    registered secrets are masked in every value, tracebacks included."""
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     structlog.configure(
+        processors=[  # structlog's defaults, with the traceback formatted, then masked
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.StackInfoRenderer(),
+            structlog.dev.set_exc_info,
+            structlog.processors.TimeStamper(fmt="%Y-%m-%d %H:%M:%S", utc=False),
+            structlog.processors.format_exc_info,  # the traceback as text, so that...
+            redact_processor,  # ...this masks it with every other value
+            structlog.dev.ConsoleRenderer(),
+        ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         # Resolved at each call, so a replaced sys.stderr (tests, pipes) is honoured.
         logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
@@ -242,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             configure_logging(args.verbose, quiet=not args.verbose)
             return run_cli(args.file, db=args.db, as_json=args.json)
     except (AgentError, StoreError) as exc:
-        sys.stderr.write(f"aalis-agent {args.command}: error: {exc}\n")
+        sys.stderr.write(f"aalis-agent {args.command}: error: {redact(str(exc))}\n")
         return 2
     except BrokenPipeError:  # e.g. `aalis-agent replay db | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

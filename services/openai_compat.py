@@ -10,24 +10,59 @@ the model remembers it. Tool-call deltas without an ``index`` (some servers leav
 are told apart by their ids. The API key comes from the argument; else, for an
 ``https`` server and unless ``env_key=False``, from ``OPENAI_API_KEY`` or
 ``AALIS_API_KEY`` (a plain-``http`` server, typically a local one, never gets a key it
-was not given). It is never logged.
+was not given). It is never logged, and never stored: the key is registered with
+:mod:`services.secrets` when the model is built, and every error that leaves this module
+is a :class:`ProviderError` whose message has the registered secrets masked and which
+carries neither the client's exception (it holds the request's headers and the response
+body, where some servers echo the key) nor a chain to it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
-from aalis_agent.events.errors import ConfigError
+from aalis_agent.events.errors import AgentError, ConfigError
 from aalis_agent.events.schema import ChatMessage, ToolCall
 from aalis_agent.services.abort import AbortSignal
 from aalis_agent.services.llm import ChatRequest, StreamChunk, ThinkLevel, ToolCallProgress, Usage
+from aalis_agent.services.secrets import redact, register_secret
 
-__all__ = ["OpenAICompatibleModel", "list_server_models", "to_openai_message"]
+__all__ = ["OpenAICompatibleModel", "ProviderError", "list_server_models", "to_openai_message"]
+
+
+class ProviderError(AgentError):
+    """A call to a model server failed. The message is ``<kind>: <what the client said>``
+    with every registered secret masked; ``kind`` names the client's error
+    (``AuthenticationError``, ``APITimeoutError``…), ``status_code`` the HTTP status when
+    the server answered. Raised ``from None``, without the client's exception."""
+
+    def __init__(self, message: str, *, kind: str = "", status_code: int | None = None) -> None:
+        super().__init__(redact(message))
+        self.kind = kind
+        self.status_code = status_code
+
+    @classmethod
+    def of(cls, exc: BaseException) -> ProviderError:
+        """The masked stand-in for an exception the client raised."""
+        status = getattr(exc, "status_code", None)
+        kind = type(exc).__name__
+        return cls(
+            f"{kind}: {exc}", kind=kind, status_code=status if isinstance(status, int) else None
+        )
+
+
+def _register_keys(base_url: str, api_key: str | None) -> None:
+    """Register the key, and a password written into the server's URL."""
+    register_secret(api_key)
+    with contextlib.suppress(ValueError):  # not a URL the client would take either
+        register_secret(urlsplit(base_url).password)
 
 
 def _env_key() -> str | None:
@@ -39,6 +74,7 @@ def list_server_models(base_url: str, api_key: str | None, *, timeout_s: float =
     a key a placeholder is sent, never one from the environment."""
     import openai
 
+    _register_keys(base_url, api_key)
     client = openai.OpenAI(
         base_url=base_url,
         api_key=api_key or "not-needed",
@@ -46,7 +82,11 @@ def list_server_models(base_url: str, api_key: str | None, *, timeout_s: float =
         timeout=timeout_s,
     )
     try:
-        return [m.id for m in client.models.list()]
+        try:
+            return [m.id for m in client.models.list()]
+        except Exception as exc:
+            failure = ProviderError.of(exc)
+        raise failure from None  # outside the handler: no __context__ either
     finally:
         client.close()
 
@@ -92,6 +132,18 @@ def _index_of(tc: Any, pending: dict[int, _Pending]) -> int:
     return last
 
 
+_END = object()
+
+
+def _next(chunks: Iterator[Any]) -> Any:
+    """The stream's next chunk, or ``_END``; the client's errors come out as ProviderError."""
+    try:
+        return next(chunks, _END)
+    except Exception as exc:
+        failure = ProviderError.of(exc)
+    raise failure from None  # outside the handler: no __context__ either
+
+
 def _usage(u: Any) -> Usage:
     """Usage from a chunk; counts a server leaves out are 0, a missing total is the sum."""
     prompt = u.prompt_tokens or 0
@@ -125,6 +177,7 @@ class OpenAICompatibleModel:
 
         from_env = env_key and base_url.lower().startswith("https://")
         key = api_key or (_env_key() if from_env else None)
+        _register_keys(base_url, key)
         if not base_url:
             raise ConfigError("base_url must name the server, e.g. http://127.0.0.1:11434/v1")
         if not model:
@@ -170,11 +223,16 @@ class OpenAICompatibleModel:
         import openai
 
         while True:
+            kwargs = self._request(request)
             try:
-                return self._client.chat.completions.create(**self._request(request))
+                return self._client.chat.completions.create(**kwargs)
             except openai.BadRequestError as e:
-                if not self._adapt(str(e)):
-                    raise
+                if self._adapt(str(e)):
+                    continue
+                failure = ProviderError.of(e)
+            except Exception as e:
+                failure = ProviderError.of(e)
+            raise failure from None  # outside the handler: no __context__ either
 
     def _adapt(self, message: str) -> bool:
         """Learn from a 400's message; True when the request changed and may be retried."""
@@ -199,13 +257,17 @@ class OpenAICompatibleModel:
         def close() -> None:
             if not closed.is_set():
                 closed.set()
-                stream.close()  # the HTTP response ends at once: the stream is abandoned
+                # The HTTP response ends at once: the stream is abandoned. A failure to
+                # close is not the caller's (and would be the client's unmasked exception).
+                with contextlib.suppress(Exception):
+                    stream.close()
 
         abort.add_callback(close)
         pending: dict[int, _Pending] = {}
         usage: Usage | None = None
+        chunks = iter(stream)
         try:
-            for chunk in stream:
+            while (chunk := _next(chunks)) is not _END:
                 if abort.aborted:
                     return
                 if chunk.usage is not None:

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pty
 import select
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+from aalis_agent.actors.chat import run_chat
 from aalis_agent.events import (
     InputJoined,
     InputQueued,
+    InputReceived,
     SqliteEventStore,
     StopRequested,
     TurnRecorded,
@@ -44,10 +49,16 @@ def test_piped_lines_are_answered_in_order_and_persisted(tmp_path: Path) -> None
     assert len(joined) == 2  # both messages entered a turn (joined or queued first)
 
 
+_UNREAD: dict[int, bytes] = {}  # per terminal: what was read past the last needle
+
+
 def _read_until(fd: int, needle: str, timeout: float = 20.0) -> str:
-    seen = b""
+    """The terminal's output up to and including ``needle``; what came after it in the
+    same read is kept for the next call (two lines may arrive in one read)."""
+    want = needle.encode()
+    seen = _UNREAD.pop(fd, b"")
     deadline = time.monotonic() + timeout
-    while needle.encode() not in seen:
+    while want not in seen:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError(f"{needle!r} not seen in {seen.decode(errors='replace')!r}")
@@ -60,9 +71,11 @@ def _read_until(fd: int, needle: str, timeout: float = 20.0) -> str:
             if not chunk:
                 break
             seen += chunk
-    if needle.encode() not in seen:  # the terminal closed first: the program has ended
+    if want not in seen:  # the terminal closed first: the program has ended
         raise EOFError(f"{needle!r} not seen before the end: {seen.decode(errors='replace')!r}")
-    return seen.decode(errors="replace")
+    end = seen.index(want) + len(want)
+    _UNREAD[fd] = seen[end:]
+    return seen[:end].decode(errors="replace")
 
 
 def _chat_on_a_terminal(tmp_path: Path, second_reply: str) -> tuple[int, int, Path]:
@@ -79,6 +92,7 @@ def _chat_on_a_terminal(tmp_path: Path, second_reply: str) -> tuple[int, int, Pa
     if pid == 0:  # the child: the command, on a terminal
         os.chdir(ROOT)
         os.execv(sys.executable, [*CLI, "chat", "--db", str(db), "--script", str(script)])
+    _UNREAD.pop(fd, None)  # a number an earlier test's terminal had
     return pid, fd, db
 
 
@@ -193,3 +207,73 @@ def test_an_unknown_command_is_answered_not_sent_or_dropped(tmp_path: Path) -> N
     assert any(line.startswith("/session.set <键> <值>") for line in lines)  # /help
     with SqliteEventStore(tmp_path / "c.db") as store:
         assert store.sessions() == []  # nothing reached the model
+
+
+def _pipe_bytes(db: Path, data: bytes, **env: str) -> subprocess.CompletedProcess[bytes]:
+    """``chat`` with ``data`` piped in as raw bytes (``run_cli`` takes text)."""
+    return subprocess.run(
+        [*CLI, "chat", "--db", str(db)],
+        input=data,
+        capture_output=True,
+        timeout=60,
+        cwd=ROOT,
+        check=False,
+        env={"PATH": "/usr/bin:/bin", **env},
+    )
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"LC_ALL": "C.UTF-8"}, {"LC_ALL": "C"}, {"PYTHONIOENCODING": "utf-8:strict"}],
+    ids=["C.UTF-8", "C", "strict"],
+)
+def test_a_line_that_is_not_utf8_is_reported_and_skipped(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    """Invalid UTF-8 on the pipe (a stray byte, a truncated sequence, an encoded lone
+    surrogate) is reported with its line number and skipped; the other lines go on.
+    Whatever Python's own stdin would do with those bytes: turn them into lone surrogates
+    (the C locale, UTF-8 mode) or stop with a UnicodeDecodeError (strict)."""
+    db = tmp_path / "chat.db"
+    data = b"".join(
+        [
+            "你好\n".encode(),
+            b"caf\xe9 latin-1\n",  # line 2: not UTF-8
+            b"\n",
+            b"\xed\xa0\x80 a surrogate, encoded\n",  # line 4
+            b"/session\n",
+            "再见\r\n".encode(),  # a CRLF line end is a line end
+            b"truncated \xe4\xbd",  # line 7, the last, without a newline
+        ]
+    )
+    result = _pipe_bytes(db, data, **env)
+    stderr = result.stderr.decode("utf-8", "replace")
+    assert result.returncode == 0, stderr
+    assert stderr.splitlines() == [
+        "chat: line 2 is not valid UTF-8; skipped",
+        "chat: line 4 is not valid UTF-8; skipped",
+        "chat: line 7 is not valid UTF-8; skipped",
+    ]
+    lines = result.stdout.decode("utf-8").splitlines()
+    assert any(line.startswith("历史条数上限（historyLimit）") for line in lines)  # /session ran
+    replies = [line for line in lines if line.startswith("（脚本模型）收到：")]
+    assert " / ".join(r.removeprefix("（脚本模型）收到：") for r in replies) == "你好 / 再见"
+    with SqliteEventStore(db) as store:
+        log = store.read("cli:console")
+    assert [e.input.content for e in log if isinstance(e, InputReceived)] == ["你好", "再见"]
+
+
+def test_a_text_stream_with_a_lone_surrogate_never_reaches_the_runtime(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``run_chat`` given a text stream (no byte buffer): a line holding a lone surrogate
+    is reported on stderr and skipped like an undecodable one."""
+    db = tmp_path / "chat.db"
+    out = io.StringIO()
+    stdin = io.StringIO("坏\ud800行\n好行\n")
+    assert run_chat(str(db), "cli:console", stdin=stdin, out=out, tools=False) == 0
+    assert capsys.readouterr().err == "chat: line 1 is not valid UTF-8; skipped\n"
+    assert "（脚本模型）收到：好行" in out.getvalue().splitlines()
+    with SqliteEventStore(db) as store:
+        log = store.read("cli:console")
+    assert [e.input.content for e in log if isinstance(e, InputReceived)] == ["好行"]

@@ -25,7 +25,12 @@ from aalis_agent.events import (
     TurnRecorded,
 )
 from aalis_agent.services import AbortSignal, ChatRequest, Services, Tool, ToolRegistry
-from aalis_agent.services.openai_compat import OpenAICompatibleModel, to_openai_message
+from aalis_agent.services.openai_compat import (
+    OpenAICompatibleModel,
+    ProviderError,
+    to_openai_message,
+)
+from aalis_agent.services.secrets import MASK, redact
 
 from tests.harness import run_cli
 
@@ -475,9 +480,21 @@ def test_a_server_wanting_max_completion_tokens_gets_it(server: Server) -> None:
 
 
 def test_another_bad_request_is_not_retried(server: Server) -> None:
-    import openai
-
+    """It comes out as a ProviderError naming the client's error and the status, masked
+    and without the client's exception (which holds the request's headers)."""
     server.scripts += [(400, "messages: too long"), [sse(chunk({"content": "好"}, "stop"))]]
-    with pytest.raises(openai.BadRequestError, match="too long"):
+    with pytest.raises(ProviderError, match=r"^BadRequestError: .*too long") as caught:
         list(model(server).chat_stream(REQ, AbortSignal()))
+    assert (caught.value.kind, caught.value.status_code) == ("BadRequestError", 400)
+    assert caught.value.__cause__ is None and caught.value.__context__ is None
     assert len(server.requests) == 1
+
+
+def test_an_unreachable_server_is_a_provider_error_and_a_url_password_is_masked() -> None:
+    """A connection error is wrapped too; a password in the server's URL is registered
+    like a key."""
+    m = OpenAICompatibleModel(base_url="http://user:pw-in-the-URL-77@127.0.0.1:9/v1", model="m")
+    with pytest.raises(ProviderError, match=r"^APIConnectionError: ") as caught:
+        list(m.chat_stream(REQ, AbortSignal()))
+    assert caught.value.status_code is None and caught.value.__context__ is None
+    assert redact("http://user:pw-in-the-URL-77@host") == f"http://user:{MASK}@host"
