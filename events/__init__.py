@@ -30,6 +30,7 @@ from aalis_agent.events.errors import (
     ReplayError,
     SessionFailed,
     StoreError,
+    StoreInUse,
 )
 from aalis_agent.events.schema import *  # noqa: F403 -- the vocabulary is re-exported whole
 from aalis_agent.events.schema import __all__ as _schema_all
@@ -55,6 +56,7 @@ __all__ = [
     "SequentialIds",
     "SqliteEventStore",
     "StoreError",
+    "StoreInUse",
     "SystemClock",
     "UuidIds",
     "check_batch",

@@ -6,6 +6,7 @@
     │   ├── ConcurrencyConflict         an append's expected_seq did not match the log
     │   ├── InvalidBatch (ValueError)   a batch that cannot be appended as given
     │   ├── CorruptEvent                a stored row that does not decode
+    │   ├── StoreInUse                  another process writes this database
     │   └── SessionFailed               a session stopped after a failed write, or
     │                                   quarantined because its log does not decode
     └── ReplayError                     a log that cannot be replayed as asked
@@ -25,6 +26,7 @@ __all__ = [
     "ReplayError",
     "SessionFailed",
     "StoreError",
+    "StoreInUse",
 ]
 
 
@@ -65,6 +67,20 @@ class CorruptEvent(StoreError):
         self.session_id = session_id
         self.seq = seq
         self.reason = reason
+
+
+class StoreInUse(StoreError):
+    """Another process has this event database open for writing: one process runs its
+    sessions at a time. Readers (``read_only``, as ``replay``) are not refused."""
+
+    def __init__(self, database: str, holder: str) -> None:
+        super().__init__(
+            f"event database {database!r} is open for writing by another process "
+            f"(pid {holder}); one process runs its sessions at a time. Stop that process, "
+            "or read the database without writing (aalis-agent replay)"
+        )
+        self.database = database
+        self.holder = holder
 
 
 class SessionFailed(StoreError):

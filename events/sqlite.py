@@ -23,6 +23,7 @@ from urllib.parse import quote
 import sqlite_utils
 from aalis_agent.events.codec import decode, event_tag
 from aalis_agent.events.errors import ConcurrencyConflict, CorruptEvent, StoreError
+from aalis_agent.events.ownership import acquire_writer, release_writer
 from aalis_agent.events.schema import SessionEvent
 from aalis_agent.events.store import (
     CorruptHandler,
@@ -64,6 +65,7 @@ class SqliteEventStore:
         exclusive: bool = False,
         wal_autocheckpoint: int = 4000,
         read_only: bool = False,
+        single_writer: bool = True,
     ) -> None:
         """Open (and create when new) the event database at ``path``.
 
@@ -73,11 +75,33 @@ class SqliteEventStore:
         ``wal_autocheckpoint`` is the WAL size, in pages, that triggers a checkpoint.
         ``read_only`` opens an existing file for reading only: nothing is created,
         migrated or written (an older format is read as it is), and writes are refused.
+        ``single_writer`` (the default) makes this process the file's only writer until
+        :meth:`close` (see :mod:`aalis_agent.events.ownership`): another process opening
+        it for writing gets :class:`StoreInUse`. Turn it off only to test concurrent
+        writers; the sequence check still refuses a stale append.
         """
         self.path = str(path)
         self.read_only = read_only
         if read_only and self.path == ":memory:":
             raise StoreError("a read-only event database must be a file")
+        self._owner: str | None = None
+        if single_writer and not read_only and self.path != ":memory:":
+            self._owner = acquire_writer(self.path)
+        try:
+            self._open(path, timeout_s, exclusive, wal_autocheckpoint)
+        except BaseException:
+            self._release_owner()
+            raise
+
+    def _release_owner(self) -> None:
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            release_writer(owner)
+
+    def _open(
+        self, path: str | Path, timeout_s: float, exclusive: bool, wal_autocheckpoint: int
+    ) -> None:
+        read_only = self.read_only
         target = f"file:{quote(self.path)}?mode=ro" if read_only else self.path
         try:
             conn = sqlite3.connect(
@@ -347,6 +371,7 @@ class SqliteEventStore:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+        self._release_owner()
 
     def __enter__(self) -> SqliteEventStore:
         return self

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +14,13 @@ from typing import Any
 
 import pytest
 from aalis_agent.events import codec
-from aalis_agent.events.errors import ConcurrencyConflict, CorruptEvent, InvalidBatch, StoreError
+from aalis_agent.events.errors import (
+    ConcurrencyConflict,
+    CorruptEvent,
+    InvalidBatch,
+    StoreError,
+    StoreInUse,
+)
 from aalis_agent.events.schema import (
     ChatMessage,
     ContextCleared,
@@ -874,3 +884,64 @@ class TestSqliteStore(StoreContract):
         with pytest.raises(StoreError) as info:
             SqliteEventStore(path)
         assert "format 0" in str(info.value)
+
+
+# --- one writing process per database (events.ownership) ------------------------------
+
+_HOLD = """
+import sys, time
+from aalis_agent.events import SqliteEventStore
+store = SqliteEventStore(sys.argv[1])
+print("held", flush=True)
+time.sleep(60)
+"""
+
+_OPEN = """
+import sys
+from aalis_agent.events import SqliteEventStore, StoreInUse
+try:
+    SqliteEventStore(sys.argv[1], read_only=sys.argv[2] == "ro").close()
+except StoreInUse as exc:
+    print("refused:", exc)
+else:
+    print("opened")
+"""
+
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_a_second_process_cannot_write_the_database_while_one_holds_it(tmp_path: Path) -> None:
+    path = tmp_path / "owned.db"
+    with SqliteEventStore(path) as store:
+        store.append("s", batch("s", 1, 2), 0)
+        refused = _python(_OPEN, str(path), "rw")
+        assert refused.returncode == 0, refused.stderr
+        assert refused.stdout.startswith("refused:")
+        assert f"pid {os.getpid()}" in refused.stdout and "one process runs" in refused.stdout
+        assert _python(_OPEN, str(path), "ro").stdout.strip() == "opened"  # readers welcome
+        with SqliteEventStore(path) as same_process:  # this process shares its own lock
+            assert same_process.last_seq("s") == 2
+        assert store.append("s", batch("s", 3, 1), 2) == 3  # still ours
+    assert _python(_OPEN, str(path), "rw").stdout.strip() == "opened"  # released on close
+
+
+def test_the_writer_lock_dies_with_its_process(tmp_path: Path) -> None:
+    path = tmp_path / "owned.db"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(StoreInUse, match=f"pid {holder.pid}"):
+            SqliteEventStore(path)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        if holder.stdout is not None:
+            holder.stdout.close()
+    with SqliteEventStore(path) as store:  # a killed owner never blocks its successor
+        assert store.last_seq("s") == 0
