@@ -41,11 +41,13 @@ from aalis_agent.actors.turn import TurnRunner
 from aalis_agent.events import (
     AgentError,
     Clock,
+    CorruptEvent,
     EventStore,
     IdSource,
     Input,
     ModelRef,
     SessionFailed,
+    StoreError,
     SystemClock,
     TokenUsage,
     UuidIds,
@@ -55,7 +57,7 @@ from aalis_agent.projections.usage import BudgetLog, wire
 from aalis_agent.services import Services
 from aalis_agent.services.settings import validate_setting
 
-__all__ = ["InputBefore", "Runtime", "RuntimeClosed", "SubmitHandle"]
+__all__ = ["InputBefore", "Quarantined", "Runtime", "RuntimeClosed", "SubmitHandle"]
 
 log = structlog.get_logger("aalis.runtime")
 
@@ -86,6 +88,15 @@ class SubmitHandle:
 
     def done(self) -> bool:
         return self.future.done()
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """A session refused because its log does not read back: where, and why."""
+
+    session_id: str
+    seq: int | None
+    reason: str
 
 
 @dataclass
@@ -124,6 +135,8 @@ class Runtime:
         self._runners: set[TurnRunner] = set()
         self._runners_idle = threading.Condition(threading.Lock())
         self._closed = False
+        self._quarantine: dict[str, SessionFailed] = {}
+        self._quarantine_info: dict[str, Quarantined] = {}
         self._janitor_stop = threading.Event()
         self._janitor: threading.Thread | None = None
         if janitor:
@@ -135,7 +148,35 @@ class Runtime:
     # --- actors ----------------------------------------------------------------------
 
     def _load(self, session_id: str) -> SessionView:
-        return project(self.store.read(session_id))
+        """Fold the session's log. A log that does not decode (or fold) quarantines the
+        session: it is reported once and refused from then on; the others go on."""
+        quarantined = self._quarantine.get(session_id)
+        if quarantined is not None:
+            raise quarantined
+        try:
+            return project(self.store.read(session_id))
+        except CorruptEvent as exc:
+            raise self._quarantined(session_id, exc.seq, exc.reason) from None
+        except StoreError:
+            raise  # the store itself failed (not this log): nothing to quarantine
+        except Exception as exc:
+            raise self._quarantined(session_id, None, f"{type(exc).__name__}: {exc}") from None
+
+    def _quarantined(self, session_id: str, seq: int | None, reason: str) -> SessionFailed:
+        where = f"seq {seq}: " if seq is not None else ""
+        error = SessionFailed(
+            session_id, f"its log does not read back ({where}{reason})", quarantined=True
+        )
+        with self._lock:
+            self._quarantine[session_id] = error
+        self._quarantine_info[session_id] = Quarantined(session_id, seq, reason)
+        log.error("session quarantined", session=session_id, seq=seq, reason=reason)
+        return error
+
+    def quarantined(self) -> list[Quarantined]:
+        """Sessions refused because their log does not decode: session, seq, reason."""
+        with self._lock:
+            return [self._quarantine_info[s] for s in sorted(self._quarantine_info)]
 
     def _entry(self, session_id: str) -> _Entry:
         """The session's actor, started (and rebuilt from its log) when not running.
@@ -432,14 +473,21 @@ class Runtime:
         started, idle = [], []
         # Only sessions the log does not know to be idle are folded (ES4: start-up does
         # not grow with the whole history); those found idle are marked for next time.
+        # A session whose log does not decode is quarantined (see quarantined()); the
+        # others go on.
         for session_id in self.store.open_sessions():
-            view = self._load(session_id)
-            if queue.has_open_work(view.queue):
-                with self._lock:
-                    self._entry(session_id)
-                started.append(session_id)
-            elif view.seq:
-                idle.append((session_id, view.seq))
+            try:
+                view = self._load(session_id)
+                if queue.has_open_work(view.queue):
+                    with self._lock:
+                        self._entry(session_id)
+                    started.append(session_id)
+                elif view.seq:
+                    idle.append((session_id, view.seq))
+            except SessionFailed as exc:
+                if not exc.quarantined:
+                    log.error("session could not recover", session=session_id, error=str(exc))
+                continue
         if idle:
             self.store.mark_idle(idle)
         return started

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections import Counter
@@ -29,6 +30,7 @@ from aalis_agent.events import (
     ModelCallStarted,
     SequentialIds,
     SessionEvent,
+    SessionFailed,
     SettingsChanged,
     SqliteEventStore,
     StopMarkerSaved,
@@ -195,10 +197,10 @@ def test_recovery_folds_only_sessions_that_may_have_work() -> None:
         first.shutdown(timeout=10)
 
 
-def _cut_log(*, archived: bool, reply_saved: bool) -> list[SessionEvent]:
+def _cut_log(*, archived: bool, reply_saved: bool, session: str = "s") -> list[SessionEvent]:
     """A log a kill left behind: turn-1 opened with input a; then, maybe, a's archive and
     the model call; maybe the reply saved; never the turn's record."""
-    b = Batch("s", 0, now_ms=1_000)
+    b = Batch(session, 0, now_ms=1_000)
     b.add(InputReceived(input=Input(id="a", content="一", timestamp=1_000)))
     b.add(TurnOpened(turn_id="turn-1", input_ids=("a",)))
     b.add(InputJoined(input_id="a", turn_id="turn-1", entry="opened"))
@@ -250,3 +252,37 @@ def test_recovery_puts_back_what_never_reached_the_model(archived: bool, reply_s
         assert not project(store.read("s")).queue.queued
     finally:
         runtime.shutdown(timeout=10)
+
+
+def test_a_corrupt_log_is_quarantined_and_every_other_session_recovers(tmp_path: Path) -> None:
+    """Recovery isolates damage: one session whose log does not decode is quarantined and
+    reported (session, seq, reason); a healthy session cut by the same crash is recorded
+    and runs its queue; new sessions are served."""
+    path = tmp_path / "agent.db"
+    with SqliteEventStore(path) as store:
+        store.append("bad", _cut_log(archived=True, reply_saved=False, session="bad")[:2], 0)
+        store.append("good", _cut_log(archived=True, reply_saved=False, session="good"), 0)
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute(
+            "INSERT INTO events (position, session_id, seq, type, data) VALUES (?, ?, ?, ?, ?)",
+            (1000, "bad", 3, "message_saved", b"\xc1 not msgpack"),
+        )
+    conn.close()
+    store = SqliteEventStore(path)
+    runtime = Runtime(store, Services(llm=ScriptedModel()), janitor=False)
+    try:
+        assert runtime.recover() == ["good"]
+        assert runtime.wait_idle(10)
+        [bad] = runtime.quarantined()
+        assert (bad.session_id, bad.seq) == ("bad", 3) and bad.reason
+        records = [
+            (e.turn_id, e.outcome) for e in store.read("good") if isinstance(e, TurnRecorded)
+        ]
+        assert records[0] == ("turn-1", "aborted") and len(records) == 2  # cut, then b ran
+        with pytest.raises(SessionFailed, match=r"'bad' is quarantined.*seq 3"):
+            runtime.submit("bad", Input(id="", content="还在吗"))
+        assert runtime.submit("new", Input(id="", content="你好")).result(10).outcome == "replied"
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
