@@ -77,6 +77,7 @@ from aalis_agent.services import (
 from aalis_agent.services.llm import ChatModel, Usage
 from aalis_agent.services.models import LlmService, entry_id
 from aalis_agent.services.outbound import OutboundKind
+from aalis_agent.services.secrets import redact
 from aalis_agent.services.tools import Inbound
 
 __all__ = [
@@ -594,7 +595,7 @@ class TurnRunner:
                 if chunk.usage is not None:
                     call.usage = chunk.usage
         except Exception as exc:
-            self.actor.tell(CallEnded(self.turn_id, index, "error", 0, str(exc)[:200]))
+            self.actor.tell(CallEnded(self.turn_id, index, "error", 0, redact(str(exc))[:200]))
             raise
         if self.abort.aborted:
             self.actor.tell(CallEnded(self.turn_id, index, "aborted"))
@@ -942,12 +943,12 @@ class TurnRunner:
             try:
                 holder["result"] = tool.handler(c.args, c.tool_call_context)
             except Exception as exc:
-                holder["error"] = f"{type(exc).__name__}: {exc}"
+                holder["error"] = redact(f"{type(exc).__name__}: {exc}")
 
         try:
             ran, _ = self.hooks.run("agent:tool:before", before, execute)
         except Exception as exc:
-            return None, f"{type(exc).__name__}: {exc}", {}
+            return None, redact(f"{type(exc).__name__}: {exc}"), {}
         if not ran and "result" not in holder and "error" not in holder:
             holder["error"] = "工具调用被拦下，没有执行"
         after = ToolAfter(tc.name, holder.get("result"), context, error=holder.get("error"))
