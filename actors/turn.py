@@ -47,6 +47,7 @@ from aalis_agent.events import (
 from aalis_agent.projections import SessionView
 from aalis_agent.projections.history import HistoryState
 from aalis_agent.projections.labels import time_label
+from aalis_agent.projections.pairing import unique_call_ids
 from aalis_agent.projections.prompt import (
     Block,
     TurnPrompt,
@@ -601,10 +602,14 @@ class TurnRunner:
             self.actor.tell(CallEnded(self.turn_id, index, "aborted"))
             call.aborted = True
             return call
-        call.tool_calls = [
-            ToolCall(id=call_ids.get(i, tc.id) or tc.id, name=tc.name, arguments=tc.arguments)
-            for i, tc in enumerate(call.tool_calls)
-        ]
+        # Two calls of one message with one id are told apart before anything is stored,
+        # so each is answered exactly once in every later request.
+        call.tool_calls = unique_call_ids(
+            [
+                ToolCall(id=call_ids.get(i, tc.id) or tc.id, name=tc.name, arguments=tc.arguments)
+                for i, tc in enumerate(call.tool_calls)
+            ]
+        )
         call.text = "".join(text)
         call.reasoning = "".join(reasoning) or None
         self.actor.tell(CallEnded(self.turn_id, index, "ok", len(call.tool_calls)))

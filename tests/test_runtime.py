@@ -49,6 +49,7 @@ from aalis_agent.projections.texts import (
     STOP_DENIED,
     STOP_MARKER_PREFIX,
 )
+from aalis_agent.projections.validate import provider_violations
 from aalis_agent.services import (
     ScriptedModel,
     ScriptedReply,
@@ -748,5 +749,41 @@ def test_after_the_reply_is_durable_a_stop_finds_no_turn() -> None:
         assert outcome.outcome == "replied"
         assert answers == [None, NO_RUNNING_TURN]
         assert not [e for e in runtime.store.read(SID) if isinstance(e, StopRequested)]
+    finally:
+        runtime.shutdown(timeout=10)
+
+
+def test_duplicate_call_ids_are_made_unique_before_they_are_stored() -> None:
+    """Servers that number calls per response (``call_0`` in every batch) or repeat an id
+    inside one message: every request sent still pairs each call with exactly one result."""
+    requests: list[Any] = []
+
+    def reply(request: Any, n: int) -> ScriptedReply:
+        requests.append(request)
+        if n % 3 == 0:
+            return ScriptedReply(text="好了")
+        same = ToolCall(id="call_0", name="echo", arguments="{}")
+        return ScriptedReply(tool_calls=(same, same))
+
+    tools = ToolRegistry([Tool("echo", lambda args, ctx: "回声")])
+    runtime = Runtime(
+        InMemoryEventStore(),
+        Services(llm=ScriptedModel(reply), tools=tools),
+        FixedClock(),
+        SequentialIds(),
+        janitor=False,
+    )
+    try:
+        for text in ("一", "二"):
+            assert runtime.submit(SID, Input(id="", content=text)).result(10).outcome == "replied"
+        assert len(requests) == 6
+        for request in requests:
+            assert provider_violations(list(request.messages)) == []
+        groups = [
+            [c.id for c in e.message.tool_calls]
+            for e in runtime.store.read(SID)
+            if isinstance(e, MessageSaved) and e.message.tool_calls
+        ]
+        assert groups == [["call_0", "call_0~2"]] * 4
     finally:
         runtime.shutdown(timeout=10)
