@@ -6,7 +6,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from aalis_agent.events import Input, SessionEvent, TurnOutcome
+from aalis_agent.events import Input, ModelCallStarted, SessionEvent, TurnOutcome
 from aalis_agent.events.schema import ReleaseReason
 from aalis_agent.services.outbound import OutboundMessage
 
@@ -106,6 +106,7 @@ class InsertionPoint:
 
     turn_id: str
     events: tuple[SessionEvent, ...] = ()
+    started: ModelCallStarted | None = None  # committed instead when none joins
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,7 @@ from aalis_agent.projections.turns import TurnLog
 __all__ = [
     "OpenContext",
     "Step",
+    "archive_joined",
     "archived_input_message",
     "decide_call_ended",
     "decide_insertion",
@@ -88,11 +89,18 @@ class OpenContext:
 
 
 def archived_input_message(
-    inp: Input, turn_id: str | None, entry: str | None, message_id: str
+    inp: Input,
+    turn_id: str | None,
+    entry: str | None,
+    message_id: str,
+    entered_at: int | None = None,
 ) -> ChatMessage:
     """The archive's copy of an input (SAVE1): a user message with its provenance.
 
-    A host notice keeps only the host's body: its untrusted part is never archived (INS2).
+    Its time (the label the model reads) is ``entered_at``, the moment it entered its
+    turn (opened or joined): 「消息的时间标注是进入这一轮的时刻」; an input archived without
+    a turn (released) keeps its arrival time. A host notice keeps only the host's body:
+    its untrusted part is never archived (INS2).
     """
     return ChatMessage(
         id=message_id,
@@ -104,7 +112,7 @@ def archived_input_message(
             input_id=inp.id,
             sender=inp.sender,
             platform=inp.platform,
-            timestamp=inp.timestamp,
+            timestamp=entered_at if entered_at is not None else inp.timestamp,
         ),
     )
 
@@ -114,7 +122,7 @@ def _open(step: Step, batch: list[Input], ctx: OpenContext, *, from_queue: bool)
     prefix = None
     if from_queue and head.source is None:
         prefix = BATCH_PREFIX
-        if ctx.multi_party and not any(i.addressed for i in batch):
+        if ctx.multi_party and not any(i.was_addressed for i in batch):
             prefix = f"{BATCH_PREFIX}\n{BATCH_NO_REPLY_NEEDED}"
     turn_id = ctx.new_turn_id()
     step.add(
@@ -173,6 +181,32 @@ def decide_insertion(step: Step, turn_id: str) -> list[Input]:
     for inp in joined:
         step.add(InputJoined(input_id=inp.id, turn_id=turn_id, entry="joined"))
     return joined
+
+
+def archive_joined(
+    step: Step,
+    turn_id: str,
+    joined: list[Input],
+    message_id: Callable[[], str],
+    *,
+    save: bool = True,
+) -> list[ChatMessage]:
+    """The archive's copies of inputs that just joined ``turn_id`` in this step, each
+    timed by its ``InputJoined``; saved in the same batch (``save``), so a joined input is
+    archived in the commit that takes it (「插进来的在插入时」归档). Without an archive
+    (ARC1) the copies are built for the prompt but not saved."""
+    at = {
+        e.input_id: e.at
+        for e in step.events
+        if isinstance(e, InputJoined) and e.turn_id == turn_id and e.entry == "joined"
+    }
+    messages = []
+    for inp in joined:
+        message = archived_input_message(inp, turn_id, "joined", message_id(), at.get(inp.id))
+        if save:
+            step.add(MessageSaved(message=message))
+        messages.append(message)
+    return messages
 
 
 def decide_call_ended(

@@ -39,6 +39,7 @@ from aalis_agent.actors.messages import (
 from aalis_agent.actors.scheduler import (
     OpenContext,
     Step,
+    archive_joined,
     decide_call_ended,
     decide_insertion,
     decide_recover,
@@ -488,15 +489,24 @@ class SessionActor(pykka.ThreadingActor):
             raise
         return where
 
-    def _on_insertion(self, msg: InsertionPoint) -> list[Input] | None:
+    def _on_insertion(self, msg: InsertionPoint) -> tuple[list[Input], list[ChatMessage]] | None:
+        """One round of a turn's insertion point (FLOW8): its runner's facts, the pending
+        inputs joining and their archive in one commit; when none joins, the model call's
+        start instead. None when the turn is not recorded any more (deleted, DEL1)."""
         if not self._running(msg.turn_id) or self._winding_down:
-            return None  # a deleted (or stale) turn writes nothing more (DEL1)
+            return None
         step = self._step()
         for event in msg.events:
             step.add(event)
         joined = decide_insertion(step, msg.turn_id)
+        archive = self.services.archive is not None
+        messages = archive_joined(step, msg.turn_id, joined, self._message_id, save=archive)
+        if joined and not archive:
+            self.runtime._archive_missed()
+        if not joined and msg.started is not None:
+            step.add(msg.started)
         self._commit(step)
-        return joined
+        return joined, messages
 
     def _running(self, turn_id: str) -> bool:
         running = self.view.queue.running

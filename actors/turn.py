@@ -442,8 +442,11 @@ class TurnRunner:
         # SAVE1: inputs archived first, in order, entry "opened". An idle prompt is not
         # archived (INS3); a host notice is archived without its untrusted part (INS2).
         rendered: list[ChatMessage] = []
+        entered = self.opened.at  # their time label: the moment they entered the turn
         for inp in inputs:
-            message = archived_input_message(inp, self.turn_id, "opened", self.ids.new("msg"))
+            message = archived_input_message(
+                inp, self.turn_id, "opened", self.ids.new("msg"), entered
+            )
             if inp.trigger_type != "idle":
                 self._archive(message)
             rendered.append(render_input(message, now, tz))
@@ -476,12 +479,9 @@ class TurnRunner:
         tool_defs = [t.definition() for t in tools]
 
         batches = 0
-        human_opened = self.opened.source is None
         while True:
             if self.abort.aborted:
                 return "aborted", self.abort.reason
-            if human_opened:
-                self._insertion_point(prompt)
             cap = settings.max_tool_iterations
             final_only = cap is not None and batches >= cap
             call = self._model_call(prompt, [] if final_only else tool_defs)
@@ -495,32 +495,32 @@ class TurnRunner:
                 continue
             return self._reply(prompt, call)
 
-    def _insertion_point(self, prompt: TurnPrompt) -> None:
-        """FLOW8: pending inputs join before this call, archived with entry ``joined``.
-        The facts queued so far are committed in the same batch as the joining."""
+    def _take_inserts(self, prompt: TurnPrompt, started: ModelCallStarted) -> bool:
+        """FLOW8, one round of the insertion point: the pending inputs join this turn and
+        are archived (entry ``joined``) in one commit with the facts queued so far; when
+        none is pending, the call's ``ModelCallStarted`` is committed instead. Returns
+        whether any joined (their messages are appended to the prompt)."""
         events, self._drafts = tuple(self._drafts), []
-        joined: list[Input] | None = self.actor.ask(InsertionPoint(self.turn_id, events))  # type: ignore[assignment]
-        if joined is None:
+        answer: tuple[list[Input], list[ChatMessage]] | None = self.actor.ask(
+            InsertionPoint(self.turn_id, events, started)
+        )  # type: ignore[assignment]
+        if answer is None:
             raise NotRecorded(self.turn_id)
+        joined, messages = answer
         if not joined:
-            return
-        guide = self._focus_guide(joined)
+            return False
+        guide = self._focus_guide(joined, messages)
         if guide is not None:
             prompt.tail.append(guide)
         now = self.clock.now_ms()
-        for inp in joined:
-            message = archived_input_message(inp, self.turn_id, "joined", self.ids.new("msg"))
-            self._archive(message)
+        for inp, message in zip(joined, messages, strict=True):
             prompt.tail.append(render_input(message, now, self.services.tz))
             self._protected.add(message.id)
             self.inputs.append(inp)
+        return True
 
-    def _model_call(
-        self, prompt: TurnPrompt, tool_defs: list[dict[str, Any]], *, retry: bool = False
-    ) -> _Call:
-        """FLOW7, FLOW10-FLOW12: ``agent:llm:before``, the streamed call, ``agent:llm:after``."""
-        services = self.services
-        settings = self.opened.settings
+    def _llm_before(self, prompt: TurnPrompt, tool_defs: list[dict[str, Any]]) -> LlmBefore:
+        """FLOW7: assemble the request and run ``agent:llm:before`` over it."""
         before = LlmBefore(
             messages=assemble(prompt),
             tools=list(tool_defs),
@@ -530,34 +530,50 @@ class TurnRunner:
             trigger_type=self._trigger(),
         )
         self.hooks.run("agent:llm:before", before, lambda c: c)
+        return before
+
+    def _model_call(
+        self, prompt: TurnPrompt, tool_defs: list[dict[str, Any]], *, retry: bool = False
+    ) -> _Call:
+        """FLOW7-FLOW12: ``agent:llm:before``; in a turn opened by human messages the
+        insertion point (take, archive, assemble again, run ``agent:llm:before`` again,
+        until none is pending; not for format retries); the call's start committed; trim;
+        the streamed call; ``agent:llm:after``."""
+        services = self.services
+        settings = self.opened.settings
+        before = self._llm_before(prompt, tool_defs)
         self._call_index += 1
         index = self._call_index
         info = services.sessions.info(self.session_id)
         model = self.model
-        sent = self._trim(prompt, before.messages, before.tools, index)
-        request = ChatRequest(
-            messages=tuple(sent),
-            tools=tuple(before.tools),
+        purpose = "子任务" if info.is_child else "对话"  # ACC1
+        started = ModelCallStarted(
+            turn_id=self.turn_id,
+            index=index,
             model=entry_id(model),
-            think=LlmService.think_for(model, settings.think),  # SET2
-            session_id=self.session_id,
-            purpose="子任务" if info.is_child else "对话",  # ACC1
+            purpose=purpose,
+            format_retry=retry,
         )
-        self._report(
-            ModelCallStarted(
-                turn_id=self.turn_id,
-                index=index,
-                model=request.model,
-                purpose=request.purpose,
-                format_retry=retry,
-            )
-        )
-        self._flush()
+        if self.opened.source is None and not retry:
+            while self._take_inserts(prompt, started):
+                before = self._llm_before(prompt, tool_defs)
+        else:
+            self._report(started)
+            self._flush()
         call = _Call()
         text: list[str] = []
         reasoning: list[str] = []
         call_ids: dict[int, str] = {}
         try:
+            sent = self._trim(prompt, before.messages, before.tools, index)
+            request = ChatRequest(
+                messages=tuple(sent),
+                tools=tuple(before.tools),
+                model=started.model,
+                think=LlmService.think_for(model, settings.think),  # SET2
+                session_id=self.session_id,
+                purpose=purpose,
+            )
             for chunk in model.chat_stream(request, self.abort):
                 if self.abort.aborted:
                     break
@@ -803,18 +819,19 @@ class TurnRunner:
         self.hooks.run("agent:turn:after", after, lambda c: c)
         return outcome, None
 
-    def _focus_guide(self, joined: list[Input]) -> ChatMessage | None:
+    def _focus_guide(self, joined: list[Input], messages: list[ChatMessage]) -> ChatMessage | None:
         """Before addressed inserts in a multi-party room: a block listing every addressed
-        insert so far (SCH2). Earlier blocks stay as they were, so requests keep their
-        prefix; the block is part of this turn's requests only, never archived."""
+        insert so far (SCH2), each timed as it entered the turn. Earlier blocks stay as
+        they were, so requests keep their prefix; the block is part of this turn's requests
+        only, never archived."""
         if not self.opened.settings.multi_party:
             return None
-        addressed = [i for i in joined if i.addressed and i.source is None]
+        addressed = [(i, m) for i, m in zip(joined, messages, strict=True) if i.was_addressed]
         if not addressed:
             return None
         now = self.clock.now_ms()
-        for inp in addressed:
-            when = time_label(inp.timestamp or now, now, self.services.tz)
+        for inp, message in addressed:
+            when = time_label(message.meta.timestamp or now, now, self.services.tz)
             self._addressed.append((when, inp.sender.user_id or "?"))
         return ChatMessage(
             id=self.ids.new("msg"), role="system", content=focus_guide(list(self._addressed))

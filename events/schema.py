@@ -122,6 +122,16 @@ class Input(_Value, frozen=True):
         """Human messages carry no ``source``; injections do (SCH2, SCH3)."""
         return self.source is None
 
+    @property
+    def was_addressed(self) -> bool:
+        """``wasAddressed`` (SCH2): a human input whose trigger is ``direct`` or
+        ``immediate``, or that had no trigger decision at all, addressed the assistant;
+        other triggers (``interval``, ...) and every injection did not. Derived from the
+        trigger, not from the ``addressed`` field."""
+        if self.source is not None:
+            return False
+        return self.trigger_type in (None, "direct", "immediate")
+
 
 class ToolCall(_Value, frozen=True):
     """A tool call as an assistant message carries it; ``arguments`` as stored (FLOW13)."""

@@ -83,7 +83,7 @@ SYSTEM_PREFIX = "[系统]"
 """Start of a system notice sent to the room (OUT2)."""
 
 INPUT_CONVENTION = (
-    "[输入约定] 用户消息开头的（月/日 时:分）是消息到达的时间；多人场合里，时间之后的"
+    "[输入约定] 用户消息开头的（月/日 时:分）是这条消息进入对话的时间；多人场合里，时间之后的"
     "[昵称(账号)]: 是说话的人。这些标注由系统加上，不是对方打的字，回复里不要照抄。"
 )
 """The fixed block at the end of the system prompt (FLOW3)."""

@@ -329,7 +329,9 @@ def test_inserts_are_archived_as_joined_and_llm_before_runs_again(envs: list[Env
     settle(env.runtime, model, (tool,))
     second = model.wait_call().request
     assert second.messages[-1].content.endswith("插一句")
-    assert len(calls) == 2 and calls[1] > calls[0]
+    # Call 2: agent:llm:before runs, the insertion point takes the insert, then the hook
+    # runs again over the grown list (「再增量组装、重跑agent:llm:before,取空为止」).
+    assert len(calls) == 3 and calls[2] > calls[1]
     joined = [m for m in env.saved() if m.meta.entry == "joined"]
     assert [(m.content, m.meta.turn_id) for m in joined] == [("插一句", "turn-1")]
     model.answer("好")
@@ -855,3 +857,28 @@ def test_a_crash_between_calls_and_results_leaves_no_orphans(envs: list[Env]) ->
         assert any(m.kind == "turn-stopped" for m in request.messages)
     finally:
         runtime.shutdown(timeout=10)
+
+
+def test_an_input_arriving_while_llm_before_runs_joins_that_call(envs: list[Env]) -> None:
+    """FLOW8: the insertion point comes after ``agent:llm:before`` and repeats until none
+    is pending, so a message that arrives while the hook runs is taken, archived and sent
+    in the same call (not left for the next turn)."""
+    model = GatedModel()
+    env = make(envs, model=model)
+    late: list[Any] = []
+
+    def arrive_now(ctx: Any, next_: Any) -> Any:
+        if not late:
+            late.append(env.runtime.submit(SID, Input(id="", content="刚到的", **BOB)))
+        return next_()
+
+    env.hooks.use("agent:llm:before", arrive_now)
+    env.runtime.submit(SID, Input(id="", content="先说的", **ALICE))
+    first = model.wait_call().request
+    assert late and late[0].where == "待插入"
+    users = [m.content for m in first.messages if m.role == "user"]
+    assert users[-1].endswith("刚到的") and users[-2].endswith("先说的")
+    joined = [m for m in env.saved() if m.meta.entry == "joined"]
+    assert [(m.content, m.meta.turn_id) for m in joined] == [("刚到的", "turn-1")]
+    model.answer("好")
+    assert late[0].result(5).turn_id == "turn-1"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -100,7 +101,10 @@ def wait_for(condition: Any, timeout: float = 5.0) -> None:
         time.sleep(0.002)
 
 
-def human(user: str, **kw: Any) -> dict[str, Any]:
+def human(user: str, addressed: bool | None = None, **kw: Any) -> dict[str, Any]:
+    """A human input's fields; ``addressed`` picks the trigger wasAddressed follows."""
+    if addressed is not None:
+        kw["trigger_type"] = "direct" if addressed else "interval"
     return {"sender": Sender(user_id=user, nickname=f"昵称{user}"), "platform": "qq", **kw}
 
 
@@ -577,13 +581,16 @@ def test_addressed_inserts_in_a_multi_party_room_get_a_focus_guide(rig: Rig) -> 
     rig.submit("查一下", **human("a"))
     rig.model.answer(tool_calls=(CALL,))
     rig.tool.wait_running()
-    rig.submit("@bot 你看这个", **human("b", addressed=True, timestamp=1_767_225_600_000))
+    # Labels are the moment each input entered the turn, not when it arrived (07:00).
+    rig.submit("@bot 你看这个", **human("b", addressed=True, timestamp=1_767_222_000_000))
     rig.submit("闲聊一句", **human("c", addressed=False))
     rig.tool.release()
     rig.settle()
     second = rig.model.answer(tool_calls=(ToolCall(id="call-2", name="slow"),)).request
     rig.tool.wait_running()
-    rig.submit("@bot 还有我", **human("d", addressed=True, timestamp=1_767_225_660_000))
+    rig.submit("@bot 还有我", **human("d", addressed=True, timestamp=1_767_222_000_000))
+    assert isinstance(rig.runtime.clock, FixedClock)
+    rig.runtime.clock.advance(60_000)  # d joins a minute later
     rig.tool.release()
     rig.settle()
     third = rig.model.wait_call().request
@@ -643,8 +650,10 @@ def test_a_failed_append_stops_the_session_and_its_next_use_rebuilds_it() -> Non
         call = model.answer("好")
         sent = [m.content for m in call.request.messages if m.role == "user"]
         assert sent[0].endswith("一")  # the put-back input runs first
-        if second.where == "排队":  # it came after the insertion point: its own turn
-            model.answer("也好")
+        deadline = time.monotonic() + 5
+        while not second.done() and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):  # it came too late: its own turn
+                model.answer("也好", timeout=0.1)
         assert second.result(5).outcome == "replied"
         log = store.read(SID)
         assert project(log) == runtime.view(SID)  # the actor's view is the log's

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+import pytest
 from aalis_agent.actors.scheduler import (
     OpenContext,
     Step,
@@ -72,7 +73,8 @@ class Session:
 
 
 def h(n: int, addressed: bool = True) -> Input:
-    return Input(id=f"h{n}", content=f"人{n}", addressed=addressed)
+    """A human input; wasAddressed follows its trigger (direct, or interval when not)."""
+    return Input(id=f"h{n}", content=f"人{n}", trigger_type=None if addressed else "interval")
 
 
 def inj(n: int, source: str = "schedule") -> Input:
@@ -249,3 +251,28 @@ def test_a_released_idle_prompt_is_not_archived() -> None:  # SCH6, INS3
     ]
     s.step(lambda st: decide_settled(st, "turn-1", "aborted", s.ctx, message_id=s.message_id))
     assert not [e for e in s.log if isinstance(e, MessageSaved) and e.message.role == "user"]
+
+
+@pytest.mark.parametrize(
+    ("trigger", "addressed_field", "no_reply_line"),
+    [
+        ("interval", True, True),  # the trigger decides, not the field
+        ("direct", False, False),
+        ("immediate", False, False),
+        (None, False, False),  # no trigger decision: addressed
+    ],
+)
+def test_was_addressed_follows_the_trigger_type(
+    trigger: str | None, addressed_field: bool, no_reply_line: bool
+) -> None:
+    """「wasAddressed:真人输入的触发类型为direct或immediate,没经触发判定的…也算」."""
+    s = Session(ctx(multi_party=True))
+    s.submit(h(1))
+    s.step(lambda st: decide_call_ended(st, "turn-1", 1))
+    late = Input(id="h2", content="人2", trigger_type=trigger, addressed=addressed_field)  # type: ignore[arg-type]
+    s.submit(late)
+    s.step(lambda st: decide_settled(st, "turn-1", "replied", s.ctx, message_id=s.message_id))
+    opened = [e for e in s.log if isinstance(e, TurnOpened)][-1]
+    want = f"{BATCH_PREFIX}\n{BATCH_NO_REPLY_NEEDED}" if no_reply_line else BATCH_PREFIX
+    assert opened.batch_prefix == want
+    assert not inj(3).was_addressed  # an injection never is

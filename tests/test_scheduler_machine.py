@@ -724,7 +724,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 human=inp.source is None,
                 source=inp.source,
                 idle=inp.trigger_type == "idle",
-                addressed=inp.addressed,
+                addressed=inp.was_addressed,
                 instruction=inp.trigger_type in ("idle", "proactive")
                 or inp.host_notice is not None,
                 sender=inp.sender.user_id,
@@ -742,7 +742,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             content=f"话{iid}",
             sender=Sender(user_id=sender, nickname=f"昵称{sender}"),
             platform="qq",
-            addressed=addressed,
+            # wasAddressed follows the trigger: direct is addressed, interval is not.
+            trigger_type="direct" if addressed else "interval",
         )
 
     # --- inputs ----------------------------------------------------------------------
@@ -891,7 +892,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     human=True,
                     source=None,
                     idle=False,
-                    addressed=inp.addressed,
+                    addressed=inp.was_addressed,
                     sender=inp.sender.user_id,
                 ),
             )
@@ -920,7 +921,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             human=True,
             source=None,
             idle=False,
-            addressed=inp.addressed,
+            addressed=inp.was_addressed,
             place=("released", "stale-generation", False),
         )
         handle = self.runtime.submit(sid, inp)
