@@ -10,14 +10,25 @@ from typing import TYPE_CHECKING, Any
 
 from aalis_agent.actors.messages import SetSetting
 from aalis_agent.events import ConfigError
+from aalis_agent.projections.limits import json_too_deep
 from aalis_agent.projections.texts import listing_footer, listing_header
 from aalis_agent.services.models import entry_id, model_name
-from aalis_agent.services.settings import SETTING_FIELDS, validate_setting
+from aalis_agent.services.settings import SETTING_FIELDS, shown_value, validate_setting
 
 if TYPE_CHECKING:
     from aalis_agent.actors.runtime import Runtime
 
-__all__ = ["COMMANDS", "HELP", "PAGE_SIZE", "handle_command", "page_of", "set_setting"]
+__all__ = [
+    "COMMANDS",
+    "HELP",
+    "MAX_VALUE_CHARS",
+    "MAX_VALUE_DEPTH",
+    "PAGE_SIZE",
+    "handle_command",
+    "page_of",
+    "parse_value",
+    "set_setting",
+]
 
 HELP = "\n".join(
     (
@@ -44,6 +55,32 @@ PAGE_SIZE = 20
 
 USAGE = "用法：/session、/session.set <键> <值>、/session.reset <键>、/model [关键词] [-p 页]"
 
+MAX_VALUE_CHARS = 100_000
+"""Longest value ``/session.set`` reads (256 tool groups of 256 characters fit)."""
+
+MAX_VALUE_DEPTH = 8
+"""Deepest JSON value ``/session.set`` parses; a setting nests one level at most."""
+
+
+def parse_value(key: str, raw: str) -> Any:
+    """The value ``/session.set KEY RAW`` means: the text itself for the text settings,
+    else the JSON it holds when it is JSON (a number, a list), else the text. Too long or
+    too deeply nested text raises ConfigError naming the key; nothing recurses on it."""
+    if key in TEXT_KEYS:
+        return raw
+    if len(raw) > MAX_VALUE_CHARS:
+        raise ConfigError(
+            f"session setting {key!r}: the value is too long "
+            f"({len(raw)} characters, at most {MAX_VALUE_CHARS})"
+        )
+    if json_too_deep(raw, MAX_VALUE_DEPTH):
+        raise ConfigError(
+            f"session setting {key!r}: the value is nested deeper than {MAX_VALUE_DEPTH} levels"
+        )
+    with contextlib.suppress(ValueError):  # numbers and lists may be written as JSON
+        return json.loads(raw)
+    return raw
+
 
 def _show(value: Any) -> str:
     if isinstance(value, dict) and {"provider", "model"} <= value.keys():
@@ -66,11 +103,10 @@ def set_setting(
 ) -> str:
     """Set or reset a session-layer setting; owner-only keys refuse anyone else (SET3,
     SET4). Returns the reply; a bad key or value raises ConfigError naming it."""
-    if key not in SETTING_FIELDS:
-        raise ConfigError(f"unknown session setting {key!r}; known: {', '.join(SETTING_FIELDS)}")
+    refusal = _refusal(runtime, key, platform, user_id)
+    if refusal is not None:
+        return refusal
     field = SETTING_FIELDS[key]
-    if field.owner_only and not runtime.services.authority.is_owner(platform, user_id):
-        return f"{field.label}（{key}）只有 owner 能改"
     stored = None if reset else validate_setting(key, value)
     runtime._ask(session_id, SetSetting(key, stored, reset, user_id))
     shown = next(f for f in runtime.fields(session_id, platform, venue) if f.key == key)
@@ -84,6 +120,18 @@ def set_setting(
     else:
         note = f"，此刻：{shown.text}"
     return f"已设置{field.label}（{key}）= {given}{note}"
+
+
+def _refusal(runtime: Runtime, key: str, platform: str | None, user_id: str | None) -> str | None:
+    """The reply refusing ``key`` to this user (owner-only keys, SET3-SET4), or None; an
+    unknown key raises ConfigError."""
+    if key not in SETTING_FIELDS:
+        known = ", ".join(SETTING_FIELDS)
+        raise ConfigError(f"unknown session setting {shown_value(key)}; known: {known}")
+    field = SETTING_FIELDS[key]
+    if field.owner_only and not runtime.services.authority.is_owner(platform, user_id):
+        return f"{field.label}（{key}）只有 owner 能改"
+    return None
 
 
 def handle_command(
@@ -126,11 +174,10 @@ def handle_command(
                     user_id=user_id,
                     venue=venue,
                 )
-            raw = words[2]
-            value: Any = raw
-            if key not in TEXT_KEYS:  # numbers and lists may be written as JSON
-                with contextlib.suppress(ValueError):
-                    value = json.loads(raw)
+            refusal = _refusal(runtime, key, platform, user_id)
+            if refusal is not None:  # before reading the value at all
+                return refusal
+            value = parse_value(key, words[2])
             return set_setting(
                 runtime, session_id, key, value, platform=platform, user_id=user_id, venue=venue
             )
@@ -152,8 +199,13 @@ def page_of(
             if i + 1 >= len(args):
                 raise ValueError("-p 后面要跟页码")
             raw = args[i + 1]
-            if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
-                raise ValueError(f"页码要是正整数，不是 {raw!r}")
+            shown = raw if len(raw) <= 20 else raw[:20] + "…"
+            if not (raw.isascii() and raw.isdigit()):
+                raise ValueError(f"页码要是正整数，不是 {shown!r}")
+            if len(raw) > 9:  # never converts thousands of digits
+                raise ValueError(f"页码太大：{shown}")
+            if int(raw) < 1:
+                raise ValueError(f"页码要是正整数，不是 {shown!r}")
             page = int(raw)
             i += 2
             continue

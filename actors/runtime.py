@@ -52,6 +52,7 @@ from aalis_agent.events import (
     TokenUsage,
     UuidIds,
 )
+from aalis_agent.events.codec import checked_input
 from aalis_agent.projections import SessionView, project, queue, turns
 from aalis_agent.projections.usage import BudgetLog, wire
 from aalis_agent.services import Services
@@ -271,6 +272,7 @@ class Runtime:
         An input without an id gets one. The handle resolves when the input's turn has
         ended (SCH4) or when the input is released (SCH6, DEL1-DEL2).
         """
+        inp = checked_input(inp)  # a wrong type is refused here, naming the field
         if not inp.id:
             inp = msgspec.structs.replace(inp, id=self.ids.new("in"))
         if inp.timestamp is None:
@@ -284,7 +286,7 @@ class Runtime:
         if not ran:  # FLOW1: a middleware that does not call next() drops the input
             done.set_result(InputOutcome(inp.id, None, "dropped", "agent:input:before"))
             return SubmitHandle(inp.id, "dropped", done)
-        inp = ctx.message
+        inp = checked_input(ctx.message)  # as the preprocessors and middleware left it
         for attempt in (1, 2):
             with self._lock:
                 entry = self._entry(session_id)

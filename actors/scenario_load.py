@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -28,10 +29,42 @@ from aalis_agent.actors.scenario_spec import (
 )
 from aalis_agent.events import ConfigError, HostNotice, Input, ModelRef, Sender, ToolCall
 from aalis_agent.events.schema import TriggerType
+from aalis_agent.projections.limits import (
+    INT64_MAX,
+    MAX_DEPTH,
+    clean_text,
+    find_unloggable,
+    toml_too_deep,
+)
 from aalis_agent.services import AgentConfig, Usage
+from aalis_agent.services.settings import (
+    MAX_TOKENS,
+    check_config_range,
+    shown_value,
+    validate_setting,
+)
 
 DEFAULT_START_MS = 1_767_225_600_000
 """2026-01-01T00:00:00Z, when a scenario gives no ``start``."""
+
+MIN_TIME_MS = -62_135_596_800_000
+MAX_TIME_MS = 253_402_300_799_999
+"""``start`` in milliseconds: 0001-01-01 to 9999-12-31 (what a date can show)."""
+
+MAX_TICK_MS = 86_400_000
+"""Longest ``tick_ms``: a day per step."""
+
+MAX_WAIT_MS = 366 * 86_400_000
+"""Longest ``wait``: a year."""
+
+MAX_TIMEOUT_S = 86_400.0
+"""Longest ``timeout_s``: a day."""
+
+MAX_CHUNKS = 100_000
+"""Most pieces a reply's text streams in."""
+
+MAX_POINT_DIGITS = 9
+"""Numbers in a point (``before call N``) have at most this many digits."""
 
 STEP_KINDS: tuple[str, ...] = get_args(StepKind)
 TRIGGERS: tuple[str, ...] = get_args(TriggerType)
@@ -80,7 +113,14 @@ class _Table:
             raise self.error(f"{key} must be text, got {_kind(value)}")
         return value
 
-    def integer(self, key: str, default: int | None = None, *, minimum: int = 0) -> Any:
+    def integer(
+        self,
+        key: str,
+        default: int | None = None,
+        *,
+        minimum: int = 0,
+        maximum: int = INT64_MAX,
+    ) -> Any:
         value = self.get(key)
         if value is None:
             return default
@@ -88,14 +128,23 @@ class _Table:
             raise self.error(f"{key} must be an integer, got {_kind(value)}")
         if value < minimum:
             raise self.error(f"{key} must be >= {minimum}, got {value}")
+        if value > maximum:
+            raise self.error(f"{key} must be <= {maximum}, got {value}")
         return value
 
-    def number(self, key: str, default: float) -> float:
+    def number(self, key: str, default: float, *, maximum: float) -> float:
         value = self.get(key)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise self.error(f"{key} must be a positive number, got {value!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise self.error(f"{key} must be a positive number, got {shown_value(value)}")
+        if value > maximum:
+            raise self.error(f"{key} must be <= {maximum:g}, got {shown_value(value)}")
         return float(value)
 
     def flag(self, key: str, default: bool) -> bool:
@@ -133,7 +182,7 @@ def _kind(value: Any) -> str:
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, str):
-        return f"text {value!r}"
+        return f"text {shown_value(value)}"
     if isinstance(value, int | float):
         return f"a number ({value})"
     if isinstance(value, list):
@@ -144,9 +193,14 @@ def _kind(value: Any) -> str:
 
 
 def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
-    """Read and check a scenario: a TOML file's path, or the table it would parse to."""
+    """Read and check a scenario: a TOML file's path, or the table it would parse to.
+
+    What the event log could not hold is refused naming the file and the dotted key:
+    nesting past :data:`~aalis_agent.projections.limits.MAX_DEPTH` (in a file, before the
+    TOML is parsed), an integer outside 64 bits, text with a lone surrogate."""
     if isinstance(source, Mapping):
-        file = str(source.get("name") or "<scenario>")
+        name = source.get("name")
+        file = clean_text(name) if isinstance(name, str) and name else "<scenario>"
         data: Mapping[str, Any] = source
     else:
         file = str(source)
@@ -156,11 +210,22 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
         except OSError as exc:
             raise ScenarioError(f"cannot read the file: {exc.strerror or exc}", file=file) from None
         try:
-            data = tomllib.loads(raw.decode("utf-8"))
+            text = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise ScenarioError("not UTF-8 text", file=file) from None
+        deep = toml_too_deep(text, MAX_DEPTH)
+        if deep is not None:
+            key, line = deep
+            raise ScenarioError(
+                f"nested deeper than {MAX_DEPTH} levels (line {line})", file=file, where=key
+            )
+        try:
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ScenarioError(f"not valid TOML: {exc}", file=file) from None
+    bad = find_unloggable(data, max_depth=MAX_DEPTH)
+    if bad is not None:
+        raise ScenarioError(bad[1], file=file, where=bad[0] or "top level")
     return _Loader(file).load(data, default_name=Path(file).stem)
 
 
@@ -178,8 +243,8 @@ class _Loader:
         description = top.text("description", "")
         tz = self._tz(top)
         start_ms = self._start(top, tz)
-        tick_ms = top.integer("tick_ms", 1000)
-        timeout_s = top.number("timeout_s", 10.0)
+        tick_ms = top.integer("tick_ms", 1000, maximum=MAX_TICK_MS)
+        timeout_s = top.number("timeout_s", 10.0, maximum=MAX_TIMEOUT_S)
         owners = self._owners(top)
         archive = top.flag("archive", True)
         config = self._config(top.get("config"))
@@ -226,7 +291,9 @@ class _Loader:
             return UTC
         m = re.fullmatch(r"([+-])(\d{2}):?(\d{2})", value)
         if m is None or int(m[2]) > 23 or int(m[3]) > 59:
-            raise top.error(f"timezone must look like '+08:00', '-05:30' or 'UTC', got {value!r}")
+            raise top.error(
+                f"timezone must look like '+08:00', '-05:30' or 'UTC', got {shown_value(value)}"
+            )
         sign = 1 if m[1] == "+" else -1
         return timezone(sign * timedelta(hours=int(m[2]), minutes=int(m[3])))
 
@@ -238,10 +305,17 @@ class _Loader:
             try:
                 value = datetime.fromisoformat(value)
             except ValueError:
-                raise top.error(f"start is not an ISO date and time: {value!r}") from None
+                raise top.error(
+                    f"start is not an ISO date and time: {shown_value(value)}"
+                ) from None
         if isinstance(value, bool):
             raise top.error("start must be a date and time, or milliseconds since the epoch")
         if isinstance(value, int):
+            if not MIN_TIME_MS <= value <= MAX_TIME_MS:
+                raise top.error(
+                    f"start must be from {MIN_TIME_MS} to {MAX_TIME_MS} milliseconds "
+                    f"(years 1 to 9999), got {value}"
+                )
             return value
         if isinstance(value, datetime):
             if value.tzinfo is None:
@@ -269,9 +343,11 @@ class _Loader:
                 f"must be a table, got {_kind(data)}", file=self.file, where="[config]"
             )
         try:
-            return AgentConfig.from_mapping(data, where="[config]")
+            config = AgentConfig.from_mapping(data, where="[config]")
+            check_config_range(config, where="[config]")
         except (ConfigError, TypeError) as exc:
             raise ScenarioError(str(exc), file=self.file) from None
+        return config
 
     def _models(self, first: Any, more: list[Any]) -> tuple[dict[str, Any], ...]:
         models: list[dict[str, Any]] = []
@@ -280,8 +356,12 @@ class _Loader:
             model = {
                 "id": t.text("id", "scripted" if i == 0 else None, required=i > 0),
                 "provider": t.text("provider", "scenario"),
-                "context_length": t.integer("context_length", 32_000, minimum=1),
-                "max_output_tokens": t.integer("max_output_tokens", 4096, minimum=1),
+                "context_length": t.integer(
+                    "context_length", 32_000, minimum=1, maximum=MAX_TOKENS
+                ),
+                "max_output_tokens": t.integer(
+                    "max_output_tokens", 4096, minimum=1, maximum=MAX_TOKENS
+                ),
                 "think_levels": tuple(t.texts("think_levels") or ()),
                 "default_think": t.text("default_think"),
             }
@@ -328,17 +408,27 @@ class _Loader:
             if t.has(key):
                 checked[key] = layer[key] = t.get(key)
         try:
-            AgentConfig.from_mapping(checked, where=t.where)
+            check_config_range(AgentConfig.from_mapping(checked, where=t.where), where=t.where)
+            for key, value in checked.items():  # as /session.set would check them
+                validate_setting(key, value, layer=owner.where)
         except ConfigError as exc:
             raise ScenarioError(str(exc), file=self.file) from None
         groups = t.texts("enabledToolGroups")
         if groups is not None:
+            try:
+                validate_setting("enabledToolGroups", groups, layer=owner.where)
+            except ConfigError as exc:
+                raise ScenarioError(str(exc), file=self.file) from None
             layer["enabledToolGroups"] = groups
         model = t.text("model")
         if model is not None:
             provider, sep, model_id = model.partition("/")
             if not sep or not provider or not model_id:
                 raise t.error(f"model must be 'provider/model', got {model!r}")
+            try:
+                validate_setting("llm", model, layer=owner.where)
+            except ConfigError as exc:
+                raise ScenarioError(str(exc), file=self.file) from None
             layer["model"] = ModelRef(provider=provider, model=model_id)
         t.done()
         return layer
@@ -441,6 +531,8 @@ class _Loader:
             return tuple(chunks)
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise t.error(f"chunks must be a number >= 1 or a list of text, got {_kind(chunks)}")
+        if chunks > MAX_CHUNKS:
+            raise t.error(f"chunks must be <= {MAX_CHUNKS}, got {chunks}")
         text = text or ""
         size = -(-len(text) // chunks) if text else 0
         return tuple(text[i * size : (i + 1) * size] for i in range(chunks)) if size else ()
@@ -450,10 +542,10 @@ class _Loader:
             return None
         t = self.table(data, f"{owner.where} usage")
         usage = Usage(
-            prompt_tokens=t.integer("prompt_tokens"),
-            completion_tokens=t.integer("completion_tokens"),
-            total_tokens=t.integer("total_tokens"),
-            cached_prompt_tokens=t.integer("cached_prompt_tokens"),
+            prompt_tokens=t.integer("prompt_tokens", maximum=MAX_TOKENS),
+            completion_tokens=t.integer("completion_tokens", maximum=MAX_TOKENS),
+            total_tokens=t.integer("total_tokens", maximum=MAX_TOKENS),
+            cached_prompt_tokens=t.integer("cached_prompt_tokens", maximum=MAX_TOKENS),
         )
         t.done()
         return usage
@@ -466,7 +558,10 @@ class _Loader:
         if arguments is None:
             arguments = ""
         elif isinstance(arguments, Mapping):
-            arguments = json.dumps(arguments, ensure_ascii=False)
+            try:
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            except (TypeError, ValueError) as exc:  # a date or time has no JSON form
+                raise t.error(f"arguments as a table must hold JSON values only: {exc}") from None
         elif not isinstance(arguments, str):
             raise t.error(
                 "arguments must be text (sent as is, so it may be broken JSON) or a table"
@@ -497,35 +592,38 @@ class _Loader:
         value = t.text("at")
         if value is None:
             return Point("now")
+        shown = shown_value(value)
         text = " ".join(value.split())
         for pattern, kind in _POINT_PATTERNS:
             m = pattern.fullmatch(text)
             if m is None:
                 continue
             groups = m.groupdict()
+            if len(groups.get("n") or "") > MAX_POINT_DIGITS:
+                raise t.error(f"at {shown}: numbers have at most {MAX_POINT_DIGITS} digits")
             n = int(groups.get("n") or 1)
             if kind == "start":
                 return Point("start")
             if n < 1:
-                raise t.error(f"at {value!r}: numbers count from 1")
+                raise t.error(f"at {shown}: numbers count from 1")
             if kind == "tool":
                 tool = groups["tool"]
                 if tool not in tools:
                     declared = ", ".join(tools) or "none"
-                    raise t.error(f"at {value!r}: no tool {tool!r} (declared: {declared})")
+                    raise t.error(f"at {shown}: no tool {tool!r} (declared: {declared})")
                 return Point("tool", n=n, tool=tool)
             point_sid = groups.get("session") or sid
             if point_sid not in sessions:
-                raise t.error(f"at {value!r}: no session {point_sid!r}")
+                raise t.error(f"at {shown}: no session {point_sid!r}")
             scripted = len(replies[point_sid])
             if kind == "before-call" and n - 1 > scripted:
                 raise t.error(
-                    f"at {value!r} can never happen: call {n} of {point_sid} needs calls "
+                    f"at {shown} can never happen: call {n} of {point_sid} needs calls "
                     f"1-{n - 1} answered, and only {scripted} repl"
                     f"{'y is' if scripted == 1 else 'ies are'} scripted"
                 )
             return Point(kind, session=point_sid, n=n)
-        raise t.error(f"at {value!r} is not a point; use {_POINT_FORMS}")
+        raise t.error(f"at {shown} is not a point; use {_POINT_FORMS}")
 
     def _steps(
         self,
@@ -564,7 +662,7 @@ class _Loader:
         if do == "clear":
             return StepSpec(**base, kinds=t.texts("kinds") or ())
         if do == "wait":
-            ms = t.integer("ms", minimum=1)
+            ms = t.integer("ms", minimum=1, maximum=MAX_WAIT_MS)
             if ms is None:
                 raise t.error("ms is required (how far the clock moves)")
             return StepSpec(**base, ms=ms)

@@ -14,7 +14,7 @@ reply (``agent:reply:before``, with format retries), saved and sent; ``agent:tur
 from __future__ import annotations
 
 import contextlib
-import json
+import inspect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +47,12 @@ from aalis_agent.events import (
 from aalis_agent.projections import SessionView
 from aalis_agent.projections.history import HistoryState
 from aalis_agent.projections.labels import time_label
+from aalis_agent.projections.limits import (
+    clean_text,
+    coerce_tool_result,
+    find_unloggable,
+    parse_tool_arguments,
+)
 from aalis_agent.projections.pairing import unique_call_ids
 from aalis_agent.projections.prompt import (
     Block,
@@ -61,7 +67,7 @@ from aalis_agent.projections.prompt import (
     volatile_for,
 )
 from aalis_agent.projections.textnorm import strip_leaked_special_tokens, truncate
-from aalis_agent.projections.texts import ERROR_PREFIX, focus_guide, tool_bad_arguments
+from aalis_agent.projections.texts import ERROR_PREFIX, focus_guide
 from aalis_agent.projections.tokens import (
     default_counter,
     tool_definition_tokens,
@@ -99,6 +105,9 @@ __all__ = [
 log = structlog.get_logger("aalis.turn")
 
 MAX_FORMAT_RETRIES = 2
+
+ASYNC_TOOL = "[错误] 这个工具是异步函数（async def），这里只调用同步函数，没有执行"
+"""The result a call gets whose tool handler returned an awaitable."""
 
 
 # --- hook payloads (the original framework's shapes, UPSTREAM-FACTS) --------------------
@@ -626,8 +635,10 @@ class TurnRunner:
                 for i, tc in enumerate(call.tool_calls)
             ]
         )
-        call.text = "".join(text)
-        call.reasoning = "".join(reasoning) or None
+        # Text enters here: a surrogate pair split across chunks is joined, a lone half
+        # replaced, so what is sent and saved can always be stored.
+        call.text = clean_text("".join(text))
+        call.reasoning = clean_text("".join(reasoning)) or None
         self.actor.tell(CallEnded(self.turn_id, index, "ok", len(call.tool_calls)))
         self._usage(prompt, sent, before.tools, call)  # FLOW11
         after = LlmAfter(
@@ -881,8 +892,11 @@ class TurnRunner:
                 # Stopped: the calls not yet started never run. The group keeps only the
                 # calls that ran, so it stays a complete call-and-results group.
                 break
-            args, error = _parse_arguments(tc.arguments)
-            kept = tc.arguments if error is None else "{}"
+            # Arguments must be a JSON object, nested no deeper than the log can hold;
+            # otherwise the call does not run and the model gets the error (FLOW13).
+            raw = clean_text(tc.arguments)
+            args, error = parse_tool_arguments(raw)
+            kept = raw if error is None else "{}"
             stored.append(ToolCall(id=tc.id, name=tc.name, arguments=kept))
             context = self._tool_context(tc.id)
             self._report(
@@ -963,7 +977,13 @@ class TurnRunner:
                 holder["error"] = f"没有这个工具：{c.name}"
                 return
             try:
-                holder["result"] = tool.handler(c.args, c.tool_call_context)
+                value = tool.handler(c.args, c.tool_call_context)
+                if inspect.isawaitable(value):
+                    if inspect.iscoroutine(value):
+                        value.close()  # never awaited: tools are called synchronously
+                    holder["error"] = ASYNC_TOOL
+                else:
+                    holder["result"] = value
             except Exception as exc:
                 holder["error"] = redact(f"{type(exc).__name__}: {exc}")
 
@@ -975,7 +995,32 @@ class TurnRunner:
             holder["error"] = "工具调用被拦下，没有执行"
         after = ToolAfter(tc.name, holder.get("result"), context, error=holder.get("error"))
         self.hooks.run("agent:tool:after", after, lambda c: c)
-        return after.result, after.error, dict(after.metadata)
+        return self._recordable(tc, after)
+
+    def _recordable(
+        self, tc: ToolCall, after: ToolAfter
+    ) -> tuple[str | None, str | None, dict[str, Any]]:
+        """What a tool (and its middleware) gave, as values the log can hold: the result
+        as text (a JSON value becomes compact JSON, bytes are decoded; anything else, or
+        nesting too deep, is an error for the model), text cleaned of lone surrogates,
+        metadata dropped (and logged) when it could not be stored."""
+        result, problem = coerce_tool_result(after.result)
+        error = after.error if after.error is None else clean_text(str(after.error))
+        if problem is not None and error is None:
+            error = problem
+        metadata = dict(after.metadata)
+        unloggable = find_unloggable(metadata)
+        if unloggable is not None:
+            log.warning(
+                "tool metadata dropped: the log cannot hold it",
+                session=self.session_id,
+                turn=self.turn_id,
+                tool=tc.name,
+                where=unloggable[0],
+                problem=unloggable[1],
+            )
+            metadata = {}
+        return result, error, metadata
 
 
 def _max_result_chars(services: Services, model: ChatModel) -> int | None:
@@ -986,16 +1031,3 @@ def _max_result_chars(services: Services, model: ChatModel) -> int | None:
     if window <= 0:
         return None
     return max(int(window * ratio), 1)
-
-
-def _parse_arguments(raw: str) -> tuple[dict[str, Any], str | None]:
-    """Arguments must be a JSON object; an empty string means none (FLOW13)."""
-    if raw == "":
-        return {}, None
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return {}, tool_bad_arguments(raw)
-    if not isinstance(value, dict):
-        return {}, tool_bad_arguments(raw)
-    return value, None

@@ -2,6 +2,7 @@
 
     AgentError
     ├── ConfigError (ValueError)        bad configuration or settings values
+    ├── InvalidInput (ValueError)       an input the log could not hold (wrong type, ...)
     ├── StoreError
     │   ├── ConcurrencyConflict         an append's expected_seq did not match the log
     │   ├── InvalidBatch (ValueError)   a batch that cannot be appended as given
@@ -23,6 +24,7 @@ __all__ = [
     "ConfigError",
     "CorruptEvent",
     "InvalidBatch",
+    "InvalidInput",
     "ReplayError",
     "SessionFailed",
     "StoreError",
@@ -36,6 +38,11 @@ class AgentError(Exception):
 
 class ConfigError(AgentError, ValueError):
     """A configuration or settings value that is refused; the message names the key."""
+
+
+class InvalidInput(AgentError, ValueError):
+    """An input refused at the API boundary: a field of the wrong type, or a value the
+    log cannot hold. The message names the field (``$.content``); nothing was written."""
 
 
 class StoreError(AgentError):

@@ -58,11 +58,19 @@ from typing import TYPE_CHECKING, Any
 
 from aalis_agent.events.errors import ConfigError
 from aalis_agent.events.schema import ModelRef
+from aalis_agent.projections.limits import MAX_DEPTH, find_unloggable, toml_too_deep
 from aalis_agent.services.config import AgentConfig
 from aalis_agent.services.llm import ChatModel, ScriptedModel, ScriptedReply, ThinkLevel
 from aalis_agent.services.models import LlmService, Provider, parse_model_ref
 from aalis_agent.services.outbound import StaticPersonas
-from aalis_agent.services.settings import SettingsLayers, validate_setting
+from aalis_agent.services.settings import (
+    MAX_TIMEOUT_MS,
+    MAX_TOKENS,
+    SettingsLayers,
+    check_config_range,
+    shown_value,
+    validate_setting,
+)
 
 if TYPE_CHECKING:
     from aalis_agent.services import Services
@@ -150,13 +158,21 @@ class _Reader:
         return value
 
     def integer(
-        self, table: Mapping[str, Any], key: str, name: str, default: int, minimum: int
+        self,
+        table: Mapping[str, Any],
+        key: str,
+        name: str,
+        default: int,
+        minimum: int,
+        maximum: int,
     ) -> int:
         value = table.get(name, default)
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.error(f"{key}.{name}", f"expected an integer, got {_kind(value)}")
         if value < minimum:
-            raise self.error(f"{key}.{name}", f"must be >= {minimum}, got {value}")
+            raise self.error(f"{key}.{name}", f"must be >= {minimum}, got {shown_value(value)}")
+        if value > maximum:
+            raise self.error(f"{key}.{name}", f"must be <= {maximum}, got {shown_value(value)}")
         return value
 
     def flag(self, table: Mapping[str, Any], key: str, name: str) -> bool:
@@ -176,7 +192,7 @@ def _kind(value: Any) -> str:
     if isinstance(value, int | float):
         return f"a number ({value})"
     if isinstance(value, str):
-        return f"text ({value!r})" if value else "empty text"
+        return f"text ({shown_value(value)})" if value else "empty text"
     return type(value).__name__
 
 
@@ -185,12 +201,19 @@ def load_config(
 ) -> FileConfig:
     """Read and check ``path``. ``env`` (default: the process environment) gives the
     variables named by ``apiKeyEnv``; with ``require_keys=False`` a variable that is not
-    set is listed in :attr:`FileConfig.missing` instead of refusing the file."""
+    set is listed in :attr:`FileConfig.missing` instead of refusing the file. Arrays and
+    inline tables nested past :data:`MAX_DEPTH` are refused before the TOML is parsed."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start})") from None
+    deep = toml_too_deep(text, MAX_DEPTH)
+    if deep is not None:
+        key, line = deep
+        raise ConfigError(f"{p}: {key}: nested deeper than {MAX_DEPTH} levels (line {line})")
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -205,12 +228,20 @@ def parse_config(
     env: Mapping[str, str] | None = None,
     require_keys: bool = True,
 ) -> FileConfig:
-    """Check an already-parsed configuration; errors name ``file``."""
+    """Check an already-parsed configuration; errors name ``file``. Anything the event
+    log could not hold is refused by its dotted key: nesting past :data:`MAX_DEPTH`, an
+    integer outside 64 bits, text with a lone surrogate; and every number to its range."""
     r = _Reader(file, require_keys=require_keys)
+    if not isinstance(data, Mapping):
+        raise r.error("", f"expected a table, got {_kind(data)}")
+    bad = find_unloggable(data, max_depth=MAX_DEPTH)
+    if bad is not None:
+        raise r.error(*bad)
     r.only(data, "", _TOP)
     agent = dict(r.table(data.get("agent"), "agent"))
     try:
         config = AgentConfig.from_mapping(agent, where=f"{file}: agent")
+        check_config_range(config, where=f"{file}: agent")
     except ConfigError as exc:
         raise ConfigError(str(exc)) from None
     except TypeError as exc:  # pragma: no cover - from_mapping names keys itself
@@ -256,15 +287,16 @@ def _providers(r: _Reader, value: Any, env: Mapping[str, str]) -> list[Provider]
         kind = r.text(t, key, "type", "openai-compatible")
         if kind not in _PROVIDER_TYPES:
             raise r.error(f"{key}.type", f"expected one of {', '.join(_PROVIDER_TYPES)}")
-        priority = r.integer(t, key, "priority", 0, minimum=-1_000_000)
+        priority = r.integer(t, key, "priority", 0, minimum=-1_000_000, maximum=1_000_000)
         models_raw = t.get("models", [])
         if not isinstance(models_raw, list):
             raise r.error(f"{key}.models", "expected a list of tables ([[...models]])")
         specs = [_model_spec(r, m, f"{key}.models[{i}]") for i, m in enumerate(models_raw)]
-        ids = [s["id"] for s in specs]
-        dup = next((i for i in ids if ids.count(i) > 1), None)
-        if dup is not None:
-            raise r.error(f"{key}.models", f"model {dup!r} is listed twice")
+        seen: set[str] = set()
+        for s in specs:
+            if s["id"] in seen:
+                raise r.error(f"{key}.models", f"model {s['id']!r} is listed twice")
+            seen.add(s["id"])
         if kind == "scripted":
             for name in ("baseUrl", "apiKey", "apiKeyEnv", "timeoutMs", "listModels"):
                 if name in t:
@@ -323,7 +355,7 @@ def _openai_models(
             if r.require_keys:
                 raise problem
             r.missing.append(str(problem))
-    timeout_ms = r.integer(t, key, "timeoutMs", 120_000, minimum=1)
+    timeout_ms = r.integer(t, key, "timeoutMs", 120_000, minimum=1, maximum=MAX_TIMEOUT_MS)
     if r.flag(t, key, "listModels"):
         listed = {s["id"] for s in specs}
         try:
@@ -364,6 +396,7 @@ def _model_spec(r: _Reader, value: Any, key: str) -> dict[str, Any]:
     if not isinstance(levels_raw, list):
         raise r.error(f"{key}.thinkLevels", "expected a list of {id, name, effort} tables")
     levels: list[ThinkLevel] = []
+    level_ids: set[str] = set()
     for i, lv in enumerate(levels_raw):
         lk = f"{key}.thinkLevels[{i}]"
         if isinstance(lv, str):
@@ -373,21 +406,26 @@ def _model_spec(r: _Reader, value: Any, key: str) -> dict[str, Any]:
         level_id = r.text(lt, lk, "id")
         if level_id is None:
             raise r.error(f"{lk}.id", "required")
-        if any(x.id == level_id for x in levels):
+        if level_id in level_ids:
             raise r.error(lk, f"level {level_id!r} is listed twice")
+        level_ids.add(level_id)
         levels.append(
             ThinkLevel(
                 id=level_id, name=r.text(lt, lk, "name") or "", effort=r.text(lt, lk, "effort")
             )
         )
     default_think = r.text(t, key, "defaultThink")
-    if default_think is not None and not any(lv.id == default_think for lv in levels):
+    if default_think is not None and default_think not in level_ids:
         raise r.error(f"{key}.defaultThink", f"{default_think!r} is not one of thinkLevels")
     return {
         "id": model_id,
         "name": r.text(t, key, "name"),
-        "contextLength": r.integer(t, key, "contextLength", 128_000, minimum=1024),
-        "maxOutputTokens": r.integer(t, key, "maxOutputTokens", 4096, minimum=1),
+        "contextLength": r.integer(
+            t, key, "contextLength", 128_000, minimum=1024, maximum=MAX_TOKENS
+        ),
+        "maxOutputTokens": r.integer(
+            t, key, "maxOutputTokens", 4096, minimum=1, maximum=MAX_TOKENS
+        ),
         "thinkLevels": tuple(levels),
         "defaultThink": default_think,
     }

@@ -7,24 +7,96 @@ session's own layer (kept in its event log). A key set in a higher layer wins.
 
 from __future__ import annotations
 
+import math
+import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aalis_agent.events.errors import ConfigError
 from aalis_agent.events.schema import ModelRef, TurnSettings
+from aalis_agent.projections.limits import INT64_MAX, has_lone_surrogate
 from aalis_agent.services.config import AgentConfig
 
 __all__ = [
+    "CONFIG_MAXIMA",
     "LAYER_NAMES",
+    "MAX_ID_CHARS",
+    "MAX_RATIO",
+    "MAX_TIMEOUT_MS",
+    "MAX_TOKENS",
+    "MAX_TOOL_GROUPS",
     "SETTING_FIELDS",
+    "SETTING_MAXIMA",
     "SettingField",
     "SettingsLayers",
     "SettingsResolver",
     "StaticSettings",
+    "check_config_range",
+    "shown_value",
     "validate_setting",
     "venue_of",
 ]
+
+# --- what the log can hold ------------------------------------------------------------
+
+MAX_TOKENS = 1_000_000_000
+"""Upper bound of a token count (a context window, an output limit, a budget)."""
+
+MAX_TIMEOUT_MS = 2**31 - 1
+"""Upper bound of a timeout in milliseconds: the source's (JavaScript) timer limit, about
+24.8 days; far below what Python's own waits accept."""
+
+MAX_RATIO = 1000.0
+"""Upper bound of ``trimThresholdRatio``: the trim budget (contextLength × ratio) stays a
+count the log and the arithmetic hold."""
+
+MAX_ID_CHARS = 256
+"""Longest id a setting holds (a model, provider, level, persona or tool-group id)."""
+
+MAX_TOOL_GROUPS = 256
+"""Most tool groups ``enabledToolGroups`` lists."""
+
+SETTING_MAXIMA: dict[str, int] = {"maxToolIterations": INT64_MAX, "historyLimit": INT64_MAX}
+"""The integer settings' upper bounds: what the log's 64-bit integers hold (SET3, SET4)."""
+
+CONFIG_MAXIMA: dict[str, float] = {
+    "memoryTokenBudget": MAX_TOKENS,
+    "promptBuildTimeoutMs": MAX_TIMEOUT_MS,
+    "trimThresholdRatio": MAX_RATIO,
+    **SETTING_MAXIMA,
+}
+"""Upper bounds of the plugin config's numbers (CFG2, CFG3, CFG5, CFG7, CFG8); the lower
+bounds and types are :class:`AgentConfig`'s."""
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = 60
+_SHOW.maxother = 60
+_SHOW.maxlevel = 3
+_SHOW.maxlist = _SHOW.maxtuple = _SHOW.maxdict = 4
+
+
+def shown_value(value: Any) -> str:
+    """``repr(value)`` for an error message, shortened: never deep, long or unprintable
+    (a huge integer is described, text is escaped as ``repr`` does)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        digits = int(value.bit_length() * math.log10(2)) + 1
+        return f"{'a negative' if value < 0 else 'an'} integer of about {digits} digits"
+    try:
+        return _SHOW.repr(value)
+    except (ValueError, RecursionError):  # an integer past the digit limit, a strange type
+        return f"a {type(value).__name__}"
+
+
+def check_config_range(config: AgentConfig, *, where: str = "config") -> None:
+    """Refuse plugin-config numbers above :data:`CONFIG_MAXIMA` (ConfigError naming the
+    key), so every count a turn derives from them fits in the log."""
+    for key, value in config.to_mapping().items():
+        limit = CONFIG_MAXIMA.get(key)
+        if limit is not None and isinstance(value, int | float) and value > limit:
+            bound = int(limit) if float(limit).is_integer() else limit
+            raise ConfigError(f"{where}: {key} must be <= {bound}, got {shown_value(value)}")
 
 
 class SettingsResolver(Protocol):
@@ -66,6 +138,19 @@ class StaticSettings:
     max_tool_iterations: int | None = None
     history_limit: int = 0
     tool_groups: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        where = "static settings"
+        validate_setting("historyLimit", self.history_limit, layer=where)
+        if self.max_tool_iterations is not None:
+            validate_setting("maxToolIterations", self.max_tool_iterations, layer=where)
+        if self.think is not None:
+            validate_setting("think", self.think, layer=where)
+        if self.tool_groups is not None:
+            validate_setting("enabledToolGroups", self.tool_groups, layer=where)
+        if self.model is not None:
+            model = {"provider": self.model.provider, "model": self.model.model}
+            validate_setting("llm", model, layer=where)
 
     def for_turn(
         self,
@@ -112,9 +197,13 @@ class SettingsLayers:
         ):
             checked: dict[str, dict[str, Any]] = {}
             for key, values in layer.items():
+                if not isinstance(key, str) or has_lone_surrogate(key):
+                    raise ConfigError(f"{name} {shown_value(key)}: the key must be valid text")
                 where = f"{name} {key!r}"
                 if not isinstance(values, Mapping):
-                    raise ConfigError(f"{where}: expected a table of settings, got {values!r}")
+                    raise ConfigError(
+                        f"{where}: expected a table of settings, got {shown_value(values)}"
+                    )
                 checked[key] = {k: validate_setting(k, v, layer=where) for k, v in values.items()}
             object.__setattr__(self, _ATTR[name], checked)
 
@@ -202,10 +291,16 @@ other plugins own but a turn reads when it opens (SCH5)."""
 
 
 def validate_setting(key: str, value: Any, *, layer: str = "session") -> Any:
-    """The value to store for ``key``, or a ConfigError naming the layer, key and problem."""
+    """The value to store for ``key``, or a ConfigError naming the layer, key and problem.
+
+    Every value is checked to the type and range the log holds: integers within
+    :data:`SETTING_MAXIMA`, ids valid text (no lone surrogates) of at most
+    :data:`MAX_ID_CHARS` characters, at most :data:`MAX_TOOL_GROUPS` tool groups."""
+    if not isinstance(key, str) or key not in SETTING_FIELDS:
+        raise ConfigError(
+            f"unknown {layer} setting {shown_value(key)}; known: {', '.join(SETTING_FIELDS)}"
+        )
     where = f"{layer} setting {key!r}"
-    if key not in SETTING_FIELDS:
-        raise ConfigError(f"unknown {where}; known: {', '.join(SETTING_FIELDS)}")
     if key == "llm":
         if isinstance(value, str) and value.count("/") >= 1:
             provider, model = value.split("/", 1)
@@ -217,27 +312,58 @@ def validate_setting(key: str, value: Any, *, layer: str = "session") -> Any:
             or not value["provider"]
             or not value["model"]
         ):
-            raise ConfigError(f"{where}: expected <provider>/<model>, got {value!r}")
-        return {"provider": value["provider"], "model": value["model"]}
+            raise ConfigError(f"{where}: expected <provider>/<model>, got {shown_value(value)}")
+        provider, model = value["provider"], value["model"]
+        _check_id(where, provider)
+        _check_id(where, model)
+        return {"provider": provider, "model": model}
     if key in ("think", "persona"):
         if not isinstance(value, str) or not value:
-            raise ConfigError(f"{where}: expected an id, got {value!r}")
+            raise ConfigError(f"{where}: expected an id, got {shown_value(value)}")
+        _check_id(where, value)
         return value
     if key == "enabledToolGroups":
         if isinstance(value, str):
+            if len(value) > MAX_TOOL_GROUPS * (MAX_ID_CHARS + 1):
+                raise ConfigError(f"{where}: too long ({len(value)} characters)")
             value = [g for g in (p.strip() for p in value.split(",")) if g]
-        if not isinstance(value, list | tuple) or not all(isinstance(g, str) and g for g in value):
+        if not isinstance(value, list | tuple):
             raise ConfigError(f"{where}: expected a list of group names ('*' for all)")
+        if len(value) > MAX_TOOL_GROUPS:
+            raise ConfigError(f"{where}: at most {MAX_TOOL_GROUPS} groups, got {len(value)}")
+        if not all(isinstance(g, str) and g for g in value):
+            raise ConfigError(f"{where}: expected a list of group names ('*' for all)")
+        for g in value:
+            _check_id(where, g)
         return list(value)
+    return _integer(where, value, minimum=1 if key == "maxToolIterations" else 0)
+
+
+_INTEGER_TEXT = re.compile(r"\s*([+-]?)0*([0-9]+)\s*", re.ASCII)
+
+
+def _integer(where: str, value: Any, *, minimum: int, maximum: int = INT64_MAX) -> int:
     number = value
     if isinstance(value, str):
-        try:
-            number = int(value)
-        except ValueError:
-            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+        m = _INTEGER_TEXT.fullmatch(value)
+        if m is None:
+            raise ConfigError(f"{where}: expected an integer, got {shown_value(value)}")
+        if len(m[2]) > len(str(maximum)):  # never converts thousands of digits
+            raise ConfigError(f"{where}: must be <= {maximum}, got {shown_value(value)}")
+        number = int(m[1] + m[2])
     if isinstance(number, bool) or not isinstance(number, int):
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    minimum = 1 if key == "maxToolIterations" else 0
+        raise ConfigError(f"{where}: expected an integer, got {shown_value(value)}")
     if number < minimum:
-        raise ConfigError(f"{where}: must be >= {minimum}, got {number}")
-    return number
+        raise ConfigError(f"{where}: must be >= {minimum}, got {shown_value(number)}")
+    if number > maximum:
+        raise ConfigError(f"{where}: must be <= {maximum}, got {shown_value(number)}")
+    return int(number)
+
+
+def _check_id(where: str, value: str) -> None:
+    if has_lone_surrogate(value):
+        raise ConfigError(f"{where}: {shown_value(value)} is not valid text (a lone surrogate)")
+    if len(value) > MAX_ID_CHARS:
+        raise ConfigError(
+            f"{where}: an id of at most {MAX_ID_CHARS} characters, got {len(value)} characters"
+        )

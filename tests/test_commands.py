@@ -16,6 +16,7 @@ from aalis_agent.events import (
     SettingsChanged,
     TurnOpened,
 )
+from aalis_agent.events.codec import decode, encode
 from aalis_agent.services import ScriptedModel, Services, StaticAuthority
 
 SID = "qq:group:5"
@@ -122,3 +123,62 @@ def test_text_settings_are_taken_as_typed_and_lists_read_well(runtime: Runtime) 
     assert runtime.view(SID).settings["enabledToolGroups"] == ["web", "files"]
     assert cmd(runtime, "/session.set historyLimit 4") == "已设置历史条数上限（historyLimit）= 4"
     assert runtime.view(SID).settings["historyLimit"] == 4
+
+
+# --- hostile values: a clear refusal, nothing unreadable in the log ------------------------
+
+
+def deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("key", ["maxToolIterations", "historyLimit", "enabledToolGroups"])
+def test_a_non_owners_deeply_nested_value_is_refused_without_reading_it(
+    runtime: Runtime, key: str
+) -> None:
+    reply = cmd(runtime, f"/session.set {key} {deep(100_000)}", user="someone")
+    assert reply is not None and reply.endswith(f"（{key}）只有 owner 能改")
+    assert dict(runtime.view(SID).settings) == {}
+
+
+HOSTILE: list[tuple[str, str, str]] = [
+    ("deep", f"/session.set historyLimit {deep(10_000)}", "nested deeper than 8 levels"),
+    ("deep-list", f"/session.set enabledToolGroups {deep(9)}", "nested deeper than 8 levels"),
+    ("20-digits", "/session.set historyLimit 99999999999999999999", "must be <= 922337203"),
+    ("2**63", "/session.set maxToolIterations 9223372036854775808", "must be <= 922337203"),
+    ("5000-digits", "/session.set historyLimit " + "9" * 5000, "must be <= 9223372036854775807"),
+    ("infinite", "/session.set historyLimit 1e999", "expected an integer"),
+    ("lone-surrogate", "/session.set think \ud800", "not valid text"),
+    ("lone-surrogate-llm", "/session.set llm p/\udc00", "not valid text"),
+    ("long-id", "/session.set persona " + "p" * 300, "at most 256 characters"),
+    ("many-groups", "/session.set enabledToolGroups " + ",".join(["g"] * 300), "at most 256"),
+    ("long-value", "/session.set enabledToolGroups " + "x" * 200_000, "too long"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
+def test_hostile_values_get_a_clear_error_and_change_nothing(
+    runtime: Runtime, text: str, message: str
+) -> None:
+    reply = cmd(runtime, text)
+    assert reply is not None and reply.startswith("设置失败：") and message in reply, reply[:200]
+    reply.encode("utf-8")  # printable
+    assert dict(runtime.view(SID).settings) == {}
+    for event in runtime.store.read(SID):  # the log still reads back, event by event
+        assert decode(encode(event)) == event
+
+
+def test_the_largest_64_bit_value_is_kept_and_a_turn_reads_it(runtime: Runtime) -> None:
+    top = 2**63 - 1
+    assert cmd(runtime, f"/session.set historyLimit {top}") == (
+        f"已设置历史条数上限（historyLimit）= {top}"
+    )
+    runtime.submit(SID, Input(id="", content="你好", platform="qq")).result(10)
+    runtime.wait_idle(10)
+    opened = next(e for e in runtime.store.read(SID) if isinstance(e, TurnOpened))
+    assert opened.settings.history_limit == top
+
+
+def test_a_page_number_of_thousands_of_digits_is_refused_clearly(runtime: Runtime) -> None:
+    reply = cmd(runtime, "/model -p " + "9" * 5000)
+    assert reply is not None and reply.startswith("/model：页码太大") and len(reply) < 100

@@ -297,3 +297,164 @@ def test_the_config_command_lists_missing_key_variables(tmp_path: Path) -> None:
     assert "  p/m  m · context 128000 · max output 4096" in lines
     with pytest.raises(ConfigError, match="UNSET_KEY_VAR is not set"):
         load_config(path, env={})  # chat's way: refused
+
+
+# --- what the log cannot hold, and input nested past a sane depth --------------------------
+
+SCRIPTED = "[providers.p]\ntype = 'scripted'\n[[providers.p.models]]\nid = 'm'\n"
+
+HOSTILE: list[tuple[str, str, str, str]] = [
+    (
+        "historyLimit-beyond-64-bits",
+        "[agent]\nhistoryLimit = 99999999999999999999",
+        "agent.historyLimit",
+        "integer out of range: it must fit in 64 bits",
+    ),
+    (
+        "layer-historyLimit-beyond-64-bits",
+        "[settings.platform.qq]\nhistoryLimit = 99999999999999999999",
+        "settings.platform.qq.historyLimit",
+        "integer out of range",
+    ),
+    (
+        "negative-beyond-64-bits",
+        "[providers.p]\npriority = -99999999999999999999",
+        "providers.p.priority",
+        "integer out of range",
+    ),
+    (
+        "memoryTokenBudget",
+        "[agent]\nmemoryTokenBudget = 9223372036854775807",
+        "agent",
+        "memoryTokenBudget must be <= 1000000000",
+    ),
+    (
+        "promptBuildTimeoutMs",
+        "[agent]\npromptBuildTimeoutMs = 9000000000000",
+        "agent",
+        "promptBuildTimeoutMs must be <= 2147483647",
+    ),
+    (
+        "trimThresholdRatio",
+        "[agent]\ntrimThresholdRatio = 1e300",
+        "agent",
+        "trimThresholdRatio must be <= 1000",
+    ),
+    (
+        "contextLength",
+        SCRIPTED + "contextLength = 9223372036854775807",
+        "providers.p.models[0].contextLength",
+        "must be <= 1000000000",
+    ),
+    (
+        "maxOutputTokens",
+        SCRIPTED + "maxOutputTokens = 10000000000",
+        "providers.p.models[0].maxOutputTokens",
+        "must be <= 1000000000",
+    ),
+    (
+        "timeoutMs",
+        "[providers.p]\nbaseUrl = 'http://x'\ntimeoutMs = 9223372036854775807\n"
+        "[[providers.p.models]]\nid = 'm'",
+        "providers.p.timeoutMs",
+        "must be <= 2147483647",
+    ),
+    (
+        "priority",
+        "[providers.p]\npriority = 10000000000",
+        "providers.p.priority",
+        "must be <= 1000000",
+    ),
+    (
+        "long-think-id",
+        "[settings.venue.x]\nthink = '" + "t" * 300 + "'",
+        "settings.venue.x.think",
+        "at most 256 characters",
+    ),
+    (
+        "deep-array",
+        "[agent]\nsystemPrompt = " + "[" * 2000 + "]" * 2000,
+        "agent.systemPrompt",
+        "nested deeper than 64 levels (line 2)",
+    ),
+    (
+        "deep-inline-table",
+        "[settings.venue.x]\n\nenabledToolGroups = " + "{a=" * 1000 + "1" + "}" * 1000,
+        "settings.venue.x.enabledToolGroups",
+        "nested deeper than 64 levels (line 3)",
+    ),
+    (
+        "deep-model-table",
+        SCRIPTED + "[[providers.p.models]]\nthinkLevels = [" + "[" * 100 + "]" * 100 + "]",
+        "providers.p.models[1].thinkLevels",
+        "nested deeper than 64 levels (line 6)",
+    ),
+    (
+        "deep-dotted-key",
+        "[agent]\n" + ".".join(["k"] * 1000) + " = 1",
+        "agent.k.k.k.k",
+        "nested deeper than 64 levels",
+    ),
+    (
+        "deep-header",
+        "[" + ".".join(["t"] * 1000) + "]\nx = 1",
+        "t.t.t.t",
+        "nested deeper than 64 levels",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "problem"), [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE]
+)
+def test_what_the_log_cannot_hold_is_refused_at_load_naming_file_and_key(
+    tmp_path: Path, text: str, key: str, problem: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: {key}"), message[:300]
+    assert problem in message and len(message) < 500, message[:300]
+
+
+def test_the_config_command_refuses_a_setting_the_log_cannot_hold(tmp_path: Path) -> None:
+    path = write(tmp_path, "[agent]\nhistoryLimit = 99999999999999999999\n")
+    result = run_cli("config", str(path))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(f"aalis-agent config: error: {path}: agent.historyLimit:")
+    path = write(tmp_path, "[agent]\nsystemPrompt = " + "[" * 5000 + "]" * 5000 + "\n")
+    result = run_cli("config", str(path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "agent.systemPrompt: nested deeper than 64 levels" in result.stderr
+
+
+def test_the_64_bit_limits_themselves_load(tmp_path: Path) -> None:
+    text = "[agent]\nhistoryLimit = 9223372036854775807\nmaxToolIterations = 9223372036854775807\n"
+    text += "[settings.venue.x]\nhistoryLimit = 9223372036854775807\n"
+    fc = load_config(write(tmp_path, text))
+    assert fc.config.history_limit == 2**63 - 1
+    assert fc.settings.for_turn("s", None, {}, "x").history_limit == 2**63 - 1
+
+
+def test_a_file_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "latin.toml"
+    path.write_bytes(b"[agent]\nsystemPrompt = '\xe9'\n")
+    with pytest.raises(ConfigError, match=r"not UTF-8 text"):
+        load_config(path)
+
+
+def test_an_already_parsed_mapping_is_checked_the_same_way() -> None:
+    data: dict[str, Any] = {"personas": {"a": {"prompt": "\ud800"}}}
+    with pytest.raises(ConfigError) as err:
+        parse_config(data, file="inline")
+    assert str(err.value) == (
+        "inline: personas.a.prompt: text that is not valid Unicode (a lone surrogate)"
+    )
+    deep: list[Any] = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(
+        ConfigError, match=r"^inline: agent\.systemPrompt\[0\]\[0\].*: nested deeper"
+    ):
+        parse_config({"agent": {"systemPrompt": deep}}, file="inline")

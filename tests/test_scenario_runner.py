@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 import time
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -583,3 +585,143 @@ def test_the_output_carries_each_calls_trim_trace() -> None:  # TRIM trace in th
     assert traced, "no call was trimmed"
     assert traced[-1]["steps"][0] == 1
     assert any(a["action"] == "dropped" for t in traced for a in t["trace"])
+
+
+# --- deep or hostile input: a clear error naming the file and the key ------------------------
+
+
+def deep_table(depth: int) -> dict[str, Any]:
+    table: dict[str, Any] = {}
+    for _ in range(depth):
+        table = {"k": table}
+    return table
+
+
+HOSTILE: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "deep tool parameters",
+        {"tools": [{"name": "t", "result": "r", "parameters": deep_table(100_000)}]},
+        "inline: tools[0].parameters.k.k.k",
+    ),
+    (
+        "deep tool-call arguments",
+        {"replies": [{"tool_calls": [{"name": "t", "arguments": deep_table(1_000)}]}]},
+        "inline: replies[0].tool_calls[0].arguments.k.k",
+    ),
+    (
+        "historyLimit beyond 64 bits",
+        {"sessions": [{"id": "s1", "settings": {"historyLimit": 2**64}}]},
+        "inline: sessions[0].settings.historyLimit: integer out of range",
+    ),
+    (
+        "config beyond 64 bits",
+        {"config": {"maxToolIterations": -(2**70)}},
+        "inline: config.maxToolIterations: integer out of range",
+    ),
+    (
+        "config above its bound",
+        {"config": {"promptBuildTimeoutMs": 2**62}},
+        "[config]: promptBuildTimeoutMs must be <= 2147483647",
+    ),
+    (
+        "a lone surrogate",
+        {"steps": [{"do": "say", "text": "hi\ud800"}]},
+        "inline: steps[0].text: text that is not valid Unicode",
+    ),
+    (
+        "too many chunks",
+        {"replies": [{"text": "abc", "chunks": 10**12}]},
+        "chunks must be <= 100000",
+    ),
+    ("a timeout that is not a number", {"timeout_s": math.nan}, "timeout_s must be a positive"),
+    ("an endless timeout", {"timeout_s": 1e300}, "timeout_s must be <= 86400"),
+    ("a start past year 9999", {"start": 2**62}, "start must be from"),
+    ("a long tick", {"tick_ms": 10**15}, "tick_ms must be <= 86400000"),
+    (
+        "a point with thousands of digits",
+        {"steps": [{**SAY, "at": "before call " + "9" * 5000}]},
+        "numbers have at most 9 digits",
+    ),
+    (
+        "a context length past any model",
+        {"model": {"context_length": 2**62}},
+        "[model]: context_length must be <= 1000000000",
+    ),
+    (
+        "a session setting id too long",
+        {"sessions": [{"id": "s1", "settings": {"think": "x" * 300}}]},
+        "session 's1' setting 'think': an id of at most 256 characters",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"), [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE]
+)
+def test_hostile_scenarios_are_refused_naming_the_place(
+    data: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(scenario(**data))
+    message = str(caught.value)
+    assert message.startswith("inline: ") and expected in message, message[:300]
+    assert len(message) < 600
+
+
+def test_arguments_as_a_table_with_a_date_are_refused() -> None:
+    data = scenario(replies=[{"tool_calls": [{"name": "t", "arguments": {"d": date(2026, 1, 1)}}]}])
+    with pytest.raises(ScenarioError, match="arguments as a table must hold JSON values only"):
+        load_scenario(data)
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (
+            "[[tools]]\nname = 't'\nresult = 'r'\nparameters = " + "[" * 2000 + "]" * 2000,
+            "tools[0].parameters",
+        ),
+        (
+            "[[replies]]\ntool_calls = [" + "{a=" * 1000 + "1" + "}" * 1000 + "]",
+            "replies[0].tool_calls",
+        ),
+        ("[[steps]]\n" + ".".join(["k"] * 1000) + " = 1", "steps[0].k.k.k"),
+    ],
+)
+def test_a_deeply_nested_file_names_the_file_and_the_key(
+    tmp_path: Path, text: str, where: str
+) -> None:
+    path = tmp_path / "deep.toml"
+    path.write_text('name = "x"\n[[sessions]]\nid = "s1"\n' + text + "\n", encoding="utf-8")
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: {where}") and "nested deeper than 64 levels" in message
+
+
+def test_the_cli_reports_a_deeply_nested_file_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "deep.toml"
+    path.write_text("name = 'x'\nstart = " + "[" * 100_000 + "\n", encoding="utf-8")
+    code, out, err = run_cli(capsys, "scenario", str(path))
+    assert (code, out) == (2, "")
+    assert err.startswith(f"aalis-agent scenario: error: {path}: start: nested deeper than 64")
+
+
+def test_tool_arguments_nested_1000_deep_get_an_error_not_a_crash() -> None:
+    from aalis_agent.projections.limits import tool_arguments_too_deep
+
+    raw = "[" * 1000 + "]" * 1000
+    r = run_scenario(
+        scenario(
+            tools=[{"name": "t", "result": "ok"}],
+            replies=[{"tool_calls": [{"id": "c1", "name": "t", "arguments": raw}]}, {"text": "好"}],
+            steps=[SAY],
+        )
+    )
+    assert [e.outcome for e in r.of(TurnRecorded)] == ["replied"]
+    (started,) = r.of(ToolStarted)
+    (finished,) = r.of(ToolFinished)
+    assert started.arguments == "{}"
+    assert (finished.result, finished.error) == (None, tool_arguments_too_deep(raw, 64))

@@ -42,7 +42,7 @@ from aalis_agent.services import (
 )
 from aalis_agent.services.llm import ThinkLevel
 from aalis_agent.services.models import LlmService, Provider
-from aalis_agent.services.settings import validate_setting, venue_of
+from aalis_agent.services.settings import StaticSettings, validate_setting, venue_of
 from aalis_agent.services.tools import Tool, ToolRegistry
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -823,3 +823,43 @@ def test_fields_ask_a_custom_resolver_for_the_session_itself() -> None:
         assert other["llm"].value == "p/a"
     finally:
         rt.shutdown(timeout=10)
+
+
+# --- values the log cannot hold are refused where the layers are built ---------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        ("historyLimit", 2**63, "must be <= 9223372036854775807"),
+        ("maxToolIterations", "99999999999999999999", "must be <= 9223372036854775807"),
+        ("think", "\ud800", "not valid text"),
+        ("persona", "p" * 257, "at most 256 characters"),
+        ("llm", {"provider": "p", "model": "\udfff"}, "not valid text"),
+        ("enabledToolGroups", ["g"] * 257, "at most 256 groups"),
+    ],
+)
+def test_validate_setting_refuses_what_the_log_cannot_hold(
+    key: str, value: Any, problem: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate_setting(key, value, layer="venue 'qq:1'")
+    assert f"venue 'qq:1' setting '{key}'" in str(err.value) and problem in str(err.value)
+
+
+def test_the_layers_refuse_values_and_keys_the_log_cannot_hold() -> None:
+    with pytest.raises(ConfigError, match="platform profile 'qq' setting 'historyLimit'"):
+        SettingsLayers(platforms={"qq": {"historyLimit": 2**64}})
+    with pytest.raises(ConfigError, match=r"venue '.*': the key must be valid text"):
+        SettingsLayers(venues={"qq:\ud800": {"historyLimit": 1}})
+    deep: list[Any] = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(ConfigError, match=r"expected a table of settings, got \[\[\[\[\.{3}\]"):
+        SettingsLayers(types={"onebot": deep})
+    with pytest.raises(ConfigError, match="static settings setting 'historyLimit'"):
+        StaticSettings(history_limit=2**63)
+    with pytest.raises(ConfigError, match="static settings setting 'maxToolIterations'"):
+        StaticSettings(max_tool_iterations=0)
+    top = StaticSettings(history_limit=2**63 - 1).for_turn("s", None, {})
+    assert top.history_limit == 2**63 - 1

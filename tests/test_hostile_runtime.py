@@ -1,0 +1,205 @@
+"""Hostile input through the whole runtime: nothing unreadable is ever written.
+
+Wrong types are refused at ``submit`` naming the field; text with lone surrogates (half
+an emoji, from a client or split across stream chunks) is cleaned where it enters; tool
+results of any type are coerced or refused with an error to the model; and every event
+the runtime writes decodes back equal (a property over generated inputs and results).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import (
+    ChatMessage,
+    FixedClock,
+    InMemoryEventStore,
+    Input,
+    InputReceived,
+    InvalidInput,
+    MessageSaved,
+    Sender,
+    SequentialIds,
+    ToolCall,
+    ToolFinished,
+    decode,
+    encode,
+)
+from aalis_agent.services import (
+    AbortSignal,
+    ChatRequest,
+    ScriptedModel,
+    ScriptedReply,
+    Services,
+    StreamChunk,
+    Tool,
+    ToolRegistry,
+)
+from aalis_agent.services.llm import Usage
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+SID = "qq:group:9"
+
+
+def _runtime(llm: Any, tools: ToolRegistry | None = None) -> Runtime:
+    services = Services(llm=llm, tools=tools or ToolRegistry())
+    return Runtime(InMemoryEventStore(), services, FixedClock(), SequentialIds(), janitor=False)
+
+
+@pytest.fixture
+def runtime() -> Iterator[Runtime]:
+    rt = _runtime(ScriptedModel())
+    yield rt
+    rt.shutdown(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"content": None}, "Expected `str`, got `None` - at `$.content`"),
+        ({"content": 123}, "Expected `str`, got `int` - at `$.content`"),
+        ({"content": b"bytes"}, "Expected `str`, got `bytes` - at `$.content`"),
+        ({"content": "x", "timestamp": 2**70}, "can't serialize ints"),
+        ({"content": "x", "sender": "u"}, "Expected `object`, got `str` - at `$.sender`"),
+        ({"content": "x", "mentions": [object()]}, "Encoding objects of type object"),
+    ],
+)
+def test_a_wrong_type_is_refused_at_submit_naming_the_field(
+    runtime: Runtime, fields: dict[str, Any], problem: str
+) -> None:
+    with pytest.raises(InvalidInput) as info:
+        runtime.submit(SID, Input(id="bad", **fields))
+    assert problem in str(info.value)
+    assert runtime.store.read(SID) == []  # nothing was written
+    # The session is unharmed: the next good input runs.
+    assert runtime.submit(SID, Input(id="", content="好的")).result(10).outcome == "replied"
+
+
+def test_submit_refuses_what_is_not_an_input(runtime: Runtime) -> None:
+    with pytest.raises(InvalidInput, match="expected an Input, got dict"):
+        runtime.submit(SID, {"content": "hi"})  # type: ignore[arg-type]
+
+
+def test_lone_surrogates_in_an_input_are_cleaned_before_they_are_stored(
+    runtime: Runtime,
+) -> None:
+    text = "split \ud83d\ude00 and half \ud83d end"
+    nick = "name\udc00"
+    outcome = runtime.submit(SID, Input(id="", content=text, sender=Sender(nickname=nick)))
+    assert outcome.result(10).outcome == "replied"
+    [received] = [e for e in runtime.store.read(SID) if isinstance(e, InputReceived)]
+    assert received.input.content == "split 😀 and half \ufffd end"
+    assert received.input.sender.nickname == "name\ufffd"
+
+
+class SplitEmojiModel:
+    """Streams an emoji as two surrogate halves in separate chunks, as a client that
+    decodes JSON string escapes chunk by chunk would hand them over."""
+
+    id = "split"
+    provider_id = "test"
+    context_length = 32_000
+    max_output_tokens = 1024
+
+    def chat_stream(self, request: ChatRequest, abort: AbortSignal) -> Iterator[StreamChunk]:
+        yield StreamChunk(content_delta="好的 \ud83d")
+        yield StreamChunk(content_delta="\ude00 再见 \udc00")
+        yield StreamChunk(done=True, usage=Usage(prompt_tokens=10))
+
+
+def test_a_surrogate_pair_split_across_stream_chunks_is_saved_and_sent_whole() -> None:
+    rt = _runtime(SplitEmojiModel())
+    sent: list[Any] = []
+    rt.subscribe("outbound:message", lambda _t, p: sent.append(p["content"]))
+    try:
+        assert rt.submit(SID, Input(id="", content="嗨")).result(10).outcome == "replied"
+        replies = [
+            e.message.content
+            for e in rt.store.read(SID)
+            if isinstance(e, MessageSaved) and e.message.role == "assistant"
+        ]
+        assert replies == ["好的 😀 再见 \ufffd"] and sent == replies
+    finally:
+        rt.shutdown(timeout=10)
+
+
+async def _async_tool(args: Any, ctx: Any) -> str:
+    return "never"
+
+
+@pytest.mark.parametrize(
+    ("handler", "result", "error"),
+    [
+        (lambda a, c: {"温度": 21, "ok": True}, '{"温度":21,"ok":true}', None),
+        (lambda a, c: [1, 2.5, None], "[1,2.5,null]", None),
+        (lambda a, c: b"\xe4\xbd\xa0\xff", "你\ufffd", None),
+        (lambda a, c: "half \ud83d", "half \ufffd", None),
+        (lambda a, c: 2**70, "1180591620717411303424", None),
+        (lambda a, c: math.nan, None, "NaN"),
+        (lambda a, c: object(), None, "工具返回了 object"),
+        (_async_tool, None, "异步函数"),
+    ],
+)
+def test_tool_results_of_any_type_are_coerced_or_refused(
+    handler: Any, result: str | None, error: str | None
+) -> None:
+    call = ToolCall(id="c1", name="t", arguments="{}")
+    model = ScriptedModel([ScriptedReply(tool_calls=(call,)), ScriptedReply(text="好")])
+    rt = _runtime(model, ToolRegistry([Tool("t", handler)]))
+    try:
+        assert rt.submit(SID, Input(id="", content="查")).result(10).outcome == "replied"
+        [finished] = [e for e in rt.store.read(SID) if isinstance(e, ToolFinished)]
+        assert finished.result == result
+        if error is None:
+            assert finished.error is None
+        else:
+            assert finished.error is not None and error in finished.error
+    finally:
+        rt.shutdown(timeout=10)
+
+
+# --- every event the runtime writes decodes back equal -------------------------------
+
+_TEXT = st.text(alphabet=st.characters(blacklist_categories=()), max_size=40)
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | _TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXT, inner, max_size=4),
+    max_leaves=12,
+)
+_RESULTS = _JSON | st.binary(max_size=20) | st.tuples(_TEXT, st.integers())
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    content=_TEXT,
+    nickname=st.none() | _TEXT,
+    arguments=_TEXT,
+    result=_RESULTS,
+    reply=_TEXT,
+)
+def test_every_event_the_runtime_writes_decodes_back_equal(
+    content: str, nickname: str | None, arguments: str, result: Any, reply: str
+) -> None:
+    call = ToolCall(id="c1", name="t", arguments=arguments)
+    model = ScriptedModel([ScriptedReply(tool_calls=(call,)), ScriptedReply(text=reply)])
+    rt = _runtime(model, ToolRegistry([Tool("t", lambda a, c: result)]))
+    try:
+        handle = rt.submit(SID, Input(id="", content=content, sender=Sender(nickname=nickname)))
+        assert handle.result(10).outcome in ("replied", "silent")
+        log = rt.store.read(SID)
+        assert log, "nothing was written"
+        for event in log:
+            assert decode(encode(event)) == event
+        messages = [e.message for e in log if isinstance(e, MessageSaved)]
+        assert all(isinstance(m, ChatMessage) for m in messages)
+    finally:
+        rt.shutdown(timeout=10)
