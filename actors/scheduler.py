@@ -36,10 +36,10 @@ from aalis_agent.events import (
     TurnRecorded,
     TurnSettings,
 )
-from aalis_agent.events.schema import ReleaseReason
+from aalis_agent.events.schema import ReleaseReason, TurnEntry
 from aalis_agent.projections import SessionView, evolve, queue
 from aalis_agent.projections.texts import BATCH_NO_REPLY_NEEDED, BATCH_PREFIX
-from aalis_agent.projections.turns import TurnLog
+from aalis_agent.projections.turns import TurnLog, input_origin
 
 __all__ = [
     "OpenContext",
@@ -138,8 +138,17 @@ def _open(step: Step, batch: list[Input], ctx: OpenContext, *, from_queue: bool)
         )
     )
     for inp in batch:
-        step.add(InputJoined(input_id=inp.id, turn_id=turn_id, entry="opened"))
+        step.add(_joined(step, inp, turn_id, "opened"))
     return turn_id
+
+
+def _joined(step: Step, inp: Input, turn_id: str, entry: TurnEntry) -> InputJoined:
+    """The input enters the turn, with the participants and speaker it brings, derived
+    once (``originTurnOf``) and kept in the log."""
+    participants, speaker = input_origin(step.view.turns, inp)
+    return InputJoined(
+        input_id=inp.id, turn_id=turn_id, entry=entry, participants=participants, speaker=speaker
+    )
 
 
 def _with_party(settings: TurnSettings, multi_party: bool) -> TurnSettings:
@@ -179,7 +188,7 @@ def decide_insertion(step: Step, turn_id: str) -> list[Input]:
         return []
     joined = [w.input for w in step.view.queue.pending if w.held_for == turn_id]
     for inp in joined:
-        step.add(InputJoined(input_id=inp.id, turn_id=turn_id, entry="joined"))
+        step.add(_joined(step, inp, turn_id, "joined"))
     return joined
 
 

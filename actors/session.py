@@ -76,6 +76,7 @@ from aalis_agent.events import (
 )
 from aalis_agent.projections import SessionView, project, queue
 from aalis_agent.projections.texts import NO_RUNNING_TURN, STOP_DENIED, stop_marker_text
+from aalis_agent.projections.turns import turn_participants
 from aalis_agent.services import AbortSignal, OutboundMessage, Services
 from aalis_agent.services.settings import venue_of
 
@@ -92,8 +93,6 @@ _TOLD = (AppendEvents, CallEnded, Settled, Delete, Clear)
 
 class SessionActor(pykka.ThreadingActor):
     """One session: decides, appends, then acts. Built from its log (``view``)."""
-
-    _ENDED_KEPT: ClassVar[int] = 64  # ended turns whose participants stay known
 
     def __init__(
         self,
@@ -116,10 +115,6 @@ class SessionActor(pykka.ThreadingActor):
         self.ids = ids
         self._waiters: dict[str, Future[InputOutcome]] = {}
         self._turn_inputs: dict[str, list[Input]] = {}
-        # CMD3 participants per turn. An ended turn's stay a while (the last
-        # _ENDED_KEPT): a continuation or subtask it started may join a later turn.
-        self._participants: dict[str, set[tuple[str | None, str]]] = {}
-        self._ended_turns: list[str] = []
         self._runner: TurnRunner | None = None
         self._abort: AbortSignal | None = None
         self._winding_down: list[tuple[str, Future[Any], tuple[str, ...]]] = []
@@ -282,9 +277,6 @@ class SessionActor(pykka.ThreadingActor):
                     inp = known.get(event.input_id)
                     if inp is not None:
                         self._turn_inputs.setdefault(event.turn_id, []).append(inp)
-                        self._participants.setdefault(event.turn_id, set()).update(
-                            self._origin_of(inp)
-                        )
                     where = "开轮" if event.entry == "opened" else "插入"
                     seq = inp.gateway_seq if inp else None
                     log.debug(logs.handed_on(where, seq, sid, event.turn_id))
@@ -348,11 +340,6 @@ class SessionActor(pykka.ThreadingActor):
             except Exception:
                 log.exception("sending the error notice failed", session=self.session_id)
         inputs = self._turn_inputs.pop(event.turn_id, [])
-        self._ended_turns.append(event.turn_id)
-        if len(self._ended_turns) > self._ENDED_KEPT:
-            for old in self._ended_turns[: -self._ENDED_KEPT]:
-                self._participants.pop(old, None)
-            del self._ended_turns[: -self._ENDED_KEPT]
         for inp in inputs:
             self._resolve(inp.id, InputOutcome(inp.id, event.turn_id, event.outcome, event.reason))
         log.info(
@@ -408,14 +395,6 @@ class SessionActor(pykka.ThreadingActor):
 
     # --- who may stop, and how the marker names them ---------------------------------
 
-    def _origin_of(self, inp: Input) -> set[tuple[str | None, str]]:
-        """The participants an input brings (``originTurnOf``, CMD3)."""
-        if inp.from_turn is not None and inp.from_turn in self._participants:
-            return set(self._participants[inp.from_turn])
-        # Schedules and workflows act for an authorised identity; humans for themselves.
-        who = inp.sender.user_id if inp.source is None else inp.actor
-        return {(inp.platform, who)} if who else set()
-
     def _stop_name(self, platform: str | None, user_id: str | None) -> str | None:
         """How the stop marker names who stopped (SAVE6)."""
         if user_id is None:
@@ -423,8 +402,11 @@ class SessionActor(pykka.ThreadingActor):
         authority = self.services.authority
         if authority.is_owner(platform, user_id):
             info = self.services.sessions.info(self.session_id)
-            if not info.multi_party:
-                return None  # the owner's own session
+            own = not info.multi_party and (
+                info.peer is None or authority.is_owner(info.origin_platform, info.peer)
+            )
+            if own:
+                return None  # the owner's own session: no name
             room = info.origin_platform
             if room is not None and platform != room:
                 return authority.owner_account(room) or user_id
@@ -593,9 +575,10 @@ class SessionActor(pykka.ThreadingActor):
         running = self.view.queue.running
         if running is None or not running.stoppable:
             return NO_RUNNING_TURN
+        current = self.view.turns.current
+        participants = turn_participants(current) if current is not None else ()
         allowed = self.services.authority.is_owner(msg.platform, msg.user_id) or (
-            msg.user_id is not None
-            and (msg.platform, msg.user_id) in self._participants.get(running.turn_id, set())
+            msg.user_id is not None and (msg.platform, msg.user_id) in participants
         )
         if not allowed:
             return STOP_DENIED

@@ -73,6 +73,7 @@ from aalis_agent.projections.tokens import (
     tool_definition_tokens,
 )
 from aalis_agent.projections.trim import TrimRequest, TrimResult, trim, trim_budget
+from aalis_agent.projections.turns import Party, input_origin
 from aalis_agent.projections.usage import BudgetLog, breakdown, usage_payload, wire
 from aalis_agent.services import (
     AbortSignal,
@@ -436,9 +437,16 @@ class TurnRunner:
     def _trigger(self) -> str | None:
         return self.inputs[0].trigger_type if self.inputs else None
 
+    def _origin(self, inp: Input) -> tuple[tuple[Party, ...], str | None]:
+        """``originTurnOf`` of one of this turn's inputs: the derivation its
+        ``InputJoined`` recorded, read over the turns before this one."""
+        return input_origin(self.view.turns, inp)
+
     def _user_id(self) -> str | None:
-        senders = {i.sender.user_id for i in self.inputs}
-        return next(iter(senders)) if len(senders) == 1 else None
+        """The physical speaker of the inputs sent so far, when they all have the same
+        one; a continuation counts as the speaker of the turn it came from."""
+        speakers = {self._origin(i)[1] for i in self.inputs}
+        return next(iter(speakers)) if len(speakers) == 1 else None
 
     def _turn(self, ctx: TurnBefore) -> tuple[TurnOutcome, str | None]:
         services = self.services
@@ -855,15 +863,13 @@ class TurnRunner:
         participants: list[str] = []
         owner_seen = False
         for inp in self.inputs:
-            who = inp.sender.user_id if inp.source is None else inp.actor
-            if who is None:
-                continue
-            if authority.is_owner(inp.platform, who):
-                if owner_seen:
-                    continue
-                owner_seen = True
-            if who not in participants:
-                participants.append(who)
+            for platform, who in self._origin(inp)[0]:
+                if authority.is_owner(platform, who):
+                    if owner_seen:
+                        continue  # the owner's identities are one participant
+                    owner_seen = True
+                if who not in participants:
+                    participants.append(who)
         last = self.inputs[-1] if self.inputs else None
         return ToolCallContext(
             session_id=self.session_id,

@@ -292,12 +292,19 @@ class InputHeld(Event, frozen=True, tag="input_held"):
 class InputJoined(Event, frozen=True, tag="input_joined"):
     """The input entered a turn: it opened it or joined it at an insertion point.
 
-    Entry ``opened`` follows the turn's ``TurnOpened`` in the same batch.
+    Entry ``opened`` follows the turn's ``TurnOpened`` in the same batch. ``participants``
+    are who the input brings into the turn (``originTurnOf``: a human the speaker, a
+    continuation or subtask the participants of the turn it came from, a schedule or
+    workflow its authorised identity), as ``(platform, account)``; ``speaker`` is its
+    physical speaker (a continuation: the speaker of the turn it came from). Recorded so
+    that ``/stop`` and the tool context read them from the log, across restarts.
     """
 
     input_id: str
     turn_id: str
     entry: TurnEntry
+    participants: tuple[tuple[str | None, str], ...] = ()
+    speaker: str | None = None
 
 
 class InputReleased(Event, frozen=True, tag="input_released"):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import TypeAlias
 
 import msgspec
 from aalis_agent.events.schema import (
     ContextCleared,
+    Input,
     InputHeld,
     InputJoined,
     InputQueued,
@@ -37,6 +39,7 @@ from aalis_agent.projections.chain import Chain
 __all__ = [
     "HANDLERS",
     "ModelCallInfo",
+    "Party",
     "ToolCallInfo",
     "TurnInfo",
     "TurnLog",
@@ -44,9 +47,12 @@ __all__ = [
     "all_turns",
     "evolve",
     "find_turn",
+    "input_origin",
     "last_opened",
     "project",
     "turn_info",
+    "turn_participants",
+    "turn_speaker",
 ]
 
 
@@ -282,6 +288,43 @@ def find_turn(state: TurnsState, turn_id: str) -> TurnLog | None:
         if turn.turn_id == turn_id:
             return turn
     return None
+
+
+Party: TypeAlias = tuple[str | None, str]
+"""A participant: ``(platform, account)``."""
+
+
+def input_origin(state: TurnsState, inp: Input) -> tuple[tuple[Party, ...], str | None]:
+    """``originTurnOf`` for one input: the participants it brings into a turn and its
+    physical speaker. A human brings the speaker; a schedule or workflow its authorised
+    identity (``actor``) and no speaker; a continuation or subtask (``from_turn``) the
+    participants and speaker of the turn it came from, as that turn's log recorded them.
+    A sender without an account is nobody. The one derivation behind ``/stop`` (CMD3) and
+    the tool context (TCX1)."""
+    if inp.from_turn is not None:
+        origin = find_turn(state, inp.from_turn)
+        if origin is not None:
+            return turn_participants(origin), turn_speaker(origin)
+    if inp.source is None:
+        who = speaker = inp.sender.user_id
+    else:
+        who, speaker = inp.actor, None
+    return (((inp.platform, who),) if who else ()), speaker
+
+
+def turn_participants(turn: TurnLog) -> tuple[Party, ...]:
+    """Everyone the turn's inputs brought, in the order they came (CMD3)."""
+    seen: dict[Party, None] = {}
+    for event in turn.events:
+        if isinstance(event, InputJoined):
+            seen.update(dict.fromkeys(event.participants))
+    return tuple(seen)
+
+
+def turn_speaker(turn: TurnLog) -> str | None:
+    """The physical speaker of the turn's inputs when they all have the same one."""
+    speakers = {e.speaker for e in turn.events if isinstance(e, InputJoined)}
+    return next(iter(speakers)) if len(speakers) == 1 else None
 
 
 def last_opened(state: TurnsState) -> TurnOpened | None:

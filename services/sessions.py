@@ -18,6 +18,7 @@ class SessionInfo:
     multi_party: bool = False  # from the root session's origin chat
     parent_id: str | None = None
     venue: str | None = None  # the venue settings layer's key (SET), e.g. "qq:12345"
+    peer: str | None = None  # a one-to-one chat's other party (account on origin_platform)
 
     @property
     def is_child(self) -> bool:

@@ -73,6 +73,8 @@ def _strategy(t: msgspec.inspect.Type) -> st.SearchStrategy[Any]:
         return st.one_of(*(_strategy(u) for u in t.types))
     if isinstance(t, mi.VarTupleType):
         return st.lists(_strategy(t.item_type), max_size=3).map(tuple)
+    if isinstance(t, mi.TupleType):
+        return st.tuples(*(_strategy(u) for u in t.item_types))
     if isinstance(t, mi.DictType):
         return st.dictionaries(_strategy(t.key_type), _strategy(t.value_type), max_size=3)
     if isinstance(t, mi.AnyType):

@@ -16,7 +16,6 @@ import pytest
 from aalis_agent.actors.hooks import Hooks
 from aalis_agent.actors.messages import Submit
 from aalis_agent.actors.runtime import Runtime, RuntimeClosed
-from aalis_agent.actors.session import SessionActor
 from aalis_agent.events import (
     FixedClock,
     InMemoryEventStore,
@@ -458,24 +457,29 @@ def test_a_continuation_turn_may_be_stopped_by_those_of_the_turn_that_started_it
     assert rig.runtime.stop_command(SID, "qq", "a") is None
 
 
-@pytest.mark.parametrize("kept, a_may_stop", [(64, True), (1, False)])
-def test_ended_turns_participants_are_kept_for_a_bounded_while(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch, kept: int, a_may_stop: bool
-) -> None:
-    """A continuation of a turn that ended a while ago still brings its participants,
-    but only the last ``_ENDED_KEPT`` ended turns are remembered (memory stays bounded)."""
-    monkeypatch.setattr(SessionActor, "_ENDED_KEPT", kept)
-    for user in ("a", "b"):
+def test_a_continuations_origin_comes_from_the_log_across_restarts(rig: Rig) -> None:
+    """「续做的通知不带它,取起它的那一轮的发言者,参与者同样取那一轮的」: the participants and
+    speaker a continuation brings are derived from its starting turn as the log recorded
+    it, however long ago and after the actor was passivated; /stop and the tool context
+    use that one derivation."""
+    for user in ("a", "b", "c"):
         rig.submit(f"{user} 说", **human(user))
         rig.model.answer("好")
         rig.settle()
-    first, second = (e.turn_id for e in rig.of(TurnOpened))
-    assert [e.turn_id for e in rig.of(TurnRecorded)] == [first, second]
+    first = rig.of(TurnOpened)[0].turn_id
+    joined = [e for e in rig.of(InputJoined) if e.turn_id == first]
+    assert [(e.participants, e.speaker) for e in joined] == [((("qq", "a"),), "a")]
+    assert rig.runtime.passivate_idle(0) == 1  # the next actor comes back from the log
     rig.submit("续做", platform="qq", source="continuation", from_turn=first)
-    assert rig.of(TurnOpened)[-1].turn_id not in (first, second)
-    answer = rig.runtime.stop_command(SID, "qq", "a")
-    assert (answer is None) is a_may_stop
-    assert answer in (None, STOP_DENIED)
+    rig.model.answer(tool_calls=(CALL,))
+    rig.tool.wait_running()
+    context = rig.tool.contexts[-1]
+    assert (context.user_id, context.participants) == ("a", ("a",))
+    assert context.inbound.from_turn == first
+    assert rig.runtime.stop_command(SID, "qq", "b") == STOP_DENIED
+    assert rig.runtime.stop_command(SID, "qq", "a") is None
+    rig.tool.release()
+    rig.settle()
 
 
 def test_stop_marker_names_who_stopped(rig: Rig) -> None:  # SAVE6
@@ -491,6 +495,24 @@ def test_stop_marker_names_who_stopped(rig: Rig) -> None:  # SAVE6
         "tg", "owner-tg"
     )  # his account on the room's platform
     assert "被 b 停下" in stop_and_marker("qq", "b")
+
+
+def test_the_owner_stopping_someone_elses_private_chat_is_named(rig: Rig) -> None:  # SAVE6
+    """「owner 自己的会话里不写…其余写停下的人的账号」: only the owner's own session omits
+    the name; in another person's private chat the owner is named by his account on the
+    chat's platform."""
+
+    def marker(platform: str, user: str) -> str:
+        rig.submit("一", **human("b"))
+        rig.runtime.stop(SID, platform=platform, user_id=user)
+        rig.settle()
+        return rig.of(StopMarkerSaved)[-1].message.content
+
+    rig.sessions.add(SessionInfo(SID, origin_platform="qq", peer="b"))  # b's private chat
+    assert "被 owner 停下" in marker("qq", "owner")
+    assert "被 owner 停下" in marker("tg", "owner-tg")  # his account on qq
+    rig.sessions.add(SessionInfo(SID, origin_platform="qq", peer="owner"))  # his own
+    assert "被" not in marker("qq", "owner")
 
 
 def test_a_turn_that_left_nothing_writes_no_marker(rig: Rig) -> None:  # SAVE6, INS3
