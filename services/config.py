@@ -41,10 +41,14 @@ class AgentConfig:
     history_limit: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("memoryTokenBudget", self.memory_token_budget, minimum=0)
-        _check_int("promptBuildTimeoutMs", self.prompt_build_timeout_ms, minimum=0)
+        # Upper bounds: what the log and the turn can hold (as the configuration file
+        # checks them): tokens up to 1e9, a timeout up to 2**31-1 ms, counts in 64 bits.
+        _check_int("memoryTokenBudget", self.memory_token_budget, minimum=0, maximum=10**9)
+        _check_int(
+            "promptBuildTimeoutMs", self.prompt_build_timeout_ms, minimum=0, maximum=2**31 - 1
+        )
         _check_ratio("toolResultMaxRatio", self.tool_result_max_ratio, upper=1.0)
-        _check_ratio("trimThresholdRatio", self.trim_threshold_ratio, upper=None)
+        _check_ratio("trimThresholdRatio", self.trim_threshold_ratio, upper=1000.0)
         if self.max_tool_iterations is not None:
             _check_int("maxToolIterations", self.max_tool_iterations, minimum=1)
         _check_int("historyLimit", self.history_limit, minimum=0)
@@ -81,16 +85,19 @@ class AgentConfig:
         return {names[f.name]: getattr(self, f.name) for f in fields(self)}
 
 
-def _check_int(key: str, value: Any, *, minimum: int) -> None:
+def _check_int(key: str, value: Any, *, minimum: int, maximum: int = 2**63 - 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{key} must be an integer, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise ConfigError(f"{key} must be <= {maximum}, got {value}")
 
 
 def _check_ratio(key: str, value: Any, *, upper: float | None) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigError(f"{key} must be a number, got {value!r}")
-    if value <= 0 or (upper is not None and value > upper):
-        bound = f"in (0, {upper}]" if upper is not None else "> 0"
-        raise ConfigError(f"{key} must be {bound}, got {value}")
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0, got {value}")
+    if upper is not None and value > upper:
+        raise ConfigError(f"{key} must be <= {upper:g}, got {value}")

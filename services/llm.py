@@ -17,7 +17,11 @@ from typing import Any, Protocol
 import msgspec
 from aalis_agent.events.errors import ConfigError
 from aalis_agent.events.schema import ChatMessage, ToolCall
+from aalis_agent.projections.limits import MAX_DEPTH, json_too_deep, toml_too_deep
 from aalis_agent.services.abort import AbortSignal
+
+MAX_CHUNKS = 100_000
+"""Most pieces a scripted reply may be streamed in (a file's ``chunks``)."""
 
 __all__ = [
     "ChatModel",
@@ -156,12 +160,22 @@ class ScriptedModel:
         (so malformed JSON can be scripted), ``usage`` a table of token counts.
         """
         path = Path(path)
-        text = path.read_text(encoding="utf-8")
         try:
-            raw = tomllib.loads(text)["replies"] if path.suffix == ".toml" else json.loads(text)
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read the model script: {exc}") from None
+        toml = path.suffix == ".toml"
+        deep = toml_too_deep(text) if toml else json_too_deep(text, MAX_DEPTH)
+        if deep:  # refused before a recursive parser sees it
+            raise ConfigError(f"{path}: not a model script: nested deeper than {MAX_DEPTH} levels")
+        try:
+            raw = tomllib.loads(text)["replies"] if toml else json.loads(text)
             replies = msgspec.convert(raw, list[ScriptedReply])
         except (KeyError, ValueError, tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
             raise ConfigError(f"{path}: not a model script: {exc}") from None
+        for n, reply in enumerate(replies, 1):
+            if not 1 <= reply.chunks <= MAX_CHUNKS:
+                raise ConfigError(f"{path}: reply {n}: chunks must be 1..{MAX_CHUNKS}")
         return cls(replies, **kwargs)
 
     def _next(self, request: ChatRequest) -> ScriptedReply:

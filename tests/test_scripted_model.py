@@ -4,10 +4,12 @@ or from a file."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aalis_agent.events import ConfigError, ToolCall
 from aalis_agent.services import AbortSignal, ChatRequest, ScriptedModel, ScriptedReply
+from aalis_agent.services.config import AgentConfig
 from aalis_agent.services.llm import Usage
 
 REQUEST = ChatRequest(messages=())
@@ -74,3 +76,40 @@ def test_from_a_json_file_and_bad_files(tmp_path: Path) -> None:
     bad.write_text('[{"txt": 1}, {"text": 5}]', encoding="utf-8")
     with pytest.raises(ConfigError, match="not a model script"):
         ScriptedModel.from_file(bad)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "problem"),
+    [
+        ("deep.json", "[" * 5000, "nested deeper than 64 levels"),
+        ("deep.toml", "replies = " + "[" * 5000, "nested deeper than 64 levels"),
+        ("many.toml", '[[replies]]\ntext = "x"\nchunks = 99999999\n', "chunks must be 1..100000"),
+        ("bad.json", b"\xff\xfe", "cannot read the model script"),
+    ],
+)
+def test_a_hostile_model_script_is_refused_plainly(
+    tmp_path: Path, name: str, text: str | bytes, problem: str
+) -> None:
+    path = tmp_path / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match=problem):
+        ScriptedModel.from_file(path)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [
+        ("memory_token_budget", 10**12, "memoryTokenBudget must be <= 1000000000"),
+        ("prompt_build_timeout_ms", 2**40, "promptBuildTimeoutMs must be <= 2147483647"),
+        ("history_limit", 2**70, "historyLimit must be <= 9223372036854775807"),
+        ("trim_threshold_ratio", 1e9, "trimThresholdRatio must be <= 1000"),
+    ],
+)
+def test_a_plugin_config_built_in_python_is_bounded_too(
+    field: str, value: Any, problem: str
+) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        AgentConfig(**{field: value})
