@@ -18,7 +18,13 @@ from importlib.metadata import version as _version
 
 from aalis_agent.actors.hooks import Contribution, Hooks
 from aalis_agent.actors.messages import InputOutcome
-from aalis_agent.actors.runtime import InputBefore, Runtime, RuntimeClosed, SubmitHandle
+from aalis_agent.actors.runtime import (
+    InputBefore,
+    Quarantined,
+    Runtime,
+    RuntimeClosed,
+    SubmitHandle,
+)
 from aalis_agent.events import (
     AgentError,
     ConcurrencyConflict,
@@ -28,11 +34,14 @@ from aalis_agent.events import (
     InMemoryEventStore,
     Input,
     InvalidBatch,
+    InvalidInput,
     ModelRef,
     ReplayError,
     Sender,
+    SessionFailed,
     SqliteEventStore,
     StoreError,
+    StoreInUse,
 )
 from aalis_agent.services import (
     Aborted,
@@ -73,10 +82,12 @@ __all__ = [
     "InputBefore",
     "InputOutcome",
     "InvalidBatch",
+    "InvalidInput",
     "LlmService",
     "ModelRef",
     "OutboundMessage",
     "Provider",
+    "Quarantined",
     "ReplayError",
     "Runtime",
     "RuntimeClosed",
@@ -84,8 +95,10 @@ __all__ = [
     "ScriptedReply",
     "Sender",
     "Services",
+    "SessionFailed",
     "SqliteEventStore",
     "StoreError",
+    "StoreInUse",
     "StreamChunk",
     "SubmitHandle",
     "Tool",

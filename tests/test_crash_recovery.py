@@ -286,3 +286,39 @@ def test_a_corrupt_log_is_quarantined_and_every_other_session_recovers(tmp_path:
     finally:
         runtime.shutdown(timeout=10)
         store.close()
+
+
+_FAILING_WRITES = """
+import sys
+import structlog
+structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+from aalis_agent import Input, InMemoryEventStore, Runtime, Services, SessionFailed
+from aalis_agent.services import ScriptedModel
+
+class Failing(InMemoryEventStore):
+    def append(self, session_id, events, expected_seq, *, open_work=None):
+        if self.last_seq(session_id) > 0:
+            raise OSError("disk full")
+        return super().append(session_id, events, expected_seq, open_work=open_work)
+
+runtime = Runtime(Failing(), Services(llm=ScriptedModel()))
+handle = runtime.submit("s", Input(id="", content="hi"))
+try:
+    handle.result(10)
+except SessionFailed as exc:
+    print("failed:", exc.reason)
+runtime.shutdown()
+print("shut down", flush=True)
+"""
+
+
+def test_shutdown_returns_and_the_process_exits_while_writes_fail() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _FAILING_WRITES],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["failed: OSError: disk full", "shut down"]
