@@ -66,6 +66,7 @@ from aalis_agent.events import (
     InputRequeued,
     InvalidBatch,
     MessageMeta,
+    MessageSaved,
     SessionDeleted,
     SessionEvent,
     SessionFailed,
@@ -89,6 +90,15 @@ log = structlog.get_logger("aalis.agent")
 
 _TOLD = (AppendEvents, CallEnded, Settled, Delete, Clear)
 """Messages sent with ``tell``: a failure handling one must not stop the actor."""
+
+
+def _is_reply(event: SessionEvent) -> bool:
+    """The event that saves a turn's reply (it carries the turn's record, SAVE5)."""
+    return (
+        isinstance(event, MessageSaved)
+        and event.message.role == "assistant"
+        and event.message.meta.turn_record is not None
+    )
 
 
 class SessionActor(pykka.ThreadingActor):
@@ -471,10 +481,14 @@ class SessionActor(pykka.ThreadingActor):
             raise
         return where
 
-    def _on_insertion(self, msg: InsertionPoint) -> tuple[list[Input], list[ChatMessage]] | None:
+    def _on_insertion(
+        self, msg: InsertionPoint
+    ) -> tuple[list[Input], list[ChatMessage], bool] | None:
         """One round of a turn's insertion point (FLOW8): its runner's facts, the pending
         inputs joining and their archive in one commit; when none joins, the model call's
-        start instead. None when the turn is not recorded any more (deleted, DEL1)."""
+        start instead, unless a stop came first (then the call never starts). Answers the
+        joined inputs, their archived messages and whether the start was recorded; None
+        when the turn is not recorded any more (deleted, DEL1)."""
         if not self._running(msg.turn_id) or self._winding_down:
             return None
         step = self._step()
@@ -485,10 +499,14 @@ class SessionActor(pykka.ThreadingActor):
         messages = archive_joined(step, msg.turn_id, joined, self._message_id, save=archive)
         if joined and not archive:
             self.runtime._archive_missed()
-        if not joined and msg.started is not None:
+        running = step.view.queue.running
+        start = not joined and msg.started is not None
+        if start and running is not None and running.stop_requested:
+            start = False  # stopped: the call is not made
+        if start and msg.started is not None:
             step.add(msg.started)
         self._commit(step)
-        return joined, messages
+        return joined, messages, start
 
     def _running(self, turn_id: str) -> bool:
         running = self.view.queue.running
@@ -501,13 +519,14 @@ class SessionActor(pykka.ThreadingActor):
         running = self.view.queue.running
         if running is None or running.turn_id != msg.turn_id or self._winding_down:
             return False
-        if msg.final and running.stop_requested:
-            return False
+        refused = msg.final and running.stop_requested
         step = self._step()
         for event in msg.events:
+            if refused and _is_reply(event):
+                continue  # a stopped turn saves no reply; its other facts (usage) stay
             step.add(event)
         self._commit(step)
-        return True
+        return not refused
 
     def _on_call_ended(self, msg: CallEnded) -> None:
         if not self._running(msg.turn_id) or self._winding_down:

@@ -301,6 +301,7 @@ class TurnRunner:
         self._addressed: list[tuple[str, str]] = []
         self._drafts: list[SessionEvent] = []
         self._call_index = 0
+        self._call_refused = False  # the last insertion point refused the call's start
         self._protected: set[str] = set()  # this turn's inputs and instruction block (TRIM-N)
         self.trimmed = False
         self.last_trim: TrimResult | None = None
@@ -518,12 +519,13 @@ class TurnRunner:
         none is pending, the call's ``ModelCallStarted`` is committed instead. Returns
         whether any joined (their messages are appended to the prompt)."""
         events, self._drafts = tuple(self._drafts), []
-        answer: tuple[list[Input], list[ChatMessage]] | None = self.actor.ask(
+        answer: tuple[list[Input], list[ChatMessage], bool] | None = self.actor.ask(
             InsertionPoint(self.turn_id, events, started)
         )  # type: ignore[assignment]
         if answer is None:
             raise NotRecorded(self.turn_id)
-        joined, messages = answer
+        joined, messages, recorded = answer
+        self._call_refused = not joined and not recorded
         if not joined:
             return False
         guide = self._focus_guide(joined, messages)
@@ -571,13 +573,23 @@ class TurnRunner:
             purpose=purpose,
             format_retry=retry,
         )
+        call = _Call()
+        if self.abort.aborted:
+            call.aborted = True  # stopped before the call went out: no call
+            return call
         if self.opened.source is None and not retry:
             while self._take_inserts(prompt, started):
                 before = self._llm_before(prompt, tool_defs)
+            if self._call_refused:
+                call.aborted = True  # a stop came first: the call was never started
+                return call
         else:
             self._report(started)
             self._flush()
-        call = _Call()
+        if self.abort.aborted:  # stopped after the start was recorded: nothing is sent
+            self.actor.tell(CallEnded(self.turn_id, index, "aborted"))
+            call.aborted = True
+            return call
         text: list[str] = []
         reasoning: list[str] = []
         call_ids: dict[int, str] = {}

@@ -27,6 +27,7 @@ from aalis_agent.events import (
     InputRequeued,
     MessageSaved,
     ModelCallEnded,
+    ModelCallStarted,
     Sender,
     SequentialIds,
     SessionDeleted,
@@ -39,6 +40,7 @@ from aalis_agent.events import (
     TurnOpened,
     TurnRecorded,
     TurnSettings,
+    UsageRecorded,
 )
 from aalis_agent.projections import history, project, turns
 from aalis_agent.projections.texts import (
@@ -753,6 +755,8 @@ def test_a_stop_acknowledged_before_the_reply_is_durable_wins(hook: str, how: st
         assert sent == []
         log = runtime.store.read(SID)
         assert not [e for e in log if isinstance(e, MessageSaved) and e.message.role == "assistant"]
+        # The call that returned is accounted for even though its reply was refused.
+        assert len([e for e in log if isinstance(e, UsageRecorded)]) == 1
     finally:
         runtime.shutdown(timeout=10)
 
@@ -816,5 +820,25 @@ def test_duplicate_call_ids_are_made_unique_before_they_are_stored() -> None:
             if isinstance(e, MessageSaved) and e.message.tool_calls
         ]
         assert groups == [["call_0", "call_0~2"]] * 4
+    finally:
+        runtime.shutdown(timeout=10)
+
+
+def test_a_stop_during_llm_before_means_the_call_is_never_made() -> None:
+    hooks = Hooks()
+    model = ScriptedModel([ScriptedReply(text="回答")])
+    runtime = Runtime(
+        InMemoryEventStore(),
+        Services(llm=model),
+        FixedClock(),
+        SequentialIds(),
+        janitor=False,
+        hooks=hooks,
+    )
+    hooks.use("agent:llm:before", lambda ctx, next_: runtime.stop(SID) and next_())
+    try:
+        assert runtime.submit(SID, Input(id="", content="问")).result(5).outcome == "aborted"
+        assert model.requests == []  # nothing went to the provider
+        assert not [e for e in runtime.store.read(SID) if isinstance(e, ModelCallStarted)]
     finally:
         runtime.shutdown(timeout=10)
