@@ -1,8 +1,9 @@
 """Running a loaded scenario through the real runtime (:func:`run_scenario`).
 
 The model parks every call at a gate until the driver answers it from the script, and slow
-tools park until the driver releases them; after each step the driver waits until every
-turn is parked again or has ended, then moves the clock.
+tools park until the driver releases them; a turn also parks in a hook, or between two
+chunks of a streamed reply, where a step is placed. After each step the driver waits until
+every turn is parked again or has ended, then moves the clock.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+from aalis_agent.actors.hooks import Hooks
 from aalis_agent.actors.messages import InputOutcome
 from aalis_agent.actors.runtime import Runtime, SubmitHandle
 from aalis_agent.actors.scenario_load import load_scenario
 from aalis_agent.actors.scenario_result import CallRecord, InputRecord, ScenarioResult, StepRecord
 from aalis_agent.actors.scenario_spec import (
+    HOOK_POINTS,
     Point,
     ReplySpec,
     Scenario,
@@ -71,8 +74,9 @@ class _ModelCall:
     request: ChatRequest
     abort: AbortSignal
     order: int
-    state: Literal["parked", "answered", "abandoned"] = "parked"
+    state: Literal["parked", "answered", "abandoned", "cut"] = "parked"
     reply: ReplySpec | None = None
+    streamed: int = 0  # text chunks the turn has received
 
     @property
     def parked(self) -> bool:
@@ -98,14 +102,47 @@ class _ToolRun:
         )
 
 
+@dataclass(eq=False)
+class _Hold:
+    """A turn held at a step's point inside a hook (``while agent:llm:after of call 2
+    runs``) or between two chunks of a streamed reply (``after chunk 1 of call 2``).
+
+    A hook holds until the driver releases it, stop or not (a hook does not watch the
+    stop); a stream also ends when its turn is stopped, as a provider's stream is cut."""
+
+    point: Point
+    session: str
+    turn_id: str | None
+    order: int
+    abort: AbortSignal | None = None  # a stream's: a stop ends the hold
+    state: Literal["parked", "released", "cut"] = "parked"
+    text: str = ""  # the chunk just streamed (stream holds)
+
+    @property
+    def parked(self) -> bool:
+        return self.state == "parked" and not (self.abort is not None and self.abort.aborted)
+
+    def describe(self) -> str:
+        at = self.point
+        if at.kind == "chunk":
+            return f"the stream of call {at.n} of {self.session} after chunk {at.chunk}"
+        rounds = f" round {at.round}" if at.round > 1 else ""
+        return f"{at.hook}{rounds} of {at.unit} {at.n} of {self.session}"
+
+
 class _Gate:
     """What is parked, in the order it parked, and the journal of what happened."""
 
-    def __init__(self) -> None:
+    def __init__(self, targets: frozenset[Point] = frozenset()) -> None:
         self.cv = threading.Condition()
         self.closed = False
         self.calls: dict[str, list[_ModelCall]] = {}
         self.runs: dict[str, list[_ToolRun]] = {}
+        self.targets = targets  # the hook and chunk points steps are placed at
+        self.holds: dict[Point, _Hold] = {}
+        self.hook_runs: dict[tuple[str, str, int], int] = {}  # (hook, session, n): runs
+        self.current_turn: dict[str, str] = {}
+        self.last_call: dict[threading.Thread, _ModelCall] = {}  # per turn thread
         self.journal: list[tuple[str, Any]] = []
         self.problems: list[str] = []
         self.opened: dict[str, int] = {}
@@ -141,11 +178,35 @@ class _Gate:
             self.cv.wait(remaining)
         return True
 
+    def hold(self, point: Point, session: str, abort: AbortSignal | None, text: str = "") -> bool:
+        """Hold the calling turn thread at ``point`` (a step's point, the first time it
+        comes) until the driver releases it; False when a stop (``abort``) or the end of
+        the run ended the hold instead."""
+        with self.cv:
+            if point not in self.targets or point in self.holds:
+                return True
+            turn = self.current_turn.get(session)
+            item = _Hold(point, session, turn, self.order(), abort, text=text)
+            self.holds[point] = item
+            self.journal.append(("hold", item))
+            self.cv.notify_all()
+        if abort is not None:
+            abort.add_callback(self.wake)
+        with self.cv:
+            self.wait(lambda: not item.parked)
+            if item.state == "released":
+                return True
+            item.state = "cut"
+            if abort is not None and abort.aborted:
+                self.journal.append(("cut", item))
+            return False
+
     def on_bus(self, topic: str, payload: Any) -> None:
         sid = payload.get("sessionId", "") if isinstance(payload, Mapping) else ""
         with self.cv:
             if topic == "turn:opened":
                 self.opened[sid] = self.opened.get(sid, 0) + 1
+                self.current_turn[sid] = str(payload.get("turnId"))
             elif topic == "turn:ended":
                 self.ended[sid] = self.ended.get(sid, 0) + 1
                 self.journal.append(("ended", dict(payload)))
@@ -173,6 +234,7 @@ class _Model:
             calls = gate.calls.setdefault(sid, [])
             call = _ModelCall(sid, len(calls) + 1, request, abort, gate.order())
             calls.append(call)
+            gate.last_call[threading.current_thread()] = call
             gate.journal.append(("call", call))
             gate.cv.notify_all()
         abort.add_callback(gate.wake)
@@ -185,7 +247,65 @@ class _Model:
                     return
                 raise ScenarioError(f"model call {call.index} of {sid} was never answered")
         assert call.reply is not None
-        yield from call.reply.chunks()
+        for chunk in call.reply.chunks():
+            yield chunk
+            if not chunk.content_delta:
+                continue
+            # The turn has taken this chunk (the consumer asked for the next one): a step
+            # placed "after chunk K of call N" happens here.
+            with gate.cv:
+                call.streamed += 1
+                point = Point("chunk", session=sid, n=call.index, chunk=call.streamed)
+            if not gate.hold(point, sid, abort, chunk.content_delta):
+                with gate.cv:
+                    call.state = "cut"
+                return
+
+
+def _hooks(gate: _Gate) -> Hooks:
+    """Middleware that holds a turn inside the hooks steps are placed in, the first time
+    the hook runs for the step's call (or turn, or round); other runs pass straight on.
+
+    A hook's call is the session's next model call for ``agent:llm:before`` (it runs
+    before the call is made, once per round of the insertion point), the call just
+    answered on this thread for ``agent:llm:after``, and the session's last call for
+    ``agent:reply:before``; a turn hook's turn is the session's latest opened turn."""
+    hooks = Hooks()
+    used = {p.hook for p in gate.targets if p.kind == "hook"}
+
+    def point_of(key: str, ctx: Any) -> tuple[Point, str] | None:
+        if getattr(ctx, "dry_run", False):
+            return None  # a token:request snapshot, not a turn
+        with gate.cv:
+            if key == "agent:llm:after":
+                call = gate.last_call.get(threading.current_thread())
+                if call is None:
+                    return None
+                sid, n = call.session, call.index
+            else:
+                sid = str(getattr(ctx, "session_id", ""))
+                made = len(gate.calls.get(sid, []))
+                if HOOK_POINTS[key] == "turn":
+                    n = gate.opened.get(sid, 0)
+                else:
+                    n = made + 1 if key == "agent:llm:before" else made
+            runs = gate.hook_runs[(key, sid, n)] = gate.hook_runs.get((key, sid, n), 0) + 1
+        rounds = runs if key == "agent:llm:before" else 1
+        return Point("hook", session=sid, n=n, hook=key, round=rounds), sid
+
+    def middleware(key: str) -> Callable[[Any, Callable[[], Any]], Any]:
+        def hold_here(ctx: Any, proceed: Callable[[], Any]) -> Any:
+            found = point_of(key, ctx)
+            if found is not None:
+                gate.hold(found[0], found[1], None)
+            return proceed()
+
+        return hold_here
+
+    for key in HOOK_POINTS:
+        if key in used:
+            hooks.use(key, middleware(key))
+    return hooks
 
 
 def _llm_service(gate: _Gate, specs: tuple[Mapping[str, Any], ...]) -> LlmService:
@@ -271,7 +391,7 @@ class _Driver:
         self.sc = sc
         self.store = store
         self.timeout_s = timeout_s
-        self.gate = _Gate()
+        self.gate = _Gate(frozenset(s.at for s in sc.steps if s.at.kind in ("hook", "chunk")))
         self.clock = FixedClock(sc.start_ms, 0)
         self.actions = 0
         self.handles: list[tuple[StepSpec, SubmitHandle]] = []
@@ -313,7 +433,13 @@ class _Driver:
             tz=sc.tz,
         )
         self.runtime = Runtime(
-            store, services, self.clock, SequentialIds(), janitor=False, ask_timeout_s=timeout_s
+            store,
+            services,
+            self.clock,
+            SequentialIds(),
+            hooks=_hooks(self.gate),
+            janitor=False,
+            ask_timeout_s=timeout_s,
         )
         for topic in ("turn:opened", "turn:ended", "outbound:message"):
             self.runtime.subscribe(topic, self.gate.on_bus)
@@ -368,7 +494,9 @@ class _Driver:
             threads = self.runtime.turn_threads()
             with self.gate.cv:
                 live = sum(self.gate.opened.get(s, 0) - self.gate.ended.get(s, 0) for s in sessions)
-                parked = len(self.parked_calls()) + len(self.parked_runs())
+                parked = (
+                    len(self.parked_calls()) + len(self.parked_runs()) + len(self.parked_holds())
+                )
                 problems = list(self.gate.problems)
             if problems:
                 raise self.error(problems[0])
@@ -393,6 +521,9 @@ class _Driver:
     def parked_runs(self) -> list[_ToolRun]:
         return [r for runs in self.gate.runs.values() for r in runs if r.parked]
 
+    def parked_holds(self) -> list[_Hold]:
+        return [h for h in self.gate.holds.values() if h.parked]
+
     def reply_for(self, call: _ModelCall) -> ReplySpec | None:
         replies = self.sc.replies.get(call.session, ())
         return replies[call.index - 1] if call.index <= len(replies) else None
@@ -401,10 +532,11 @@ class _Driver:
         """Answer the call or release the tool that parked first (of session ``only``,
         when given); False when nothing can move. Calls without a reply stay parked."""
         with self.gate.cv:
-            items: list[_ModelCall | _ToolRun] = [
+            items: list[_ModelCall | _ToolRun | _Hold] = [
                 c for c in self.parked_calls() if self.reply_for(c) is not None
             ]
             items += self.parked_runs()
+            items += self.parked_holds()
             items = [x for x in items if only is None or _session_of(x) == only]
             if not items:
                 return False
@@ -414,6 +546,10 @@ class _Driver:
                 item.state = "answered"
                 self.gate.journal.append(("answer", item))
                 what = f"answering call {item.index} of {item.session}"
+            elif isinstance(item, _Hold):
+                item.state = "released"
+                self.gate.journal.append(("resume", item))
+                what = f"releasing {item.describe()}"
             else:
                 item.state = "released"
                 self.gate.journal.append(("release", item))
@@ -424,10 +560,15 @@ class _Driver:
         self.clock.advance(self.sc.tick_ms)
         return True
 
-    def point_state(self, at: Point) -> Literal["reached", "passed", "pending"]:
+    def point_state(self, at: Point) -> Literal["reached", "passed", "pending", "missed"]:
         with self.gate.cv:
             if at.kind == "now":
                 return "reached"
+            if at.kind in ("hook", "chunk"):
+                hold = self.gate.holds.get(at)
+                if hold is not None:
+                    return "reached" if hold.parked else "passed"
+                return "missed" if self.missed(at) is not None else "pending"
             if at.kind == "start":
                 return "reached" if self.actions == 0 else "passed"
             if at.kind == "after-turn":
@@ -454,8 +595,39 @@ class _Driver:
                     "(steps happen in file order)",
                     step,
                 )
+            if state == "missed":
+                raise self.error(f"can never happen: {self.missed(step.at)}", step)
             if not self.advance():
                 raise self.error(f"can never happen: {self.stuck(step.at)}", step)
+
+    def missed(self, at: Point) -> str | None:
+        """Why a hook or chunk point can no longer come although it never came (the run
+        went past it), or None."""
+        with self.gate.cv:
+            return self._missed(at)
+
+    def _missed(self, at: Point) -> str | None:
+        sid = at.session or ""
+        calls = self.gate.calls.get(sid, [])
+        runs = self.gate.hook_runs.get((at.hook or "", sid, at.n), 0)
+        if at.kind == "hook" and at.unit == "turn":
+            if self.gate.ended.get(sid, 0) < at.n:
+                return None
+            return f"turn {at.n} of {sid} ended without running {at.hook}"
+        if at.kind == "hook" and at.hook == "agent:llm:before":
+            if len(calls) < at.n:
+                return None
+            return (
+                f"call {at.n} of {sid} was made after {runs} round(s) of agent:llm:before "
+                "(it runs again only when inputs joined in the round before)"
+            )
+        # agent:llm:after, agent:reply:before, a chunk: call N must come and stream whole.
+        if len(calls) > at.n:
+            what = at.hook if at.kind == "hook" else f"chunk {at.chunk}"
+            return f"the session went on to call {at.n + 1} without {what} of call {at.n}"
+        if len(calls) == at.n and calls[-1].state in ("abandoned", "cut"):
+            return f"call {at.n} of {sid} was stopped before that"
+        return None
 
     def stuck(self, at: Point) -> str:
         """Why nothing can move any more, for an error message."""
@@ -474,6 +646,17 @@ class _Driver:
             return f"nothing runs any more, and tool {at.tool} ran {runs} time(s)"
         if at.kind == "after-turn":
             return f"nothing runs any more, and session {at.session} ended {ended} turn(s)"
+        if at.kind == "hook" and at.unit == "turn":
+            return (
+                f"nothing runs any more, and {at.hook} did not run for turn {at.n} of "
+                f"{at.session} (it opened {self.gate.opened.get(at.session or '', 0)} turn(s))"
+            )
+        if at.kind in ("hook", "chunk"):
+            what = at.hook if at.kind == "hook" else f"chunk {at.chunk}"
+            return (
+                f"nothing runs any more, and {what} of call {at.n} of {at.session} did not "
+                f"come (the session made {calls} model call(s))"
+            )
         return f"nothing runs any more, and session {at.session} made {calls} model call(s)"
 
     def fire(self, step: StepSpec) -> None:
@@ -595,6 +778,7 @@ class _Driver:
                     request=c.request,
                     status=c.state,
                     reply=c.reply,
+                    streamed=c.streamed if c.state == "cut" else None,
                     turn_id=started[i].turn_id if i < len(started) else None,
                     trim=self.trims.get((s.id, started[i].turn_id, started[i].index))
                     if i < len(started)
@@ -629,8 +813,8 @@ def _scripted(n: int, session: str) -> str:
     return f"but only {n} {'reply is' if n == 1 else 'replies are'} scripted for {session}"
 
 
-def _session_of(item: _ModelCall | _ToolRun) -> str:
-    return item.session if isinstance(item, _ModelCall) else item.ctx.session_id
+def _session_of(item: _ModelCall | _ToolRun | _Hold) -> str:
+    return item.ctx.session_id if isinstance(item, _ToolRun) else item.session
 
 
 def run_scenario(

@@ -15,7 +15,9 @@ from datetime import UTC, date, datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Any, get_args
 
+from aalis_agent.actors.hooks import HOOK_KEYS
 from aalis_agent.actors.scenario_spec import (
+    HOOK_POINTS,
     Point,
     PointKind,
     ReplySpec,
@@ -74,11 +76,25 @@ _POINT_PATTERNS: tuple[tuple[re.Pattern[str], PointKind], ...] = (
     (re.compile(r"start"), "start"),
     (re.compile(r"before call (?P<n>\d+)(?: of (?P<session>\S+))?"), "before-call"),
     (re.compile(r"after turn (?P<n>\d+)(?: of (?P<session>\S+))?"), "after-turn"),
+    (
+        re.compile(r"after chunk (?P<chunk>\d+) of call (?P<n>\d+)(?: of (?P<session>\S+))?"),
+        "chunk",
+    ),
+    (
+        re.compile(
+            r"while (?P<hook>agent:\S+?)(?: round (?P<round>\d+))? "
+            r"of (?P<unit>call|turn) (?P<n>\d+)(?: of (?P<session>\S+))? runs"
+        ),
+        "hook",
+    ),
     (re.compile(r"while (?P<tool>\S+?)(?: call (?P<n>\d+))? runs"), "tool"),
 )
 _POINT_FORMS = (
-    "'start', 'before call N', 'after turn N' (either with ' of SESSION'), "
-    "'while TOOL runs' or 'while TOOL call K runs'"
+    "'start', 'before call N', 'after turn N', 'after chunk K of call N', "
+    "'while HOOK of call N runs' (HOOK: agent:llm:before, agent:llm:after, "
+    "agent:reply:before), 'while HOOK of turn N runs' (agent:turn:before, "
+    "agent:turn:after) (each with ' of SESSION'), 'while TOOL runs' or "
+    "'while TOOL call K runs'"
 )
 
 
@@ -176,6 +192,10 @@ class _Table:
         if unknown:
             known = ", ".join(sorted(self._read)) or "none"
             raise self.error(f"unknown key {unknown[0]!r} (known here: {known})")
+
+
+def _only(scripted: int) -> str:
+    return f"only {scripted} {'reply is' if scripted == 1 else 'replies are'}"
 
 
 def _kind(value: Any) -> str:
@@ -599,16 +619,21 @@ class _Loader:
             if m is None:
                 continue
             groups = m.groupdict()
-            if len(groups.get("n") or "") > MAX_POINT_DIGITS:
-                raise t.error(f"at {shown}: numbers have at most {MAX_POINT_DIGITS} digits")
+            for key in ("n", "chunk", "round"):
+                if len(groups.get(key) or "") > MAX_POINT_DIGITS:
+                    raise t.error(f"at {shown}: numbers have at most {MAX_POINT_DIGITS} digits")
             n = int(groups.get("n") or 1)
             if kind == "start":
                 return Point("start")
-            if n < 1:
+            if n < 1 or any(
+                groups.get(k) is not None and int(groups[k]) < 1 for k in ("chunk", "round")
+            ):
                 raise t.error(f"at {shown}: numbers count from 1")
             if kind == "tool":
                 tool = groups["tool"]
                 if tool not in tools:
+                    if tool in HOOK_KEYS:
+                        raise t.error(f"at {shown}: {self._hook_form(tool)}")
                     declared = ", ".join(tools) or "none"
                     raise t.error(f"at {shown}: no tool {tool!r} (declared: {declared})")
                 return Point("tool", n=n, tool=tool)
@@ -616,14 +641,104 @@ class _Loader:
             if point_sid not in sessions:
                 raise t.error(f"at {shown}: no session {point_sid!r}")
             scripted = len(replies[point_sid])
+            if kind == "hook":
+                return self._hook_point(t, shown, groups, n, point_sid, replies[point_sid])
+            if kind == "chunk":
+                return self._chunk_point(t, shown, int(groups["chunk"]), n, point_sid, replies)
             if kind == "before-call" and n - 1 > scripted:
                 raise t.error(
                     f"at {shown} can never happen: call {n} of {point_sid} needs calls "
-                    f"1-{n - 1} answered, and only {scripted} repl"
-                    f"{'y is' if scripted == 1 else 'ies are'} scripted"
+                    f"1-{n - 1} answered, and {_only(scripted)} scripted"
                 )
             return Point(kind, session=point_sid, n=n)
         raise t.error(f"at {shown} is not a point; use {_POINT_FORMS}")
+
+    @staticmethod
+    def _hook_form(hook: str) -> str:
+        """How to name a point in ``hook``, or why there is none."""
+        unit = HOOK_POINTS.get(hook)
+        if unit is not None:
+            return f"say which {unit} it runs for: 'while {hook} of {unit} N runs'"
+        return (
+            f"a step cannot be placed in {hook} (it can in {', '.join(HOOK_POINTS)}; "
+            "for a tool's run, use 'while TOOL runs')"
+        )
+
+    def _hook_point(
+        self,
+        t: _Table,
+        shown: str,
+        groups: dict[str, Any],
+        n: int,
+        sid: str,
+        replies: tuple[ReplySpec, ...],
+    ) -> Point:
+        """``while HOOK [round R] of call|turn N [of SESSION] runs``, checked against the
+        script: the call must be able to come, and the hook to run for it."""
+        hook, unit = groups["hook"], groups["unit"]
+        if hook not in HOOK_POINTS:
+            if hook in HOOK_KEYS:
+                raise t.error(f"at {shown}: {self._hook_form(hook)}")
+            raise t.error(
+                f"at {shown}: no hook {hook!r} (a step can be placed in {', '.join(HOOK_POINTS)})"
+            )
+        if HOOK_POINTS[hook] != unit:
+            raise t.error(
+                f"at {shown}: {hook} runs once per {HOOK_POINTS[hook]}: "
+                f"'while {hook} of {HOOK_POINTS[hook]} N runs'"
+            )
+        rounds = int(groups["round"] or 1)
+        if groups["round"] is not None and hook != "agent:llm:before":
+            raise t.error(
+                f"at {shown}: only agent:llm:before runs in rounds (again after inputs join "
+                "at the insertion point); leave out 'round'"
+            )
+        point = Point("hook", session=sid, n=n, hook=hook, round=rounds)
+        scripted = len(replies)
+        if hook == "agent:llm:before" and n - 1 > scripted:
+            raise t.error(
+                f"at {shown} can never happen: call {n} of {sid} needs calls 1-{n - 1} "
+                f"answered, and {_only(scripted)} scripted"
+            )
+        if hook in ("agent:llm:after", "agent:reply:before"):
+            if n > scripted:
+                raise t.error(
+                    f"at {shown} can never happen: {hook} runs once call {n} of {sid} is "
+                    f"answered, and {_only(scripted)} scripted"
+                )
+            if replies[n - 1].error is not None:
+                raise t.error(
+                    f"at {shown} can never happen: reply {n} of {sid} fails (error), and "
+                    f"{hook} does not run for a call that fails"
+                )
+        return point
+
+    def _chunk_point(
+        self,
+        t: _Table,
+        shown: str,
+        chunk: int,
+        n: int,
+        sid: str,
+        replies: Mapping[str, tuple[ReplySpec, ...]],
+    ) -> Point:
+        """``after chunk K of call N [of SESSION]``: reply N must stream K text chunks."""
+        own = replies[sid]
+        if n > len(own):
+            raise t.error(
+                f"at {shown} can never happen: call {n} of {sid} streams once it is "
+                f"answered, and {_only(len(own))} scripted"
+            )
+        reply = own[n - 1]
+        if reply.error is not None:
+            raise t.error(f"at {shown} can never happen: reply {n} of {sid} fails (error)")
+        streamed = len(reply.text_chunks)
+        if chunk > streamed:
+            raise t.error(
+                f"at {shown} can never happen: reply {n} of {sid} streams {streamed} text "
+                "chunk(s) (set its chunks)"
+            )
+        return Point("chunk", session=sid, n=n, chunk=chunk)
 
     def _steps(
         self,

@@ -28,6 +28,7 @@ class CallRecord:
     reply: ReplySpec | None
     turn_id: str | None = None
     trim: dict[str, Any] | None = None  # the trim trace of this call (agent:trim), if any
+    streamed: int | None = None  # status "cut": the text chunks the turn received
 
     @property
     def violations(self) -> list[str]:
@@ -60,7 +61,7 @@ class CallRecord:
             "reply": None if self.reply is None else self.reply.to_json(),
             "trim": self.trim,
             "violations": self.violations,
-        }
+        } | ({} if self.streamed is None else {"streamed": self.streamed})
 
 
 @dataclass(frozen=True)
@@ -254,6 +255,15 @@ def _transcript(result: ScenarioResult) -> str:
             lines.append(f"    answered call {item.index}: {_reply_line(item.reply)}")
         elif kind == "abandoned":
             lines.append(f"    call {item.index} of {item.session} abandoned (stopped)")
+        elif kind == "hold":
+            lines.append(_hold_line(item))
+        elif kind == "resume":
+            lines.append(f"    released {item.describe()}")
+        elif kind == "cut":
+            lines.append(
+                f"    the stream of call {item.point.n} of {item.session} ended after chunk "
+                f"{item.point.chunk}: the turn was stopped"
+            )
         elif kind == "tool":
             args = json.dumps(item.arguments, ensure_ascii=False)
             parked = " (slow: parked)" if item.spec.slow else ""
@@ -295,6 +305,18 @@ def _transcript(result: ScenarioResult) -> str:
             "`aalis-agent replay FILE`."
         )
     return "\n".join(lines) + "\n"
+
+
+def _hold_line(hold: Any) -> str:
+    """A turn held where a step is placed: in a hook, or between two streamed chunks."""
+    at = hold.point
+    turn = hold.turn_id or "?"
+    if at.kind == "chunk":
+        return (
+            f"[call {at.n} of {hold.session}] {turn}: streamed chunk {at.chunk} "
+            f"{_preview(hold.text, 60)} (held mid-stream)"
+        )
+    return f"[{hold.describe()}] {turn}: held in the hook"
 
 
 def _outcome_text(outcome: ToolOutcome | None) -> str:

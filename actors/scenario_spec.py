@@ -87,15 +87,20 @@ class ReplySpec:
     usage: Usage | None = None
     error: str | None = None
 
+    @property
+    def text_chunks(self) -> tuple[str, ...]:
+        """The text pieces as streamed (empty ones are not): what ``after chunk K of call
+        N`` counts."""
+        return tuple(piece for piece in self.pieces if piece)
+
     def chunks(self) -> Iterator[StreamChunk]:
         """The stream: reasoning, text pieces, tool-call progress, then the end chunk."""
         if self.error is not None:
             raise RuntimeError(self.error)
         if self.reasoning:
             yield StreamChunk(reasoning_delta=self.reasoning)
-        for piece in self.pieces:
-            if piece:
-                yield StreamChunk(content_delta=piece)
+        for piece in self.text_chunks:
+            yield StreamChunk(content_delta=piece)
         for index, tc in enumerate(self.tool_calls):
             yield StreamChunk(
                 tool_call_progress=ToolCallProgress(
@@ -120,17 +125,39 @@ class ReplySpec:
         return out
 
 
-PointKind = Literal["now", "start", "before-call", "tool", "after-turn"]
+PointKind = Literal["now", "start", "before-call", "tool", "after-turn", "hook", "chunk"]
+
+HOOK_POINTS: dict[str, Literal["call", "turn"]] = {
+    "agent:turn:before": "turn",
+    "agent:llm:before": "call",
+    "agent:llm:after": "call",
+    "agent:reply:before": "call",
+    "agent:turn:after": "turn",
+}
+"""The hooks a step can be placed in, and what counts their runs: a model call of the
+session (``while agent:llm:after of call 2 runs``) or a turn of it (``of turn 2``)."""
 
 
 @dataclass(frozen=True)
 class Point:
-    """Where on the timeline a step happens."""
+    """Where on the timeline a step happens.
+
+    ``n`` counts the point's unit (a call, a turn, a tool's call); a ``hook`` point names
+    the hook and, for ``agent:llm:before``, the ``round`` of the insertion point; a
+    ``chunk`` point is after the ``chunk``-th streamed text piece of call ``n``."""
 
     kind: PointKind
     session: str | None = None
     n: int = 0
     tool: str | None = None
+    hook: str | None = None
+    round: int = 1
+    chunk: int = 0
+
+    @property
+    def unit(self) -> str:
+        """What ``n`` counts: ``call`` or ``turn`` (hook points)."""
+        return HOOK_POINTS.get(self.hook or "", "call")
 
     def describe(self) -> str:
         match self.kind:
@@ -142,6 +169,11 @@ class Point:
                 return f"before call {self.n} of {self.session}"
             case "tool":
                 return f"while {self.tool} call {self.n} runs"
+            case "hook":
+                rounds = f" round {self.round}" if self.round > 1 else ""
+                return f"while {self.hook}{rounds} of {self.unit} {self.n} of {self.session} runs"
+            case "chunk":
+                return f"after chunk {self.chunk} of call {self.n} of {self.session}"
             case _:
                 return f"after turn {self.n} of {self.session}"
 

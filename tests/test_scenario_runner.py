@@ -26,10 +26,14 @@ from aalis_agent.events import (
     AgentError,
     ChatMessage,
     InputJoined,
+    InputReceived,
     InputReleased,
     MessageSaved,
+    ModelCallEnded,
+    ModelCallStarted,
     SqliteEventStore,
     StopMarkerSaved,
+    StopRequested,
     ToolFinished,
     ToolStarted,
     TurnOpened,
@@ -40,6 +44,7 @@ from aalis_agent.projections.texts import (
     BATCH_PREFIX,
     FOCUS_GUIDE_HEAD,
     HOST_NOTICE_HEAD,
+    NO_RUNNING_TURN,
     STOP_DENIED,
     STOP_MARKER_PREFIX,
     tool_bad_arguments,
@@ -80,7 +85,7 @@ def test_every_example_runs_cleanly(path: Path) -> None:
     assert result.warnings == []
     for sid, calls in result.calls.items():
         assert [c.index for c in calls] == list(range(1, len(calls) + 1))
-        assert all(c.status in ("answered", "abandoned") for c in calls)
+        assert all(c.status in ("answered", "abandoned", "cut") for c in calls)
         assert all(c.turn_id is not None for c in calls)
         for record in result.inputs[sid]:
             assert record.outcome is not None, record
@@ -725,3 +730,490 @@ def test_tool_arguments_nested_1000_deep_get_an_error_not_a_crash() -> None:
     (finished,) = r.of(ToolFinished)
     assert started.arguments == "{}"
     assert (finished.result, finished.error) == (None, tool_arguments_too_deep(raw, 64))
+
+
+# --- steps inside hooks and mid-stream -------------------------------------------------------
+
+SID7, SID8 = "qq:group:7", "qq:group:8"
+
+
+def held_around(r: ScenarioResult, step: int) -> Any:
+    """The hold (a hook or a stream) that was parked when step ``step`` happened."""
+    kinds = [(kind, item) for kind, item in r.journal]
+    at = next(i for i, (k, x) in enumerate(kinds) if k == "step" and x.step.index == step)
+    held = [x for k, x in kinds[:at] if k == "hold"]
+    ended = {id(x) for k, x in kinds[:at] if k in ("resume", "cut")}
+    (hold,) = [h for h in held if id(h) not in ended]
+    return hold
+
+
+FINAL_HOOK_STOPS = [
+    # the turn, the step of the stop, what it was, the hook it came in, its reason
+    ("turn-1", 2, "stop", "agent:reply:before", "stop"),
+    ("turn-2", 4, "stop", "agent:llm:after", "stop"),
+    ("turn-3", 6, "stop_command", "agent:reply:before", "stop"),
+    ("turn-4", 8, "stop_command", "agent:llm:after", "stop"),
+    ("turn-5", 11, "stop_all", "agent:reply:before", "stop-all"),
+    ("turn-6", 13, "stop_all", "agent:llm:after", "stop-all"),
+]
+
+
+@pytest.mark.parametrize(
+    ("turn", "step", "do", "hook", "reason"),
+    FINAL_HOOK_STOPS,
+    ids=[f"{c[2]}-in-{c[3]}" for c in FINAL_HOOK_STOPS],
+)
+def test_a_stop_in_a_hook_of_the_final_call_wins(
+    turn: str, step: int, do: str, hook: str, reason: str
+) -> None:
+    """「被停下的一轮不落库回复、不外发,结局为aborted」: the final call was answered, the
+    stop came while its agent:llm:after or agent:reply:before ran, before the reply was
+    durable: no reply saved or sent, the turn ends aborted."""
+    r = result_of("stop_before_reply_durable")
+    record = r.steps[step - 1]
+    assert record.step.do == do
+    assert record.result == ({"reply": None} if do == "stop_command" else {"turn_id": turn})
+    hold = held_around(r, step)
+    assert (hold.point.kind, hold.point.hook, hold.turn_id) == ("hook", hook, turn)
+    # The final call returned whole (no tool calls) before the stop was recorded.
+    final = [c for c in r.calls[SID7] if c.turn_id == turn][-1]
+    assert final.status == "answered" and final.reply is not None
+    assert hold.point.n == final.index
+    ended = [e for e in r.of(ModelCallEnded, SID7) if e.turn_id == turn][-1]
+    (stop,) = [e for e in r.of(StopRequested, SID7) if e.turn_id == turn]
+    assert (ended.status, ended.tool_calls) == ("ok", 0)
+    assert ended.seq < stop.seq and stop.reason == reason
+    # It wins: no reply saved, nothing sent, outcome aborted; the stop marker is left.
+    (recorded,) = [e for e in r.of(TurnRecorded, SID7) if e.turn_id == turn]
+    assert (recorded.outcome, recorded.reason) == ("aborted", reason)
+    saved = [e.message for e in r.of(MessageSaved, SID7) if e.message.meta.turn_id == turn]
+    assert not [m for m in saved if m.role == "assistant" and m.content]
+    assert final.reply.text not in [m.content for m in saved]
+    assert [o for o in r.outbound[SID7] if o["turnId"] == turn] == []
+    assert turn in [e.turn_id for e in r.of(StopMarkerSaved, SID7)]
+
+
+def test_a_stopped_turn_keeps_its_tool_group_and_the_next_turn_reads_the_marker() -> None:
+    r = result_of("stop_before_reply_durable")
+    saved = [e.message for e in r.of(MessageSaved, SID7) if e.message.meta.turn_id == "turn-1"]
+    assert [m.role for m in saved] == ["user", "assistant", "tool", "system"]  # + the record
+    nxt = contents(r.calls[SID7][2])  # call 3: turn 2
+    assert ("tool", "上海明天多云。") in nxt
+    marker = index_of(r.calls[SID7][2].messages, lambda m: m.kind == "turn-stopped")
+    assert "被 10001 停下了" in nxt[marker][1]
+    # Bob, queued while turn 5 waited in agent:reply:before, is released by the stop-all
+    # and archived without a turn; he never opened a turn.
+    assert r.steps[9].result == {"input_id": "in-6", "where": "排队"}
+    assert [(e.input_id, e.reason, e.archived) for e in r.of(InputReleased, SID7)] == [
+        ("in-6", "stop-all", True)
+    ]
+    assert [(i.input_id, i.outcome, i.reason) for i in r.inputs[SID7] if i.step == 10] == [
+        ("in-6", "released", "stop-all")
+    ]
+
+
+def test_a_stop_mid_stream_cuts_the_reply_and_nothing_is_sent() -> None:
+    r = result_of("stop_before_reply_durable")
+    call = r.calls[SID7][7]  # call 8, turn 7: three chunks
+    assert (call.turn_id, call.status, call.streamed) == ("turn-7", "cut", 1)
+    assert call.reply is not None and len(call.reply.text_chunks) == 3
+    assert call.to_json()["status"] == "cut" and call.to_json()["streamed"] == 1
+    hold = held_around(r, 15)
+    assert (hold.point.kind, hold.point.n, hold.point.chunk) == ("chunk", 8, 1)
+    assert hold.text == "(never sent: "
+    assert ("cut", hold) in r.journal
+    ended = [e for e in r.of(ModelCallEnded, SID7) if e.turn_id == "turn-7"]
+    assert [(e.status, e.tool_calls) for e in ended] == [("aborted", 0)]
+    (recorded,) = [e for e in r.of(TurnRecorded, SID7) if e.turn_id == "turn-7"]
+    assert (recorded.outcome, recorded.reason) == ("aborted", "stop")
+    saved = [e.message for e in r.of(MessageSaved, SID7) if e.message.meta.turn_id == "turn-7"]
+    assert [m.role for m in saved if m.role == "assistant"] == []
+    assert [o for o in r.outbound[SID7] if o["turnId"] == "turn-7"] == []
+
+
+def test_once_the_reply_is_durable_a_stop_finds_no_running_turn() -> None:
+    r = result_of("stop_before_reply_durable")
+    # In agent:turn:after of turn 8 (its reply saved and sent), and after the turn.
+    assert [s.result for s in r.steps[16:]] == [
+        {"turn_id": None},
+        {"reply": NO_RUNNING_TURN},
+        {"turn_id": None},
+        {"turn_id": None},
+    ]
+    hold = held_around(r, 17)
+    assert (hold.point.hook, hold.point.n, hold.turn_id) == ("agent:turn:after", 8, "turn-8")
+    step17 = next(i for i, (k, x) in enumerate(r.journal) if k == "step" and x.step.index == 17)
+    sent = [i for i, (k, x) in enumerate(r.journal) if k == "out" and x["turnId"] == "turn-8"]
+    assert len(sent) == 1 and sent[0] < step17  # sent once, before the stops
+    assert [e.turn_id for e in r.of(StopRequested, SID7)] == [f"turn-{n}" for n in range(1, 8)]
+    (recorded,) = [e for e in r.of(TurnRecorded, SID7) if e.turn_id == "turn-8"]
+    assert recorded.outcome == "replied"
+    assert [o["content"] for o in r.outbound[SID7]] == ["这次说完了：上海明天多云。"]
+    assert [i.outcome for i in r.inputs[SID7]] == ["aborted"] * 5 + ["released"] + [
+        "aborted",
+        "aborted",
+        "replied",
+    ]
+
+
+def test_an_input_in_agent_llm_before_joins_the_same_call() -> None:
+    """「再增量组装、重跑agent:llm:before,取空为止」: inputs that arrive while the hook runs
+    join the call being built (entry "joined"), round after round, not the next turn."""
+    r = result_of("insert_in_llm_before")
+    assert [s.result["where"] for s in r.steps] == ["开轮", "待插入", "待插入", "排队"]
+    first = held_around(r, 2).point
+    second = held_around(r, 3).point
+    assert (first.hook, first.n, first.round) == ("agent:llm:before", 1, 1)
+    assert (second.hook, second.n, second.round) == ("agent:llm:before", 1, 2)
+    joined = [(e.input_id, e.turn_id, e.entry) for e in r.of(InputJoined, SID8)]
+    assert joined == [
+        ("in-1", "turn-1", "opened"),
+        ("in-2", "turn-1", "joined"),
+        ("in-3", "turn-1", "joined"),
+        ("in-4", "turn-2", "opened"),
+    ]
+    archived = {
+        e.message.meta.input_id: (e.message.meta.turn_id, e.message.meta.entry, e.seq)
+        for e in r.of(MessageSaved, SID8)
+        if e.message.role == "user"
+    }
+    assert {k: v[:2] for k, v in archived.items()} == {
+        "in-1": ("turn-1", "opened"),
+        "in-2": ("turn-1", "joined"),
+        "in-3": ("turn-1", "joined"),
+        "in-4": ("turn-2", "opened"),
+    }
+    # Both joined call 1 itself: its request ends with them, and its start was committed
+    # after the last round archived them.
+    call1 = r.calls[SID8][0]
+    assert call1.turn_id == "turn-1"
+    assert contents(call1)[-5:] == [
+        ("user", "(1/1 12:00) [Alice(10001)]: 中午吃什么"),
+        ("system", f"{FOCUS_GUIDE_HEAD}\n(1/1 12:00) 10002"),
+        ("user", "(1/1 12:00) [Bob(10002)]: 我也要一份"),
+        ("system", f"{FOCUS_GUIDE_HEAD}\n(1/1 12:00) 10002\n(1/1 12:00) 10003"),
+        ("user", "(1/1 12:00) [Carol(10003)]: 加我一个"),
+    ]
+    started = [e for e in r.of(ModelCallStarted, SID8) if e.turn_id == "turn-1"]
+    assert started[0].index == 1 and started[0].seq > archived["in-3"][2]
+    # Dave came while agent:llm:after of the final call ran: the next turn, after the
+    # batch prefix; call 2 never saw him.
+    assert not any("我来晚了" in m.content for m in r.calls[SID8][1].messages)
+    call3 = r.calls[SID8][2]
+    assert call3.turn_id == "turn-2"
+    assert contents(call3)[-2:] == [
+        ("system", BATCH_PREFIX),
+        ("user", "(1/1 12:00) [Dave(10004)]: 我来晚了"),
+    ]
+    assert [(i.turn_id, i.outcome) for i in r.inputs[SID8]] == [("turn-1", "replied")] * 3 + [
+        ("turn-2", "replied")
+    ]
+    received = {e.input.id: e.seq for e in r.of(InputReceived, SID8)}
+    assert received["in-2"] < received["in-3"] < started[0].seq
+
+
+def test_the_new_points_in_the_transcript_and_the_json() -> None:
+    r = result_of("stop_before_reply_durable")
+    text = r.transcript()
+    for expected in (
+        "[agent:reply:before of call 2 of qq:group:7] turn-1: held in the hook",
+        "[step 2] while agent:reply:before of call 2 of qq:group:7 runs: qq:group:7 ← stop",
+        "    released agent:reply:before of call 2 of qq:group:7",
+        "[call 8 of qq:group:7] turn-7: streamed chunk 1 '(never sent:' (held mid-stream)",
+        "    the stream of call 8 of qq:group:7 ended after chunk 1: the turn was stopped",
+        "[agent:turn:after of turn 8 of qq:group:7] turn-8: held in the hook",
+    ):
+        assert expected in text, expected
+    doc = json.loads(r.dumps())
+    assert doc["steps"][14]["at"] == "after chunk 1 of call 8 of qq:group:7"
+    calls = doc["sessions"][SID7]["calls"]
+    assert [c["status"] for c in calls].count("cut") == 1
+    assert "streamed" not in calls[0] and calls[7]["streamed"] == 1
+    text = result_of("insert_in_llm_before").transcript()
+    assert "[agent:llm:before round 2 of call 1 of qq:group:8] turn-1: held in the hook" in text
+
+
+@pytest.mark.parametrize("name", ["stop_before_reply_durable", "insert_in_llm_before"])
+def test_the_cli_runs_the_hook_examples(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    code, out, err = run_cli(capsys, "scenario", str(SCENARIOS / f"{name}.toml"), "--json")
+    assert (code, err) == (0, "")
+    assert out == result_of(name).dumps()
+
+
+def test_the_docs_show_the_hook_examples() -> None:
+    text = (ROOT / "docs" / "scenarios.md").read_text(encoding="utf-8")
+    shown = set(re.findall(r"<!-- file: tests/scenarios/(\S+)\.toml -->", text))
+    assert {"stop_before_reply_durable", "insert_in_llm_before"} <= shown
+
+
+def test_hook_points_parse_and_read_back() -> None:
+    steps = [
+        {**SAY, "at": "while agent:llm:before  round 2 of call 1 runs"},
+        {**SAY, "at": "while agent:reply:before of call 1 of s2 runs", "session": "s1"},
+        {**SAY, "at": "while agent:turn:before of turn 3 runs"},
+        {**SAY, "at": "after chunk 2 of call 1"},
+    ]
+    sc = load_scenario(
+        scenario(
+            sessions=[{"id": "s1"}, {"id": "s2"}],
+            replies=[
+                {"session": "s1", "text": "abcd", "chunks": 2},
+                {"session": "s2", "text": "x"},
+            ],
+            steps=[{**st, "session": st.get("session", "s1")} for st in steps],
+        )
+    )
+    assert [s.at.describe() for s in sc.steps] == [
+        "while agent:llm:before round 2 of call 1 of s1 runs",
+        "while agent:reply:before of call 1 of s2 runs",
+        "while agent:turn:before of turn 3 of s1 runs",
+        "after chunk 2 of call 1 of s1",
+    ]
+    assert [(s.at.kind, s.at.session, s.at.n) for s in sc.steps] == [
+        ("hook", "s1", 1),
+        ("hook", "s2", 1),
+        ("hook", "s1", 3),
+        ("chunk", "s1", 1),
+    ]
+
+
+def test_a_stop_in_agent_turn_before_ends_the_turn_before_any_model_call() -> None:
+    r = run_scenario(
+        scenario(
+            steps=[
+                {"do": "say", "from": "u1", "text": "hi"},
+                {"do": "stop", "at": "while agent:turn:before of turn 1 runs", "by": "u1"},
+            ]
+        )
+    )
+    assert r.steps[1].result == {"turn_id": "turn-1"}
+    assert r.calls["s1"] == []
+    assert [(e.outcome, e.reason) for e in r.of(TurnRecorded)] == [("aborted", "stop")]
+    assert r.outbound["s1"] == [] and r.warnings == []
+
+
+def test_an_input_in_agent_llm_before_of_another_sessions_call() -> None:
+    """A point names another session's hook: s2's input arrives while s1 waits in it."""
+    r = run_scenario(
+        scenario(
+            sessions=[{"id": "s1", "platform": "qq"}, {"id": "s2", "platform": "qq"}],
+            replies=[{"session": "s1", "text": "a"}, {"session": "s2", "text": "b"}],
+            steps=[
+                {"session": "s1", "do": "say", "text": "one"},
+                {
+                    "session": "s2",
+                    "at": "while agent:llm:before of call 1 of s1 runs",
+                    "do": "say",
+                    "text": "two",
+                },
+            ],
+        )
+    )
+    # s2's call was made while s1 waited in the hook, before s1's call.
+    assert r.calls["s2"][0].turn_id == "turn-2"
+    order = [x.session for k, x in r.journal if k == "call"]
+    assert order == ["s2", "s1"]
+
+
+HOOK_BAD: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "an unknown hook",
+        {"steps": [{**SAY, "at": "while agent:llm:befor of call 1 runs"}]},
+        "step 1 (say): at 'while agent:llm:befor of call 1 runs': no hook 'agent:llm:befor' "
+        "(a step can be placed in agent:turn:before, agent:llm:before",
+    ),
+    (
+        "a tool hook",
+        {"steps": [{**SAY, "at": "while agent:tool:before of call 1 runs"}]},
+        "a step cannot be placed in agent:tool:before",
+    ),
+    (
+        "a hook without its call",
+        {"steps": [{**SAY, "at": "while agent:llm:before runs"}]},
+        "say which call it runs for: 'while agent:llm:before of call N runs'",
+    ),
+    (
+        "a turn hook counted in calls",
+        {"steps": [{**SAY, "at": "while agent:turn:after of call 1 runs"}]},
+        "agent:turn:after runs once per turn: 'while agent:turn:after of turn N runs'",
+    ),
+    (
+        "a call hook counted in turns",
+        {"steps": [{**SAY, "at": "while agent:reply:before of turn 1 runs"}]},
+        "agent:reply:before runs once per call",
+    ),
+    (
+        "a round of a hook that has none",
+        {"replies": [{}], "steps": [{**SAY, "at": "while agent:llm:after round 2 of call 1 runs"}]},
+        "only agent:llm:before runs in rounds",
+    ),
+    (
+        "a round 0",
+        {"steps": [{**SAY, "at": "while agent:llm:before round 0 of call 1 runs"}]},
+        "numbers count from 1",
+    ),
+    (
+        "a hook of a call never answered",
+        {"replies": [{}], "steps": [{**SAY, "at": "while agent:llm:after of call 2 runs"}]},
+        "step 1 (say): at 'while agent:llm:after of call 2 runs' can never happen: "
+        "agent:llm:after runs once call 2 of s1 is answered, and only 1 reply is scripted",
+    ),
+    (
+        "agent:llm:before of a call never made",
+        {"steps": [{**SAY, "at": "while agent:llm:before of call 3 runs"}]},
+        "can never happen: call 3 of s1 needs calls 1-2 answered, and only 0 replies are",
+    ),
+    (
+        "a hook of a call that fails",
+        {
+            "replies": [{"error": "down"}],
+            "steps": [{**SAY, "at": "while agent:reply:before of call 1 runs"}],
+        },
+        "reply 1 of s1 fails (error), and agent:reply:before does not run for a call that fails",
+    ),
+    (
+        "a chunk the reply does not stream",
+        {
+            "replies": [{"text": "abc", "chunks": 3}],
+            "steps": [{**SAY, "at": "after chunk 4 of call 1"}],
+        },
+        "step 1 (say): at 'after chunk 4 of call 1' can never happen: reply 1 of s1 streams 3 "
+        "text chunk(s)",
+    ),
+    (
+        "a chunk of a call not scripted",
+        {"steps": [{**SAY, "at": "after chunk 1 of call 1"}]},
+        "call 1 of s1 streams once it is answered, and only 0 replies are scripted",
+    ),
+    (
+        "a chunk of a failing call",
+        {"replies": [{"error": "x"}], "steps": [{**SAY, "at": "after chunk 1 of call 1"}]},
+        "reply 1 of s1 fails (error)",
+    ),
+    (
+        "a chunk 0",
+        {"replies": [{"text": "a"}], "steps": [{**SAY, "at": "after chunk 0 of call 1"}]},
+        "numbers count from 1",
+    ),
+    (
+        "a chunk in an unknown session",
+        {"steps": [{**SAY, "at": "after chunk 1 of call 1 of s9"}]},
+        "no session 's9'",
+    ),
+    (
+        "a round with too many digits",
+        {"steps": [{**SAY, "at": "while agent:llm:before round 1234567890 of call 1 runs"}]},
+        "numbers have at most 9 digits",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"), [c[1:] for c in HOOK_BAD], ids=[c[0] for c in HOOK_BAD]
+)
+def test_bad_hook_and_chunk_points_are_refused_at_load(data: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(scenario(**data))
+    assert str(caught.value).startswith("inline: step 1 (say")
+    assert expected in str(caught.value), str(caught.value)
+
+
+def test_a_bad_hook_point_in_a_file_names_the_file_the_step_and_at(tmp_path: Path) -> None:
+    path = tmp_path / "case.toml"
+    path.write_text(
+        '[[sessions]]\nid = "s1"\n[[replies]]\ntext = "a"\n'
+        '[[steps]]\ndo = "say"\ntext = "hi"\n'
+        '[[steps]]\ndo = "stop"\nat = "while agent:llm:after of turn 1 runs"\n',
+        encoding="utf-8",
+    )
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(path)
+    assert str(caught.value) == (
+        f"{path}: step 2 (stop): at 'while agent:llm:after of turn 1 runs': agent:llm:after "
+        "runs once per call: 'while agent:llm:after of call N runs'"
+    )
+
+
+HOOK_RUN_BAD: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "agent:reply:before of a call that made tool calls",
+        {
+            "tools": [{"name": "t", "result": "r"}],
+            "replies": [{"tool_calls": [{"name": "t"}]}, {"text": "done"}],
+            "steps": [SAY, {"do": "stop", "at": "while agent:reply:before of call 1 runs"}],
+        },
+        "step 2 (stop at while agent:reply:before of call 1 of s1 runs): can never happen: "
+        "the session went on to call 2 without agent:reply:before of call 1",
+    ),
+    (
+        "a second round with nothing joined",
+        {
+            "replies": [{"text": "a"}],
+            "steps": [SAY, {"do": "stop", "at": "while agent:llm:before round 2 of call 1 runs"}],
+        },
+        "can never happen: call 1 of s1 was made after 1 round(s) of agent:llm:before",
+    ),
+    (
+        "agent:turn:after of a stopped turn",
+        {
+            "replies": [{"text": "a"}],
+            "steps": [
+                SAY,
+                {"do": "stop", "at": "before call 1"},
+                {"do": "stop", "at": "while agent:turn:after of turn 1 runs"},
+            ],
+        },
+        "can never happen: turn 1 of s1 ended without running agent:turn:after",
+    ),
+    (
+        "a chunk of a stopped call",
+        {
+            "replies": [{"text": "abc", "chunks": 3}],
+            "steps": [
+                SAY,
+                {"do": "stop", "at": "after chunk 1 of call 1"},
+                {"do": "stop", "at": "after chunk 2 of call 1"},
+            ],
+        },
+        "step 3 (stop at after chunk 2 of call 1 of s1): can never happen: call 1 of s1 was "
+        "stopped before that",
+    ),
+    (
+        "a hook point already passed",
+        {
+            "replies": [{"text": "a"}],
+            "steps": [
+                SAY,
+                {"do": "stop", "at": "while agent:llm:after of call 1 runs"},
+                {"do": "stop", "at": "after turn 1"},
+                {"do": "stop", "at": "while agent:llm:after of call 1 runs"},
+            ],
+        },
+        "step 4 (stop at while agent:llm:after of call 1 of s1 runs): that point has already "
+        "passed",
+    ),
+    (
+        "a hook point that waits for a reply",
+        {
+            "replies": [{"text": "a"}],
+            "steps": [
+                SAY,
+                {"do": "say", "text": "x", "at": "while agent:turn:after of turn 2 runs"},
+            ],
+        },
+        "can never happen: nothing runs any more, and agent:turn:after did not run for turn 2",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"), [c[1:] for c in HOOK_RUN_BAD], ids=[c[0] for c in HOOK_RUN_BAD]
+)
+def test_hook_points_that_never_come_fail_fast_and_say_why(
+    data: dict[str, Any], expected: str
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(ScenarioError) as caught:
+        run_scenario(scenario(**data), timeout_s=5)
+    assert expected in str(caught.value), str(caught.value)
+    assert time.monotonic() - started < 3
