@@ -66,7 +66,7 @@ from aalis_agent.projections.prompt import (
     system_prompt,
     volatile_for,
 )
-from aalis_agent.projections.textnorm import strip_leaked_special_tokens, truncate
+from aalis_agent.projections.textnorm import strip_leaked_special_tokens, truncate_to_tokens
 from aalis_agent.projections.texts import ERROR_PREFIX, focus_guide
 from aalis_agent.projections.tokens import (
     default_counter,
@@ -904,7 +904,7 @@ class TurnRunner:
         services = self.services
         stored: list[ToolCall] = []
         results: list[ChatMessage] = []
-        max_chars = _max_result_chars(services, self.model)
+        max_tokens = _max_result_tokens(services, self.model)
         for tc in call.tool_calls:
             if self.abort.aborted:
                 # Stopped: the calls not yet started never run. The group keeps only the
@@ -935,8 +935,8 @@ class TurnRunner:
             metadata: dict[str, Any] = {}
             if error is None:
                 result, error, metadata = self._execute(tc, args, context)
-            if result is not None and max_chars is not None:
-                result = truncate(result, max_chars)  # CFG4
+            if result is not None and max_tokens is not None:
+                result = truncate_to_tokens(result, max_tokens, default_counter())  # CFG4
             self._report(
                 ToolFinished(
                     turn_id=self.turn_id,
@@ -1041,9 +1041,9 @@ class TurnRunner:
         return result, error, metadata
 
 
-def _max_result_chars(services: Services, model: ChatModel) -> int | None:
-    """CFG4: one tool result may take ``toolResultMaxRatio`` of the context window. Tokens
-    are turned into characters at the conservative rate of one character per token."""
+def _max_result_tokens(services: Services, model: ChatModel) -> int | None:
+    """CFG4: one tool result may take ``toolResultMaxRatio`` of the context window, in
+    tokens by the counter in use (``truncate_to_tokens`` keeps the suffix within it)."""
     ratio = services.config.tool_result_max_ratio
     window = getattr(model, "context_length", 0) or 0
     if window <= 0:

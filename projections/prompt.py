@@ -41,6 +41,9 @@ __all__ = [
 ]
 
 HEAD_ANCHORS = ("identity", "knowledge", "context")
+TURN_ANCHORS = ("turn-context", "turn-hint")
+_TURN_BLOCK = "turn-block:"
+_TURN_IDS = frozenset({"volatile", "batch-prefix"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +134,11 @@ def render_history(messages: Sequence[ChatMessage], now_ms: int, tz: tzinfo) -> 
 
 
 def _block_message(block: Block, n: int) -> ChatMessage:
+    # Turn-anchored blocks are told apart by id, so that ``split_parts`` keeps them in the
+    # turn part even when there is no history between them and the head.
+    kind = _TURN_BLOCK if block.anchor in TURN_ANCHORS else "block:"
     return ChatMessage(
-        id=f"block:{block.injector}:{n}",
+        id=f"{kind}{block.injector}:{n}",
         role="system",
         content=block.text,
         meta=MessageMeta(injector=block.injector),
@@ -189,18 +195,34 @@ def split_parts(
     messages: Sequence[ChatMessage], history_ids: frozenset[str] | set[str]
 ) -> tuple[list[ChatMessage], list[ChatMessage], list[ChatMessage]]:
     """Head (system messages before anything else, history's own excluded), history (the
-    history's messages that follow) and the turn (the rest), for trimming (TRIM)."""
+    history's messages that follow) and the turn (the rest), for trimming (TRIM).
+
+    The turn's own system messages (its anchored material, the volatile context, the batch
+    prefix and the instruction block, which is this turn's input) start the turn part even
+    when no history precedes them, so the continuation hint finds the turn's last input."""
     head: list[ChatMessage] = []
     hist: list[ChatMessage] = []
     rest: list[ChatMessage] = []
     for m in messages:
-        if not hist and not rest and m.role == "system" and m.id not in history_ids:
+        if (
+            not hist
+            and not rest
+            and m.role == "system"
+            and m.id not in history_ids
+            and not _opens_turn(m)
+        ):
             head.append(m)
         elif not rest and m.id in history_ids:
             hist.append(m)
         else:
             rest.append(m)
     return head, hist, rest
+
+
+def _opens_turn(m: ChatMessage) -> bool:
+    """A system message that belongs to the turn part: an input of this turn (the
+    instruction block carries its input's id) or what ``assemble`` puts in the turn."""
+    return m.meta.input_id is not None or m.id in _TURN_IDS or m.id.startswith(_TURN_BLOCK)
 
 
 def volatile_for(now_ms: int, tz: tzinfo, platform: str | None, multi_party: bool) -> str:

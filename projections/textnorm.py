@@ -1,12 +1,25 @@
-"""Text clean-up for model output and tool results (FLOW10, CFG4)."""
+"""Text clean-up for model output and tool results (FLOW10, CFG4).
+
+One truncation rule for every cut (UPSTREAM-FACTS): the kept start, then the visible
+``TRUNCATED_SUFFIX`` naming the original length in characters. ``truncate`` cuts by
+characters (the trim's character thresholds); ``truncate_to_tokens`` cuts by the token
+counter in use (``toolResultMaxRatio`` is a share of the context window in tokens).
+"""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from aalis_agent.projections.texts import TRUNCATED_SUFFIX
+from aalis_agent.projections.tokens import TokenCounter
 
-__all__ = ["strip_leaked_special_tokens", "truncate"]
+__all__ = ["strip_leaked_special_tokens", "truncate", "truncate_to_tokens"]
+
+_CHARS_PER_TOKEN = 8
+"""How far ``truncate_to_tokens`` looks before encoding a whole text: natural text and
+code run well under eight characters a token, so a start this long, ``max_tokens`` + 1
+tokens' worth, usually proves an over-long text over budget by itself."""
 
 # Tool-call markup that some servers leak into the text of an OpenAI-compatible reply:
 # whole tool-call sections first, then stray special tokens. Nothing else is rewritten.
@@ -37,3 +50,82 @@ def truncate(text: str, max_chars: int) -> str:
     if max_chars < 0 or len(text) <= max_chars:
         return text
     return text[:max_chars] + TRUNCATED_SUFFIX.format(length=len(text))
+
+
+def truncate_to_tokens(
+    text: str, max_tokens: int, counter: TokenCounter, *, min_chars: int = 0
+) -> str:
+    """Cut ``text`` so that the whole result, visible suffix included, costs at most
+    ``max_tokens`` by ``counter``; ``text`` itself when it fits (or ``max_tokens < 0``).
+
+    The kept start is the longest found whose cut fits: a galloping search from the
+    proportional guess, then bisection, counting only candidate cuts (each about the size
+    of the result), never re-encoding per character. A text far longer than the budget
+    whose start alone is already over it is not encoded in full at all. Every returned
+    cut was counted and fits. ``min_chars`` is a floor that wins over the budget (the trim
+    keeps 200 characters of a shrunk block); without one, when even the bare suffix is
+    over budget the result is the longest plain start that fits.
+    """
+    if max_tokens < 0:
+        return text
+    n = len(text)
+    window = _CHARS_PER_TOKEN * (max_tokens + 1)
+    start = counter.count(text[:window]) if n > 2 * window else 0
+    if start > max_tokens:
+        # Over budget within its first ``window`` characters, with more than as much
+        # again after them: cut inside that start, never encoding the whole text.
+        end, total = window, start
+    else:
+        total = counter.count(text)
+        if total <= max_tokens:
+            return text
+        end = n
+    floor = max(min_chars, 0)
+    if floor >= n:
+        return text  # no cut keeps that much and is shorter
+    suffix = TRUNCATED_SUFFIX.format(length=n)
+
+    def fits(k: int) -> bool:
+        return counter.count(text[:k] + suffix) <= max_tokens
+
+    if not fits(floor):
+        if floor > 0:
+            return text[:floor] + suffix
+        # Not even the suffix fits: the budget wins, the longest plain start that fits.
+        return text[: _longest(lambda k: counter.count(text[:k]) <= max_tokens, 0, end, 0)]
+    share = max(max_tokens - counter.count(suffix), 0) / total
+    return text[: _longest(fits, floor, end, int(end * share))] + suffix
+
+
+def _longest(fits: Callable[[int], bool], lo: int, hi: int, guess: int) -> int:
+    """The largest ``k`` found in ``[lo, hi)`` with ``fits(k)``, given ``fits(lo)`` and
+    taking ``hi`` as not fitting: gallop from ``guess`` towards the boundary, then bisect.
+    Only ``fits`` results are trusted, so a counter that is not quite monotone (tiktoken
+    merges across the cut) still yields a cut that was counted and fits."""
+    k = min(max(guess, lo + 1), hi - 1)
+    if k <= lo:
+        return lo
+    step = max((k - lo) // 16, 1)
+    if fits(k):
+        lo = k
+        while lo + step < hi:  # up, doubling the step
+            if not fits(lo + step):
+                hi = lo + step
+                break
+            lo += step
+            step *= 2
+    else:
+        hi = k
+        while hi - step > lo:  # down, doubling the step
+            if fits(hi - step):
+                lo = hi - step
+                break
+            hi -= step
+            step *= 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -10,8 +10,10 @@ request has three parts: head, history and this turn. ``u = ⌈B/4⌉``; history
    only on head and history, and moves only when the history grows by another unit
    (TRIM-P).
 2. still over: this turn's tool results over 1500 characters keep 500; reasoning over 200
-   characters is cut oldest first (older keep 200, the newest 400); earlier tool groups
-   collapse into one ``[历史工具调用]`` line each when that saves tokens.
+   characters is cut oldest first (older keep 200, the newest 400); both cuts carry the
+   visible truncation suffix (one rule, ``textnorm.truncate``) and are skipped when they
+   would not save tokens; earlier tool groups collapse into one ``[历史工具调用]`` line
+   each when that saves tokens.
 3. still over: the history keeps dropping, unit by unit, or all of it.
 4. still over: injected system messages between the first and the last (not this turn's
    instruction block) over ``memoryTokenBudget`` shrink proportionally (at least 200
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 import msgspec
 from aalis_agent.events.schema import ChatMessage, MessageMeta
 from aalis_agent.projections.pairing import group_results, pair_results
-from aalis_agent.projections.textnorm import truncate
+from aalis_agent.projections.textnorm import truncate, truncate_to_tokens
 from aalis_agent.projections.texts import CONTINUATION_HINT
 from aalis_agent.projections.tokens import TokenCounter, message_tokens
 
@@ -186,11 +188,16 @@ def _replace(message: ChatMessage, **changes: object) -> ChatMessage:
     return msgspec.structs.replace(message, **changes)
 
 
-def _cut(text: str, keep: int) -> str | None:
-    """``text`` cut to ``keep`` characters with the visible suffix, or None when that
-    would not make it shorter (a cut must never lengthen a message)."""
+def _cut(counter: TokenCounter, text: str, keep: int) -> str | None:
+    """``text`` cut to ``keep`` characters with the visible suffix (one truncation rule
+    for tool results and reasoning), or None when that would not make it shorter or
+    cheaper: a cut must never lengthen a message, in characters or in tokens."""
+    if len(text) <= keep:
+        return None
     cut = truncate(text, keep)
-    return cut if len(cut) < len(text) else None
+    if len(cut) >= len(text) or counter.count(cut) >= counter.count(text):
+        return None
+    return cut
 
 
 def _shrink(counter: TokenCounter, text: str, ratio: float) -> str | None:
@@ -200,19 +207,8 @@ def _shrink(counter: TokenCounter, text: str, ratio: float) -> str | None:
         return None
     original = counter.count(text)
     target = math.floor(original * ratio)
-    best: str | None = None
-    lo, hi = INJECTED_MIN_CHARS, len(text) - 1
-    while lo <= hi:  # the longest cut within the target
-        mid = (lo + hi) // 2
-        cut = truncate(text, mid)
-        if counter.count(cut) <= target:
-            best, lo = cut, mid + 1
-        else:
-            hi = mid - 1
-    if best is None:  # even the 200-character floor is over the target: take it if smaller
-        cut = truncate(text, INJECTED_MIN_CHARS)
-        best = cut if counter.count(cut) < original else None
-    return best
+    cut = truncate_to_tokens(text, target, counter, min_chars=INJECTED_MIN_CHARS)
+    return cut if cut != text and counter.count(cut) < original else None
 
 
 def _step2(state: _State) -> bool:
@@ -224,7 +220,7 @@ def _step2(state: _State) -> bool:
     for i, m in enumerate(turn):
         if i in locked or m.role != "tool" or len(m.content) <= RESULT_LIMIT:
             continue
-        cut = _cut(m.content, RESULT_KEEP)
+        cut = _cut(state.counter, m.content, RESULT_KEEP)
         if cut is None:
             continue
         before = message_tokens(state.counter, m)
@@ -242,10 +238,11 @@ def _step2(state: _State) -> bool:
         m = turn[i]
         assert m.reasoning is not None
         keep = REASONING_KEEP_NEW if n == len(long) - 1 else REASONING_KEEP_OLD
-        if len(m.reasoning) <= keep:
+        cut = _cut(state.counter, m.reasoning, keep)
+        if cut is None:
             continue
         before = message_tokens(state.counter, m)
-        turn[i] = _replace(m, reasoning=m.reasoning[:keep])
+        turn[i] = _replace(m, reasoning=cut)
         state.note(2, "truncated", [m.id], before - message_tokens(state.counter, turn[i]))
         if not state.over():
             return True
@@ -331,16 +328,18 @@ def _step4(state: _State) -> None:
         state.note(4, "deleted", [m.id], message_tokens(state.counter, m))
 
 
-def _step5_changes(m: ChatMessage) -> dict[str, object]:
-    """Step 2's thresholds: results over 1500 characters keep 500, reasoning over 200
-    keeps 400; never lengthening."""
+def _step5_changes(counter: TokenCounter, m: ChatMessage) -> dict[str, object]:
+    """Step 2's thresholds and truncation rule: results over 1500 characters keep 500,
+    reasoning over 200 keeps 400, both with the visible suffix; never lengthening."""
     changes: dict[str, object] = {}
     if m.role == "tool" and len(m.content) > RESULT_LIMIT:
-        cut = _cut(m.content, RESULT_KEEP)
+        cut = _cut(counter, m.content, RESULT_KEEP)
         if cut is not None:
             changes["content"] = cut
-    if m.reasoning and len(m.reasoning) > REASONING_LIMIT and len(m.reasoning) > REASONING_KEEP_NEW:
-        changes["reasoning"] = m.reasoning[:REASONING_KEEP_NEW]
+    if m.reasoning and len(m.reasoning) > REASONING_LIMIT:
+        cut = _cut(counter, m.reasoning, REASONING_KEEP_NEW)
+        if cut is not None:
+            changes["reasoning"] = cut
     return changes
 
 
@@ -353,7 +352,7 @@ def _step5(state: _State) -> None:
         m = turn[i]
         if m.id in state.req.protected:
             continue
-        changes = _step5_changes(m)
+        changes = _step5_changes(state.counter, m)
         if changes:
             before = message_tokens(state.counter, m)
             turn[i] = _replace(m, **changes)

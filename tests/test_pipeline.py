@@ -38,7 +38,9 @@ from aalis_agent.projections.texts import (
     HOST_NOTICE_HEAD,
     INPUT_CONVENTION,
     STOP_MARKER_PREFIX,
+    TRUNCATED_SUFFIX,
 )
+from aalis_agent.projections.tokens import default_counter
 from aalis_agent.services import (
     AgentConfig,
     ChatRequest,
@@ -546,8 +548,9 @@ def test_long_tool_results_are_truncated_to_their_share(envs: list[Env]) -> None
     )
     env.say("你好", **ALICE)
     result = env.of(ToolFinished)[0].result
-    assert result is not None and result.startswith("数" * 1000) and "5000" in result
-    assert len(result) < 1100
+    # A tenth of the window in tokens (by the counter in use), the suffix included.
+    assert result is not None and result.endswith(TRUNCATED_SUFFIX.format(length=5000))
+    assert result.startswith("数" * 900) and default_counter().count(result) <= 1000
 
 
 # --- FLOW14-FLOW15, SAVE -------------------------------------------------------------

@@ -271,16 +271,19 @@ def _reasoning_turn() -> tuple[list[ChatMessage], list[str]]:
 
 def test_step2_reasoning_is_cut_oldest_first_older_200_newest_400() -> None:
     turn, texts = _reasoning_turn()
-    # g0 and g1 are over 200 (g2 is not; g3 is the last group): g0 keeps 200, g1 400
-    r = trim(request_of(HEAD, [], turn, cost([*HEAD, *turn]) - 1400, {"in"}), CHARS)
+    # g0 and g1 are over 200 (g2 is not; g3 is the last group): g0 keeps 200, g1 400, each
+    # with the visible suffix, the same truncation rule as tool results (UPSTREAM-FACTS)
+    suffix = len(cut_text(texts[0], 0))
+    saved0, saved1 = 800 - suffix, 600 - suffix
+    r = trim(request_of(HEAD, [], turn, cost([*HEAD, *turn]) - saved0 - saved1, {"in"}), CHARS)
     assert r.steps == [1, 2]
     assert r.trace == [
-        TrimAction(2, "truncated", ("g0",), 800),
-        TrimAction(2, "truncated", ("g1",), 600),
+        TrimAction(2, "truncated", ("g0",), saved0),
+        TrimAction(2, "truncated", ("g1",), saved1),
     ]
     out = by_id(r.messages)
-    assert out["g0"].reasoning == texts[0][:200]
-    assert out["g1"].reasoning == texts[1][:400]
+    assert out["g0"].reasoning == cut_text(texts[0], 200)
+    assert out["g1"].reasoning == cut_text(texts[1], 400)
     for same in ("g2", "g3", "t0", "t1", "t2", "t3", "in"):
         assert enc(out[same]) == enc(by_id(turn)[same])
     assert len(r.messages) == len(turn) + 1
@@ -288,10 +291,11 @@ def test_step2_reasoning_is_cut_oldest_first_older_200_newest_400() -> None:
 
 def test_step2_reasoning_stops_once_within_budget() -> None:
     turn, texts = _reasoning_turn()
-    r = trim(request_of(HEAD, [], turn, cost([*HEAD, *turn]) - 800, {"in"}), CHARS)
+    saved = 800 - len(cut_text(texts[0], 0))
+    r = trim(request_of(HEAD, [], turn, cost([*HEAD, *turn]) - saved, {"in"}), CHARS)
     # the oldest goes first and keeps 200 (it is not the newest of the long ones)
-    assert r.trace == [TrimAction(2, "truncated", ("g0",), 800)]
-    assert by_id(r.messages)["g0"].reasoning == texts[0][:200]
+    assert r.trace == [TrimAction(2, "truncated", ("g0",), saved)]
+    assert by_id(r.messages)["g0"].reasoning == cut_text(texts[0], 200)
     assert by_id(r.messages)["g1"].reasoning == texts[1]
 
 
@@ -460,12 +464,12 @@ def test_step5_truncates_the_last_group_results_to_500_and_reasoning_to_400() ->
     r = trim(request_of(HEAD, [], turn, 1024, {"in"}), CHARS)
     assert r.steps == [1, 2, 3, 4, 5]
     out = by_id(r.messages)
-    assert out["g"].reasoning == reasoning[:400]
+    assert out["g"].reasoning == cut_text(reasoning, 400)  # one rule: the visible suffix
     assert out["r1"].content == cut_text(r1, 500)
     # Step 2's thresholds: a result of 800 characters is not over-long (> 1500).
     assert out["r2"].content == r2
     assert r.trace == [
-        TrimAction(5, "truncated", ("g",), 600),
+        TrimAction(5, "truncated", ("g",), 600 - len(cut_text(reasoning, 0))),
         TrimAction(5, "truncated", ("r1",), cost([turn[2]]) - cost([out["r1"]])),
     ]
     assert [m.id for m in r.messages] == ["sys", "in", "g", "r1", "r2"]
