@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from aalis_agent.actors.sample import synthetic_turn
 from aalis_agent.events import (
     Batch,
     ChatMessage,
@@ -30,6 +29,7 @@ from aalis_agent.events import (
     SqliteEventStore,
 )
 from aalis_agent.projections import project
+from aalis_agent.testing.sample import synthetic_turn
 
 SESSIONS = 100
 EVENTS_PER_SESSION = 1000  # 66 synthetic turns (15 events each) + 5 queued inputs

@@ -12,7 +12,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from aalis_agent.actors.sample import write_demo_session
 from aalis_agent.events import (
     SCHEMA_VERSION,
     Batch,
@@ -31,6 +30,7 @@ from aalis_agent.events import (
     SqliteEventStore,
     encode_json,
 )
+from aalis_agent.testing.sample import write_demo_session
 
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden"
 

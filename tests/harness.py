@@ -196,7 +196,7 @@ def run_cli(
 ) -> subprocess.CompletedProcess[str]:
     """``aalis-agent ARGS`` in a subprocess from the repository root, ``stdin`` piped in."""
     return subprocess.run(
-        [sys.executable, "-m", "aalis_agent.actors.cli", *args],
+        [sys.executable, "-m", "aalis_agent.cli", *args],
         input=stdin,
         capture_output=True,
         text=True,

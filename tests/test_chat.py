@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from aalis_agent.actors.chat import run_chat
+from aalis_agent.cli.chat import run_chat
 from aalis_agent.events import (
     InputJoined,
     InputQueued,
@@ -26,7 +26,7 @@ from aalis_agent.events import (
 from tests.harness import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "aalis_agent.actors.cli"]
+CLI = [sys.executable, "-m", "aalis_agent.cli"]
 
 
 def test_piped_lines_are_answered_in_order_and_persisted(tmp_path: Path) -> None:

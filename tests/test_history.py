@@ -17,7 +17,6 @@ from typing import Any
 
 import msgspec
 import pytest
-from aalis_agent.actors.sample import write_demo_session
 from aalis_agent.events import FixedClock, InMemoryEventStore
 from aalis_agent.events.batch import Batch
 from aalis_agent.events.schema import (
@@ -43,6 +42,7 @@ from aalis_agent.projections.history import (
     window_start,
 )
 from aalis_agent.services.memory import ProjectionMemory
+from aalis_agent.testing.sample import write_demo_session
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

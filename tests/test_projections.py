@@ -11,7 +11,6 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from aalis_agent.actors.sample import synthetic_turn, write_demo_session
 from aalis_agent.events import FixedClock, InMemoryEventStore
 from aalis_agent.events.batch import Batch
 from aalis_agent.events.schema import (
@@ -50,6 +49,7 @@ from aalis_agent.projections.chain import Chain
 from aalis_agent.projections.history import HistoryState
 from aalis_agent.projections.queue import QueueState, RunningTurn
 from aalis_agent.projections.turns import TurnsState, turn_info
+from aalis_agent.testing.sample import synthetic_turn, write_demo_session
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from aalis_agent.actors.cli import main
-from aalis_agent.actors.sample import synthetic_turn, write_demo_session
+from aalis_agent.cli import main
 from aalis_agent.events import Batch, FixedClock, SqliteEventStore
+from aalis_agent.testing.sample import synthetic_turn, write_demo_session
 
 SESSION = "demo:room-1"
 

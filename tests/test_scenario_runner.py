@@ -1,4 +1,4 @@
-"""Scenario files (``actors.scenario``, docs/scenarios.md): every example under
+"""Scenario files (``aalis_agent.scenarios``, docs/scenarios.md): every example under
 ``tests/scenarios/`` runs, sends what it should and logs what it should, the same bytes
 on every run; the ``scenario`` command; and clear errors for bad files."""
 
@@ -14,14 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aalis_agent.actors.cli import main
-from aalis_agent.actors.scenario import (
-    CallRecord,
-    ScenarioError,
-    ScenarioResult,
-    load_scenario,
-    run_scenario,
-)
+from aalis_agent.cli import main
 from aalis_agent.events import (
     AgentError,
     ChatMessage,
@@ -48,6 +41,13 @@ from aalis_agent.projections.texts import (
     STOP_DENIED,
     STOP_MARKER_PREFIX,
     tool_bad_arguments,
+)
+from aalis_agent.scenarios import (
+    CallRecord,
+    ScenarioError,
+    ScenarioResult,
+    load_scenario,
+    run_scenario,
 )
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,8 +15,8 @@ from typing import Any
 import pykka
 import pytest
 import structlog
-from aalis_agent.actors.cli import configure_logging
 from aalis_agent.actors.runtime import Runtime
+from aalis_agent.cli.main import configure_logging
 from aalis_agent.events import Input, ModelCallEnded, SqliteEventStore
 from aalis_agent.services import AbortSignal, ChatRequest, Services
 from aalis_agent.services.openai_compat import (

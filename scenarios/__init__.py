@@ -10,9 +10,9 @@ park until the driver releases them. After each step, answer or release, the dri
 waits until every turn is parked again or has ended, then moves the clock; so only one
 thing happens at a time, and ids, times and the output are the same on every run.
 
-The parts: :mod:`actors.scenario_spec` (what a scenario is), :mod:`actors.scenario_load`
-(reading and checking a file), :mod:`actors.scenario_drive` (running it) and
-:mod:`actors.scenario_result` (what a run produced, as JSON or a transcript).
+The parts: :mod:`aalis_agent.scenarios.spec` (what a scenario is), :mod:`aalis_agent.scenarios.load`
+(reading and checking a file), :mod:`aalis_agent.scenarios.drive` (running it) and
+:mod:`aalis_agent.scenarios.result` (what a run produced, as JSON or a transcript).
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from aalis_agent.actors.scenario_drive import run_scenario
-from aalis_agent.actors.scenario_load import load_scenario
-from aalis_agent.actors.scenario_result import (
+from aalis_agent.scenarios.drive import run_scenario
+from aalis_agent.scenarios.load import load_scenario
+from aalis_agent.scenarios.result import (
     CallRecord,
     InputRecord,
     ScenarioResult,
     StepRecord,
     message_json,
 )
-from aalis_agent.actors.scenario_spec import (
+from aalis_agent.scenarios.spec import (
     Point,
     ReplySpec,
     Scenario,

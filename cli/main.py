@@ -146,7 +146,7 @@ def _open_existing(path: str) -> SqliteEventStore:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from aalis_agent.actors.replay import run_replay
+    from aalis_agent.cli.replay import run_replay
 
     if args.at is not None and args.at < 1:
         raise ReplayError(f"--at must be a seq of 1 or more, got {args.at}")
@@ -171,7 +171,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from aalis_agent.actors.chat import run_chat
+    from aalis_agent.cli.chat import run_chat
     from aalis_agent.services import ChatModel, ScriptedModel
 
     services = None
@@ -210,7 +210,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from aalis_agent.actors.demo import run_demo
+    from aalis_agent.cli.demo import run_demo
 
     return run_demo(args.db)
 
@@ -252,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "config":
             return _cmd_config(args)
         if args.command == "scenario":
-            from aalis_agent.actors.scenario import run_cli
+            from aalis_agent.scenarios import run_cli
 
             configure_logging(args.verbose, quiet=not args.verbose)
             return run_cli(args.file, db=args.db, as_json=args.json)

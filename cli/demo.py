@@ -14,8 +14,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-from aalis_agent.actors.replay import render_state, replay_session, run_replay
 from aalis_agent.actors.runtime import Runtime
+from aalis_agent.cli.replay import render_state, replay_session, run_replay
 from aalis_agent.events import Input, Sender, SequentialIds, SqliteEventStore, ToolCall
 from aalis_agent.services import (
     ChatRequest,

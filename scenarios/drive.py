@@ -20,19 +20,6 @@ import msgspec
 from aalis_agent.actors.hooks import Hooks
 from aalis_agent.actors.messages import InputOutcome
 from aalis_agent.actors.runtime import Runtime, SubmitHandle
-from aalis_agent.actors.scenario_load import load_scenario
-from aalis_agent.actors.scenario_result import CallRecord, InputRecord, ScenarioResult, StepRecord
-from aalis_agent.actors.scenario_spec import (
-    HOOK_POINTS,
-    Point,
-    ReplySpec,
-    Scenario,
-    ScenarioError,
-    StepSpec,
-    ToolError,
-    ToolOutcome,
-    ToolSpec,
-)
 from aalis_agent.events import (
     EventStore,
     FixedClock,
@@ -42,6 +29,19 @@ from aalis_agent.events import (
     SequentialIds,
     SqliteEventStore,
     TurnSettings,
+)
+from aalis_agent.scenarios.load import load_scenario
+from aalis_agent.scenarios.result import CallRecord, InputRecord, ScenarioResult, StepRecord
+from aalis_agent.scenarios.spec import (
+    HOOK_POINTS,
+    Point,
+    ReplySpec,
+    Scenario,
+    ScenarioError,
+    StepSpec,
+    ToolError,
+    ToolOutcome,
+    ToolSpec,
 )
 from aalis_agent.services import (
     AbortSignal,

@@ -16,7 +16,16 @@ from pathlib import Path
 from typing import Any, get_args
 
 from aalis_agent.actors.hooks import HOOK_KEYS
-from aalis_agent.actors.scenario_spec import (
+from aalis_agent.events import ConfigError, HostNotice, Input, ModelRef, Sender, ToolCall
+from aalis_agent.events.schema import TriggerType
+from aalis_agent.projections.limits import (
+    INT64_MAX,
+    MAX_DEPTH,
+    clean_text,
+    find_unloggable,
+    toml_too_deep,
+)
+from aalis_agent.scenarios.spec import (
     HOOK_POINTS,
     Point,
     PointKind,
@@ -28,15 +37,6 @@ from aalis_agent.actors.scenario_spec import (
     StepSpec,
     ToolOutcome,
     ToolSpec,
-)
-from aalis_agent.events import ConfigError, HostNotice, Input, ModelRef, Sender, ToolCall
-from aalis_agent.events.schema import TriggerType
-from aalis_agent.projections.limits import (
-    INT64_MAX,
-    MAX_DEPTH,
-    clean_text,
-    find_unloggable,
-    toml_too_deep,
 )
 from aalis_agent.services import AgentConfig, Usage
 from aalis_agent.services.settings import (

@@ -10,11 +10,11 @@ from datetime import datetime
 from typing import Any
 
 import msgspec
-from aalis_agent.actors.replay import render_event
-from aalis_agent.actors.scenario_spec import ReplySpec, Scenario, StepSpec, ToolOutcome
 from aalis_agent.events import ChatMessage, SessionEvent, to_builtins
 from aalis_agent.projections.validate import provider_violations
+from aalis_agent.scenarios.spec import ReplySpec, Scenario, StepSpec, ToolOutcome
 from aalis_agent.services import ChatRequest
+from aalis_agent.timeline import render_event
 
 
 @dataclass(frozen=True)
