@@ -39,13 +39,13 @@ from aalis_agent.actors.messages import (
 from aalis_agent.actors.session import SessionActor
 from aalis_agent.actors.turn import TurnRunner
 from aalis_agent.events import (
-    AgentError,
     Clock,
     CorruptEvent,
     EventStore,
     IdSource,
     Input,
     ModelRef,
+    RuntimeClosed,
     SessionFailed,
     StoreError,
     SystemClock,
@@ -69,10 +69,6 @@ class InputBefore:
 
     message: Input
     metadata: dict[str, Any]
-
-
-class RuntimeClosed(AgentError, RuntimeError):
-    """The runtime was shut down: it takes no more inputs."""
 
 
 @dataclass(frozen=True)

@@ -22,16 +22,23 @@ from aalis_agent.events.codec import (
     to_builtins,
 )
 from aalis_agent.events.errors import (
+    Aborted,
     AgentError,
     ConcurrencyConflict,
     ConfigError,
     CorruptEvent,
     InvalidBatch,
     InvalidInput,
+    ProviderError,
     ReplayError,
+    RunError,
+    RuntimeClosed,
+    ScenarioError,
     SessionFailed,
     StoreError,
     StoreInUse,
+    ToolError,
+    UsageError,
 )
 from aalis_agent.events.schema import *  # noqa: F403 -- the vocabulary is re-exported whole
 from aalis_agent.events.schema import __all__ as _schema_all
@@ -40,6 +47,7 @@ from aalis_agent.events.store import EventStore, InMemoryEventStore, Recorded, c
 
 __all__ = [
     *_schema_all,
+    "Aborted",
     "AgentError",
     "Batch",
     "Clock",
@@ -53,12 +61,18 @@ __all__ = [
     "InvalidBatch",
     "InvalidInput",
     "Recorded",
+    "ProviderError",
     "ReplayError",
+    "RunError",
+    "RuntimeClosed",
+    "ScenarioError",
     "SessionFailed",
     "SequentialIds",
     "SqliteEventStore",
     "StoreError",
     "StoreInUse",
+    "ToolError",
+    "UsageError",
     "SystemClock",
     "UuidIds",
     "check_batch",

@@ -1,34 +1,51 @@
-"""The project's exceptions, under one root.
+"""The project's exceptions: one tree, one root.
 
     AgentError
-    ├── ConfigError (ValueError)        bad configuration or settings values
-    ├── InvalidInput (ValueError)       an input the log could not hold (wrong type, ...)
-    ├── StoreError
-    │   ├── ConcurrencyConflict         an append's expected_seq did not match the log
-    │   ├── InvalidBatch (ValueError)   a batch that cannot be appended as given
-    │   ├── CorruptEvent                a stored row that does not decode
-    │   ├── StoreInUse                  another process writes this database
-    │   └── SessionFailed               a session stopped after a failed write, or
-    │                                   quarantined because its log does not decode
-    └── ReplayError                     a log that cannot be replayed as asked
+    ├── UsageError                      a mistake of the caller: nothing was done
+    │   ├── ConfigError (ValueError)    bad configuration or settings values
+    │   ├── InvalidInput (ValueError)   an input the log could not hold (wrong type, ...)
+    │   ├── ReplayError                 a log that cannot be replayed as asked
+    │   ├── ScenarioError               a scenario file that is wrong (scenarios/)
+    │   └── RuntimeClosed (RuntimeError) the runtime was shut down (actors/runtime)
+    └── RunError                        a failure while running
+        ├── StoreError
+        │   ├── ConcurrencyConflict     an append's expected_seq did not match the log
+        │   ├── InvalidBatch (ValueError) a batch that cannot be appended as given
+        │   ├── CorruptEvent            a stored row that does not decode
+        │   ├── StoreInUse              another process writes this database
+        │   └── SessionFailed           a session stopped after a failed write, or
+        │                               quarantined because its log does not decode
+        ├── ProviderError               a call to a model server failed (keys masked)
+        ├── ToolError                   a tool refused or failed; the model sees the text
+        └── Aborted                     code that gave up because its turn was stopped
 
-Developer misuse (a wrong argument) raises the builtin-flavoured subclasses; failures of
-a run (a conflict, a corrupt row) raise the others.
+As pydantic-ai splits ``UserError`` from ``AgentRunError``: catch :class:`UsageError` to
+tell a caller what to fix, :class:`RunError` for what went wrong at run time. Each class
+lives here, whatever raises it, so there is one place to read them all.
 """
 
 from __future__ import annotations
 
+from aalis_agent.events.secrets import redact
+
 __all__ = [
+    "Aborted",
     "AgentError",
     "ConcurrencyConflict",
     "ConfigError",
     "CorruptEvent",
     "InvalidBatch",
     "InvalidInput",
+    "ProviderError",
     "ReplayError",
+    "RunError",
+    "RuntimeClosed",
+    "ScenarioError",
     "SessionFailed",
     "StoreError",
     "StoreInUse",
+    "ToolError",
+    "UsageError",
 ]
 
 
@@ -36,16 +53,25 @@ class AgentError(Exception):
     """Root of every error this project raises on purpose."""
 
 
-class ConfigError(AgentError, ValueError):
+class UsageError(AgentError):
+    """A mistake of the caller (bad configuration, bad input, misuse): nothing was done;
+    the message says what to fix."""
+
+
+class RunError(AgentError):
+    """A failure while running: the store, a model server, a tool, a stop."""
+
+
+class ConfigError(UsageError, ValueError):
     """A configuration or settings value that is refused; the message names the key."""
 
 
-class InvalidInput(AgentError, ValueError):
+class InvalidInput(UsageError, ValueError):
     """An input refused at the API boundary: a field of the wrong type, or a value the
     log cannot hold. The message names the field (``$.content``); nothing was written."""
 
 
-class StoreError(AgentError):
+class StoreError(RunError):
     """An event store could not do what was asked."""
 
 
@@ -112,5 +138,52 @@ class SessionFailed(StoreError):
         self.quarantined = quarantined
 
 
-class ReplayError(AgentError):
+class ReplayError(UsageError):
     """A replay request that cannot be served (no such session, bad --at)."""
+
+
+class ScenarioError(UsageError):
+    """A scenario file that is wrong, or a run that cannot go on as the file says.
+
+    The message names the file, the place (a step, a tool, a reply) and what is wrong.
+    """
+
+    def __init__(self, reason: str, *, file: str = "<scenario>", where: str | None = None):
+        self.file = file
+        self.where = where
+        self.reason = reason
+        super().__init__(f"{file}: {where}: {reason}" if where else f"{file}: {reason}")
+
+
+class RuntimeClosed(UsageError, RuntimeError):
+    """The runtime was shut down: it takes no more inputs."""
+
+
+class ProviderError(RunError):
+    """A call to a model server failed. The message is ``<kind>: <what the client said>``
+    with every registered secret masked; ``kind`` names the client's error
+    (``AuthenticationError``, ``APITimeoutError``…), ``status_code`` the HTTP status when
+    the server answered. Raised ``from None``, without the client's exception."""
+
+    def __init__(self, message: str, *, kind: str = "", status_code: int | None = None) -> None:
+        super().__init__(redact(message))
+        self.kind = kind
+        self.status_code = status_code
+
+    @classmethod
+    def of(cls, exc: BaseException) -> ProviderError:
+        """The masked stand-in for an exception the client raised."""
+        status = getattr(exc, "status_code", None)
+        kind = type(exc).__name__
+        return cls(
+            f"{kind}: {exc}", kind=kind, status_code=status if isinstance(status, int) else None
+        )
+
+
+class ToolError(RunError):
+    """A tool's refusal or failure; the model sees ``ToolError: <text>`` as the call's
+    result (raised by the built-in tools and by scenario tools scripted to fail)."""
+
+
+class Aborted(RunError):
+    """Raised by code that gives up because its turn was stopped."""

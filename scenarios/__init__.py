@@ -20,6 +20,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+from aalis_agent.events.errors import ScenarioError, ToolError
 from aalis_agent.scenarios.drive import run_scenario
 from aalis_agent.scenarios.load import load_scenario
 from aalis_agent.scenarios.result import (
@@ -33,10 +34,8 @@ from aalis_agent.scenarios.spec import (
     Point,
     ReplySpec,
     Scenario,
-    ScenarioError,
     SessionSpec,
     StepSpec,
-    ToolError,
     ToolOutcome,
     ToolSpec,
 )

@@ -30,6 +30,7 @@ from aalis_agent.events import (
     SqliteEventStore,
     TurnSettings,
 )
+from aalis_agent.events.errors import ScenarioError, ToolError
 from aalis_agent.scenarios.load import load_scenario
 from aalis_agent.scenarios.result import CallRecord, InputRecord, ScenarioResult, StepRecord
 from aalis_agent.scenarios.spec import (
@@ -37,9 +38,7 @@ from aalis_agent.scenarios.spec import (
     Point,
     ReplySpec,
     Scenario,
-    ScenarioError,
     StepSpec,
-    ToolError,
     ToolOutcome,
     ToolSpec,
 )

@@ -17,6 +17,7 @@ from typing import Any, get_args
 
 from aalis_agent.actors.hooks import HOOK_KEYS
 from aalis_agent.events import ConfigError, HostNotice, Input, ModelRef, Sender, ToolCall
+from aalis_agent.events.errors import ScenarioError
 from aalis_agent.events.schema import TriggerType
 from aalis_agent.projections.limits import (
     INT64_MAX,
@@ -31,7 +32,6 @@ from aalis_agent.scenarios.spec import (
     PointKind,
     ReplySpec,
     Scenario,
-    ScenarioError,
     SessionSpec,
     StepKind,
     StepSpec,

@@ -9,30 +9,13 @@ from datetime import tzinfo
 from typing import Any, Literal
 
 import msgspec
-from aalis_agent.events import AgentError, Input, ToolCall
+from aalis_agent.events import Input, ToolCall
 from aalis_agent.services import AgentConfig, StreamChunk, Usage
 from aalis_agent.services.llm import ToolCallProgress
 
 StepKind = Literal[
     "say", "inject", "stop", "stop_command", "stop_all", "mute", "delete", "clear", "wait"
 ]
-
-
-class ScenarioError(AgentError):
-    """A scenario file that is wrong, or a run that cannot go on as the file says.
-
-    The message names the file, the place (a step, a tool, a reply) and what is wrong.
-    """
-
-    def __init__(self, reason: str, *, file: str = "<scenario>", where: str | None = None):
-        self.file = file
-        self.where = where
-        self.reason = reason
-        super().__init__(f"{file}: {where}: {reason}" if where else f"{file}: {reason}")
-
-
-class ToolError(Exception):
-    """Raised by a scenario tool scripted to fail; the model sees ``ToolError: <text>``."""
 
 
 @dataclass(frozen=True)

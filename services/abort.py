@@ -5,11 +5,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from aalis_agent.events.errors import Aborted
+
 __all__ = ["AbortSignal", "Aborted"]
-
-
-class Aborted(Exception):
-    """Raised by code that gives up because its turn was stopped."""
 
 
 class AbortSignal:

@@ -10,13 +10,10 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from typing import Any
 
+from aalis_agent.events.errors import ToolError
 from aalis_agent.services.tools import Tool, ToolCallContext
 
 __all__ = ["ToolError", "builtin_tools", "calculate", "current_time"]
-
-
-class ToolError(Exception):
-    """A tool's refusal; the model sees its text as the call's result."""
 
 
 _BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {

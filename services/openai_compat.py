@@ -28,34 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from aalis_agent.events.errors import AgentError, ConfigError
+from aalis_agent.events.errors import ConfigError, ProviderError
 from aalis_agent.events.schema import ChatMessage, ToolCall
 from aalis_agent.services.abort import AbortSignal
 from aalis_agent.services.llm import ChatRequest, StreamChunk, ThinkLevel, ToolCallProgress, Usage
-from aalis_agent.services.secrets import redact, register_secret
+from aalis_agent.services.secrets import register_secret
 
 __all__ = ["OpenAICompatibleModel", "ProviderError", "list_server_models", "to_openai_message"]
-
-
-class ProviderError(AgentError):
-    """A call to a model server failed. The message is ``<kind>: <what the client said>``
-    with every registered secret masked; ``kind`` names the client's error
-    (``AuthenticationError``, ``APITimeoutError``…), ``status_code`` the HTTP status when
-    the server answered. Raised ``from None``, without the client's exception."""
-
-    def __init__(self, message: str, *, kind: str = "", status_code: int | None = None) -> None:
-        super().__init__(redact(message))
-        self.kind = kind
-        self.status_code = status_code
-
-    @classmethod
-    def of(cls, exc: BaseException) -> ProviderError:
-        """The masked stand-in for an exception the client raised."""
-        status = getattr(exc, "status_code", None)
-        kind = type(exc).__name__
-        return cls(
-            f"{kind}: {exc}", kind=kind, status_code=status if isinstance(status, int) else None
-        )
 
 
 def _register_keys(base_url: str, api_key: str | None) -> None:

@@ -61,7 +61,7 @@ def test_the_package_root_exports_the_public_api() -> None:
         assert name in exported
     for name in exported:
         value = getattr(aalis_agent, name)
-        if isinstance(value, type) and issubclass(value, Exception) and name != "Aborted":
+        if isinstance(value, type) and issubclass(value, Exception):
             assert issubclass(value, aalis_agent.AgentError), name
 
 
@@ -125,5 +125,22 @@ def test_errors_share_one_root_and_match_builtins() -> None:
 
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), errors.AgentError)
+        if name not in ("AgentError", "UsageError", "RunError"):  # one side or the other
+            cls = getattr(errors, name)
+            assert issubclass(cls, errors.UsageError) != issubclass(cls, errors.RunError), name
     assert issubclass(errors.ConfigError, ValueError)
     assert issubclass(errors.InvalidBatch, ValueError)
+
+
+def test_one_class_per_error_wherever_it_is_imported_from() -> None:
+    from aalis_agent.actors import runtime
+    from aalis_agent.events import errors
+    from aalis_agent.services import abort, builtin_tools, openai_compat
+
+    from aalis_agent import scenarios
+
+    assert builtin_tools.ToolError is scenarios.ToolError is errors.ToolError
+    assert abort.Aborted is errors.Aborted
+    assert openai_compat.ProviderError is errors.ProviderError
+    assert runtime.RuntimeClosed is errors.RuntimeClosed
+    assert scenarios.ScenarioError is errors.ScenarioError
