@@ -8,7 +8,6 @@ import contextlib
 import json
 from typing import TYPE_CHECKING, Any
 
-from aalis_agent.actors.messages import SetSetting
 from aalis_agent.events import ConfigError
 from aalis_agent.projections.limits import json_too_deep
 from aalis_agent.projections.texts import listing_footer, listing_header
@@ -108,7 +107,7 @@ def set_setting(
         return refusal
     field = SETTING_FIELDS[key]
     stored = None if reset else validate_setting(key, value)
-    runtime._ask(session_id, SetSetting(key, stored, reset, user_id))
+    runtime.set_setting(session_id, key, stored, reset=reset, by=user_id)
     shown = next(f for f in runtime.fields(session_id, platform, venue) if f.key == key)
     if reset:
         return f"已恢复{field.label}（{key}）：{shown.text}"

@@ -23,6 +23,7 @@ import pykka
 import structlog
 from aalis_agent.actors.fields import FieldView, session_fields
 from aalis_agent.actors.hooks import Hooks
+from aalis_agent.actors.host import SessionHost
 from aalis_agent.actors.messages import (
     Clear,
     Delete,
@@ -186,8 +187,9 @@ class Runtime:
         if self._closed:
             raise RuntimeClosed("the runtime is shut down")
         view = self._load(session_id)
+        host: SessionHost = self  # the narrow protocol the actor sees
         ref = SessionActor.start(
-            runtime=self,
+            host=host,
             session_id=session_id,
             view=view,
             store=self.store,
@@ -220,12 +222,12 @@ class Runtime:
             if entry is not None and entry.ref.actor_urn == ref.actor_urn:
                 del self._entries[session_id]
 
-    def _session_failed(self, session_id: str, actor: SessionActor) -> None:
+    def session_failed(self, session_id: str, actor: SessionActor) -> None:
         """Called by an actor fenced after a failed write: forget it, so the session's
         next use rebuilds it from its log."""
         self._forget(session_id, actor.actor_ref)
 
-    def _unregister_if_idle(self, session_id: str, actor: SessionActor) -> bool:
+    def unregister_if_idle(self, session_id: str, actor: SessionActor) -> bool:
         """Called by an actor passivating itself: nothing may be on its way to it."""
         with self._lock:
             entry = self._entries.get(session_id)
@@ -238,7 +240,7 @@ class Runtime:
             del self._entries[session_id]
             return True
 
-    def _archive_missed(self) -> None:
+    def archive_missed(self) -> None:
         """ARC1: one warning per activation, at the first write the absent archive missed."""
         with self._lock:
             if self._archive_warned:
@@ -246,11 +248,11 @@ class Runtime:
             self._archive_warned = True
         log.warning("message archive absent: new messages are not archived")
 
-    def _runner_started(self, runner: TurnRunner) -> None:
+    def runner_started(self, runner: TurnRunner) -> None:
         with self._runners_idle:
             self._runners.add(runner)
 
-    def _runner_exited(self, runner: TurnRunner) -> None:
+    def runner_exited(self, runner: TurnRunner) -> None:
         with self._runners_idle:
             self._runners.discard(runner)
             self._runners_idle.notify_all()
@@ -430,8 +432,22 @@ class Runtime:
         value = (
             model if isinstance(model, str) else {"provider": model.provider, "model": model.model}
         )
-        stored = validate_setting("llm", value)
-        self._ask(session_id, SetSetting("llm", stored, False, None))
+        self.set_setting(session_id, "llm", value)
+
+    def set_setting(
+        self,
+        session_id: str,
+        key: str,
+        value: Any = None,
+        *,
+        reset: bool = False,
+        by: str | None = None,
+    ) -> None:
+        """Set (or ``reset``) a setting in the session's own layer (SET3), validated to
+        the type and range the log holds (ConfigError naming the key otherwise). Who may
+        change which key is the caller's to check (``/session.set`` does, SET4)."""
+        stored = None if reset else validate_setting(key, value)
+        self._ask(session_id, SetSetting(key, stored, reset, by))
 
     def active_sessions(self) -> list[str]:
         with self._lock:

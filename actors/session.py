@@ -14,11 +14,12 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import pykka
 import structlog
 from aalis_agent.actors import logs
+from aalis_agent.actors.host import SessionHost
 from aalis_agent.actors.messages import (
     AppendEvents,
     CallEnded,
@@ -81,9 +82,6 @@ from aalis_agent.projections.turns import turn_participants
 from aalis_agent.services import AbortSignal, OutboundMessage, Services
 from aalis_agent.services.settings import venue_of
 
-if TYPE_CHECKING:
-    from aalis_agent.actors.runtime import Runtime
-
 __all__ = ["SessionActor"]
 
 log = structlog.get_logger("aalis.agent")
@@ -107,7 +105,7 @@ class SessionActor(pykka.ThreadingActor):
     def __init__(
         self,
         *,
-        runtime: Runtime,
+        host: SessionHost,
         session_id: str,
         view: SessionView,
         store: EventStore,
@@ -116,7 +114,7 @@ class SessionActor(pykka.ThreadingActor):
         ids: IdSource,
     ) -> None:
         super().__init__()
-        self.runtime = runtime
+        self.host = host
         self.session_id = session_id
         self.view = view
         self.store = store
@@ -266,7 +264,7 @@ class SessionActor(pykka.ThreadingActor):
         for submit in deferred:
             if not submit.done.done():
                 submit.done.set_exception(error)
-        self.runtime._session_failed(self.session_id, self)
+        self.host.session_failed(self.session_id, self)
         self.stop()
         raise error from exc
 
@@ -383,15 +381,15 @@ class SessionActor(pykka.ThreadingActor):
             inputs=inputs,
             view=self.view,
             services=self.services,
-            hooks=self.runtime.hooks,
+            hooks=self.host.hooks,
             clock=self.clock,
             ids=self.ids,
             abort=abort,
-            on_exit=self.runtime._runner_exited,
-            on_archive_missed=self.runtime._archive_missed,
-            budget_log=self.runtime.budget_log,
+            on_exit=self.host.runner_exited,
+            on_archive_missed=self.host.archive_missed,
+            budget_log=self.host.budget_log,
         )
-        self.runtime._runner_started(self._runner)
+        self.host.runner_started(self._runner)
         self.services.bus.publish(
             "turn:opened",
             {
@@ -498,7 +496,7 @@ class SessionActor(pykka.ThreadingActor):
         archive = self.services.archive is not None
         messages = archive_joined(step, msg.turn_id, joined, self._message_id, save=archive)
         if joined and not archive:
-            self.runtime._archive_missed()
+            self.host.archive_missed()
         running = step.view.queue.running
         start = not joined and msg.started is not None
         if start and running is not None and running.stop_requested:
@@ -680,7 +678,7 @@ class SessionActor(pykka.ThreadingActor):
         )
         if not idle or time.monotonic() - self._last_activity < msg.idle_s:
             return False
-        if not self.runtime._unregister_if_idle(self.session_id, self):
+        if not self.host.unregister_if_idle(self.session_id, self):
             return False
         self.stop()
         return True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from aalis_agent.actors.turn import add_contributions, base_prompt
+from aalis_agent.actors.request import add_contributions, base_prompt
 from aalis_agent.events import TokenUsage
 from aalis_agent.projections import turns
 from aalis_agent.projections.prompt import (

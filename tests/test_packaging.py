@@ -144,3 +144,45 @@ def test_one_class_per_error_wherever_it_is_imported_from() -> None:
     assert openai_compat.ProviderError is errors.ProviderError
     assert runtime.RuntimeClosed is errors.RuntimeClosed
     assert scenarios.ScenarioError is errors.ScenarioError
+
+
+def _imports(path: Path) -> set[str]:
+    import ast
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m.startswith("aalis_agent")}
+
+
+# Which of our packages each may import: the rules of the house, checked on the source.
+LAYERS = {
+    "events": {"events"},
+    "projections": {"events", "projections"},
+    "services": {"events", "projections", "services"},
+    "actors": {"events", "projections", "services", "actors"},
+    "timeline": {"events", "projections", "timeline"},
+}
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_each_layer_imports_only_what_it_may(package: str) -> None:
+    allowed = {f"aalis_agent.{p}" for p in LAYERS[package]}
+    for path in sorted((ROOT / package).glob("*.py")):
+        for module in _imports(path):
+            top = ".".join(module.split(".")[:2])
+            assert top in allowed, f"{package}/{path.name} imports {module}"
+
+
+def test_no_cycle_between_the_runtime_and_its_actors() -> None:
+    """The session actor talks to its host through SessionHost, commands use public API,
+    and a token:request snapshot builds its request with the turn's own functions
+    (actors/request.py), not by importing the runner."""
+    assert "aalis_agent.actors.runtime" not in _imports(ROOT / "actors" / "session.py")
+    assert "aalis_agent.actors.turn" not in _imports(ROOT / "actors" / "snapshot.py")
+    for name in ("session.py", "commands.py", "snapshot.py", "turn.py"):
+        text = (ROOT / "actors" / name).read_text(encoding="utf-8")
+        assert "runtime._" not in text and "self.runtime" not in text, name
