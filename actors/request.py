@@ -3,19 +3,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from aalis_agent.actors.hooks import ContributionView, Hooks
-from aalis_agent.events import TurnSettings
+from aalis_agent.events import ChatMessage, TokenUsage, TurnSettings
 from aalis_agent.projections.history import HistoryState
 from aalis_agent.projections.prompt import (
     Block,
     TurnPrompt,
     assemble,
     render_history,
+    split_parts,
     system_prompt,
 )
+from aalis_agent.projections.tokens import default_counter, tool_definition_tokens
+from aalis_agent.projections.trim import TrimRequest, TrimResult, trim, trim_budget
+from aalis_agent.projections.usage import breakdown, usage_payload
 from aalis_agent.services import Services
+from aalis_agent.services.llm import ChatModel
 
-__all__ = ["add_contributions", "base_prompt"]
+__all__ = ["TrimmedCall", "add_contributions", "base_prompt", "call_usage", "trim_call"]
 
 
 def base_prompt(
@@ -63,3 +71,89 @@ def add_contributions(
     for built in hooks.build_contributions(view, services.config.prompt_build_timeout_ms):
         c = built.contribution
         prompt.blocks.extend(Block(c.anchor, c.injector, text) for text in built.blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class TrimmedCall:
+    """A request trimmed to its budget (FLOW9): the result with its trace, the budget,
+    and what the tool definitions cost (counted once per call)."""
+
+    result: TrimResult
+    budget: int
+    tool_tokens: int
+
+
+def trim_call(
+    services: Services,
+    llm: ChatModel,
+    messages: list[ChatMessage],
+    tools: list[dict[str, Any]],
+    history_ids: frozenset[str],
+    *,
+    protected: frozenset[str] = frozenset(),
+    snapshot: bool = False,
+) -> TrimmedCall:
+    """FLOW9 for a turn's call and a ``token:request`` snapshot alike: the budget from the
+    model and the plugin config, the list split into head, history and turn, the five-step
+    trim (TRIM). ``snapshot`` puts the continuation hint at the end (no inputs)."""
+    config = services.config
+    budget = trim_budget(llm.context_length, llm.max_output_tokens, config.trim_threshold_ratio)
+    head, hist, rest = split_parts(messages, history_ids)
+    counter = default_counter()
+    tool_tokens = tool_definition_tokens(counter, tools)
+    result = trim(
+        TrimRequest(
+            head=head,
+            history=hist,
+            turn=rest,
+            budget=budget,
+            memory_budget=config.memory_token_budget,
+            protected=protected,
+            tool_tokens=tool_tokens,
+            snapshot=snapshot,
+        ),
+        counter,
+    )
+    return TrimmedCall(result, budget, tool_tokens)
+
+
+def call_usage(
+    llm: ChatModel,
+    call: TrimmedCall,
+    *,
+    session_id: str,
+    turn_id: str | None,
+    platform: str | None,
+    persona: str | None,
+    provider_input_tokens: int | None,
+    trimmed: bool,
+    history_messages: int,
+) -> TokenUsage:
+    """ACC2-ACC3: ``token:usage`` of a trimmed request, for a turn's call and a snapshot
+    alike. The parts are counted on what is sent (the history's cost is known from the
+    trim); ``used`` is the provider's input tokens when given, else the estimate."""
+    counter = default_counter()
+    result = call.result
+    parts = breakdown(
+        counter,
+        [*result.head, *result.turn],
+        history_ids=frozenset(),
+        persona_tokens=counter.count(persona) if persona else 0,
+        tool_defs_tokens=call.tool_tokens,
+        reserved=llm.max_output_tokens,
+        history_tokens=result.history_tokens,
+    )
+    return usage_payload(
+        session_id=session_id,
+        turn_id=turn_id,
+        platform=platform,
+        context_window=llm.context_length,
+        max_tokens=llm.max_output_tokens,
+        token_budget=call.budget,
+        provider_input_tokens=provider_input_tokens,
+        estimate=result.tokens_after,
+        trimmed=trimmed,
+        untrimmed_history=result.untrimmed_history,
+        history_messages=history_messages,
+        parts=parts,
+    )

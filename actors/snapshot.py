@@ -9,17 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from aalis_agent.actors.request import add_contributions, base_prompt
+from aalis_agent.actors.request import add_contributions, base_prompt, call_usage, trim_call
 from aalis_agent.events import TokenUsage
 from aalis_agent.projections import turns
 from aalis_agent.projections.prompt import (
     assemble,
-    split_parts,
     volatile_for,
 )
-from aalis_agent.projections.tokens import count_messages, default_counter, tool_definition_tokens
-from aalis_agent.projections.trim import TrimRequest, trim, trim_budget
-from aalis_agent.projections.usage import breakdown, usage_payload
 
 if TYPE_CHECKING:
     from aalis_agent.actors.runtime import Runtime
@@ -68,46 +64,17 @@ def token_request(runtime: Runtime, session_id: str, platform: str | None = None
     messages = assemble(prompt)
     tools = [t.definition() for t in services.tools.available(settings.tool_groups)]
     llm = services.models.resolve(settings.model, warn=False).model
-    counter = default_counter()
-    tool_tokens = tool_definition_tokens(counter, tools)
-    budget = trim_budget(
-        llm.context_length, llm.max_output_tokens, services.config.trim_threshold_ratio
-    )
     history_ids = frozenset(m.id for m in prompt.history)
-    head, hist, turn = split_parts(messages, history_ids)
-    result = trim(
-        TrimRequest(
-            head=head,
-            history=hist,
-            turn=turn,
-            budget=budget,
-            memory_budget=services.config.memory_token_budget,
-            tool_tokens=tool_tokens,
-            snapshot=True,
-        ),
-        counter,
-    )
-    untrimmed = sum(
-        count_messages(counter, [m]) for m in messages if m.id in history_ids or m.role == "tool"
-    )
-    return usage_payload(
+    # The same trim and the same accounting as a turn's call (actors/request.py).
+    call = trim_call(services, llm, messages, tools, history_ids, snapshot=True)
+    return call_usage(
+        llm,
+        call,
         session_id=session_id,
         turn_id=None,
         platform=where,
-        context_window=llm.context_length,
-        max_tokens=llm.max_output_tokens,
-        token_budget=budget,
+        persona=persona,
         provider_input_tokens=None,  # a snapshot is an estimate
-        estimate=count_messages(counter, result.messages) + tool_tokens,
-        trimmed=result.trimmed,
-        untrimmed_history=untrimmed,
+        trimmed=call.result.trimmed,
         history_messages=active,
-        parts=breakdown(
-            counter,
-            result.messages,
-            history_ids=history_ids,
-            persona_tokens=counter.count(persona) if persona else 0,
-            tool_defs_tokens=tool_tokens,
-            reserved=llm.max_output_tokens,
-        ),
     )

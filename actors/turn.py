@@ -24,7 +24,13 @@ import pykka
 import structlog
 from aalis_agent.actors.hooks import Hooks
 from aalis_agent.actors.messages import AppendEvents, CallEnded, InsertionPoint, Settled
-from aalis_agent.actors.request import add_contributions, base_prompt
+from aalis_agent.actors.request import (
+    TrimmedCall,
+    add_contributions,
+    base_prompt,
+    call_usage,
+    trim_call,
+)
 from aalis_agent.actors.scheduler import archived_input_message
 from aalis_agent.events import (
     ChatMessage,
@@ -59,18 +65,16 @@ from aalis_agent.projections.prompt import (
     instruction_block,
     is_instruction,
     render_input,
-    split_parts,
     volatile_for,
 )
 from aalis_agent.projections.textnorm import strip_leaked_special_tokens, truncate_to_tokens
 from aalis_agent.projections.texts import ERROR_PREFIX, focus_guide
 from aalis_agent.projections.tokens import (
     default_counter,
-    tool_definition_tokens,
 )
-from aalis_agent.projections.trim import TrimRequest, TrimResult, trim, trim_budget
+from aalis_agent.projections.trim import TrimResult
 from aalis_agent.projections.turns import Party, input_origin
-from aalis_agent.projections.usage import BudgetLog, breakdown, usage_payload, wire
+from aalis_agent.projections.usage import BudgetLog, wire
 from aalis_agent.services import (
     AbortSignal,
     ChatRequest,
@@ -256,7 +260,7 @@ class TurnRunner:
         self.last_trim: TrimResult | None = None
         self._persona: str | None = None
         self._history_ids: frozenset[str] | None = None
-        self._tool_tokens = 0
+        self._last_call: TrimmedCall | None = None  # the last call, as trimmed
         self._active_count = 0
         self._budget_log = budget_log
         self._model: ChatModel | None = None
@@ -630,42 +634,18 @@ class TurnRunner:
     ) -> None:
         """ACC2: ``token:usage`` after a call that returned, and the budget log (ACC4)."""
         services = self.services
-        llm = self.model
-        counter = default_counter()
-        tool_tokens = self._tool_tokens  # counted once, when the call was trimmed
-        trimmed = self.last_trim
-        history_ids: frozenset[str] = frozenset()
-        if trimmed is not None:  # the history's cost is known: count only the rest
-            rest, kept = [*trimmed.head, *trimmed.turn], trimmed.history_tokens
-        else:
-            rest, kept = sent, 0
-            history_ids = frozenset(m.id for m in prompt.history)
-        parts = breakdown(
-            counter,
-            rest,
-            history_ids=history_ids,
-            persona_tokens=counter.count(self._persona) if self._persona else 0,
-            tool_defs_tokens=tool_tokens,
-            reserved=llm.max_output_tokens,
-            history_tokens=kept,
-        )
-        untrimmed_history = trimmed.untrimmed_history if trimmed is not None else 0
+        assert self._last_call is not None  # every call is trimmed before it is made
         appended = sum(1 for m in prompt.tail if m.role == "tool" or m.tool_calls)
-        usage = usage_payload(
+        usage = call_usage(
+            self.model,
+            self._last_call,
             session_id=self.session_id,
             turn_id=self.turn_id,
             platform=self.opened.platform,
-            context_window=llm.context_length,
-            max_tokens=llm.max_output_tokens,
-            token_budget=trim_budget(
-                llm.context_length, llm.max_output_tokens, services.config.trim_threshold_ratio
-            ),
+            persona=self._persona,
             provider_input_tokens=call.usage.prompt_tokens if call.usage else None,
-            estimate=trimmed.tokens_after if trimmed is not None else 0,
             trimmed=self.trimmed,
-            untrimmed_history=untrimmed_history,
             history_messages=self._active_count + appended,
-            parts=parts,
         )
         self._report(UsageRecorded(usage=usage))
         services.bus.publish("token:usage", wire(usage))
@@ -683,27 +663,18 @@ class TurnRunner:
     ) -> list[ChatMessage]:
         """FLOW9: trim the assembled list to the budget (TRIM); keep the trace."""
         services = self.services
-        llm = self.model
-        budget = trim_budget(
-            llm.context_length, llm.max_output_tokens, services.config.trim_threshold_ratio
-        )
         if self._history_ids is None or len(self._history_ids) != len(prompt.history):
             self._history_ids = frozenset(m.id for m in prompt.history)
-        head, hist, rest = split_parts(messages, self._history_ids)
-        counter = default_counter()
-        self._tool_tokens = tool_definition_tokens(counter, tools)
-        result = trim(
-            TrimRequest(
-                head=head,
-                history=hist,
-                turn=rest,
-                budget=budget,
-                memory_budget=services.config.memory_token_budget,
-                protected=frozenset(self._protected),
-                tool_tokens=self._tool_tokens,
-            ),
-            counter,
+        trimmed = trim_call(
+            services,
+            self.model,
+            messages,
+            tools,
+            self._history_ids,
+            protected=frozenset(self._protected),
         )
+        self._last_call = trimmed
+        result, budget = trimmed.result, trimmed.budget
         self.trimmed = self.trimmed or result.trimmed
         self.last_trim = result
         if result.trace:

@@ -10,6 +10,7 @@ import pytest
 from aalis_agent.actors.hooks import Contribution, ContributionView
 from aalis_agent.actors.runtime import Runtime
 from aalis_agent.events import FixedClock, InMemoryEventStore, Input, SequentialIds
+from aalis_agent.projections.tokens import count_messages, default_counter
 from aalis_agent.services import (
     ScriptedModel,
     ScriptedReply,
@@ -92,3 +93,32 @@ def test_the_snapshot_reads_history_like_the_next_turn(runtime: Runtime) -> None
     runtime.wait_idle(10)
     assert real[0]["historyMessages"] == snap.history_messages
     assert real[0]["tokenBudget"] == snap.token_budget
+
+
+def test_a_snapshot_and_the_next_turns_first_call_cut_and_count_history_alike() -> None:
+    """One way to build a request: the snapshot and a turn's call share the trim and the
+    accounting (actors/request.py), so over a history long enough to be cut they agree on
+    the budget, the cut and what the history costs."""
+    model = ScriptedModel(lambda r, n: ScriptedReply(text=f"回答 {n} " + "很长的回答" * 40))
+    model.context_length, model.max_output_tokens = 4000, 1000
+    rt = Runtime(
+        InMemoryEventStore(), Services(llm=model), FixedClock(), SequentialIds(), janitor=False
+    )
+    try:
+        for n in range(30):
+            rt.submit("s", Input(id="", content=f"第 {n} 个问题" + "细节" * 30)).result(10)
+        snapshot = rt.token_request("s", "cli")  # the platform the turn will read for
+        rt.submit("s", Input(id="", content="再问一个")).result(10)
+        turn = [e.usage for e in rt.store.read("s") if type(e).__name__ == "UsageRecorded"][-1]
+        assert snapshot.trimmed and turn.trimmed
+        assert (snapshot.token_budget, snapshot.untrimmed_history) == (
+            turn.token_budget,
+            turn.untrimmed_history,
+        )
+        # The same history was kept; the turn's history part also counts its new input.
+        sent = model.requests[-1].messages
+        new_input = [m for m in sent if m.role == "user"][-1]
+        counted = count_messages(default_counter(), [new_input])
+        assert turn.breakdown.history - snapshot.breakdown.history == counted
+    finally:
+        rt.shutdown(timeout=10)
