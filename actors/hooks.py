@@ -20,16 +20,26 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import structlog
+from aalis_agent.events import ChatMessage, Input
+from aalis_agent.services import ToolCallContext
 
 __all__ = [
     "ANCHORS",
     "HOOK_KEYS",
+    "MAX_FORMAT_RETRIES",
     "Anchor",
     "BuiltContribution",
     "Contribution",
     "ContributionView",
     "Hooks",
+    "LlmAfter",
+    "LlmBefore",
     "Middleware",
+    "ReplyBefore",
+    "ToolAfter",
+    "ToolBefore",
+    "TurnAfter",
+    "TurnBefore",
 ]
 
 log = structlog.get_logger("aalis.hooks")
@@ -187,3 +197,71 @@ class Hooks:
                 built.append(BuiltContribution(contribution, blocks))
         pool.shutdown(wait=False, cancel_futures=True)
         return built
+
+
+# --- hook payloads (the original framework's shapes, UPSTREAM-FACTS) --------------------
+
+MAX_FORMAT_RETRIES = 2
+
+
+@dataclass
+class TurnBefore:
+    turn_id: str
+    session_id: str
+    inputs: list[Input]
+
+
+@dataclass
+class LlmBefore:
+    messages: list[ChatMessage]
+    tools: list[dict[str, Any]]
+    session_id: str
+    user_id: str | None
+    platform: str | None
+    trigger_type: str | None
+    dry_run: bool = False
+
+
+@dataclass
+class LlmAfter:
+    response: dict[str, Any]
+    messages: list[ChatMessage]
+
+
+@dataclass
+class ToolBefore:
+    name: str
+    args: dict[str, Any]
+    tool_call_context: ToolCallContext
+
+
+@dataclass
+class ToolAfter:
+    name: str
+    result: str | None
+    tool_call_context: ToolCallContext
+    error: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ReplyBefore:
+    content: str
+    session_id: str
+    platform: str | None
+    user_id: str | None
+    trigger_type: str | None
+    archive_content: str | None = None
+    retry_requested: bool = False
+    retry_feedback: str | None = None
+    attempt: int = 0
+    max_retries: int = MAX_FORMAT_RETRIES
+
+
+@dataclass
+class TurnAfter:
+    message: list[Input]
+    reply: str | None
+    outcome: str
+    session_id: str
+    metadata: dict[str, Any] = field(default_factory=dict)

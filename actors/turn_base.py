@@ -1,0 +1,313 @@
+"""The state and plumbing every part of a turn shares (:class:`TurnBase`): reporting
+facts to the session actor and waiting until they are durable (persist, then act), the
+message archive, outbound messages, who the turn's inputs come from, and each model
+call's trim and ``token:usage`` (through actors/request.py, as ``token:request`` does)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pykka
+import structlog
+from aalis_agent.actors.hooks import (
+    Hooks,
+)
+from aalis_agent.actors.messages import AppendEvents
+from aalis_agent.actors.request import (
+    TrimmedCall,
+    call_usage,
+    trim_call,
+)
+from aalis_agent.events import (
+    ChatMessage,
+    Clock,
+    IdSource,
+    Input,
+    MessageSaved,
+    SessionEvent,
+    ToolCall,
+    TurnOpened,
+    UsageRecorded,
+)
+from aalis_agent.projections import SessionView
+from aalis_agent.projections.labels import time_label
+from aalis_agent.projections.prompt import (
+    TurnPrompt,
+)
+from aalis_agent.projections.texts import focus_guide
+from aalis_agent.projections.trim import TrimResult
+from aalis_agent.projections.turns import Party, input_origin
+from aalis_agent.projections.usage import BudgetLog, wire
+from aalis_agent.services import (
+    AbortSignal,
+    OutboundMessage,
+    Services,
+)
+from aalis_agent.services.llm import ChatModel, Usage
+from aalis_agent.services.outbound import OutboundKind
+
+__all__ = ["NotRecorded", "TurnBase", "deliver"]
+
+log = structlog.get_logger("aalis.turn")
+
+
+class NotRecorded(Exception):
+    """The session actor refused a turn's facts (the turn was stopped before its reply
+    was durable, deleted, or is not running): the turn ends with no further effects."""
+
+    def __init__(self, turn_id: str) -> None:
+        super().__init__(f"turn {turn_id}: the session no longer records this turn")
+        self.turn_id = turn_id
+
+
+def deliver(services: Services, message: OutboundMessage) -> None:
+    """OUT1-OUT2: send through the gateway, or as an ``outbound:message`` event without
+    one. Called only once the events recording the message are durable."""
+    gateway = services.gateway
+    if gateway is not None:
+        gateway.dispatch_outbound(message)
+        return
+    services.bus.publish(
+        "outbound:message",
+        {
+            "sessionId": message.session_id,
+            "turnId": message.turn_id,
+            "content": message.content,
+            "kind": message.kind,
+            "platform": message.platform,
+            "hostNotice": message.host_notice,
+            "replyTo": message.reply_to,
+        },
+    )
+
+
+@dataclass
+class _Call:
+    """What one streamed model call returned."""
+
+    text: str = ""
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    aborted: bool = False
+    usage: Usage | None = None
+
+
+class TurnBase:
+    """One turn's state and its plumbing; the runner and its tool batch and reply parts
+    build on it (actors/turn.py, turn_tools.py, turn_reply.py)."""
+
+    def __init__(
+        self,
+        *,
+        actor: pykka.ActorRef[Any],
+        session_id: str,
+        opened: TurnOpened,
+        inputs: list[Input],
+        view: SessionView,
+        services: Services,
+        hooks: Hooks,
+        clock: Clock,
+        ids: IdSource,
+        abort: AbortSignal,
+        on_exit: Callable[[Any], None] | None = None,
+        on_archive_missed: Callable[[], None] | None = None,
+        budget_log: BudgetLog | None = None,
+    ) -> None:
+        self.actor = actor
+        self.session_id = session_id
+        self.opened = opened
+        self.turn_id = opened.turn_id
+        self.inputs = list(inputs)
+        self.view = view
+        self.services = services
+        self.hooks = hooks
+        self.clock = clock
+        self.ids = ids
+        self.abort = abort
+        self._on_exit = on_exit
+        self._on_archive_missed = on_archive_missed
+        self._addressed: list[tuple[str, str]] = []
+        self._drafts: list[SessionEvent] = []
+        self._call_index = 0
+        self._call_refused = False  # the last insertion point refused the call's start
+        self._protected: set[str] = set()  # this turn's inputs and instruction block (TRIM-N)
+        self.trimmed = False
+        self.last_trim: TrimResult | None = None
+        self._persona: str | None = None
+        self._history_ids: frozenset[str] | None = None
+        self._last_call: TrimmedCall | None = None  # the last call, as trimmed
+        self._active_count = 0
+        self._budget_log = budget_log
+        self._model: ChatModel | None = None
+        self.thread = threading.Thread(
+            target=self._main, name=f"turn:{session_id}:{self.turn_id}", daemon=True
+        )
+
+    def _main(self) -> None:
+        raise NotImplementedError  # the runner's (actors/turn.py): the turn's thread body
+
+    def start(self) -> None:
+        self.thread.start()
+
+    @property
+    def model(self) -> ChatModel:
+        """The model of this turn, resolved once from the settings read when it opened
+        (SET1, SCH5); a missing preferred model falls back with a warning (SET5)."""
+        if self._model is None:
+            self._model = self.services.models.resolve(self.opened.settings.model).model
+        return self._model
+
+    def _report(self, *drafts: SessionEvent) -> None:
+        """Queue facts for the actor; they go out together at the next :meth:`_flush`."""
+        self._drafts.extend(drafts)
+
+    def _flush(self, *, final: bool = False) -> None:
+        """Persist, then act: commit the queued facts as one batch and wait until they
+        are durable, before anything that acts on them (a model call, a tool, sending).
+
+        ``final`` marks the batch that saves the reply: the actor refuses it when a stop
+        came first, and after it commits no stop applies. A refused batch (the turn was
+        stopped, deleted or is no longer running) raises :class:`NotRecorded`; a failed
+        write raises the store's error (the actor has stopped). Either way the turn ends
+        without further effects."""
+        if not self._drafts and not final:
+            return
+        events, self._drafts = tuple(self._drafts), []
+        if not self.actor.ask(AppendEvents(self.turn_id, events, final=final)):
+            raise NotRecorded(self.turn_id)
+
+    def _archive(self, message: ChatMessage) -> None:
+        """Archive through the message archive: the session log by default; when the
+        archive is absent nothing is written (ARC1) and the runtime warns once."""
+        if self.services.archive is None:
+            if self._on_archive_missed is not None:
+                self._on_archive_missed()
+            return
+        self._report(MessageSaved(message=message))
+
+    def _outbound(self, content: str, kind: OutboundKind = "reply") -> OutboundMessage:
+        """OUT2: a message leaving this turn, carrying its turn id (and the host notice it
+        answers, if any)."""
+        head = self.inputs[-1] if self.inputs else None
+        notice = head.host_notice if head is not None else None
+        return OutboundMessage(
+            session_id=self.session_id,
+            turn_id=self.turn_id,
+            content=content,
+            kind=kind,
+            platform=self.opened.platform,
+            host_notice={"kind": notice.kind, "id": notice.id} if notice else None,
+            reply_to=notice.reply_to if notice else None,
+        )
+
+    def _trigger(self) -> str | None:
+        return self.inputs[0].trigger_type if self.inputs else None
+
+    def _origin(self, inp: Input) -> tuple[tuple[Party, ...], str | None]:
+        """``originTurnOf`` of one of this turn's inputs: the derivation its
+        ``InputJoined`` recorded, read over the turns before this one."""
+        return input_origin(self.view.turns, inp)
+
+    def _user_id(self) -> str | None:
+        """The physical speaker of the inputs sent so far, when they all have the same
+        one; a continuation counts as the speaker of the turn it came from."""
+        speakers = {self._origin(i)[1] for i in self.inputs}
+        return next(iter(speakers)) if len(speakers) == 1 else None
+
+    def _focus_guide(self, joined: list[Input], messages: list[ChatMessage]) -> ChatMessage | None:
+        """Before addressed inserts in a multi-party room: a block listing every addressed
+        insert so far (SCH2), each timed as it entered the turn. Earlier blocks stay as
+        they were, so requests keep their prefix; the block is part of this turn's requests
+        only, never archived."""
+        if not self.opened.settings.multi_party:
+            return None
+        addressed = [(i, m) for i, m in zip(joined, messages, strict=True) if i.was_addressed]
+        if not addressed:
+            return None
+        now = self.clock.now_ms()
+        for inp, message in addressed:
+            when = time_label(message.meta.timestamp or now, now, self.services.tz)
+            self._addressed.append((when, inp.sender.user_id or "?"))
+        return ChatMessage(
+            id=self.ids.new("msg"), role="system", content=focus_guide(list(self._addressed))
+        )
+
+    def _usage(
+        self,
+        prompt: TurnPrompt,
+        sent: list[ChatMessage],
+        tools: list[dict[str, Any]],
+        call: _Call,
+    ) -> None:
+        """ACC2: ``token:usage`` after a call that returned, and the budget log (ACC4)."""
+        services = self.services
+        assert self._last_call is not None  # every call is trimmed before it is made
+        appended = sum(1 for m in prompt.tail if m.role == "tool" or m.tool_calls)
+        usage = call_usage(
+            self.model,
+            self._last_call,
+            session_id=self.session_id,
+            turn_id=self.turn_id,
+            platform=self.opened.platform,
+            persona=self._persona,
+            provider_input_tokens=call.usage.prompt_tokens if call.usage else None,
+            trimmed=self.trimmed,
+            history_messages=self._active_count + appended,
+        )
+        self._report(UsageRecorded(usage=usage))
+        services.bus.publish("token:usage", wire(usage))
+        if self._budget_log is not None:
+            line = self._budget_log.observe(usage)
+            if line is not None:
+                log.info(line)
+
+    def _trim(
+        self,
+        prompt: TurnPrompt,
+        messages: list[ChatMessage],
+        tools: list[dict[str, Any]],
+        index: int,
+    ) -> list[ChatMessage]:
+        """FLOW9: trim the assembled list to the budget (TRIM); keep the trace."""
+        services = self.services
+        if self._history_ids is None or len(self._history_ids) != len(prompt.history):
+            self._history_ids = frozenset(m.id for m in prompt.history)
+        trimmed = trim_call(
+            services,
+            self.model,
+            messages,
+            tools,
+            self._history_ids,
+            protected=frozenset(self._protected),
+        )
+        self._last_call = trimmed
+        result, budget = trimmed.result, trimmed.budget
+        self.trimmed = self.trimmed or result.trimmed
+        self.last_trim = result
+        if result.trace:
+            before, after = len(messages), len(result.messages)
+            if after < before:
+                log.info(
+                    "hard trim removed messages",
+                    session=self.session_id,
+                    before=before,
+                    after=after,
+                )
+            services.bus.publish(
+                "agent:trim",
+                {
+                    "sessionId": self.session_id,
+                    "turnId": self.turn_id,
+                    "call": index,
+                    "budget": budget,
+                    "steps": list(result.steps),
+                    "trace": [
+                        {"step": a.step, "action": a.action, "ids": list(a.ids), "saved": a.saved}
+                        for a in result.trace
+                    ],
+                },
+            )
+        return result.messages

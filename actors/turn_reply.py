@@ -1,0 +1,102 @@
+"""A turn's reply (FLOW14-FLOW15, SAVE2, SAVE5, OUT1): ``agent:reply:before`` with
+format retries, the reply saved with the turn's record and durable before it is sent
+(a stop that came first refuses it), then ``agent:turn:after``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aalis_agent.actors.hooks import (
+    ReplyBefore,
+    TurnAfter,
+)
+from aalis_agent.actors.turn_base import TurnBase, _Call, deliver
+from aalis_agent.events import (
+    ChatMessage,
+    MessageMeta,
+    TurnOutcome,
+    TurnRecord,
+)
+from aalis_agent.projections.prompt import (
+    TurnPrompt,
+)
+from aalis_agent.projections.textnorm import strip_leaked_special_tokens
+
+__all__ = ["ReplyStep"]
+
+
+class ReplyStep(TurnBase):
+    """The reply of a turn's runner (a part of :class:`TurnRunner`)."""
+
+    def _model_call(
+        self, prompt: TurnPrompt, tool_defs: list[dict[str, Any]], *, retry: bool = False
+    ) -> _Call:
+        raise NotImplementedError  # the runner's (actors/turn.py)
+
+    def _reply(self, prompt: TurnPrompt, call: _Call) -> tuple[TurnOutcome, str | None]:
+        """FLOW14 and saving: ``agent:reply:before`` (with format retries), then the reply
+        saved with the turn record (SAVE2, SAVE5) and sent (OUT1); empty replies are not
+        saved (SAVE4)."""
+        content = strip_leaked_special_tokens(call.text)
+        attempt = 0
+        while True:
+            ctx = ReplyBefore(
+                content=content,
+                session_id=self.session_id,
+                platform=self.opened.platform,
+                user_id=self._user_id(),
+                trigger_type=self._trigger(),
+                attempt=attempt,
+            )
+            self.hooks.run("agent:reply:before", ctx, lambda c: c)
+            if not ctx.retry_requested or attempt >= ctx.max_retries:
+                break
+            attempt += 1
+            # A format retry: feedback, then the model again without tools; no inserts.
+            prompt.tail.append(
+                ChatMessage(
+                    id=self.ids.new("msg"),
+                    role="assistant",
+                    content=content,
+                )
+            )
+            prompt.tail.append(
+                ChatMessage(
+                    id=self.ids.new("msg"),
+                    role="system",
+                    content=ctx.retry_feedback or "请按要求的格式重新回答。",
+                )
+            )
+            retry = self._model_call(prompt, [], retry=True)
+            if retry.aborted:
+                return "aborted", self.abort.reason
+            content = strip_leaked_special_tokens(retry.text)
+        final = ctx.content
+        outcome: TurnOutcome = "replied" if final.strip() else "silent"
+        if outcome == "replied":
+            stored = ctx.archive_content if ctx.archive_content is not None else final
+            self._archive(
+                ChatMessage(
+                    id=self.ids.new("msg"),
+                    role="assistant",
+                    content=stored,
+                    reasoning=call.reasoning,
+                    meta=MessageMeta(
+                        turn_id=self.turn_id,
+                        visible_content=final if stored != final else None,
+                        turn_record=TurnRecord(
+                            turn_id=self.turn_id, outcome="replied", source=self.opened.source
+                        ),
+                    ),
+                )
+            )
+            self._flush(final=True)  # refused when a stop came first (NotRecorded)
+            deliver(self.services, self._outbound(final))
+        after = TurnAfter(
+            message=list(self.inputs),
+            reply=final if outcome == "replied" else None,
+            outcome=outcome,
+            session_id=self.session_id,
+        )
+        self.hooks.run("agent:turn:after", after, lambda c: c)
+        return outcome, None

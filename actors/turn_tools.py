@@ -1,0 +1,229 @@
+"""A turn's tool batch (FLOW13): arguments checked, ``agent:tool:before`` → execute →
+``agent:tool:after``, every call's start durable before it runs, results coerced to what
+the log can hold, and the group (assistant + results) archived."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from aalis_agent.actors.hooks import (
+    ToolAfter,
+    ToolBefore,
+)
+from aalis_agent.actors.turn_base import TurnBase, _Call, log
+from aalis_agent.events import (
+    ChatMessage,
+    MessageMeta,
+    ToolCall,
+    ToolFinished,
+    ToolStarted,
+)
+from aalis_agent.projections.limits import (
+    clean_text,
+    coerce_tool_result,
+    find_unloggable,
+    parse_tool_arguments,
+)
+from aalis_agent.projections.textnorm import strip_leaked_special_tokens, truncate_to_tokens
+from aalis_agent.projections.tokens import (
+    default_counter,
+)
+from aalis_agent.services import (
+    Services,
+    ToolCallContext,
+)
+from aalis_agent.services.llm import ChatModel
+from aalis_agent.services.secrets import redact
+from aalis_agent.services.tools import Inbound
+
+__all__ = ["ASYNC_TOOL", "ToolBatch"]
+
+ASYNC_TOOL = "[错误] 这个工具是异步函数（async def），这里只调用同步函数，没有执行"
+"""The result a call gets whose tool handler returned an awaitable."""
+
+
+class ToolBatch(TurnBase):
+    """The tool batch of a turn's runner (a part of :class:`TurnRunner`)."""
+
+    def _tool_context(self, call_id: str) -> ToolCallContext:
+        """TCX1: from the inputs already sent to the model; the owner's identities are one
+        participant; ``userId`` only when every input has the same physical speaker."""
+        authority = self.services.authority
+        participants: list[str] = []
+        owner_seen = False
+        for inp in self.inputs:
+            for platform, who in self._origin(inp)[0]:
+                if authority.is_owner(platform, who):
+                    if owner_seen:
+                        continue  # the owner's identities are one participant
+                    owner_seen = True
+                if who not in participants:
+                    participants.append(who)
+        last = self.inputs[-1] if self.inputs else None
+        return ToolCallContext(
+            session_id=self.session_id,
+            turn_id=self.turn_id,
+            call_id=call_id,
+            abort=self.abort,
+            platform=self.opened.platform,
+            participants=tuple(participants),
+            inbound=Inbound(
+                source=self.opened.source,
+                from_turn=last.from_turn if last else None,
+                message_id=last.message_id if last else None,
+            ),
+            user_id=self._user_id(),
+        )
+
+    def _run_tools(self, call: _Call) -> list[ChatMessage]:
+        """One tool batch (FLOW13): every call gets a ``tool:execute`` start/end pair and a
+        result; then the group (assistant + results) is saved (SAVE2, SAVE3)."""
+        services = self.services
+        stored: list[ToolCall] = []
+        results: list[ChatMessage] = []
+        max_tokens = _max_result_tokens(services, self.model)
+        for tc in call.tool_calls:
+            if self.abort.aborted:
+                # Stopped: the calls not yet started never run. The group keeps only the
+                # calls that ran, so it stays a complete call-and-results group.
+                break
+            # Arguments must be a JSON object, nested no deeper than the log can hold;
+            # otherwise the call does not run and the model gets the error (FLOW13).
+            raw = clean_text(tc.arguments)
+            args, error = parse_tool_arguments(raw)
+            kept = raw if error is None else "{}"
+            stored.append(ToolCall(id=tc.id, name=tc.name, arguments=kept))
+            context = self._tool_context(tc.id)
+            self._report(
+                ToolStarted(turn_id=self.turn_id, call_id=tc.id, name=tc.name, arguments=kept)
+            )
+            services.bus.publish(
+                "tool:execute",
+                {
+                    "phase": "start",
+                    "sessionId": self.session_id,
+                    "turnId": self.turn_id,
+                    "callId": tc.id,
+                    "name": tc.name,
+                },
+            )
+            self._flush()
+            result: str | None = None
+            metadata: dict[str, Any] = {}
+            if error is None:
+                result, error, metadata = self._execute(tc, args, context)
+            if result is not None and max_tokens is not None:
+                result = truncate_to_tokens(result, max_tokens, default_counter())  # CFG4
+            self._report(
+                ToolFinished(
+                    turn_id=self.turn_id,
+                    call_id=tc.id,
+                    name=tc.name,
+                    result=result,
+                    error=error,
+                    metadata=metadata,
+                )
+            )
+            services.bus.publish(
+                "tool:execute",
+                {
+                    "phase": "end",
+                    "sessionId": self.session_id,
+                    "turnId": self.turn_id,
+                    "callId": tc.id,
+                    "name": tc.name,
+                    "error": error,
+                },
+            )
+            results.append(
+                ChatMessage(
+                    id=self.ids.new("msg"),
+                    role="tool",
+                    content=error if error is not None else (result or ""),
+                    tool_call_id=tc.id,
+                    name=tc.name,
+                    meta=MessageMeta(turn_id=self.turn_id, call_id=tc.id, extra=metadata),
+                )
+            )
+        head = ChatMessage(
+            id=self.ids.new("msg"),
+            role="assistant",
+            content=strip_leaked_special_tokens(call.text),
+            tool_calls=tuple(stored),
+            reasoning=call.reasoning,
+            meta=MessageMeta(turn_id=self.turn_id),
+        )
+        if not stored:
+            return []
+        for message in (head, *results):
+            self._archive(message)
+        return [head, *results]
+
+    def _execute(
+        self, tc: ToolCall, args: dict[str, Any], context: ToolCallContext
+    ) -> tuple[str | None, str | None, dict[str, Any]]:
+        """``agent:tool:before`` → execute → ``agent:tool:after``; errors go to the model."""
+        tool = self.services.tools.get(tc.name)
+        before = ToolBefore(tc.name, args, context)
+        holder: dict[str, Any] = {}
+
+        def execute(c: ToolBefore) -> None:
+            if tool is None:
+                holder["error"] = f"没有这个工具：{c.name}"
+                return
+            try:
+                value = tool.handler(c.args, c.tool_call_context)
+                if inspect.isawaitable(value):
+                    if inspect.iscoroutine(value):
+                        value.close()  # never awaited: tools are called synchronously
+                    holder["error"] = ASYNC_TOOL
+                else:
+                    holder["result"] = value
+            except Exception as exc:
+                holder["error"] = redact(f"{type(exc).__name__}: {exc}")
+
+        try:
+            ran, _ = self.hooks.run("agent:tool:before", before, execute)
+        except Exception as exc:
+            return None, redact(f"{type(exc).__name__}: {exc}"), {}
+        if not ran and "result" not in holder and "error" not in holder:
+            holder["error"] = "工具调用被拦下，没有执行"
+        after = ToolAfter(tc.name, holder.get("result"), context, error=holder.get("error"))
+        self.hooks.run("agent:tool:after", after, lambda c: c)
+        return self._recordable(tc, after)
+
+    def _recordable(
+        self, tc: ToolCall, after: ToolAfter
+    ) -> tuple[str | None, str | None, dict[str, Any]]:
+        """What a tool (and its middleware) gave, as values the log can hold: the result
+        as text (a JSON value becomes compact JSON, bytes are decoded; anything else, or
+        nesting too deep, is an error for the model), text cleaned of lone surrogates,
+        metadata dropped (and logged) when it could not be stored."""
+        result, problem = coerce_tool_result(after.result)
+        error = after.error if after.error is None else clean_text(str(after.error))
+        if problem is not None and error is None:
+            error = problem
+        metadata = dict(after.metadata)
+        unloggable = find_unloggable(metadata)
+        if unloggable is not None:
+            log.warning(
+                "tool metadata dropped: the log cannot hold it",
+                session=self.session_id,
+                turn=self.turn_id,
+                tool=tc.name,
+                where=unloggable[0],
+                problem=unloggable[1],
+            )
+            metadata = {}
+        return result, error, metadata
+
+
+def _max_result_tokens(services: Services, model: ChatModel) -> int | None:
+    """CFG4: one tool result may take ``toolResultMaxRatio`` of the context window, in
+    tokens by the counter in use (``truncate_to_tokens`` keeps the suffix within it)."""
+    ratio = services.config.tool_result_max_ratio
+    window = getattr(model, "context_length", 0) or 0
+    if window <= 0:
+        return None
+    return max(int(window * ratio), 1)
