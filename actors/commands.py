@@ -9,8 +9,8 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from aalis_agent.events import ConfigError
-from aalis_agent.projections.limits import json_too_deep
-from aalis_agent.projections.texts import listing_footer, listing_header
+from aalis_agent.request.limits import json_too_deep
+from aalis_agent.request.texts import listing_footer, listing_header
 from aalis_agent.services.models import entry_id, model_name
 from aalis_agent.services.settings import SETTING_FIELDS, shown_value, validate_setting
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from aalis_agent.events.errors import ConfigError
 from aalis_agent.events.schema import ModelRef
-from aalis_agent.projections.texts import (
+from aalis_agent.request.texts import (
     THINK_NOT_TUNABLE,
     UNLIMITED,
     follow_preference,

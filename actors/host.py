@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from aalis_agent.actors.budget import BudgetLog
     from aalis_agent.actors.hooks import Hooks
     from aalis_agent.actors.turn import TurnRunner
-    from aalis_agent.projections.usage import BudgetLog
 
 __all__ = ["SessionHost"]
 

@@ -9,7 +9,7 @@ from typing import Any
 from aalis_agent.actors.hooks import ContributionView, Hooks
 from aalis_agent.events import ChatMessage, TokenUsage, TurnSettings
 from aalis_agent.projections.history import HistoryState
-from aalis_agent.projections.prompt import (
+from aalis_agent.request.prompt import (
     Block,
     TurnPrompt,
     assemble,
@@ -17,9 +17,9 @@ from aalis_agent.projections.prompt import (
     split_parts,
     system_prompt,
 )
-from aalis_agent.projections.tokens import default_counter, tool_definition_tokens
-from aalis_agent.projections.trim import TrimRequest, TrimResult, trim, trim_budget
-from aalis_agent.projections.usage import breakdown, usage_payload
+from aalis_agent.request.tokens import default_counter, tool_definition_tokens
+from aalis_agent.request.trim import TrimRequest, TrimResult, trim, trim_budget
+from aalis_agent.request.usage import breakdown, usage_payload
 from aalis_agent.services import Services
 from aalis_agent.services.llm import ChatModel
 

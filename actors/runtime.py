@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import pykka
 import structlog
+from aalis_agent.actors.budget import BudgetLog
 from aalis_agent.actors.fields import FieldView, session_fields
 from aalis_agent.actors.hooks import Hooks
 from aalis_agent.actors.host import SessionHost
@@ -55,7 +56,7 @@ from aalis_agent.events import (
 )
 from aalis_agent.events.codec import checked_input
 from aalis_agent.projections import SessionView, project, queue, turns
-from aalis_agent.projections.usage import BudgetLog, wire
+from aalis_agent.request.usage import wire
 from aalis_agent.services import Services
 from aalis_agent.services.settings import validate_setting
 

@@ -38,8 +38,8 @@ from aalis_agent.events import (
 )
 from aalis_agent.events.schema import ReleaseReason, TurnEntry
 from aalis_agent.projections import SessionView, evolve, queue
-from aalis_agent.projections.texts import BATCH_NO_REPLY_NEEDED, BATCH_PREFIX
 from aalis_agent.projections.turns import TurnLog, input_origin
+from aalis_agent.request.texts import BATCH_NO_REPLY_NEEDED, BATCH_PREFIX
 
 __all__ = [
     "OpenContext",

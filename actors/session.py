@@ -77,8 +77,8 @@ from aalis_agent.events import (
     TurnRecorded,
 )
 from aalis_agent.projections import SessionView, project, queue
-from aalis_agent.projections.texts import NO_RUNNING_TURN, STOP_DENIED, stop_marker_text
 from aalis_agent.projections.turns import turn_participants
+from aalis_agent.request.texts import NO_RUNNING_TURN, STOP_DENIED, stop_marker_text
 from aalis_agent.services import AbortSignal, OutboundMessage, Services
 from aalis_agent.services.settings import venue_of
 

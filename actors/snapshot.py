@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from aalis_agent.actors.request import add_contributions, base_prompt, call_usage, trim_call
 from aalis_agent.events import TokenUsage
 from aalis_agent.projections import turns
-from aalis_agent.projections.prompt import (
+from aalis_agent.request.prompt import (
     assemble,
     volatile_for,
 )

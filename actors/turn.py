@@ -44,11 +44,11 @@ from aalis_agent.events import (
     ToolCall,
     TurnOutcome,
 )
-from aalis_agent.projections.limits import (
+from aalis_agent.request.limits import (
     clean_text,
 )
-from aalis_agent.projections.pairing import unique_call_ids
-from aalis_agent.projections.prompt import (
+from aalis_agent.request.pairing import unique_call_ids
+from aalis_agent.request.prompt import (
     TurnPrompt,
     assemble,
     instruction_block,
@@ -56,7 +56,7 @@ from aalis_agent.projections.prompt import (
     render_input,
     volatile_for,
 )
-from aalis_agent.projections.texts import ERROR_PREFIX
+from aalis_agent.request.texts import ERROR_PREFIX
 from aalis_agent.services import (
     ChatRequest,
     OutboundMessage,

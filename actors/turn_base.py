@@ -12,6 +12,7 @@ from typing import Any
 
 import pykka
 import structlog
+from aalis_agent.actors.budget import BudgetLog
 from aalis_agent.actors.hooks import (
     Hooks,
 )
@@ -33,14 +34,14 @@ from aalis_agent.events import (
     UsageRecorded,
 )
 from aalis_agent.projections import SessionView
-from aalis_agent.projections.labels import time_label
-from aalis_agent.projections.prompt import (
+from aalis_agent.projections.turns import Party, input_origin
+from aalis_agent.request.labels import time_label
+from aalis_agent.request.prompt import (
     TurnPrompt,
 )
-from aalis_agent.projections.texts import focus_guide
-from aalis_agent.projections.trim import TrimResult
-from aalis_agent.projections.turns import Party, input_origin
-from aalis_agent.projections.usage import BudgetLog, wire
+from aalis_agent.request.texts import focus_guide
+from aalis_agent.request.trim import TrimResult
+from aalis_agent.request.usage import wire
 from aalis_agent.services import (
     AbortSignal,
     OutboundMessage,

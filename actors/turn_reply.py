@@ -17,10 +17,10 @@ from aalis_agent.events import (
     TurnOutcome,
     TurnRecord,
 )
-from aalis_agent.projections.prompt import (
+from aalis_agent.request.prompt import (
     TurnPrompt,
 )
-from aalis_agent.projections.textnorm import strip_leaked_special_tokens
+from aalis_agent.request.textnorm import strip_leaked_special_tokens
 
 __all__ = ["ReplyStep"]
 

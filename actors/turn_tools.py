@@ -19,14 +19,14 @@ from aalis_agent.events import (
     ToolFinished,
     ToolStarted,
 )
-from aalis_agent.projections.limits import (
+from aalis_agent.request.limits import (
     clean_text,
     coerce_tool_result,
     find_unloggable,
     parse_tool_arguments,
 )
-from aalis_agent.projections.textnorm import strip_leaked_special_tokens, truncate_to_tokens
-from aalis_agent.projections.tokens import (
+from aalis_agent.request.textnorm import strip_leaked_special_tokens, truncate_to_tokens
+from aalis_agent.request.tokens import (
     default_counter,
 )
 from aalis_agent.services import (

@@ -19,7 +19,7 @@ from aalis_agent.actors.hooks import HOOK_KEYS
 from aalis_agent.events import ConfigError, HostNotice, Input, ModelRef, Sender, ToolCall
 from aalis_agent.events.errors import ScenarioError
 from aalis_agent.events.schema import TriggerType
-from aalis_agent.projections.limits import (
+from aalis_agent.request.limits import (
     INT64_MAX,
     MAX_DEPTH,
     clean_text,
@@ -216,7 +216,7 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
     """Read and check a scenario: a TOML file's path, or the table it would parse to.
 
     What the event log could not hold is refused naming the file and the dotted key:
-    nesting past :data:`~aalis_agent.projections.limits.MAX_DEPTH` (in a file, before the
+    nesting past :data:`~aalis_agent.request.limits.MAX_DEPTH` (in a file, before the
     TOML is parsed), an integer outside 64 bits, text with a lone surrogate."""
     if isinstance(source, Mapping):
         name = source.get("name")

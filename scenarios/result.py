@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 from aalis_agent.events import ChatMessage, SessionEvent, to_builtins
-from aalis_agent.projections.validate import provider_violations
+from aalis_agent.request.validate import provider_violations
 from aalis_agent.scenarios.spec import ReplySpec, Scenario, StepSpec, ToolOutcome
 from aalis_agent.services import ChatRequest
 from aalis_agent.timeline import render_event

@@ -431,8 +431,8 @@ def _conversation(n: int) -> list[ChatMessage]:
 
 def bench_trim(tmp: Path) -> None:
     """Trim of a 1,000-message history: with counts kept, and counting from scratch."""
-    from aalis_agent.projections.tokens import TiktokenCounter, default_counter
-    from aalis_agent.projections.trim import TrimRequest, trim, trim_budget
+    from aalis_agent.request.tokens import TiktokenCounter, default_counter
+    from aalis_agent.request.trim import TrimRequest, trim, trim_budget
 
     history = _conversation(1000)
     head = [ChatMessage(id="sys", role="system", content="你是一个助手。" * 20)]
@@ -466,7 +466,7 @@ def bench_turns(tmp: Path) -> None:
     durable SQLite log, for 10, 100 and 1,000 history messages."""
     from aalis_agent.actors.runtime import Runtime
     from aalis_agent.events import ToolCall
-    from aalis_agent.projections.tokens import default_counter
+    from aalis_agent.request.tokens import default_counter
     from aalis_agent.services import ScriptedModel, ScriptedReply, Services, Tool, ToolRegistry
 
     _quiet_logs()

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from aalis_agent.events.errors import ConfigError
 from aalis_agent.events.schema import ModelRef
-from aalis_agent.projections.limits import MAX_DEPTH, find_unloggable, toml_too_deep
+from aalis_agent.request.limits import MAX_DEPTH, find_unloggable, toml_too_deep
 from aalis_agent.services.config import AgentConfig
 from aalis_agent.services.llm import ChatModel, ScriptedModel, ScriptedReply, ThinkLevel
 from aalis_agent.services.models import LlmService, Provider, parse_model_ref

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import msgspec
 from aalis_agent.events.errors import ConfigError
 from aalis_agent.events.schema import ChatMessage, ToolCall
-from aalis_agent.projections.limits import MAX_DEPTH, json_too_deep, toml_too_deep
+from aalis_agent.request.limits import MAX_DEPTH, json_too_deep, toml_too_deep
 from aalis_agent.services.abort import AbortSignal
 
 MAX_CHUNKS = 100_000

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from aalis_agent.events.errors import ConfigError
 from aalis_agent.events.schema import ModelRef, TurnSettings
-from aalis_agent.projections.limits import INT64_MAX, has_lone_surrogate
+from aalis_agent.request.limits import INT64_MAX, has_lone_surrogate
 from aalis_agent.services.config import AgentConfig
 
 __all__ = [

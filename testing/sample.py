@@ -37,7 +37,7 @@ from aalis_agent.events import (
     UsageRecorded,
 )
 from aalis_agent.events.schema import TurnEntry
-from aalis_agent.projections.texts import stop_marker_text
+from aalis_agent.request.texts import stop_marker_text
 
 __all__ = ["SampleWriter", "synthetic_turn", "write_demo_session"]
 

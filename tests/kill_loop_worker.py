@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 import structlog
 from aalis_agent.projections import queue
-from aalis_agent.projections.tokens import default_counter
+from aalis_agent.request.tokens import default_counter
 from aalis_agent.services import ChatRequest
 
 from aalis_agent import (

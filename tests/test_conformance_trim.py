@@ -24,7 +24,7 @@ from aalis_agent.actors.hooks import Contribution, Hooks
 from aalis_agent.actors.runtime import Runtime
 from aalis_agent.events import FixedClock, HostNotice, InMemoryEventStore, Input, SequentialIds
 from aalis_agent.events.schema import ChatMessage, MessageMeta, ToolCall
-from aalis_agent.projections.prompt import (
+from aalis_agent.request.prompt import (
     Block,
     TurnPrompt,
     assemble,
@@ -32,15 +32,15 @@ from aalis_agent.projections.prompt import (
     split_parts,
     volatile_for,
 )
-from aalis_agent.projections.textnorm import truncate, truncate_to_tokens
-from aalis_agent.projections.texts import CONTINUATION_HINT, TRUNCATED_SUFFIX
-from aalis_agent.projections.tokens import (
+from aalis_agent.request.textnorm import truncate, truncate_to_tokens
+from aalis_agent.request.texts import CONTINUATION_HINT, TRUNCATED_SUFFIX
+from aalis_agent.request.tokens import (
     EstimateCounter,
     TokenCounter,
     count_messages,
     default_counter,
 )
-from aalis_agent.projections.trim import TrimRequest, TrimResult, trim
+from aalis_agent.request.trim import TrimRequest, TrimResult, trim
 from aalis_agent.services import (
     AgentConfig,
     ScriptedModel,

@@ -1,5 +1,5 @@
 """Nothing unreadable is ever written to the event log, and deep or hostile input gets a
-clear error (``projections/limits.py``): tool arguments, tool results, text that is not
+clear error (``request/limits.py``): tool arguments, tool results, text that is not
 valid Unicode, settings values, and configuration and scenario text nested past a sane
 depth — all checked without recursing."""
 
@@ -15,7 +15,7 @@ import msgspec
 import pytest
 from aalis_agent.events import ConfigError, SettingsChanged, ToolFinished, ToolStarted
 from aalis_agent.events.codec import decode, encode
-from aalis_agent.projections.limits import (
+from aalis_agent.request.limits import (
     INT64_MAX,
     INT64_MIN,
     MAX_DEPTH,
@@ -30,7 +30,7 @@ from aalis_agent.projections.limits import (
     tool_arguments_too_deep,
     tool_arguments_too_long,
 )
-from aalis_agent.projections.texts import tool_bad_arguments
+from aalis_agent.request.texts import tool_bad_arguments
 from aalis_agent.services.settings import SETTING_FIELDS, validate_setting
 from hypothesis import example, given, settings
 from hypothesis import strategies as st

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, timedelta, timezone
 
-from aalis_agent.projections.labels import sender_label, time_label
+from aalis_agent.request.labels import sender_label, time_label
 
 CST = timezone(timedelta(hours=8))
 NOW = 1_767_225_600_000  # 2026-01-01 00:00 UTC = 08:00 in UTC+8
@@ -36,7 +36,7 @@ def test_sender_label_forms() -> None:
 def test_rendering_never_mixes_up_messages_that_share_an_id() -> None:
     # Ids can repeat across restarts of an id source; the render cache must not care.
     from aalis_agent.events import ChatMessage, MessageMeta, Sender
-    from aalis_agent.projections.prompt import render_history
+    from aalis_agent.request.prompt import render_history
 
     a = ChatMessage(
         id="msg-1",

@@ -23,8 +23,8 @@ from aalis_agent.events import (
     TurnRecorded,
 )
 from aalis_agent.events.schema import ToolCall
-from aalis_agent.projections.texts import ERROR_PREFIX
-from aalis_agent.projections.trim import trim_budget
+from aalis_agent.request.texts import ERROR_PREFIX
+from aalis_agent.request.trim import trim_budget
 from aalis_agent.services import ScriptedModel, ScriptedReply, Services
 from aalis_agent.services.llm import ThinkLevel
 from aalis_agent.services.models import (

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = (
     "events",
     "projections",
+    "request",
     "actors",
     "services",
     "cli",
@@ -162,8 +163,9 @@ def _imports(path: Path) -> set[str]:
 LAYERS = {
     "events": {"events"},
     "projections": {"events", "projections"},
-    "services": {"events", "projections", "services"},
-    "actors": {"events", "projections", "services", "actors"},
+    "request": {"events", "projections", "request"},
+    "services": {"events", "projections", "request", "services"},
+    "actors": {"events", "projections", "request", "services", "actors"},
     "timeline": {"events", "projections", "timeline"},
 }
 

@@ -25,15 +25,15 @@ from aalis_agent.projections.history import (
     history_window,
     window_start,
 )
-from aalis_agent.projections.pairing import (
+from aalis_agent.request.pairing import (
     group_results,
     pair_results,
     pairing_violations,
     unique_call_ids,
 )
-from aalis_agent.projections.tokens import EstimateCounter, count_messages
-from aalis_agent.projections.trim import COLLAPSED_PREFIX, TrimRequest, trim
-from aalis_agent.projections.validate import provider_violations
+from aalis_agent.request.tokens import EstimateCounter, count_messages
+from aalis_agent.request.trim import COLLAPSED_PREFIX, TrimRequest, trim
+from aalis_agent.request.validate import provider_violations
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 

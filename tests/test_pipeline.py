@@ -32,7 +32,7 @@ from aalis_agent.events import (
     TurnRecorded,
     TurnSettings,
 )
-from aalis_agent.projections.texts import (
+from aalis_agent.request.texts import (
     DELEGATION_HEAD,
     ERROR_PREFIX,
     HOST_NOTICE_HEAD,
@@ -40,7 +40,7 @@ from aalis_agent.projections.texts import (
     STOP_MARKER_PREFIX,
     TRUNCATED_SUFFIX,
 )
-from aalis_agent.projections.tokens import default_counter
+from aalis_agent.request.tokens import default_counter
 from aalis_agent.services import (
     AgentConfig,
     ChatRequest,

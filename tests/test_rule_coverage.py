@@ -19,7 +19,7 @@ from aalis_agent.events import (
     ToolStarted,
     TurnRecorded,
 )
-from aalis_agent.projections.texts import (
+from aalis_agent.request.texts import (
     NO_RUNNING_TURN,
     STOP_DENIED,
     THINK_NOT_TUNABLE,

@@ -43,7 +43,7 @@ from aalis_agent.events import (
     UsageRecorded,
 )
 from aalis_agent.projections import history, project, turns
-from aalis_agent.projections.texts import (
+from aalis_agent.request.texts import (
     BATCH_NO_REPLY_NEEDED,
     BATCH_PREFIX,
     FOCUS_GUIDE_HEAD,
@@ -51,7 +51,7 @@ from aalis_agent.projections.texts import (
     STOP_DENIED,
     STOP_MARKER_PREFIX,
 )
-from aalis_agent.projections.validate import provider_violations
+from aalis_agent.request.validate import provider_violations
 from aalis_agent.services import (
     ScriptedModel,
     ScriptedReply,

@@ -33,7 +33,7 @@ from aalis_agent.events import (
     TurnRecorded,
 )
 from aalis_agent.projections import project
-from aalis_agent.projections.texts import (
+from aalis_agent.request.texts import (
     BATCH_PREFIX,
     FOCUS_GUIDE_HEAD,
     HOST_NOTICE_HEAD,
@@ -715,7 +715,7 @@ def test_the_cli_reports_a_deeply_nested_file_without_a_traceback(
 
 
 def test_tool_arguments_nested_1000_deep_get_an_error_not_a_crash() -> None:
-    from aalis_agent.projections.limits import tool_arguments_too_deep
+    from aalis_agent.request.limits import tool_arguments_too_deep
 
     raw = "[" * 1000 + "]" * 1000
     r = run_scenario(

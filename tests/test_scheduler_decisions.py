@@ -30,7 +30,7 @@ from aalis_agent.events import (
     TurnSettings,
 )
 from aalis_agent.projections import SessionView, project
-from aalis_agent.projections.texts import BATCH_NO_REPLY_NEEDED, BATCH_PREFIX
+from aalis_agent.request.texts import BATCH_NO_REPLY_NEEDED, BATCH_PREFIX
 
 SID = "s"
 

@@ -55,13 +55,13 @@ from aalis_agent.events import (
     TurnRecorded,
 )
 from aalis_agent.projections import project, queue
-from aalis_agent.projections.texts import (
+from aalis_agent.projections.turns import all_turns, turn_info
+from aalis_agent.request.texts import (
     BATCH_NO_REPLY_NEEDED,
     BATCH_PREFIX,
     FOCUS_GUIDE_HEAD,
     stop_marker_text,
 )
-from aalis_agent.projections.turns import all_turns, turn_info
 from aalis_agent.services import (
     Services,
     SessionInfo,

@@ -21,7 +21,7 @@ from aalis_agent.events import (
     TurnOpened,
 )
 from aalis_agent.events.schema import ToolCall, TurnSettings
-from aalis_agent.projections.texts import (
+from aalis_agent.request.texts import (
     THINK_NOT_TUNABLE,
     UNLIMITED,
     follow_preference,

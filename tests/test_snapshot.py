@@ -10,7 +10,7 @@ import pytest
 from aalis_agent.actors.hooks import Contribution, ContributionView
 from aalis_agent.actors.runtime import Runtime
 from aalis_agent.events import FixedClock, InMemoryEventStore, Input, SequentialIds
-from aalis_agent.projections.tokens import count_messages, default_counter
+from aalis_agent.request.tokens import count_messages, default_counter
 from aalis_agent.services import (
     ScriptedModel,
     ScriptedReply,

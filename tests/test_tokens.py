@@ -11,12 +11,12 @@ from fractions import Fraction
 from itertools import groupby
 from typing import Any
 
-import aalis_agent.projections.tokens as tokens_mod
+import aalis_agent.request.tokens as tokens_mod
 import pytest
 import tiktoken
 import tiktoken.registry
 from aalis_agent.events.schema import ChatMessage, ToolCall
-from aalis_agent.projections.tokens import (
+from aalis_agent.request.tokens import (
     MESSAGE_OVERHEAD,
     EstimateCounter,
     TiktokenCounter,

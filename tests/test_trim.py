@@ -14,9 +14,9 @@ from collections.abc import Iterable, Sequence
 import msgspec
 import pytest
 from aalis_agent.events.schema import ChatMessage, MessageMeta, ToolCall
-from aalis_agent.projections.texts import CONTINUATION_HINT, TRUNCATED_SUFFIX
-from aalis_agent.projections.tokens import EstimateCounter, count_messages, message_tokens
-from aalis_agent.projections.trim import (
+from aalis_agent.request.texts import CONTINUATION_HINT, TRUNCATED_SUFFIX
+from aalis_agent.request.tokens import EstimateCounter, count_messages, message_tokens
+from aalis_agent.request.trim import (
     COLLAPSED_PREFIX,
     TrimAction,
     TrimRequest,

@@ -6,6 +6,7 @@ from typing import Any
 
 import pykka
 import pytest
+from aalis_agent.actors.budget import BudgetLog
 from aalis_agent.actors.runtime import Runtime
 from aalis_agent.actors.turn import ReplyBefore
 from aalis_agent.events import (
@@ -16,7 +17,7 @@ from aalis_agent.events import (
     TokenBreakdown,
     UsageRecorded,
 )
-from aalis_agent.projections.usage import PART_LABELS, BudgetLog, bucket, budget_line, usage_payload
+from aalis_agent.request.usage import PART_LABELS, bucket, budget_line, usage_payload
 from aalis_agent.services import ScriptedModel, ScriptedReply, Services, Usage
 
 

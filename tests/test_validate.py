@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from aalis_agent.events import ChatMessage, ToolCall
-from aalis_agent.projections.validate import provider_violations
+from aalis_agent.request.validate import provider_violations
 
 
 def m(id_: str, role: str, content: str = "x", **kw: object) -> ChatMessage:

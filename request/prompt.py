@@ -20,8 +20,8 @@ from datetime import datetime, tzinfo
 
 import msgspec
 from aalis_agent.events.schema import ChatMessage, Input, MessageMeta
-from aalis_agent.projections.labels import sender_label, time_label
-from aalis_agent.projections.texts import (
+from aalis_agent.request.labels import sender_label, time_label
+from aalis_agent.request.texts import (
     DELEGATION_HEAD,
     HOST_NOTICE_HEAD,
     INPUT_CONVENTION,

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 from aalis_agent.events.schema import ChatMessage, MessageMeta
-from aalis_agent.projections.pairing import group_results, pair_results
-from aalis_agent.projections.textnorm import truncate, truncate_to_tokens
-from aalis_agent.projections.texts import CONTINUATION_HINT
-from aalis_agent.projections.tokens import TokenCounter, message_tokens
+from aalis_agent.request.pairing import group_results, pair_results
+from aalis_agent.request.textnorm import truncate, truncate_to_tokens
+from aalis_agent.request.texts import CONTINUATION_HINT
+from aalis_agent.request.tokens import TokenCounter, message_tokens
 
 __all__ = [
     "COLLAPSED_PREFIX",

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from aalis_agent.events.schema import ChatMessage, TokenBreakdown, TokenPart, TokenUsage
-from aalis_agent.projections.tokens import TokenCounter, message_tokens
+from aalis_agent.request.tokens import TokenCounter, message_tokens
 
 __all__ = [
     "PART_LABELS",
-    "BudgetLog",
     "breakdown",
     "bucket",
     "budget_line",
@@ -221,33 +218,3 @@ def budget_line(usage: TokenUsage) -> str:
         f"skills={b.skills} subtask={b.subtask} other={other}) hist={b.history} "
         f"tools={b.tool_results}+{b.tool_defs}def reserve={b.reserved_for_reply}"
     )
-
-
-@dataclass
-class _SessionState:
-    count: int = 0
-    last_bucket: int | None = None
-
-
-class BudgetLog:
-    """ACC4: per session ``{count, lastRatioBucket}``; a line when the bucket changes (the
-    first time included) or every 10th usage."""
-
-    def __init__(self, every: int = 10) -> None:
-        self._every = every
-        self._state: dict[str, _SessionState] = {}
-        self._lock = threading.Lock()
-
-    def observe(self, usage: TokenUsage) -> str | None:
-        with self._lock:
-            return self._observe(usage)
-
-    def _observe(self, usage: TokenUsage) -> str | None:
-        state = self._state.setdefault(usage.session_id, _SessionState())
-        state.count += 1
-        level, _ = bucket(usage.usage_ratio)
-        changed = state.last_bucket != level
-        state.last_bucket = level
-        if changed or state.count % self._every == 0:
-            return budget_line(usage)
-        return None

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from aalis_agent.events.codec import clean_text
-from aalis_agent.projections.texts import tool_bad_arguments
+from aalis_agent.request.texts import tool_bad_arguments
 
 __all__ = [
     "INT64_MAX",
@@ -110,7 +110,7 @@ def parse_tool_arguments(
 ) -> tuple[dict[str, Any], str | None]:
     """A tool call's arguments (FLOW13): ``(args, None)`` for a JSON object (the empty
     string means none: ``{}``), else ``({}, the error the model gets)``: not JSON or not an
-    object (:func:`~aalis_agent.projections.texts.tool_bad_arguments`), nested deeper than
+    object (:func:`~aalis_agent.request.texts.tool_bad_arguments`), nested deeper than
     ``max_depth``, or longer than ``max_chars``. Never raises for any text."""
     if raw == "":
         return {}, None

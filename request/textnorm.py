@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from aalis_agent.projections.texts import TRUNCATED_SUFFIX
-from aalis_agent.projections.tokens import TokenCounter
+from aalis_agent.request.texts import TRUNCATED_SUFFIX
+from aalis_agent.request.tokens import TokenCounter
 
 __all__ = ["strip_leaked_special_tokens", "truncate", "truncate_to_tokens"]
 
