@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -205,3 +206,27 @@ def run_cli(
         check=False,
         env=None if env is None else dict(env),
     )
+
+
+class LoopbackServer:
+    """A real HTTP server on 127.0.0.1 (a random port) serving ``handler`` on a thread;
+    ``url`` is its OpenAI-style base URL. Subclasses build their handler, then call
+    :meth:`serve`."""
+
+    httpd: ThreadingHTTPServer
+
+    def serve(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

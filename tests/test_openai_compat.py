@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pykka
@@ -32,7 +32,7 @@ from aalis_agent.services.openai_compat import (
 )
 from aalis_agent.services.secrets import MASK, redact
 
-from tests.harness import run_cli
+from tests.harness import LoopbackServer, run_cli
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -49,7 +49,7 @@ def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
     }
 
 
-class Server:
+class Server(LoopbackServer):
     """A loopback chat-completions server whose replies the test scripts."""
 
     def __init__(self) -> None:
@@ -107,20 +107,7 @@ class Server:
                 except (BrokenPipeError, ConnectionResetError):
                     outer.closed_early.set()
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
-        )
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.serve(Handler)
 
 
 @pytest.fixture

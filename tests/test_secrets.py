@@ -5,10 +5,9 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +25,13 @@ from aalis_agent.services.openai_compat import (
 )
 from aalis_agent.services.secrets import MASK, redact, redact_processor, register_secret
 
-from tests.harness import run_cli
+from tests.harness import LoopbackServer, run_cli
 
 KEY = "sk-test-SECRET-123456"
 ENV = {"PATH": "/usr/bin:/bin", "ECHO_TEST_KEY": KEY}
 
 
-class EchoServer:
+class EchoServer(LoopbackServer):
     """A loopback OpenAI-compatible server whose errors echo the key it was sent, as some
     providers' "Incorrect API key provided: ..." errors do.
 
@@ -97,20 +96,7 @@ class EchoServer:
                 self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
                 self.wfile.flush()
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
-        )
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.serve(Handler)
 
 
 @pytest.fixture
