@@ -39,6 +39,7 @@ from aalis_agent.actors.turn_tools import ToolBatch
 from aalis_agent.events import (
     ChatMessage,
     Input,
+    ModelCallEnded,
     ModelCallStarted,
     StoreError,
     ToolCall,
@@ -356,7 +357,15 @@ class TurnRunner(ToolBatch, ReplyStep):
         # replaced, so what is sent and saved can always be stored.
         call.text = clean_text("".join(text))
         call.reasoning = clean_text("".join(reasoning)) or None
-        self.actor.tell(CallEnded(self.turn_id, index, "ok", len(call.tool_calls)))
+        if call.tool_calls:
+            # Its record rides in the batch that starts the first tool (one commit fewer
+            # per batch); it changes nothing the scheduler decides.
+            self._report(
+                ModelCallEnded(turn_id=self.turn_id, index=index, tool_calls=len(call.tool_calls))
+            )
+        else:
+            # The final call: inserts are over from now on (SCH2), so the actor hears at once.
+            self.actor.tell(CallEnded(self.turn_id, index, "ok", 0))
         self._usage(prompt, sent, before.tools, call)  # FLOW11
         after = LlmAfter(
             response={
