@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from aalis_agent.events import (
     Batch,
@@ -476,7 +477,14 @@ def bench_turns(tmp: Path) -> None:
             return ScriptedReply(tool_calls=(ToolCall(id=f"c{n}", name="echo", arguments="{}"),))
         return ScriptedReply(text=f"{n}: {REPLY_TEXT}")  # every reply a new text
 
-    store = SqliteEventStore(tmp / "turns.db")
+    class CountingStore(SqliteEventStore):
+        appends = 0
+
+        def append(self, *args: Any, **kwargs: Any) -> int:
+            CountingStore.appends += 1
+            return super().append(*args, **kwargs)
+
+    store = CountingStore(tmp / "turns.db")
     services = Services(
         llm=ScriptedModel(reply, context_length=1_000_000),
         tools=ToolRegistry([Tool("echo", lambda args, ctx: "好")]),
@@ -485,6 +493,7 @@ def bench_turns(tmp: Path) -> None:
     counter = default_counter()
     encoded: list[int] = []
     overhead: dict[int, float] = {}
+    commits: dict[int, float] = {}
     turns_done = 0
     for target in (10, 100, 1000):
         # Grow the session to ``target`` history messages (4 per turn), then time turns.
@@ -498,12 +507,14 @@ def bench_turns(tmp: Path) -> None:
                 turns_done += 1
                 encoded.append(counter.encodes - before)
         samples = []
+        appends_before = CountingStore.appends
         for _ in range(20):
             t0 = time.perf_counter()
             runtime.submit("s", Input(id="", content=f"{turns_done}: {USER_TEXT}")).result(60)
             turns_done += 1
             samples.append(time.perf_counter() - t0)
         overhead[target] = statistics.median(samples)
+        commits[target] = (CountingStore.appends - appends_before) / 20
     runtime.shutdown(timeout=60)
     store.close()
     emit(
@@ -515,6 +526,13 @@ def bench_turns(tmp: Path) -> None:
     )
     for target, seconds in overhead.items():
         emit("turn_overhead_ms", seconds * 1000, "ms", history=target, calls=2, tool_calls=1)
+    emit(
+        "commits_per_tool_turn",
+        commits[1000],
+        "commits",
+        note="durable appends per turn (submit, each call, each tool, reply, record): "
+        "persist, then act waits on them",
+    )
 
 
 ALL = (
