@@ -54,8 +54,10 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
+import msgspec
+import msgspec.inspect as mi
 from aalis_agent.events.errors import ConfigError
 from aalis_agent.events.schema import ModelRef
 from aalis_agent.request.limits import MAX_DEPTH, find_unloggable, toml_too_deep
@@ -71,34 +73,95 @@ from aalis_agent.services.settings import (
     shown_value,
     validate_setting,
 )
+from msgspec import Meta
 
 if TYPE_CHECKING:
     from aalis_agent.services import Services
 
 __all__ = ["FileConfig", "describe", "load_config", "parse_config"]
 
-_TOP = {
-    "agent",
-    "servicePreferences",
-    "pluginServicePreferences",
-    "providers",
-    "platforms",
-    "settings",
-    "personas",
-}
-_PROVIDER_KEYS = {
-    "type",
-    "baseUrl",
-    "apiKey",
-    "apiKeyEnv",
-    "priority",
-    "timeoutMs",
-    "listModels",
-    "models",
-    "reply",
-}
-_MODEL_KEYS = {"id", "name", "contextLength", "maxOutputTokens", "thinkLevels", "defaultThink"}
-_PROVIDER_TYPES = ("openai-compatible", "scripted")
+T = TypeVar("T")
+
+# --- the file's shape, checked by msgspec ------------------------------------------------
+# A table keyed by a name the file chooses (providers, personas, platforms, settings
+# layers) is ``dict[str, Any]`` here and each entry is converted on its own: msgspec's
+# error path does not name dict keys, and every error must. ``extra`` gives an error its
+# words: ``what`` is what a value should be, ``required`` what a missing key is for.
+
+Text = Annotated[str, Meta(min_length=1)]
+ModelId = Annotated[str, Meta(min_length=1, extra={"required": "the model id the server knows"})]
+Prompt = Annotated[str, Meta(min_length=1, extra={"required": "the persona's prompt"})]
+PlatformType = Annotated[str, Meta(min_length=1, extra={"what": "a platform type"})]
+Tokens = Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
+
+
+class _Spec(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    """A table of the file: camelCase keys, an unknown key refused."""
+
+
+class _Preference(_Spec):
+    llm: Any = msgspec.UNSET  # parse_model_ref checks it
+
+
+class _PluginPreferences(_Spec):
+    agent: _Preference = msgspec.field(default_factory=_Preference)
+
+
+class _ThinkLevel(_Spec):
+    id: Text
+    name: Text | None = None
+    effort: Text | None = None
+
+
+class _Model(_Spec):
+    id: ModelId
+    name: Text | None = None
+    context_length: Annotated[int, Meta(ge=1024, le=MAX_TOKENS)] = 128_000
+    max_output_tokens: Tokens = 4096
+    think_levels: Annotated[
+        list[Text | _ThinkLevel], Meta(extra={"what": "a list of {id, name, effort} tables"})
+    ] = msgspec.field(default_factory=list)
+    default_think: Text | None = None
+
+
+class _Provider(_Spec):
+    kind: Literal["openai-compatible", "scripted"] = msgspec.field(
+        default="openai-compatible", name="type"
+    )
+    base_url: Text | None = None
+    api_key: Text | None = None
+    api_key_env: Text | None = None
+    priority: Annotated[int, Meta(ge=-1_000_000, le=1_000_000)] = 0
+    timeout_ms: Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_MS)] = 120_000
+    list_models: bool = False
+    models: Annotated[
+        list[dict[str, Any]], Meta(extra={"what": "a list of tables ([[...models]])"})
+    ] = msgspec.field(default_factory=list)
+    reply: Text = "好的。"
+
+
+class _Persona(_Spec):
+    prompt: Prompt
+    name: Text | None = None
+    default: bool = False
+
+
+class _Layers(_Spec):
+    platform: dict[str, Any] = msgspec.field(default_factory=dict)
+    platform_type: dict[str, Any] = msgspec.field(default_factory=dict)
+    venue: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class _File(_Spec):
+    agent: dict[str, Any] = msgspec.field(default_factory=dict)  # AgentConfig checks it
+    service_preferences: _Preference = msgspec.field(default_factory=_Preference)
+    plugin_service_preferences: _PluginPreferences = msgspec.field(
+        default_factory=_PluginPreferences
+    )
+    providers: dict[str, Any] = msgspec.field(default_factory=dict)
+    platforms: dict[str, Any] = msgspec.field(default_factory=dict)
+    settings: _Layers = msgspec.field(default_factory=_Layers)
+    personas: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -128,7 +191,7 @@ class FileConfig:
 
 
 class _Reader:
-    """Checks values by dotted key; every error names the file and the key."""
+    """Converts tables by dotted key; every error names the file and the key."""
 
     def __init__(self, file: str, *, require_keys: bool = True) -> None:
         self.file = file
@@ -138,48 +201,118 @@ class _Reader:
     def error(self, key: str, problem: str) -> ConfigError:
         return ConfigError(f"{self.file}: {key}: {problem}" if key else f"{self.file}: {problem}")
 
-    def table(self, value: Any, key: str) -> Mapping[str, Any]:
-        if value is None:
-            return {}
-        if not isinstance(value, Mapping):
-            raise self.error(key, f"expected a table, got {_kind(value)}")
-        return value
+    def convert(self, value: Any, tp: type[T], key: str) -> T:
+        """``value`` as ``tp`` (msgspec checks it), or a ConfigError naming the key."""
+        try:
+            return msgspec.convert(value, tp)
+        except msgspec.ValidationError as exc:
+            where, problem = _explain(str(exc), value, tp)
+            raise self.error(_join(key, where), problem) from None
 
-    def only(self, table: Mapping[str, Any], key: str, known: set[str]) -> None:
-        extra = sorted(set(table) - known)
-        if extra:
-            where = f"{key}.{extra[0]}" if key else extra[0]
-            raise self.error(where, f"unknown key (known: {', '.join(sorted(known))})")
 
-    def text(self, table: Mapping[str, Any], key: str, name: str, default: Any = None) -> Any:
-        value = table.get(name, default)
-        if value is not None and (not isinstance(value, str) or not value):
-            raise self.error(f"{key}.{name}", f"expected non-empty text, got {_kind(value)}")
-        return value
+# --- msgspec's errors in the file's words ----------------------------------------------
 
-    def integer(
-        self,
-        table: Mapping[str, Any],
-        key: str,
-        name: str,
-        default: int,
-        minimum: int,
-        maximum: int,
-    ) -> int:
-        value = table.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.error(f"{key}.{name}", f"expected an integer, got {_kind(value)}")
-        if value < minimum:
-            raise self.error(f"{key}.{name}", f"must be >= {minimum}, got {shown_value(value)}")
-        if value > maximum:
-            raise self.error(f"{key}.{name}", f"must be <= {maximum}, got {shown_value(value)}")
-        return value
+_AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>.*)`)?$", re.S)
+_SEGMENT = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+_RANGE = re.compile(r"^Expected `int` (?P<op>[<>]=) (?P<bound>-?\d+)$")
+_FIELD = re.compile(r"^Object (?P<how>contains unknown|missing required) field `(?P<name>.*)`$")
 
-    def flag(self, table: Mapping[str, Any], key: str, name: str) -> bool:
-        value = table.get(name, False)
-        if not isinstance(value, bool):
-            raise self.error(f"{key}.{name}", f"expected true or false, got {_kind(value)}")
-        return value
+
+def _explain(error: str, value: Any, tp: Any) -> tuple[str, str]:
+    """``(dotted key, problem)`` for msgspec's ``error`` converting ``value`` to ``tp``:
+    its path ``$.a.b[0]`` becomes ``a.b[0]``, and the problem names what the key takes
+    and what it got."""
+    m = _AT.match(error)
+    message, path = (m["message"], m["path"] or "") if m else (error, "")
+    steps = [name or int(index) for name, index in _SEGMENT.findall(path)]
+    info = _info_at(mi.type_info(tp), steps)
+    where = "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in steps).lstrip(".")
+    field = _FIELD.match(message)
+    if field is not None:
+        struct = _bare(info, mi.StructType)
+        fields = {f.encode_name: f.type for f in struct.fields} if struct else {}
+        if field["how"] == "contains unknown":
+            problem = f"unknown key (known: {', '.join(sorted(fields))})"
+        else:
+            hint = _extra(fields.get(field["name"])).get("required")
+            problem = f"required: {hint}" if hint else "required"
+        return _join(where, field["name"]), problem
+    got = _value_at(value, steps)
+    bound = _RANGE.match(message)
+    if bound is not None:
+        return where, f"must be {bound['op']} {bound['bound']}, got {shown_value(got)}"
+    if message.startswith(("Expected `", "Invalid enum value")):
+        return where, f"expected {_what(info)}, got {_kind(got)}"
+    return where, message[:1].lower() + message[1:]
+
+
+def _join(key: str, name: str) -> str:
+    return f"{key}.{name}" if key and name and not name.startswith("[") else key + name
+
+
+def _bare(info: Any, want: type | None = None) -> Any:
+    """``info`` without its metadata; with ``want``, the member of a union (or ``info``
+    itself) of that kind, else None."""
+    while isinstance(info, mi.Metadata):
+        info = info.type
+    if want is None:
+        return info
+    members = info.types if isinstance(info, mi.UnionType) else (info,)
+    return next((t for t in map(_bare, members) if isinstance(t, want)), None)
+
+
+def _info_at(info: Any, steps: list[str | int]) -> Any:
+    """The type of the value at ``steps`` below a value of type ``info``."""
+    for step in steps:
+        if isinstance(step, int):
+            info = getattr(_bare(info, mi.ListType), "item_type", mi.AnyType())
+        elif (struct := _bare(info, mi.StructType)) is not None:
+            info = next((f.type for f in struct.fields if f.encode_name == step), mi.AnyType())
+        else:
+            info = getattr(_bare(info, mi.DictType), "value_type", mi.AnyType())
+    return info
+
+
+def _extra(info: Any) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    while isinstance(info, mi.Metadata):
+        extra.update(info.extra or {})
+        info = info.type
+    return extra
+
+
+def _what(info: Any) -> str:
+    """What a value of type ``info`` is, in words."""
+    what = _extra(info).get("what")
+    if what:
+        return str(what)
+    info = _bare(info)
+    if isinstance(info, mi.UnionType):
+        return " or ".join(_what(t) for t in info.types if not isinstance(t, mi.NoneType))
+    if isinstance(info, mi.LiteralType):
+        return f"one of {', '.join(map(str, info.values))}"
+    if isinstance(info, mi.StrType):
+        return "non-empty text" if info.min_length else "text"
+    if isinstance(info, mi.IntType):
+        return "an integer"
+    if isinstance(info, mi.BoolType):
+        return "true or false"
+    if isinstance(info, mi.ListType):
+        return "a list"
+    if isinstance(info, mi.StructType | mi.DictType):
+        return "a table"
+    return "something else"
+
+
+def _value_at(value: Any, steps: list[str | int]) -> Any:
+    for step in steps:
+        if isinstance(step, int) and isinstance(value, list) and step < len(value):
+            value = value[step]
+        elif isinstance(step, str) and isinstance(value, Mapping):
+            value = value.get(step)
+        else:
+            return None
+    return value
 
 
 def _kind(value: Any) -> str:
@@ -194,6 +327,9 @@ def _kind(value: Any) -> str:
     if isinstance(value, str):
         return f"text ({shown_value(value)})" if value else "empty text"
     return type(value).__name__
+
+
+# --- loading ------------------------------------------------------------------------------
 
 
 def load_config(
@@ -232,119 +368,103 @@ def parse_config(
     log could not hold is refused by its dotted key: nesting past :data:`MAX_DEPTH`, an
     integer outside 64 bits, text with a lone surrogate; and every number to its range."""
     r = _Reader(file, require_keys=require_keys)
-    if not isinstance(data, Mapping):
-        raise r.error("", f"expected a table, got {_kind(data)}")
     bad = find_unloggable(data, max_depth=MAX_DEPTH)
     if bad is not None:
         raise r.error(*bad)
-    r.only(data, "", _TOP)
-    agent = dict(r.table(data.get("agent"), "agent"))
+    spec = r.convert(data, _File, "")
     try:
-        config = AgentConfig.from_mapping(agent, where=f"{file}: agent")
+        config = AgentConfig.from_mapping(dict(spec.agent), where=f"{file}: agent")
         check_config_range(config, where=f"{file}: agent")
     except ConfigError as exc:
         raise ConfigError(str(exc)) from None
     except TypeError as exc:  # pragma: no cover - from_mapping names keys itself
         raise r.error("agent", str(exc)) from None
     llm = LlmService(
-        _providers(r, data.get("providers"), os.environ if env is None else env),
-        plugin_preference=_preference(r, data, plugin=True),
-        global_preference=_preference(r, data, plugin=False),
+        _providers(r, spec.providers, os.environ if env is None else env),
+        plugin_preference=_preference(
+            r, spec.plugin_service_preferences.agent, "pluginServicePreferences.agent"
+        ),
+        global_preference=_preference(r, spec.service_preferences, "servicePreferences"),
     )
     return FileConfig(
         path=file,
         config=config,
         llm=llm,
-        settings=_layers(r, data, config),
-        personas=_personas(r, data.get("personas")),
+        settings=_layers(r, spec, config),
+        personas=_personas(r, spec.personas),
         missing=tuple(r.missing),
     )
 
 
-def _preference(r: _Reader, data: Mapping[str, Any], *, plugin: bool) -> ModelRef | None:
-    if plugin:
-        outer = r.table(data.get("pluginServicePreferences"), "pluginServicePreferences")
-        r.only(outer, "pluginServicePreferences", {"agent"})
-        key = "pluginServicePreferences.agent"
-        table = r.table(outer.get("agent"), key)
-    else:
-        key = "servicePreferences"
-        table = r.table(data.get(key), key)
-    r.only(table, key, {"llm"})
-    if "llm" not in table:
+def _preference(r: _Reader, pref: _Preference, key: str) -> ModelRef | None:
+    if pref.llm is msgspec.UNSET:
         return None
-    return parse_model_ref(table["llm"], where=f"{r.file}: {key}.llm")
+    return parse_model_ref(pref.llm, where=f"{r.file}: {key}.llm")
 
 
-def _providers(r: _Reader, value: Any, env: Mapping[str, str]) -> list[Provider]:
+_NOT_SCRIPTED = ("baseUrl", "apiKey", "apiKeyEnv", "timeoutMs", "listModels")
+
+
+def _providers(r: _Reader, table: dict[str, Any], env: Mapping[str, str]) -> list[Provider]:
     providers: list[Provider] = []
-    for pid, spec in r.table(value, "providers").items():
+    for pid, raw in table.items():
         key = f"providers.{pid}"
         if "/" in pid or not pid:
             raise r.error(key, "a provider id must be non-empty and without '/'")
-        t = r.table(spec, key)
-        r.only(t, key, _PROVIDER_KEYS)
-        kind = r.text(t, key, "type", "openai-compatible")
-        if kind not in _PROVIDER_TYPES:
-            raise r.error(f"{key}.type", f"expected one of {', '.join(_PROVIDER_TYPES)}")
-        priority = r.integer(t, key, "priority", 0, minimum=-1_000_000, maximum=1_000_000)
-        models_raw = t.get("models", [])
-        if not isinstance(models_raw, list):
-            raise r.error(f"{key}.models", "expected a list of tables ([[...models]])")
-        specs = [_model_spec(r, m, f"{key}.models[{i}]") for i, m in enumerate(models_raw)]
+        p = r.convert(raw, _Provider, key)
+        specs = [_model_spec(r, m, f"{key}.models[{i}]") for i, m in enumerate(p.models)]
         seen: set[str] = set()
-        for s in specs:
-            if s["id"] in seen:
-                raise r.error(f"{key}.models", f"model {s['id']!r} is listed twice")
-            seen.add(s["id"])
-        if kind == "scripted":
-            for name in ("baseUrl", "apiKey", "apiKeyEnv", "timeoutMs", "listModels"):
-                if name in t:
+        for s, _ in specs:
+            if s.id in seen:
+                raise r.error(f"{key}.models", f"model {s.id!r} is listed twice")
+            seen.add(s.id)
+        if p.kind == "scripted":
+            for name in _NOT_SCRIPTED:
+                if name in raw:
                     raise r.error(f"{key}.{name}", "not used by a scripted provider")
-            reply = r.text(t, key, "reply", "好的。")
             models: list[ChatModel] = [
                 ScriptedModel(
-                    default=ScriptedReply(text=reply),
-                    model_id=s["id"],
+                    default=ScriptedReply(text=p.reply),
+                    model_id=s.id,
                     provider_id=pid,
-                    context_length=s["contextLength"],
-                    max_output_tokens=s["maxOutputTokens"],
-                    name=s["name"],
-                    think_levels=s["thinkLevels"],
-                    default_think=s["defaultThink"],
+                    context_length=s.context_length,
+                    max_output_tokens=s.max_output_tokens,
+                    name=s.name,
+                    think_levels=levels,
+                    default_think=s.default_think,
                 )
-                for s in specs
+                for s, levels in specs
             ]
         else:
-            models = _openai_models(r, t, key, pid, specs, env)
+            if "reply" in raw:
+                raise r.error(f"{key}.reply", "only a scripted provider takes a reply")
+            models = _openai_models(r, p, key, pid, specs, env)
         if not models:
-            hint = "" if kind == "scripted" else " or set listModels = true"
+            hint = "" if p.kind == "scripted" else " or set listModels = true"
             raise r.error(key, f"no models: add [[{key}.models]] tables{hint}")
-        providers.append(Provider(pid, models, priority=priority))
+        providers.append(Provider(pid, models, priority=p.priority))
     return providers
 
 
 def _openai_models(
     r: _Reader,
-    t: Mapping[str, Any],
+    p: _Provider,
     key: str,
     pid: str,
-    specs: list[dict[str, Any]],
+    specs: list[tuple[_Model, tuple[ThinkLevel, ...]]],
     env: Mapping[str, str],
 ) -> list[ChatModel]:
     from aalis_agent.services.openai_compat import OpenAICompatibleModel, list_server_models
 
-    if "reply" in t:
-        raise r.error(f"{key}.reply", "only a scripted provider takes a reply")
-    base_url = r.text(t, key, "baseUrl")
+    base_url = p.base_url
     if base_url is None:
         raise r.error(
             f"{key}.baseUrl", "required: the server's URL, e.g. http://127.0.0.1:11434/v1"
         )
-    if "apiKey" in t and "apiKeyEnv" in t:
+    if p.api_key is not None and p.api_key_env is not None:
         raise r.error(key, "give apiKey or apiKeyEnv, not both")
-    api_key = r.text(t, key, "apiKey")
-    key_env = r.text(t, key, "apiKeyEnv")
+    api_key = p.api_key
+    key_env = p.api_key_env
     if key_env is not None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key_env):
             # Never echoed: this is where a pasted key would end up.
@@ -355,11 +475,10 @@ def _openai_models(
             if r.require_keys:
                 raise problem
             r.missing.append(str(problem))
-    timeout_ms = r.integer(t, key, "timeoutMs", 120_000, minimum=1, maximum=MAX_TIMEOUT_MS)
-    if r.flag(t, key, "listModels"):
-        listed = {s["id"] for s in specs}
+    if p.list_models:
+        listed = {s.id for s, _ in specs}
         try:
-            served = list_server_models(base_url, api_key, timeout_s=min(timeout_ms / 1000, 30))
+            served = list_server_models(base_url, api_key, timeout_s=min(p.timeout_ms / 1000, 30))
         except Exception as exc:
             raise r.error(
                 f"{key}.listModels", f"listing the server's models failed: {exc}"
@@ -371,78 +490,52 @@ def _openai_models(
     return [
         OpenAICompatibleModel(
             base_url=base_url,
-            model=s["id"],
+            model=s.id,
             api_key=api_key,
             provider_id=pid,
-            context_length=s["contextLength"],
-            max_output_tokens=s["maxOutputTokens"],
-            timeout_s=timeout_ms / 1000,
-            think_levels=s["thinkLevels"],
-            default_think=s["defaultThink"],
-            name=s["name"],
+            context_length=s.context_length,
+            max_output_tokens=s.max_output_tokens,
+            timeout_s=p.timeout_ms / 1000,
+            think_levels=levels,
+            default_think=s.default_think,
+            name=s.name,
             env_key=False,  # a file's provider gets only the key the file names
         )
-        for s in specs
+        for s, levels in specs
     ]
 
 
-def _model_spec(r: _Reader, value: Any, key: str) -> dict[str, Any]:
-    t = r.table(value, key)
-    r.only(t, key, _MODEL_KEYS)
-    model_id = r.text(t, key, "id")
-    if model_id is None:
-        raise r.error(f"{key}.id", "required: the model id the server knows")
-    levels_raw = t.get("thinkLevels", [])
-    if not isinstance(levels_raw, list):
-        raise r.error(f"{key}.thinkLevels", "expected a list of {id, name, effort} tables")
+def _model_spec(r: _Reader, value: Any, key: str) -> tuple[_Model, tuple[ThinkLevel, ...]]:
+    """A model table and its think levels (a level may be given as its id alone)."""
+    spec = r.convert(value, _Model, key)
     levels: list[ThinkLevel] = []
-    level_ids: set[str] = set()
-    for i, lv in enumerate(levels_raw):
-        lk = f"{key}.thinkLevels[{i}]"
-        if isinstance(lv, str):
-            lv = {"id": lv}
-        lt = r.table(lv, lk)
-        r.only(lt, lk, {"id", "name", "effort"})
-        level_id = r.text(lt, lk, "id")
-        if level_id is None:
-            raise r.error(f"{lk}.id", "required")
-        if level_id in level_ids:
-            raise r.error(lk, f"level {level_id!r} is listed twice")
-        level_ids.add(level_id)
-        levels.append(
-            ThinkLevel(
-                id=level_id, name=r.text(lt, lk, "name") or "", effort=r.text(lt, lk, "effort")
-            )
-        )
-    default_think = r.text(t, key, "defaultThink")
-    if default_think is not None and default_think not in level_ids:
-        raise r.error(f"{key}.defaultThink", f"{default_think!r} is not one of thinkLevels")
-    return {
-        "id": model_id,
-        "name": r.text(t, key, "name"),
-        "contextLength": r.integer(
-            t, key, "contextLength", 128_000, minimum=1024, maximum=MAX_TOKENS
-        ),
-        "maxOutputTokens": r.integer(
-            t, key, "maxOutputTokens", 4096, minimum=1, maximum=MAX_TOKENS
-        ),
-        "thinkLevels": tuple(levels),
-        "defaultThink": default_think,
+    for i, lv in enumerate(spec.think_levels):
+        level = ThinkLevel(id=lv) if isinstance(lv, str) else _think_level(lv)
+        if any(seen.id == level.id for seen in levels):
+            raise r.error(f"{key}.thinkLevels[{i}]", f"level {level.id!r} is listed twice")
+        levels.append(level)
+    default = spec.default_think
+    if default is not None and all(lv.id != default for lv in levels):
+        raise r.error(f"{key}.defaultThink", f"{default!r} is not one of thinkLevels")
+    return spec, tuple(levels)
+
+
+def _think_level(lv: _ThinkLevel) -> ThinkLevel:
+    return ThinkLevel(id=lv.id, name=lv.name or "", effort=lv.effort)
+
+
+def _layers(r: _Reader, spec: _File, config: AgentConfig) -> SettingsLayers:
+    platforms = {
+        name: r.convert(kind, PlatformType, f"platforms.{name}")
+        for name, kind in spec.platforms.items()
     }
-
-
-def _layers(r: _Reader, data: Mapping[str, Any], config: AgentConfig) -> SettingsLayers:
-    platforms = r.table(data.get("platforms"), "platforms")
-    for name, kind in platforms.items():
-        if not isinstance(kind, str) or not kind:
-            raise r.error(f"platforms.{name}", f"expected a platform type, got {_kind(kind)}")
-    layers = r.table(data.get("settings"), "settings")
-    r.only(layers, "settings", {"platform", "platformType", "venue"})
+    given = {"platform": spec.settings.platform, "platformType": spec.settings.platform_type}
+    given["venue"] = spec.settings.venue
     tables: dict[str, dict[str, dict[str, Any]]] = {}
     for name, label in LAYERS.items():
         tables[name] = {}
-        for k, v in r.table(layers.get(name), f"settings.{name}").items():
-            values = r.table(v, f"settings.{name}.{k}")
+        for k, v in given[name].items():
+            values = r.convert(v, dict[str, Any], f"settings.{name}.{k}")
             checked: dict[str, Any] = {}
             for setting, raw in values.items():
                 try:
@@ -455,28 +548,23 @@ def _layers(r: _Reader, data: Mapping[str, Any], config: AgentConfig) -> Setting
         platforms=tables["platform"],
         types=tables["platformType"],
         venues=tables["venue"],
-        platform_types=dict(platforms),
+        platform_types=platforms,
     )
 
 
 LAYERS = {"platform": "platform profile", "platformType": "platform-type profile", "venue": "venue"}
 
 
-def _personas(r: _Reader, value: Any) -> StaticPersonas | None:
-    table = r.table(value, "personas")
+def _personas(r: _Reader, table: dict[str, Any]) -> StaticPersonas | None:
     if not table:
         return None
     personas: dict[str, tuple[str, str]] = {}
     default: str | None = None
-    for pid, spec in table.items():
+    for pid, raw in table.items():
         key = f"personas.{pid}"
-        t = r.table(spec, key)
-        r.only(t, key, {"name", "prompt", "default"})
-        prompt = r.text(t, key, "prompt")
-        if prompt is None:
-            raise r.error(f"{key}.prompt", "required: the persona's prompt")
-        personas[pid] = (r.text(t, key, "name", pid), prompt)
-        if r.flag(t, key, "default"):
+        p = r.convert(raw, _Persona, key)
+        personas[pid] = (p.name or pid, p.prompt)
+        if p.default:
             if default is not None:
                 raise r.error(f"{key}.default", f"{default!r} is already the default persona")
             default = pid

@@ -197,6 +197,22 @@ BAD: list[tuple[str, str, str]] = [
     ("[settings.platformType.onebot]\ncolour = 1", "settings.platformType.onebot.colour", ""),
     ("[settings.room.x]\nthink = 'a'", "settings.room", "unknown key"),
     ("[platforms]\nqq = 3", "platforms.qq", "expected a platform type"),
+    (
+        "[providers.p]\ntype = 'scripted'\n[[providers.p.models]]\nid = 'm'\n"
+        "[[providers.p.models.thinkLevels]]\nid = 'hi'\ncolour = 'red'",
+        "providers.p.models[0].thinkLevels[0].colour",
+        "unknown key (known: effort, id, name)",
+    ),
+    (
+        "[providers.p]\ntype = 'scripted'\n[[providers.p.models]]\nid = 'm'\nthinkLevels = [3]",
+        "providers.p.models[0].thinkLevels[0]",
+        "expected non-empty text or a table, got a number (3)",
+    ),
+    (
+        "[providers.p]\ntype = 'scripted'\npriority = 2000000\n[[providers.p.models]]\nid = 'm'",
+        "providers.p.priority",
+        "",
+    ),
     ("[personas.a]\nname = 'A'", "personas.a.prompt", "required"),
     (
         "[personas.a]\nprompt = 'x'\ndefault = true\n[personas.b]\nprompt = 'y'\ndefault = true",
