@@ -717,6 +717,18 @@ def test_turn_ids_stay_unique_when_the_id_source_restarts() -> None:
     assert len(opened) == 12 and len(set(opened)) == 12
 
 
+def _answering(hooks: Hooks, model: ScriptedModel) -> Runtime:
+    """A runtime on an in-memory log whose model answers from ``model``, with ``hooks``."""
+    return Runtime(
+        InMemoryEventStore(),
+        Services(llm=model),
+        FixedClock(),
+        SequentialIds(),
+        janitor=False,
+        hooks=hooks,
+    )
+
+
 @pytest.mark.parametrize("hook", ["agent:llm:after", "agent:reply:before"])
 @pytest.mark.parametrize("how", ["stop", "stop_command", "stop_all"])
 def test_a_stop_acknowledged_before_the_reply_is_durable_wins(hook: str, how: str) -> None:
@@ -725,14 +737,7 @@ def test_a_stop_acknowledged_before_the_reply_is_durable_wins(hook: str, how: st
     no reply is saved or sent, the outcome is aborted."""
     hooks = Hooks()
     acked: list[str | None] = []
-    runtime = Runtime(
-        InMemoryEventStore(),
-        Services(llm=ScriptedModel([ScriptedReply(text="回答")])),
-        FixedClock(),
-        SequentialIds(),
-        janitor=False,
-        hooks=hooks,
-    )
+    runtime = _answering(hooks, ScriptedModel([ScriptedReply(text="回答")]))
 
     def stop_now(ctx: Any, next_: Any) -> Any:
         if how == "stop":
@@ -764,14 +769,7 @@ def test_a_stop_acknowledged_before_the_reply_is_durable_wins(hook: str, how: st
 def test_after_the_reply_is_durable_a_stop_finds_no_turn() -> None:
     hooks = Hooks()
     answers: list[str | None] = []
-    runtime = Runtime(
-        InMemoryEventStore(),
-        Services(llm=ScriptedModel([ScriptedReply(text="回答")])),
-        FixedClock(),
-        SequentialIds(),
-        janitor=False,
-        hooks=hooks,
-    )
+    runtime = _answering(hooks, ScriptedModel([ScriptedReply(text="回答")]))
 
     def stop_late(ctx: Any, next_: Any) -> Any:
         answers.append(runtime.stop(SID))
@@ -827,14 +825,7 @@ def test_duplicate_call_ids_are_made_unique_before_they_are_stored() -> None:
 def test_a_stop_during_llm_before_means_the_call_is_never_made() -> None:
     hooks = Hooks()
     model = ScriptedModel([ScriptedReply(text="回答")])
-    runtime = Runtime(
-        InMemoryEventStore(),
-        Services(llm=model),
-        FixedClock(),
-        SequentialIds(),
-        janitor=False,
-        hooks=hooks,
-    )
+    runtime = _answering(hooks, model)
     hooks.use("agent:llm:before", lambda ctx, next_: runtime.stop(SID) and next_())
     try:
         assert runtime.submit(SID, Input(id="", content="问")).result(5).outcome == "aborted"
