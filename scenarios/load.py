@@ -1,31 +1,31 @@
 """Loading a scenario: a TOML file, or the table it parses to, read and checked into a
 :class:`Scenario`; a mistake raises :class:`ScenarioError` naming the place and what is
-wrong, and keys never read are refused as typos."""
+wrong, and keys that are not part of the format are refused as typos.
+
+Each table is decoded into a typed msgspec Struct (unknown keys refused, ranges as Meta
+constraints, enumerations as Literals); what is left here is what a type cannot say: the
+``at`` point grammar, cross references between sessions, tools, replies and steps, and
+settings as ``/session.set`` would check them."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
-import math
 import re
 import tomllib
 from collections.abc import Mapping
 from datetime import UTC, date, datetime, timedelta, timezone, tzinfo
 from pathlib import Path
-from typing import Any, get_args
+from typing import Annotated, Any, TypeVar, get_args
 
+import msgspec
+import msgspec.inspect as mi
 from aalis_agent.actors.hooks import HOOK_KEYS
 from aalis_agent.events import ConfigError, HostNotice, Input, ModelRef, Sender, ToolCall
 from aalis_agent.events.errors import ScenarioError
 from aalis_agent.events.schema import TriggerType
-from aalis_agent.request.limits import (
-    INT64_MAX,
-    MAX_DEPTH,
-    clean_text,
-    find_unloggable,
-    toml_too_deep,
-)
+from aalis_agent.request.limits import MAX_DEPTH, clean_text, find_unloggable, toml_too_deep
 from aalis_agent.scenarios.spec import (
     HOOK_POINTS,
     Point,
@@ -45,6 +45,10 @@ from aalis_agent.services.settings import (
     shown_value,
     validate_setting,
 )
+from aalis_agent.services.shapes import bare, info_at, value_at
+from msgspec import Meta
+
+T = TypeVar("T")
 
 DEFAULT_START_MS = 1_767_225_600_000
 """2026-01-01T00:00:00Z, when a scenario gives no ``start``."""
@@ -70,7 +74,11 @@ MAX_POINT_DIGITS = 9
 
 STEP_KINDS: tuple[str, ...] = get_args(StepKind)
 TRIGGERS: tuple[str, ...] = get_args(TriggerType)
-DEFAULT_TRIGGERS = {"schedule": "interval", "proactive": "proactive", "idle": "idle"}
+DEFAULT_TRIGGERS: dict[str, TriggerType] = {
+    "schedule": "interval",
+    "proactive": "proactive",
+    "idle": "idle",
+}
 
 _POINT_PATTERNS: tuple[tuple[re.Pattern[str], PointKind], ...] = (
     (re.compile(r"start"), "start"),
@@ -97,101 +105,368 @@ _POINT_FORMS = (
     "'while TOOL call K runs'"
 )
 
+# --- the file's shape, checked by msgspec ------------------------------------------------
+# A table whose place in error messages is named from what it holds ([[sessions]] by its
+# id, [[tools]] by its name, [[replies]] and [[steps]] by their session and point) is read
+# in two goes: a lenient head (the keys the name needs) first, then the whole table.
+# Tables inside a table (usage, notice, settings, tool_calls, results) are Structs, and an
+# error inside one names it after its owner ("reply #1 (call 1 of s1) usage"). ``extra``
+# gives an error its words: ``what`` a value should be, ``required`` what a missing key
+# is for; for an enumeration, ``values`` its values in the order shown and ``not`` what a
+# value outside it is not. A key given as None (only the Python form can) is not given.
 
-class _Table:
-    """A TOML table being read: typed getters; keys never read are refused (typos)."""
+Tokens = Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
+Limit = Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
+JsonSchema = Annotated[dict[str, Any], Meta(extra={"what": "a table (a JSON schema)"})]
 
-    def __init__(self, data: Any, where: str, file: str) -> None:
-        self.where = where
+
+TABLES = "a list of tables ([[{key}]])"
+Tables = Annotated[list[Any], Meta(extra={"what": TABLES})]
+
+
+class _Spec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A table of the file: an unknown key refused."""
+
+
+class _Head(msgspec.Struct, kw_only=True):
+    """The first keys of a table, read to name it; the rest is read with the whole."""
+
+
+class _Model(_Spec):
+    id: str
+    provider: str = "scenario"
+    context_length: Limit = 32_000
+    max_output_tokens: Limit = 4096
+    think_levels: list[str] = msgspec.field(default_factory=list)
+    default_think: str | None = None
+
+
+class _FirstModel(_Model):
+    """``[model]``: the model every session uses unless it says otherwise."""
+
+    id: str = "scripted"
+
+
+class _Top(_Spec):
+    name: str | None = None
+    description: str = ""
+    timezone: Annotated[str, Meta(extra={"what": "text like '+08:00' or 'UTC'"})] | None = None
+    start: Any = None  # ISO text, a TOML date and time or milliseconds: _start reads it
+    tick_ms: Annotated[int, Meta(ge=0, le=MAX_TICK_MS)] = 1000
+    timeout_s: Annotated[
+        float, Meta(gt=0, le=MAX_TIMEOUT_S, extra={"what": "a positive number"})
+    ] = 10.0
+    owners: list[str] = msgspec.field(default_factory=list)
+    archive: bool = True
+    config: Any = None  # "[config]": AgentConfig checks it
+    model: Any = None  # "[model]": a _FirstModel
+    models: Tables = msgspec.field(default_factory=list)
+    sessions: Tables = msgspec.field(default_factory=list)
+    tools: Tables = msgspec.field(default_factory=list)
+    replies: Tables = msgspec.field(default_factory=list)
+    steps: Tables = msgspec.field(default_factory=list)
+
+
+class _SessionSettings(_Spec):
+    # Any value: AgentConfig and validate_setting check them as /session.set would.
+    history_limit: Any = msgspec.field(default=msgspec.UNSET, name="historyLimit")
+    max_tool_iterations: Any = msgspec.field(default=msgspec.UNSET, name="maxToolIterations")
+    think: Any = msgspec.UNSET
+    enabled_tool_groups: list[str] | None = msgspec.field(default=None, name="enabledToolGroups")
+    model: str | None = None
+
+
+class _SessionHead(_Head):
+    id: str
+
+
+class _Session(_SessionHead, forbid_unknown_fields=True):
+    platform: str = "cli"
+    multi_party: bool = False
+    group_id: str | None = None
+    parent: str | None = None
+    settings: _SessionSettings | None = None
+
+
+class _Outcome(_Spec):
+    result: str | None = None
+    error: str | None = None
+
+
+class _ToolHead(_Head):
+    name: str
+
+
+class _Tool(_ToolHead, forbid_unknown_fields=True):
+    description: str = ""
+    parameters: JsonSchema | None = None
+    groups: list[str] = msgspec.field(default_factory=list)
+    results: Annotated[list[str | _Outcome], Meta(extra={"what": TABLES})] = msgspec.field(
+        default_factory=list
+    )
+    result: str | None = None
+    error: str | None = None
+    slow: bool = False
+    abortable: bool = False
+
+
+class _Usage(_Spec):
+    prompt_tokens: Tokens | None = None
+    completion_tokens: Tokens | None = None
+    total_tokens: Tokens | None = None
+    cached_prompt_tokens: Tokens | None = None
+
+
+class _ToolCall(_Spec):
+    name: str
+    id: str | None = None
+    arguments: (
+        Annotated[str, Meta(extra={"what": "text (sent as is, so it may be broken JSON)"})]
+        | dict[str, Any]
+        | None
+    ) = None
+
+
+class _ReplyHead(_Head):
+    session: str | None = None
+
+
+class _Reply(_ReplyHead, forbid_unknown_fields=True):
+    call: Annotated[int, Meta(ge=1)] | None = None
+    text: str | None = None
+    chunks: (
+        Annotated[int, Meta(ge=1, le=MAX_CHUNKS, extra={"what": "a number >= 1"})]
+        | list[str]
+        | None
+    ) = None
+    usage: _Usage | None = None
+    tool_calls: Annotated[list[_ToolCall], Meta(extra={"what": TABLES})] = msgspec.field(
+        default_factory=list
+    )
+    reasoning: str | None = None
+    error: str | None = None
+
+
+class _Notice(_Spec):
+    kind: str
+    id: str
+    untrusted: str | None = None
+    reply_to: str | None = None
+
+
+class _StepDo(_Head):
+    do: Annotated[StepKind, Meta(extra={"not": "a step", "values": STEP_KINDS})]
+
+
+class _StepHead(_StepDo):
+    session: str | None = None
+    at: str | None = None
+
+
+class _Step(_StepHead, forbid_unknown_fields=True):
+    """A step that takes nothing more (mute, delete)."""
+
+    note: str | None = None
+
+
+class _Say(_Step, kw_only=True):
+    text: str
+    trigger: Annotated[TriggerType, Meta(extra={"values": TRIGGERS})] | None = None
+    sender: str | None = msgspec.field(default=None, name="from")
+    nickname: str | None = None
+    id: str = ""
+    platform: str = ""
+    message_id: str | None = None
+    addressed: bool = True
+    mentions: list[str] = msgspec.field(default_factory=list)
+    gateway_seq: Annotated[int, Meta(ge=0)] | None = None
+
+
+class _Inject(_Say, kw_only=True):
+    actor: str | None = None
+    source: Annotated[str, Meta(min_length=1)]
+    notice: _Notice | None = None
+
+
+class _Stop(_Step):
+    by: str | None = None
+    platform: str | None = None
+
+
+class _Clear(_Step):
+    kinds: list[str] = msgspec.field(default_factory=list)
+
+
+class _Wait(_Step, kw_only=True):
+    ms: Annotated[int, Meta(ge=1, le=MAX_WAIT_MS, extra={"required": "how far the clock moves"})]
+
+
+_STEPS: dict[str, type[_Step]] = {
+    "say": _Say,
+    "inject": _Inject,
+    "stop": _Stop,
+    "stop_command": _Stop,
+    "stop_all": _Stop,
+    "clear": _Clear,
+    "wait": _Wait,
+    "mute": _Step,
+    "delete": _Step,
+}
+
+
+class _Place:
+    """A place in the file (``top level``, ``tool 'x'``, ``step 2 (say at now)``): its
+    tables are converted here, and every error names the file and the place."""
+
+    def __init__(self, file: str, where: str) -> None:
         self.file = file
-        if not isinstance(data, Mapping):
-            raise self.error(f"must be a table, got {_kind(data)}")
-        self.data: Mapping[str, Any] = data
-        self._read: set[str] = set()
+        self.where = where
 
     def error(self, reason: str) -> ScenarioError:
         return ScenarioError(reason, file=self.file, where=self.where)
 
-    def has(self, key: str) -> bool:
-        return key in self.data
+    def convert(self, value: Any, tp: type[T]) -> T:
+        """``value`` as ``tp`` (msgspec checks it), or a ScenarioError naming the place;
+        a key given as None (only the Python form can) counts as not given."""
+        info = _type_info(tp)
+        value = _given(value, info)
+        try:
+            return msgspec.convert(value, tp)
+        except msgspec.ValidationError as exc:
+            inner, reason = _explain(str(exc), value, info)
+            raise ScenarioError(reason, file=self.file, where=self.where + inner) from None
 
-    def get(self, key: str) -> Any:
-        self._read.add(key)
-        return self.data.get(key)
 
-    def text(self, key: str, default: str | None = None, *, required: bool = False) -> Any:
-        value = self.get(key)
-        if value is None:
-            if required:
-                raise self.error(f"{key} is required")
-            return default
-        if not isinstance(value, str):
-            raise self.error(f"{key} must be text, got {_kind(value)}")
-        return value
+# --- msgspec's errors in the file's words ----------------------------------------------
 
-    def integer(
-        self,
-        key: str,
-        default: int | None = None,
-        *,
-        minimum: int = 0,
-        maximum: int = INT64_MAX,
-    ) -> Any:
-        value = self.get(key)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.error(f"{key} must be an integer, got {_kind(value)}")
-        if value < minimum:
-            raise self.error(f"{key} must be >= {minimum}, got {value}")
-        if value > maximum:
-            raise self.error(f"{key} must be <= {maximum}, got {value}")
-        return value
+_AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>.*)`)?$", re.S)
+_SEGMENT = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+_RANGE = re.compile(r"^Expected `(?:int|float)` (?P<op>[<>]=?) (?P<bound>\S+)$")
+_FIELD = re.compile(r"^Object (?P<how>contains unknown|missing required) field `(?P<name>.*)`$")
 
-    def number(self, key: str, default: float, *, maximum: float) -> float:
-        value = self.get(key)
-        if value is None:
-            return default
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-            or value <= 0
+
+_TYPE_INFO: dict[Any, Any] = {}
+
+
+def _type_info(tp: Any) -> Any:
+    if tp not in _TYPE_INFO:
+        _TYPE_INFO[tp] = mi.type_info(tp)
+    return _TYPE_INFO[tp]
+
+
+def _given(value: Any, info: Any) -> Any:
+    """``value`` without the keys of its tables that hold None."""
+    struct = bare(info, mi.StructType)
+    if struct is not None and isinstance(value, Mapping):
+        fields = {f.encode_name: f.type for f in struct.fields}
+        return {
+            k: _given(v, fields.get(k, mi.AnyType())) for k, v in value.items() if v is not None
+        }
+    items = bare(info, mi.ListType)
+    if items is not None and isinstance(value, list):
+        return [_given(v, items.item_type) for v in value]
+    return value
+
+
+def _explain(error: str, value: Any, info: Any) -> tuple[str, str]:
+    """``(inner place, reason)`` for msgspec's ``error`` converting ``value`` to the type
+    ``info``: a table inside the table converted names the inner place (`` usage``,
+    `` tool_calls #2``); the reason names the key, what it takes and what it got."""
+    m = _AT.match(error)
+    message, path = (m["message"], m["path"] or "") if m else (error, "")
+    steps: list[str | int] = [name or int(index) for name, index in _SEGMENT.findall(path)]
+    inner, i = "", 0
+    while i < len(steps) and isinstance(steps[i], str):
+        struct = bare(info, mi.StructType)
+        members = struct.fields if struct is not None else ()
+        field = next((f.type for f in members if f.encode_name == steps[i]), None)
+        if field is None:
+            break
+        items = bare(field, mi.ListType)
+        if bare(field, mi.StructType) is not None:
+            inner, info, i = f"{inner} {steps[i]}", field, i + 1
+        elif (
+            items is not None
+            and bare(items.item_type, mi.StructType) is not None
+            and i + 1 < len(steps)
+            and isinstance(steps[i + 1], int)
         ):
-            raise self.error(f"{key} must be a positive number, got {shown_value(value)}")
-        if value > maximum:
-            raise self.error(f"{key} must be <= {maximum:g}, got {shown_value(value)}")
-        return float(value)
+            inner += f" {steps[i]} #{int(steps[i + 1]) + 1}"
+            info, i = items.item_type, i + 2
+        else:
+            break
+    rest = steps[i:]
+    key = "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in rest).lstrip(".")
+    subject = f"{key} " if key else ""
+    info = info_at(info, rest)
+    field_error = _FIELD.match(message)
+    if field_error is not None:
+        name = field_error["name"]
+        struct = bare(info, mi.StructType)
+        fields = {f.encode_name: f.type for f in struct.fields} if struct else {}
+        if field_error["how"] == "contains unknown":
+            known = ", ".join(sorted(fields)) or "none"
+            return inner, f"{subject}unknown key {name!r} (known here: {known})"
+        hint = _extra(fields.get(name)).get("required")
+        return inner, f"{subject}{name} is required" + (f" ({hint})" if hint else "")
+    got = value_at(value, steps)
+    what = _extra(info).get("what")
+    bound = _RANGE.match(message)
+    if bound is not None:
+        if what and bound["op"].startswith(">"):
+            return inner, f"{subject}must be {_what(info)}, got {shown_value(got)}"
+        limit = f"{float(bound['bound']):g}" if "." in bound["bound"] else bound["bound"]
+        return inner, f"{subject}must be {bound['op']} {limit}, got {shown_value(got)}"
+    if message.startswith("Expected `str` of length"):
+        return inner, f"{subject}must not be empty"
+    literal = bare(info, mi.LiteralType)
+    if message.startswith("Invalid enum value") and literal is not None:
+        values = ", ".join(map(str, _extra(info).get("values", literal.values)))
+        nope = _extra(info).get("not")
+        if nope:
+            return inner, f"{key} = {got!r} is not {nope}; use one of {values}"
+        return inner, f"{subject}must be one of {values}, got {shown_value(got)}"
+    if message.startswith("Expected `"):
+        what = _what(info).replace("{key}", key)
+        return inner, f"{subject}must be {what}, got {_kind(got)}"
+    return inner, subject + message[:1].lower() + message[1:]
 
-    def flag(self, key: str, default: bool) -> bool:
-        value = self.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self.error(f"{key} must be true or false, got {_kind(value)}")
-        return value
 
-    def texts(self, key: str) -> tuple[str, ...] | None:
-        value = self.get(key)
-        if value is None:
-            return None
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise self.error(f"{key} must be a list of text")
-        return tuple(value)
+def _extra(info: Any) -> dict[str, Any]:
+    """The ``extra`` of ``info``'s metadata (of the one member of a union that has any)."""
+    extra: dict[str, Any] = {}
+    while isinstance(info, mi.Metadata):
+        extra.update(info.extra or {})
+        info = info.type
+    if isinstance(info, mi.UnionType):
+        for member in info.types:
+            extra = {**_extra(member), **extra}
+    return extra
 
-    def tables(self, key: str) -> list[Any]:
-        value = self.get(key)
-        if value is None:
-            return []
-        if not isinstance(value, list):
-            raise self.error(f"{key} must be a list of tables ([[{key}]]), got {_kind(value)}")
-        return value
 
-    def done(self) -> None:
-        unknown = sorted(set(self.data) - self._read)
-        if unknown:
-            known = ", ".join(sorted(self._read)) or "none"
-            raise self.error(f"unknown key {unknown[0]!r} (known here: {known})")
+def _what(info: Any) -> str:
+    """What a value of type ``info`` is, in words."""
+    extra = _extra(info) if not isinstance(bare(info), mi.UnionType) else {}
+    if extra.get("what"):
+        return str(extra["what"])
+    info = bare(info)
+    if isinstance(info, mi.UnionType):
+        return " or ".join(_what(t) for t in info.types if not isinstance(t, mi.NoneType))
+    if isinstance(info, mi.LiteralType):
+        return f"one of {', '.join(map(str, extra.get('values', info.values)))}"
+    if isinstance(info, mi.StrType):
+        return "text"
+    if isinstance(info, mi.IntType):
+        return "an integer"
+    if isinstance(info, mi.FloatType):
+        return "a number"
+    if isinstance(info, mi.BoolType):
+        return "true or false"
+    if isinstance(info, mi.ListType):
+        return "a list of text" if isinstance(bare(info.item_type), mi.StrType) else "a list"
+    if isinstance(info, mi.StructType | mi.DictType):
+        return "a table"
+    return "something else"
 
 
 def _only(scripted: int) -> str:
@@ -253,38 +528,32 @@ class _Loader:
     def __init__(self, file: str) -> None:
         self.file = file
 
-    def table(self, data: Any, where: str) -> _Table:
-        return _Table(data, where, self.file)
+    def place(self, where: str) -> _Place:
+        return _Place(self.file, where)
 
     def load(self, data: Mapping[str, Any], default_name: str) -> Scenario:
-        top = self.table(data, "")
-        top.where = "top level"
-        name = top.text("name", default_name)
-        description = top.text("description", "")
-        tz = self._tz(top)
-        start_ms = self._start(top, tz)
-        tick_ms = top.integer("tick_ms", 1000, maximum=MAX_TICK_MS)
-        timeout_s = top.number("timeout_s", 10.0, maximum=MAX_TIMEOUT_S)
-        owners = self._owners(top)
-        archive = top.flag("archive", True)
-        config = self._config(top.get("config"))
-        models = self._models(top.get("model"), top.tables("models"))
-        sessions = self._sessions(top.tables("sessions"), top)
+        top = self.place("top level")
+        spec = top.convert(data, _Top)
+        tz = self._tz(top, spec)
+        start_ms = self._start(top, spec.start, tz)
+        owners = self._owners(top, spec.owners)
+        config = self._config(spec.config)
+        models = self._models(spec.model, spec.models)
+        sessions = self._sessions(spec.sessions, top)
         ids = [s.id for s in sessions]
-        tools = self._tools(top.tables("tools"))
-        replies = self._replies(top.tables("replies"), ids)
-        steps = self._steps(top.tables("steps"), ids, tools, replies)
-        top.done()
+        tools = self._tools(spec.tools)
+        replies = self._replies(spec.replies, ids)
+        steps = self._steps(spec.steps, ids, tools, replies)
         return Scenario(
-            name=name,
+            name=spec.name if spec.name is not None else default_name,
             file=self.file,
-            description=description,
+            description=spec.description,
             start_ms=start_ms,
             tz=tz,
-            tick_ms=tick_ms,
-            timeout_s=timeout_s,
+            tick_ms=spec.tick_ms,
+            timeout_s=spec.timeout_s,
             owners=owners,
-            archive=archive,
+            archive=spec.archive,
             config=config,
             models=models,
             sessions=tuple(sessions),
@@ -295,18 +564,16 @@ class _Loader:
 
     # --- settings -----------------------------------------------------------------
 
-    def _tz(self, top: _Table) -> tzinfo:
-        value = top.get("timezone")
+    def _tz(self, top: _Place, spec: _Top) -> tzinfo:
+        value = spec.timezone
         if value is None:
-            start = top.data.get("start")
+            start = spec.start
             if isinstance(start, str):
                 with contextlib.suppress(ValueError):
                     start = datetime.fromisoformat(start)
             if isinstance(start, datetime) and start.tzinfo is not None:
                 return start.tzinfo
             return UTC
-        if not isinstance(value, str):
-            raise top.error(f"timezone must be text like '+08:00' or 'UTC', got {_kind(value)}")
         if value.upper() in ("UTC", "Z"):
             return UTC
         m = re.fullmatch(r"([+-])(\d{2}):?(\d{2})", value)
@@ -317,8 +584,8 @@ class _Loader:
         sign = 1 if m[1] == "+" else -1
         return timezone(sign * timedelta(hours=int(m[2]), minutes=int(m[3])))
 
-    def _start(self, top: _Table, tz: tzinfo) -> int:
-        value = top.get("start")
+    def _start(self, top: _Place, value: Any, tz: tzinfo) -> int:
+        """``start``: ISO text, a TOML date and time, or milliseconds since the epoch."""
         if value is None:
             return DEFAULT_START_MS
         if isinstance(value, str):
@@ -345,8 +612,7 @@ class _Loader:
             raise top.error("start needs a time of day too, e.g. 2026-01-01T08:00:00+08:00")
         raise top.error(f"start must be a date and time, got {_kind(value)}")
 
-    def _owners(self, top: _Table) -> tuple[tuple[str, str], ...]:
-        owners = top.texts("owners") or ()
+    def _owners(self, top: _Place, owners: list[str]) -> tuple[tuple[str, str], ...]:
         out = []
         for owner in owners:
             platform, sep, user = owner.partition(":")
@@ -358,12 +624,9 @@ class _Loader:
     def _config(self, data: Any) -> AgentConfig:
         if data is None:
             return AgentConfig()
-        if not isinstance(data, Mapping):
-            raise ScenarioError(
-                f"must be a table, got {_kind(data)}", file=self.file, where="[config]"
-            )
+        table = self.place("[config]").convert(data, dict[str, Any])
         try:
-            config = AgentConfig.from_mapping(data, where="[config]")
+            config = AgentConfig.from_mapping(table, where="[config]")
             check_config_range(config, where="[config]")
         except (ConfigError, TypeError) as exc:
             raise ScenarioError(str(exc), file=self.file) from None
@@ -372,75 +635,70 @@ class _Loader:
     def _models(self, first: Any, more: list[Any]) -> tuple[dict[str, Any], ...]:
         models: list[dict[str, Any]] = []
         for i, data in enumerate([first if first is not None else {}, *more]):
-            t = self.table(data, "[model]" if i == 0 else f"[[models]] #{i}")
-            model = {
-                "id": t.text("id", "scripted" if i == 0 else None, required=i > 0),
-                "provider": t.text("provider", "scenario"),
-                "context_length": t.integer(
-                    "context_length", 32_000, minimum=1, maximum=MAX_TOKENS
-                ),
-                "max_output_tokens": t.integer(
-                    "max_output_tokens", 4096, minimum=1, maximum=MAX_TOKENS
-                ),
-                "think_levels": tuple(t.texts("think_levels") or ()),
-                "default_think": t.text("default_think"),
-            }
-            entry = f"{model['provider']}/{model['id']}"
+            t = self.place("[model]" if i == 0 else f"[[models]] #{i}")
+            spec = t.convert(data, _FirstModel if i == 0 else _Model)
+            entry = f"{spec.provider}/{spec.id}"
             if any(f"{m['provider']}/{m['id']}" == entry for m in models):
                 raise t.error(f"model {entry!r} is declared twice")
-            if model["default_think"] is not None and (
-                model["default_think"] not in model["think_levels"]
-            ):
+            if spec.default_think is not None and spec.default_think not in spec.think_levels:
                 raise t.error("default_think must be one of think_levels")
-            t.done()
-            models.append(model)
+            models.append(
+                {
+                    "id": spec.id,
+                    "provider": spec.provider,
+                    "context_length": spec.context_length,
+                    "max_output_tokens": spec.max_output_tokens,
+                    "think_levels": tuple(spec.think_levels),
+                    "default_think": spec.default_think,
+                }
+            )
         return tuple(models)
 
-    def _sessions(self, items: list[Any], top: _Table) -> list[SessionSpec]:
+    def _sessions(self, items: list[Any], top: _Place) -> list[SessionSpec]:
         if not items:
             raise top.error("no [[sessions]]: declare at least one session (id, platform)")
         sessions: list[SessionSpec] = []
         for i, item in enumerate(items, 1):
-            t = self.table(item, f"[[sessions]] #{i}")
-            sid = t.text("id", required=True)
+            t = self.place(f"[[sessions]] #{i}")
+            sid = t.convert(item, _SessionHead).id
             t.where = f"session {sid!r}"
             if not sid or any(s.id == sid for s in sessions):
                 raise t.error("session ids must be non-empty and unique")
-            spec = SessionSpec(
-                id=sid,
-                platform=t.text("platform", "cli"),
-                multi_party=t.flag("multi_party", False),
-                group_id=t.text("group_id"),
-                parent=t.text("parent"),
-                settings=self._session_settings(t.get("settings"), t),
+            spec = t.convert(item, _Session)
+            sessions.append(
+                SessionSpec(
+                    id=sid,
+                    platform=spec.platform,
+                    multi_party=spec.multi_party,
+                    group_id=spec.group_id,
+                    parent=spec.parent,
+                    settings=self._session_settings(spec.settings, t),
+                )
             )
-            t.done()
-            sessions.append(spec)
         return sessions
 
-    def _session_settings(self, data: Any, owner: _Table) -> dict[str, Any]:
-        if data is None:
+    def _session_settings(self, spec: _SessionSettings | None, owner: _Place) -> dict[str, Any]:
+        if spec is None:
             return {}
-        t = self.table(data, f"{owner.where} settings")
-        layer: dict[str, Any] = {}
-        checked: dict[str, Any] = {}
-        for key in ("historyLimit", "maxToolIterations", "think"):
-            if t.has(key):
-                checked[key] = layer[key] = t.get(key)
+        t = self.place(f"{owner.where} settings")
+        given = {
+            "historyLimit": spec.history_limit,
+            "maxToolIterations": spec.max_tool_iterations,
+            "think": spec.think,
+        }
+        checked = {k: v for k, v in given.items() if v is not msgspec.UNSET}
+        layer: dict[str, Any] = dict(checked)
         try:
             check_config_range(AgentConfig.from_mapping(checked, where=t.where), where=t.where)
             for key, value in checked.items():  # as /session.set would check them
                 validate_setting(key, value, layer=owner.where)
+            if spec.enabled_tool_groups is not None:
+                groups = tuple(spec.enabled_tool_groups)
+                validate_setting("enabledToolGroups", groups, layer=owner.where)
+                layer["enabledToolGroups"] = groups
         except ConfigError as exc:
             raise ScenarioError(str(exc), file=self.file) from None
-        groups = t.texts("enabledToolGroups")
-        if groups is not None:
-            try:
-                validate_setting("enabledToolGroups", groups, layer=owner.where)
-            except ConfigError as exc:
-                raise ScenarioError(str(exc), file=self.file) from None
-            layer["enabledToolGroups"] = groups
-        model = t.text("model")
+        model = spec.model
         if model is not None:
             provider, sep, model_id = model.partition("/")
             if not sep or not provider or not model_id:
@@ -450,7 +708,6 @@ class _Loader:
             except ConfigError as exc:
                 raise ScenarioError(str(exc), file=self.file) from None
             layer["model"] = ModelRef(provider=provider, model=model_id)
-        t.done()
         return layer
 
     # --- tools and replies ----------------------------------------------------------
@@ -458,15 +715,14 @@ class _Loader:
     def _tools(self, items: list[Any]) -> list[ToolSpec]:
         tools: list[ToolSpec] = []
         for i, item in enumerate(items, 1):
-            t = self.table(item, f"[[tools]] #{i}")
-            name = t.text("name", required=True)
+            t = self.place(f"[[tools]] #{i}")
+            name = t.convert(item, _ToolHead).name
             t.where = f"tool {name!r}"
             if not name or any(c.isspace() for c in name) or any(x.name == name for x in tools):
                 raise t.error("tool names must be unique, non-empty and without spaces")
-            results = tuple(
-                self._tool_outcome(r, t, k) for k, r in enumerate(t.tables("results"), 1)
-            )
-            result, error = t.text("result"), t.text("error")
+            spec = t.convert(item, _Tool)
+            results = tuple(self._tool_outcome(r, t, k) for k, r in enumerate(spec.results, 1))
+            result, error = spec.result, spec.error
             if result is not None and error is not None:
                 raise t.error("give result or error, not both")
             default = (
@@ -474,125 +730,105 @@ class _Loader:
             )
             if default is None and not results:
                 raise t.error("give result, error or results (one per call)")
-            params = t.get("parameters")
-            if params is not None and not isinstance(params, Mapping):
-                raise t.error("parameters must be a table (a JSON schema)")
+            params = spec.parameters
             tools.append(
                 ToolSpec(
                     name=name,
-                    description=t.text("description", ""),
+                    description=spec.description,
                     parameters=params
                     if params is not None
                     else {"type": "object", "properties": {}},
-                    groups=t.texts("groups") or (),
+                    groups=tuple(spec.groups),
                     results=results,
                     default=default,
-                    slow=t.flag("slow", False),
-                    abortable=t.flag("abortable", False),
+                    slow=spec.slow,
+                    abortable=spec.abortable,
                 )
             )
-            t.done()
         return tools
 
-    def _tool_outcome(self, item: Any, tool: _Table, k: int) -> ToolOutcome:
+    def _tool_outcome(self, item: str | _Outcome, tool: _Place, k: int) -> ToolOutcome:
         if isinstance(item, str):
             return ToolOutcome(result=item)
-        t = self.table(item, f"{tool.where} results #{k}")
-        result, error = t.text("result"), t.text("error")
-        t.done()
-        if (result is None) == (error is None):
-            raise t.error("each result is text, or a table with result or error (one of them)")
-        return ToolOutcome(result, error)
+        if (item.result is None) == (item.error is None):
+            raise self.place(f"{tool.where} results #{k}").error(
+                "each result is text, or a table with result or error (one of them)"
+            )
+        return ToolOutcome(item.result, item.error)
 
     def _replies(self, items: list[Any], sessions: list[str]) -> dict[str, tuple[ReplySpec, ...]]:
         by_session: dict[str, list[ReplySpec]] = {s: [] for s in sessions}
         for i, item in enumerate(items, 1):
-            t = self.table(item, f"[[replies]] #{i}")
-            sid = self._session_of(t, sessions)
+            t = self.place(f"[[replies]] #{i}")
+            sid = self._session_of(t, t.convert(item, _ReplyHead).session, sessions)
             own = by_session[sid]
             n = len(own) + 1
             t.where = f"reply #{i} (call {n} of {sid})"
-            call = t.integer("call", n, minimum=1)
+            spec = t.convert(item, _Reply)
+            call = spec.call if spec.call is not None else n
             if call != n:
                 raise t.error(
                     f"call = {call}, but this is reply {n} of session {sid!r}: replies answer "
                     "a session's calls in file order"
                 )
-            text = t.text("text")
-            pieces = self._pieces(t, text)
-            usage = self._usage(t.get("usage"), t)
-            calls = tuple(
-                self._tool_call(c, t, j, sid, n) for j, c in enumerate(t.tables("tool_calls"), 1)
-            )
+            pieces = self._pieces(t, spec.text, spec.chunks)
+            usage = self._usage(spec.usage)
+            calls = tuple(self._tool_call(c, t, j, n) for j, c in enumerate(spec.tool_calls, 1))
             own.append(
                 ReplySpec(
                     session=sid,
                     call=n,
                     text="".join(pieces),
-                    reasoning=t.text("reasoning"),
+                    reasoning=spec.reasoning,
                     pieces=pieces,
                     tool_calls=calls,
                     usage=usage,
-                    error=t.text("error"),
+                    error=spec.error,
                 )
             )
-            t.done()
         return {s: tuple(r) for s, r in by_session.items()}
 
-    def _pieces(self, t: _Table, text: str | None) -> tuple[str, ...]:
-        chunks = t.get("chunks")
+    def _pieces(
+        self, t: _Place, text: str | None, chunks: int | list[str] | None
+    ) -> tuple[str, ...]:
         if chunks is None:
             return (text,) if text else ()
         if isinstance(chunks, list):
             if text is not None:
                 raise t.error("chunks as a list is the text itself: give text or chunks, not both")
-            if not all(isinstance(c, str) for c in chunks):
-                raise t.error("chunks must be a number or a list of text")
             return tuple(chunks)
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise t.error(f"chunks must be a number >= 1 or a list of text, got {_kind(chunks)}")
-        if chunks > MAX_CHUNKS:
-            raise t.error(f"chunks must be <= {MAX_CHUNKS}, got {chunks}")
         text = text or ""
         size = -(-len(text) // chunks) if text else 0
         return tuple(text[i * size : (i + 1) * size] for i in range(chunks)) if size else ()
 
-    def _usage(self, data: Any, owner: _Table) -> Usage | None:
-        if data is None:
+    @staticmethod
+    def _usage(spec: _Usage | None) -> Usage | None:
+        if spec is None:
             return None
-        t = self.table(data, f"{owner.where} usage")
-        usage = Usage(
-            prompt_tokens=t.integer("prompt_tokens", maximum=MAX_TOKENS),
-            completion_tokens=t.integer("completion_tokens", maximum=MAX_TOKENS),
-            total_tokens=t.integer("total_tokens", maximum=MAX_TOKENS),
-            cached_prompt_tokens=t.integer("cached_prompt_tokens", maximum=MAX_TOKENS),
+        return Usage(
+            prompt_tokens=spec.prompt_tokens,
+            completion_tokens=spec.completion_tokens,
+            total_tokens=spec.total_tokens,
+            cached_prompt_tokens=spec.cached_prompt_tokens,
         )
-        t.done()
-        return usage
 
-    def _tool_call(self, data: Any, owner: _Table, j: int, sid: str, n: int) -> ToolCall:
-        t = self.table(data, f"{owner.where} tool_calls #{j}")
-        name = t.text("name", required=True)
-        call_id = t.text("id", f"call-{n}-{j}")
-        arguments = t.get("arguments")
+    def _tool_call(self, spec: _ToolCall, owner: _Place, j: int, n: int) -> ToolCall:
+        arguments = spec.arguments
         if arguments is None:
             arguments = ""
-        elif isinstance(arguments, Mapping):
+        elif isinstance(arguments, dict):
             try:
                 arguments = json.dumps(arguments, ensure_ascii=False)
             except (TypeError, ValueError) as exc:  # a date or time has no JSON form
-                raise t.error(f"arguments as a table must hold JSON values only: {exc}") from None
-        elif not isinstance(arguments, str):
-            raise t.error(
-                "arguments must be text (sent as is, so it may be broken JSON) or a table"
-            )
-        t.done()
-        return ToolCall(id=call_id, name=name, arguments=arguments)
+                raise self.place(f"{owner.where} tool_calls #{j}").error(
+                    f"arguments as a table must hold JSON values only: {exc}"
+                ) from None
+        call_id = spec.id if spec.id is not None else f"call-{n}-{j}"
+        return ToolCall(id=call_id, name=spec.name, arguments=arguments)
 
     # --- steps ------------------------------------------------------------------------
 
-    def _session_of(self, t: _Table, sessions: list[str]) -> str:
-        sid = t.text("session")
+    def _session_of(self, t: _Place, sid: str | None, sessions: list[str]) -> str:
         if sid is None:
             if len(sessions) == 1:
                 return sessions[0]
@@ -603,13 +839,13 @@ class _Loader:
 
     def _point(
         self,
-        t: _Table,
+        t: _Place,
         sid: str,
         sessions: list[str],
         tools: dict[str, ToolSpec],
         replies: Mapping[str, tuple[ReplySpec, ...]],
+        value: str | None,
     ) -> Point:
-        value = t.text("at")
         if value is None:
             return Point("now")
         shown = shown_value(value)
@@ -666,7 +902,7 @@ class _Loader:
 
     def _hook_point(
         self,
-        t: _Table,
+        t: _Place,
         shown: str,
         groups: dict[str, Any],
         n: int,
@@ -715,7 +951,7 @@ class _Loader:
 
     def _chunk_point(
         self,
-        t: _Table,
+        t: _Place,
         shown: str,
         chunk: int,
         n: int,
@@ -750,80 +986,66 @@ class _Loader:
         by_name = {t.name: t for t in tools}
         steps: list[StepSpec] = []
         for i, item in enumerate(items, 1):
-            t = self.table(item, f"step {i}")
-            do = t.text("do", required=True)
-            if do not in STEP_KINDS:
-                raise t.error(f"do = {do!r} is not a step; use one of {', '.join(STEP_KINDS)}")
+            t = self.place(f"step {i}")
+            do = t.convert(item, _StepDo).do
             t.where = f"step {i} ({do})"
-            sid = self._session_of(t, sessions)
-            at = self._point(t, sid, sessions, by_name, replies)
+            head = t.convert(item, _StepHead)
+            sid = self._session_of(t, head.session, sessions)
+            at = self._point(t, sid, sessions, by_name, replies, head.at)
             t.where = f"step {i} ({do} at {at.describe()})"
             if at.kind == "tool" and at.tool is not None and not by_name[at.tool].slow:
                 # A tool named in a point must park for the step to happen while it runs.
                 by_name[at.tool] = dataclasses.replace(by_name[at.tool], slow=True)
-            step = self._step(t, i, do, sid, at)
-            t.done()
-            steps.append(step)
+            steps.append(self._step(t, i, t.convert(item, _STEPS[do]), sid, at))
         tools[:] = [by_name[t.name] for t in tools]  # the caller's list: slow ones updated
         return steps
 
-    def _step(self, t: _Table, i: int, do: Any, sid: str, at: Point) -> StepSpec:
-        note = t.text("note")
-        base = {"index": i, "do": do, "session": sid, "at": at, "note": note}
-        if do in ("say", "inject"):
-            return StepSpec(**base, input=self._input(t, do))
-        if do in ("stop", "stop_command", "stop_all"):
-            return StepSpec(**base, by=t.text("by"), platform=t.text("platform"))
-        if do == "clear":
-            return StepSpec(**base, kinds=t.texts("kinds") or ())
-        if do == "wait":
-            ms = t.integer("ms", minimum=1, maximum=MAX_WAIT_MS)
-            if ms is None:
-                raise t.error("ms is required (how far the clock moves)")
-            return StepSpec(**base, ms=ms)
+    def _step(self, t: _Place, i: int, spec: _Step, sid: str, at: Point) -> StepSpec:
+        base: dict[str, Any] = {
+            "index": i,
+            "do": spec.do,
+            "session": sid,
+            "at": at,
+            "note": spec.note,
+        }
+        if isinstance(spec, _Say):
+            return StepSpec(**base, input=self._input(t, spec))
+        if isinstance(spec, _Stop):
+            return StepSpec(**base, by=spec.by, platform=spec.platform)
+        if isinstance(spec, _Clear):
+            return StepSpec(**base, kinds=tuple(spec.kinds))
+        if isinstance(spec, _Wait):
+            return StepSpec(**base, ms=spec.ms)
         return StepSpec(**base)
 
-    def _input(self, t: _Table, do: str) -> Input:
-        text = t.text("text", required=True)
+    def _input(self, t: _Place, spec: _Say) -> Input:
         source = actor = None
         notice = None
-        if do == "inject":
-            actor = t.text("actor")
-            source = t.text("source", required=True)
-            if not source:
-                raise t.error("source must not be empty")
-            notice = self._notice(t.get("notice"), t)
+        if isinstance(spec, _Inject):
+            actor, source = spec.actor, spec.source
+            notice = self._notice(spec.notice)
             if source == "host-notice" and notice is None:
                 raise t.error("a host-notice injection needs notice = { kind = ..., id = ... }")
-        trigger = t.text("trigger", DEFAULT_TRIGGERS.get(source or ""))
-        if trigger is not None and trigger not in TRIGGERS:
-            raise t.error(f"trigger must be one of {', '.join(TRIGGERS)}, got {trigger!r}")
-        user = t.text("from")
-        nickname = t.text("nickname")
+        trigger = spec.trigger if spec.trigger is not None else DEFAULT_TRIGGERS.get(source or "")
         return Input(
-            id=t.text("id", ""),
-            content=text,
-            sender=Sender(user_id=user, nickname=nickname),
+            id=spec.id,
+            content=spec.text,
+            sender=Sender(user_id=spec.sender, nickname=spec.nickname),
             actor=actor,
-            platform=t.text("platform", ""),
-            message_id=t.text("message_id"),
+            platform=spec.platform,
+            message_id=spec.message_id,
             trigger_type=trigger,
             source=source,
-            addressed=t.flag("addressed", True),
-            mentions=t.texts("mentions") or (),
-            gateway_seq=t.integer("gateway_seq"),
+            addressed=spec.addressed,
+            mentions=tuple(spec.mentions),
+            gateway_seq=spec.gateway_seq,
             host_notice=notice,
         )
 
-    def _notice(self, data: Any, owner: _Table) -> HostNotice | None:
-        if data is None:
+    @staticmethod
+    def _notice(spec: _Notice | None) -> HostNotice | None:
+        if spec is None:
             return None
-        t = self.table(data, f"{owner.where} notice")
-        notice = HostNotice(
-            kind=t.text("kind", required=True),
-            id=t.text("id", required=True),
-            untrusted=t.text("untrusted"),
-            reply_to=t.text("reply_to"),
+        return HostNotice(
+            kind=spec.kind, id=spec.id, untrusted=spec.untrusted, reply_to=spec.reply_to
         )
-        t.done()
-        return notice

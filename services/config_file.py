@@ -73,6 +73,7 @@ from aalis_agent.services.settings import (
     shown_value,
     validate_setting,
 )
+from aalis_agent.services.shapes import bare, info_at, value_at
 from msgspec import Meta
 
 if TYPE_CHECKING:
@@ -225,11 +226,11 @@ def _explain(error: str, value: Any, tp: Any) -> tuple[str, str]:
     m = _AT.match(error)
     message, path = (m["message"], m["path"] or "") if m else (error, "")
     steps = [name or int(index) for name, index in _SEGMENT.findall(path)]
-    info = _info_at(mi.type_info(tp), steps)
+    info = info_at(mi.type_info(tp), steps)
     where = "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in steps).lstrip(".")
     field = _FIELD.match(message)
     if field is not None:
-        struct = _bare(info, mi.StructType)
+        struct = bare(info, mi.StructType)
         fields = {f.encode_name: f.type for f in struct.fields} if struct else {}
         if field["how"] == "contains unknown":
             problem = f"unknown key (known: {', '.join(sorted(fields))})"
@@ -237,7 +238,7 @@ def _explain(error: str, value: Any, tp: Any) -> tuple[str, str]:
             hint = _extra(fields.get(field["name"])).get("required")
             problem = f"required: {hint}" if hint else "required"
         return _join(where, field["name"]), problem
-    got = _value_at(value, steps)
+    got = value_at(value, steps)
     bound = _RANGE.match(message)
     if bound is not None:
         return where, f"must be {bound['op']} {bound['bound']}, got {shown_value(got)}"
@@ -248,29 +249,6 @@ def _explain(error: str, value: Any, tp: Any) -> tuple[str, str]:
 
 def _join(key: str, name: str) -> str:
     return f"{key}.{name}" if key and name and not name.startswith("[") else key + name
-
-
-def _bare(info: Any, want: type | None = None) -> Any:
-    """``info`` without its metadata; with ``want``, the member of a union (or ``info``
-    itself) of that kind, else None."""
-    while isinstance(info, mi.Metadata):
-        info = info.type
-    if want is None:
-        return info
-    members = info.types if isinstance(info, mi.UnionType) else (info,)
-    return next((t for t in map(_bare, members) if isinstance(t, want)), None)
-
-
-def _info_at(info: Any, steps: list[str | int]) -> Any:
-    """The type of the value at ``steps`` below a value of type ``info``."""
-    for step in steps:
-        if isinstance(step, int):
-            info = getattr(_bare(info, mi.ListType), "item_type", mi.AnyType())
-        elif (struct := _bare(info, mi.StructType)) is not None:
-            info = next((f.type for f in struct.fields if f.encode_name == step), mi.AnyType())
-        else:
-            info = getattr(_bare(info, mi.DictType), "value_type", mi.AnyType())
-    return info
 
 
 def _extra(info: Any) -> dict[str, Any]:
@@ -286,7 +264,7 @@ def _what(info: Any) -> str:
     what = _extra(info).get("what")
     if what:
         return str(what)
-    info = _bare(info)
+    info = bare(info)
     if isinstance(info, mi.UnionType):
         return " or ".join(_what(t) for t in info.types if not isinstance(t, mi.NoneType))
     if isinstance(info, mi.LiteralType):
@@ -302,17 +280,6 @@ def _what(info: Any) -> str:
     if isinstance(info, mi.StructType | mi.DictType):
         return "a table"
     return "something else"
-
-
-def _value_at(value: Any, steps: list[str | int]) -> Any:
-    for step in steps:
-        if isinstance(step, int) and isinstance(value, list) and step < len(value):
-            value = value[step]
-        elif isinstance(step, str) and isinstance(value, Mapping):
-            value = value.get(step)
-        else:
-            return None
-    return value
 
 
 def _kind(value: Any) -> str:
