@@ -105,11 +105,10 @@ _RENDERED: dict[int, tuple[ChatMessage, int, tzinfo, ChatMessage]] = {}
 _RENDERED_MAX = 100_000
 
 
-def _render_cached(m: ChatMessage, now_ms: int, tz: tzinfo) -> ChatMessage:
+def _render_cached(m: ChatMessage, now_ms: int, tz: tzinfo, year: int) -> ChatMessage:
     # A label depends only on the message, the time zone and the current year, and the
     # history keeps the same message objects turn after turn: keyed by the object (held,
     # so its id is not reused while cached), a message renders once.
-    year = datetime.fromtimestamp(now_ms / 1000, tz).year
     hit = _RENDERED.get(id(m))
     if hit is not None and hit[0] is m and hit[1] == year and hit[2] is tz:
         return hit[3]
@@ -123,9 +122,10 @@ def _render_cached(m: ChatMessage, now_ms: int, tz: tzinfo) -> ChatMessage:
 def render_history(messages: Sequence[ChatMessage], now_ms: int, tz: tzinfo) -> list[ChatMessage]:
     """History as sent: user messages labelled, replies with their visible text (FLOW4)."""
     out: list[ChatMessage] = []
+    year = datetime.fromtimestamp(now_ms / 1000, tz).year  # once a call, not per message
     for m in messages:
         if m.role == "user":
-            out.append(_render_cached(m, now_ms, tz))
+            out.append(_render_cached(m, now_ms, tz, year))
         elif m.role == "assistant" and m.meta.visible_content is not None:
             out.append(msgspec.structs.replace(m, content=m.meta.visible_content))
         else:

@@ -461,6 +461,20 @@ def bench_trim(tmp: Path) -> None:
     emit("trim_1k_cold_ms", cold_s * 1000, "ms", messages=1000, counter=counter.name)
 
 
+def bench_render_history(tmp: Path) -> None:
+    """Rendering a 1,000-message history for a request (labels cached per message)."""
+    from datetime import timedelta, timezone
+
+    from aalis_agent.request.prompt import render_history
+
+    history = _conversation(1000)
+    tz = timezone(timedelta(hours=8))
+    now = 1_767_300_000_000
+    render_history(history, now, tz)  # labels kept from here on
+    seconds = best_of(50, lambda: render_history(history, now, tz))
+    emit("render_history_1k_us", seconds * 1e6, "us", messages=len(history))
+
+
 def bench_turns(tmp: Path) -> None:
     """Tokens encoded per turn as history grows, and the whole orchestration cost of a turn
     (a user message, one tool call, a final reply) on the instant scripted model with the
@@ -548,6 +562,7 @@ ALL = (
     "passivated_10k",
     "inputs_per_s_1k_sessions",
     "trim_1k",
+    "render_history_1k_us",
     "turns",
 )
 
@@ -597,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench_inputs_per_s_1k(tmp)
             elif name == "trim_1k":
                 bench_trim(tmp)
+            elif name == "render_history_1k_us":
+                bench_render_history(tmp)
             elif name == "turns":
                 bench_turns(tmp)
         if big is not None:
