@@ -100,6 +100,8 @@ class Hooks:
     """Every hook chain, the contributions and the input preprocessors of a runtime."""
 
     _chains: dict[str, list[tuple[int, int, Middleware]]] = field(default_factory=dict)
+    # Each chain as run: replaced whole on every change, read without the lock.
+    _running: dict[str, tuple[Middleware, ...]] = field(default_factory=dict)
     _contributions: list[Contribution] = field(default_factory=list)
     _preprocessors: list[Callable[[Any], Any]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -114,12 +116,14 @@ class Hooks:
             entry = (-priority, self._order, middleware)
             self._chains.setdefault(key, []).append(entry)
             self._chains[key].sort(key=lambda e: (e[0], e[1]))
+            self._running[key] = tuple(m for _, _, m in self._chains[key])
 
         def remove() -> None:
             with self._lock:
                 chain = self._chains.get(key, [])
                 if entry in chain:
                     chain.remove(entry)
+                    self._running[key] = tuple(m for _, _, m in chain)
 
         return remove
 
@@ -129,8 +133,9 @@ class Hooks:
         Returns whether the default action ran (False: a middleware ended the chain
         without calling ``next()``) and what the outermost middleware returned.
         """
-        with self._lock:
-            chain = [m for _, _, m in self._chains.get(key, [])]
+        chain = self._running.get(key, ())
+        if not chain:
+            return True, default(ctx)
         ran = False
 
         def call(i: int) -> Any:

@@ -10,12 +10,14 @@ if TYPE_CHECKING:
     from aalis_agent.actors.budget import BudgetLog
     from aalis_agent.actors.hooks import Hooks
     from aalis_agent.actors.turn import TurnRunner
+    from aalis_agent.actors.workers import Workers
 
 __all__ = ["SessionHost"]
 
 
 class SessionHost(Protocol):
-    """The host of session actors (the runtime): its hooks and budget log, and the events
+    """The host of session actors (the runtime): its hooks, budget log and turn threads,
+    and the events
     an actor reports about itself and its turn runners."""
 
     @property
@@ -23,6 +25,11 @@ class SessionHost(Protocol):
 
     @property
     def budget_log(self) -> BudgetLog: ...
+
+    @property
+    def workers(self) -> Workers:
+        """The threads its sessions' turns run on."""
+        ...
 
     def runner_started(self, runner: TurnRunner) -> None:
         """A turn runner of one of its sessions started."""

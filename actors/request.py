@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from aalis_agent.actors.history_cache import HistoryCache, PreparedHistory
 from aalis_agent.actors.hooks import ContributionView, Hooks
 from aalis_agent.events import ChatMessage, TokenUsage, TurnSettings
 from aalis_agent.projections.history import HistoryState
@@ -22,6 +23,7 @@ from aalis_agent.request.trim import TrimRequest, TrimResult, trim, trim_budget
 from aalis_agent.request.usage import breakdown, usage_payload
 from aalis_agent.services import Services
 from aalis_agent.services.llm import ChatModel
+from aalis_agent.services.memory import ProjectionMemory
 
 __all__ = ["TrimmedCall", "add_contributions", "base_prompt", "call_usage", "trim_call"]
 
@@ -34,18 +36,29 @@ def base_prompt(
     now: int,
     *,
     exclude_turn: str | None,
-) -> tuple[TurnPrompt, str | None, int]:
+    cache: HistoryCache | None = None,
+) -> tuple[TurnPrompt, str | None, PreparedHistory]:
     """FLOW3-FLOW4, shared by turns and ``token:request`` snapshots: the system prompt and
-    the history read from memory. Returns the prompt, the persona text and the number of
-    active history messages."""
+    the history read from memory. Returns the prompt, the persona text and the prepared
+    history (what was sent as history, its token prefix sums when known, and the number of
+    active history messages). With the session's ``cache`` and the default memory, the
+    history is extended by what was archived since the last turn instead of read whole."""
     persona = services.persona.prompt(settings.persona) if services.persona else None
     memory = services.memory  # FLOW4: the history window comes from memory
-    window = memory.window(session_id, state, settings.history_limit, exclude_turn)
+    limit = settings.history_limit
+    if cache is not None and type(memory) is ProjectionMemory:
+        prepared = cache.prepare(state, limit, exclude_turn, now, services.tz)
+    else:
+        window = memory.window(session_id, state, limit, exclude_turn)
+        prepared = PreparedHistory(
+            messages=render_history(window, now, services.tz),
+            active=memory.count_history(session_id, state, exclude_turn),
+        )
     prompt = TurnPrompt(
         system=system_prompt(persona, services.config.system_prompt),
-        history=render_history(window, now, services.tz),
+        history=prepared.messages,
     )
-    return prompt, persona, memory.count_history(session_id, state, exclude_turn)
+    return prompt, persona, prepared
 
 
 def add_contributions(
@@ -88,17 +101,19 @@ def trim_call(
     llm: ChatModel,
     messages: list[ChatMessage],
     tools: list[dict[str, Any]],
-    history_ids: frozenset[str],
+    history: PreparedHistory,
     *,
     protected: frozenset[str] = frozenset(),
     snapshot: bool = False,
 ) -> TrimmedCall:
     """FLOW9 for a turn's call and a ``token:request`` snapshot alike: the budget from the
     model and the plugin config, the list split into head, history and turn, the five-step
-    trim (TRIM). ``snapshot`` puts the continuation hint at the end (no inputs)."""
+    trim (TRIM). ``snapshot`` puts the continuation hint at the end (no inputs). When the
+    history part is the prepared history unchanged, its token prefix sums are reused."""
     config = services.config
     budget = trim_budget(llm.context_length, llm.max_output_tokens, config.trim_threshold_ratio)
-    head, hist, rest = split_parts(messages, history_ids)
+    head, hist, rest = split_parts(messages, history.ids, history.messages)
+    prefix = history.prefix if hist is history.messages else None
     counter = default_counter()
     tool_tokens = tool_definition_tokens(counter, tools)
     result = trim(
@@ -111,6 +126,7 @@ def trim_call(
             protected=protected,
             tool_tokens=tool_tokens,
             snapshot=snapshot,
+            history_prefix=prefix,
         ),
         counter,
     )

@@ -40,6 +40,7 @@ from aalis_agent.actors.messages import (
 )
 from aalis_agent.actors.session import SessionActor
 from aalis_agent.actors.turn import TurnRunner
+from aalis_agent.actors.workers import Workers
 from aalis_agent.events import (
     Clock,
     CorruptEvent,
@@ -118,10 +119,15 @@ class Runtime:
         janitor: bool = True,
         ask_timeout_s: float = 60.0,
         hooks: Hooks | None = None,
+        max_turn_threads: int = 512,
     ) -> None:
         self.store = store
         self.hooks = hooks or Hooks()
         self.budget_log = BudgetLog()  # ACC4: per-session throttled budget lines
+        # Turns run on reused daemon threads; at most ``max_turn_threads`` at once (later
+        # turns wait for a thread). A tool that waits on another session's turn needs one
+        # more thread than there are such waits.
+        self.workers = Workers(limit=max_turn_threads)
         self._archive_warned = False
         self.services = services or Services()
         self.clock = clock or SystemClock()
@@ -379,6 +385,7 @@ class Runtime:
                     ref.stop(block=True, timeout=self.ask_timeout_s)
             if self._janitor is not None:
                 self._janitor.join(timeout=5)
+            self.workers.release_idle()
 
     close = shutdown
 
@@ -508,8 +515,8 @@ class Runtime:
         return started
 
     def passivate_idle(self, idle_s: float | None = None) -> int:
-        """Ask every actor idle for ``idle_s`` (default: the runtime's) to stop; returns
-        how many did."""
+        """Ask every actor idle for ``idle_s`` (default: the runtime's) to stop, and let
+        the idle turn threads exit; returns how many actors stopped."""
         idle = self.idle_s if idle_s is None else idle_s
         with self._lock:
             refs = [e.ref for e in self._entries.values()]
@@ -525,6 +532,7 @@ class Runtime:
                 stopped += bool(f.get(timeout=self.ask_timeout_s))
             except pykka.ActorDeadError:
                 continue
+        self.workers.release_idle()  # idle turn threads go with the idle sessions
         return stopped
 
     def _janitor_loop(self) -> None:

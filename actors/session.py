@@ -19,6 +19,7 @@ from typing import Any, ClassVar, NoReturn
 import pykka
 import structlog
 from aalis_agent.actors import logs
+from aalis_agent.actors.history_cache import HistoryCache
 from aalis_agent.actors.host import SessionHost
 from aalis_agent.actors.messages import (
     AppendEvents,
@@ -79,6 +80,7 @@ from aalis_agent.events import (
 from aalis_agent.projections import SessionView, project, queue
 from aalis_agent.projections.turns import turn_participants
 from aalis_agent.request.texts import NO_RUNNING_TURN, STOP_DENIED, stop_marker_text
+from aalis_agent.request.tokens import default_counter
 from aalis_agent.services import AbortSignal, OutboundMessage, Services
 from aalis_agent.services.settings import venue_of
 
@@ -125,6 +127,9 @@ class SessionActor(pykka.ThreadingActor):
         self._turn_inputs: dict[str, list[Input]] = {}
         self._runner: TurnRunner | None = None
         self._abort: AbortSignal | None = None
+        self._call_ended: CallEnded | None = None  # written with the next commit
+        # The history part of this session's requests, extended turn by turn.
+        self._history_cache = HistoryCache(default_counter())
         self._winding_down: list[tuple[str, Future[Any], tuple[str, ...]]] = []
         self._deferred: list[Submit] = []
         self._last_activity = time.monotonic()
@@ -158,7 +163,21 @@ class SessionActor(pykka.ThreadingActor):
     # --- plumbing --------------------------------------------------------------------
 
     def _step(self) -> Step:
-        return Step(self.view, Batch(self.session_id, self.view.seq, clock=self.clock))
+        """A new decision on the durable view. A model call's end reported by the runner
+        and not yet written goes first: the next commit carries it (one commit fewer per
+        turn), and every decision sees it, as replaying the log will."""
+        step = Step(self.view, Batch(self.session_id, self.view.seq, clock=self.clock))
+        ended = self._call_ended
+        if ended is not None and self._running(ended.turn_id) and not self._winding_down:
+            decide_call_ended(
+                step,
+                ended.turn_id,
+                ended.index,
+                status=ended.status,
+                tool_calls=ended.tool_calls,
+                error=ended.error,
+            )
+        return step
 
     def _message_id(self) -> str:
         return self.ids.new("msg")
@@ -235,6 +254,7 @@ class SessionActor(pykka.ThreadingActor):
             raise  # nothing was written and the view is unchanged: refuse this message
         except Exception as exc:
             self._fence(exc)
+        self._call_ended = None  # written with this batch, or its turn is over
         self.view = step.view
         self._effects(before, events)
 
@@ -388,6 +408,8 @@ class SessionActor(pykka.ThreadingActor):
             on_exit=self.host.runner_exited,
             on_archive_missed=self.host.archive_missed,
             budget_log=self.host.budget_log,
+            history_cache=self._history_cache,
+            workers=self.host.workers,
         )
         self.host.runner_started(self._runner)
         self.services.bus.publish(
@@ -527,18 +549,15 @@ class SessionActor(pykka.ThreadingActor):
         return not refused
 
     def _on_call_ended(self, msg: CallEnded) -> None:
+        """A model call returned: its end is written with the next commit (see
+        :meth:`_step`), which the runner's next report (its reply, its record) or any
+        decision in between makes. Nothing acts on it before: a turn's runner reports
+        once more after any call, and a crash before that finds the call cut."""
         if not self._running(msg.turn_id) or self._winding_down:
             return
-        step = self._step()
-        decide_call_ended(
-            step,
-            msg.turn_id,
-            msg.index,
-            status=msg.status,
-            tool_calls=msg.tool_calls,
-            error=msg.error,
-        )
-        self._commit(step)
+        if self._call_ended is not None:
+            self._commit(self._step())  # an earlier one not written yet: write it now
+        self._call_ended = msg
 
     def _on_settled(self, msg: Settled) -> None:
         if self._runner is not None and self._runner.turn_id == msg.turn_id:

@@ -47,7 +47,7 @@ def token_request(runtime: Runtime, session_id: str, platform: str | None = None
     settings = services.resolver.for_turn(session_id, where, view.settings, venue)
     now = runtime.clock.now_ms()
     tz = services.tz
-    prompt, persona, active = base_prompt(
+    prompt, persona, history = base_prompt(
         services, session_id, view.history, settings, now, exclude_turn=None
     )
     prompt.volatile = volatile_for(now, tz, where, info.multi_party)
@@ -64,9 +64,8 @@ def token_request(runtime: Runtime, session_id: str, platform: str | None = None
     messages = assemble(prompt)
     tools = [t.definition() for t in services.tools.available(settings.tool_groups)]
     llm = services.models.resolve(settings.model, warn=False).model
-    history_ids = frozenset(m.id for m in prompt.history)
     # The same trim and the same accounting as a turn's call (actors/request.py).
-    call = trim_call(services, llm, messages, tools, history_ids, snapshot=True)
+    call = trim_call(services, llm, messages, tools, history, snapshot=True)
     return call_usage(
         llm,
         call,
@@ -76,5 +75,5 @@ def token_request(runtime: Runtime, session_id: str, platform: str | None = None
         persona=persona,
         provider_input_tokens=None,  # a snapshot is an estimate
         trimmed=call.result.trimmed,
-        history_messages=active,
+        history_messages=history.active,
     )

@@ -168,8 +168,14 @@ class TurnRunner(ToolBatch, ReplyStep):
             rendered.append(render_input(message, now, tz))
 
         # FLOW3-FLOW6: system prompt, history, tools, contributions.
-        prompt, self._persona, self._active_count = base_prompt(
-            services, self.session_id, self.view.history, settings, now, exclude_turn=self.turn_id
+        prompt, self._persona, self._history = base_prompt(
+            services,
+            self.session_id,
+            self.view.history,
+            settings,
+            now,
+            exclude_turn=self.turn_id,
+            cache=self._history_cache,
         )
         prompt.batch_prefix = self.opened.batch_prefix
         self._protected.update(m.id for m in rendered)

@@ -13,6 +13,7 @@ from typing import Any
 import pykka
 import structlog
 from aalis_agent.actors.budget import BudgetLog
+from aalis_agent.actors.history_cache import HistoryCache, PreparedHistory
 from aalis_agent.actors.hooks import (
     Hooks,
 )
@@ -22,6 +23,7 @@ from aalis_agent.actors.request import (
     call_usage,
     trim_call,
 )
+from aalis_agent.actors.workers import Workers
 from aalis_agent.events import (
     ChatMessage,
     Clock,
@@ -116,6 +118,8 @@ class TurnBase:
         on_exit: Callable[[Any], None] | None = None,
         on_archive_missed: Callable[[], None] | None = None,
         budget_log: BudgetLog | None = None,
+        history_cache: HistoryCache | None = None,
+        workers: Workers | None = None,
     ) -> None:
         self.actor = actor
         self.session_id = session_id
@@ -138,20 +142,23 @@ class TurnBase:
         self.trimmed = False
         self.last_trim: TrimResult | None = None
         self._persona: str | None = None
-        self._history_ids: frozenset[str] | None = None
+        self._history_cache = history_cache
+        self._history: PreparedHistory = PreparedHistory(messages=(), active=0)
         self._last_call: TrimmedCall | None = None  # the last call, as trimmed
-        self._active_count = 0
         self._budget_log = budget_log
         self._model: ChatModel | None = None
-        self.thread = threading.Thread(
-            target=self._main, name=f"turn:{session_id}:{self.turn_id}", daemon=True
-        )
+        self._workers = workers
 
     def _main(self) -> None:
         raise NotImplementedError  # the runner's (actors/turn.py): the turn's thread body
 
     def start(self) -> None:
-        self.thread.start()
+        """Run the turn on a worker thread (a thread of its own without workers)."""
+        if self._workers is not None:
+            self._workers.submit(self._main)
+            return
+        name = f"turn:{self.session_id}:{self.turn_id}"
+        threading.Thread(target=self._main, name=name, daemon=True).start()
 
     @property
     def model(self) -> ChatModel:
@@ -256,10 +263,11 @@ class TurnBase:
             persona=self._persona,
             provider_input_tokens=call.usage.prompt_tokens if call.usage else None,
             trimmed=self.trimmed,
-            history_messages=self._active_count + appended,
+            history_messages=self._history.active + appended,
         )
         self._report(UsageRecorded(usage=usage))
-        services.bus.publish("token:usage", wire(usage))
+        if services.bus.wants("token:usage"):
+            services.bus.publish("token:usage", wire(usage))
         if self._budget_log is not None:
             line = self._budget_log.observe(usage)
             if line is not None:
@@ -274,14 +282,12 @@ class TurnBase:
     ) -> list[ChatMessage]:
         """FLOW9: trim the assembled list to the budget (TRIM); keep the trace."""
         services = self.services
-        if self._history_ids is None or len(self._history_ids) != len(prompt.history):
-            self._history_ids = frozenset(m.id for m in prompt.history)
         trimmed = trim_call(
             services,
             self.model,
             messages,
             tools,
-            self._history_ids,
+            self._history,
             protected=frozenset(self._protected),
         )
         self._last_call = trimmed

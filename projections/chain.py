@@ -67,6 +67,11 @@ class Chain(Sequence[T], Generic[T]):
         for i in range(self._n):
             yield items[i]
 
+    def extends(self, other: Chain[T]) -> bool:
+        """Whether ``other`` is a prefix of this chain (one shared list, no longer than
+        this view): then ``self[len(other):]`` is exactly what was appended since."""
+        return self._items is other._items and other._n <= self._n
+
     def to_list(self) -> list[T]:
         """A new list of the items."""
         return self._items[: self._n]

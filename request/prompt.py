@@ -14,9 +14,9 @@ The request has three parts, which trimming (TRIM) relies on:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, tzinfo
+from datetime import tzinfo
 
 import msgspec
 from aalis_agent.events.schema import ChatMessage, Input, MessageMeta
@@ -36,6 +36,7 @@ __all__ = [
     "is_instruction",
     "render_history",
     "render_input",
+    "render_message",
     "split_parts",
     "system_prompt",
 ]
@@ -101,36 +102,20 @@ def render_input(message: ChatMessage, now_ms: int, tz: tzinfo) -> ChatMessage:
     return msgspec.structs.replace(message, content=f"({when}) {who}{message.content}")
 
 
-_RENDERED: dict[int, tuple[ChatMessage, int, tzinfo, ChatMessage]] = {}
-_RENDERED_MAX = 100_000
-
-
-def _render_cached(m: ChatMessage, now_ms: int, tz: tzinfo, year: int) -> ChatMessage:
-    # A label depends only on the message, the time zone and the current year, and the
-    # history keeps the same message objects turn after turn: keyed by the object (held,
-    # so its id is not reused while cached), a message renders once.
-    hit = _RENDERED.get(id(m))
-    if hit is not None and hit[0] is m and hit[1] == year and hit[2] is tz:
-        return hit[3]
-    rendered = render_input(m, now_ms, tz)
-    if len(_RENDERED) >= _RENDERED_MAX:
-        _RENDERED.clear()
-    _RENDERED[id(m)] = (m, year, tz, rendered)
-    return rendered
+def render_message(m: ChatMessage, now_ms: int, tz: tzinfo) -> ChatMessage:
+    """One history message as sent: a user message labelled, a reply with its visible
+    text, anything else as it is (FLOW4)."""
+    if m.role == "user":
+        return render_input(m, now_ms, tz)
+    if m.role == "assistant" and m.meta.visible_content is not None:
+        return msgspec.structs.replace(m, content=m.meta.visible_content)
+    return m
 
 
 def render_history(messages: Sequence[ChatMessage], now_ms: int, tz: tzinfo) -> list[ChatMessage]:
-    """History as sent: user messages labelled, replies with their visible text (FLOW4)."""
-    out: list[ChatMessage] = []
-    year = datetime.fromtimestamp(now_ms / 1000, tz).year  # once a call, not per message
-    for m in messages:
-        if m.role == "user":
-            out.append(_render_cached(m, now_ms, tz, year))
-        elif m.role == "assistant" and m.meta.visible_content is not None:
-            out.append(msgspec.structs.replace(m, content=m.meta.visible_content))
-        else:
-            out.append(m)
-    return out
+    """History as sent (FLOW4): each message through :func:`render_message`. A session's
+    turns keep theirs rendered and extend it (actors/history_cache.py)."""
+    return [render_message(m, now_ms, tz) for m in messages]
 
 
 def _block_message(block: Block, n: int) -> ChatMessage:
@@ -150,7 +135,7 @@ class TurnPrompt:
     """Everything one turn's requests are assembled from; the runner adds to ``tail``."""
 
     system: str
-    history: list[ChatMessage]
+    history: Sequence[ChatMessage]
     blocks: list[Block] = field(default_factory=list)
     volatile: str | None = None
     instruction: ChatMessage | None = None
@@ -192,17 +177,34 @@ def assemble(prompt: TurnPrompt) -> list[ChatMessage]:
 
 
 def split_parts(
-    messages: Sequence[ChatMessage], history_ids: frozenset[str] | set[str]
-) -> tuple[list[ChatMessage], list[ChatMessage], list[ChatMessage]]:
+    messages: Sequence[ChatMessage],
+    history_ids: Container[str],
+    history: Sequence[ChatMessage] | None = None,
+) -> tuple[list[ChatMessage], Sequence[ChatMessage], list[ChatMessage]]:
     """Head (system messages before anything else, history's own excluded), history (the
     history's messages that follow) and the turn (the rest), for trimming (TRIM).
 
     The turn's own system messages (its anchored material, the volatile context, the batch
     prefix and the instruction block, which is this turn's input) start the turn part even
-    when no history precedes them, so the continuation hint finds the turn's last input."""
+    when no history precedes them, so the continuation hint finds the turn's last input.
+
+    ``history``, the history as assembled (its ids are ``history_ids``): when the list
+    holds it unchanged right after the head, the history part is that very object and
+    only the head and the turn are walked."""
     head: list[ChatMessage] = []
     hist: list[ChatMessage] = []
     rest: list[ChatMessage] = []
+    if history:
+        n, i = len(history), 0
+        while i < len(messages):
+            m = messages[i]
+            if m.role != "system" or m.id in history_ids or _opens_turn(m):
+                break
+            i += 1
+        if messages[i : i + n] == list(history) and (
+            len(messages) == i + n or messages[i + n].id not in history_ids
+        ):
+            return list(messages[:i]), history, list(messages[i + n :])
     for m in messages:
         if (
             not hist

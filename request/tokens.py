@@ -147,28 +147,10 @@ def default_counter() -> TokenCounter:
         return _default
 
 
-_BY_MESSAGE: dict[int, tuple[ChatMessage, TokenCounter, int]] = {}
-_BY_MESSAGE_MAX = 200_000
-
-
 def message_tokens(counter: TokenCounter, message: ChatMessage) -> int:
-    """One message: overhead, content, reasoning and tool calls (as compact JSON).
-
-    Messages are immutable, so a message object's count is kept (with a reference to it,
-    so its id cannot be reused while cached): a request assembled from the same history
-    objects costs a dict lookup per message.
-    """
-    hit = _BY_MESSAGE.get(id(message))
-    if hit is not None and hit[0] is message and hit[1] is counter:
-        return hit[2]
-    n = _message_tokens(counter, message)
-    if len(_BY_MESSAGE) >= _BY_MESSAGE_MAX:
-        _BY_MESSAGE.clear()
-    _BY_MESSAGE[id(message)] = (message, counter, n)
-    return n
-
-
-def _message_tokens(counter: TokenCounter, message: ChatMessage) -> int:
+    """One message: overhead, content, reasoning and tool calls (as compact JSON). Texts
+    are counted through the counter's cache; a session's history keeps its messages'
+    counts as prefix sums (actors/history_cache.py)."""
     n = MESSAGE_OVERHEAD + counter.count(message.content)
     if message.reasoning:
         n += counter.count(message.reasoning)

@@ -80,6 +80,8 @@ class TrimRequest:
     protected: frozenset[str] = frozenset()  # this turn's inputs and instruction block
     tool_tokens: int = 0  # tool definitions sent with the request
     snapshot: bool = False
+    # The history's token prefix sums (len(history) + 1 items), when already known.
+    history_prefix: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,9 +124,13 @@ class _State:
         self.dropped = 0
         self.result = TrimResult(messages=[])
         # Prefix sums of the history's tokens: dropping from the front is a subtraction.
-        self.prefix = [0]
-        for m in self.history:
-            self.prefix.append(self.prefix[-1] + message_tokens(counter, m))
+        if req.history_prefix is not None and len(req.history_prefix) == len(self.history) + 1:
+            self.prefix: Sequence[int] = req.history_prefix
+        else:
+            prefix = [0]
+            for m in self.history:
+                prefix.append(prefix[-1] + message_tokens(counter, m))
+            self.prefix = prefix
 
     def tokens(self, messages: Sequence[ChatMessage]) -> int:
         return sum(message_tokens(self.counter, m) for m in messages)
@@ -171,7 +177,8 @@ def _drop_to(state: _State, step: int, cut: int) -> None:
     if cut <= state.dropped:
         return
     gone = state.history[state.dropped : cut]
-    state.note(step, "dropped", [m.id for m in gone], state.tokens(gone))
+    saved = state.prefix[cut] - state.prefix[state.dropped]
+    state.note(step, "dropped", [m.id for m in gone], saved)
     state.dropped = cut
 
 

@@ -34,6 +34,12 @@ class EventBus:
 
         return unsubscribe
 
+    def wants(self, topic: str) -> bool:
+        """Whether anyone listens to ``topic``: a payload costly to build is built only
+        then."""
+        subs = self._subs
+        return bool(subs.get(topic) or subs.get("*"))
+
     def publish(self, topic: str, payload: Any) -> None:
         with self._lock:
             subs = [*self._subs.get(topic, ()), *self._subs.get("*", ())]

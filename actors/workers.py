@@ -1,0 +1,90 @@
+"""``Workers``: the threads that run turns, reused from turn to turn.
+
+A turn runs on a thread of its own (it blocks on the model and on tools), but starting a
+thread per turn costs more than the rest of a short turn's bookkeeping. Workers are daemon
+threads, so a turn stuck in a model call never keeps the process from exiting (the
+standard library's ``ThreadPoolExecutor`` joins its threads at exit); at most ``limit``
+run at once (later turns wait their turn, in order); a worker idle for ``idle_s`` seconds
+exits, so a runtime whose sessions went idle holds no threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+
+import structlog
+
+__all__ = ["Workers"]
+
+log = structlog.get_logger("aalis.runtime")
+
+
+class Workers:
+    """A bounded set of reusable daemon threads (see the module docstring)."""
+
+    def __init__(self, limit: int = 512, idle_s: float = 10.0, name: str = "turn") -> None:
+        if limit < 1:
+            raise ValueError(f"Workers: limit must be at least 1, got {limit}")
+        self.limit = limit
+        self.idle_s = idle_s
+        self._name = name
+        self._cond = threading.Condition()
+        self._tasks: collections.deque[Callable[[], None]] = collections.deque()
+        self._threads = 0
+        self._idle = 0
+        self._started = 0
+        self._retire = 0  # idle workers asked to exit now
+
+    def submit(self, task: Callable[[], None]) -> None:
+        """Run ``task`` on a worker: an idle one, a new one under the limit, or the first
+        one to finish its current task."""
+        with self._cond:
+            self._tasks.append(task)
+            if self._idle > len(self._tasks) - 1:
+                self._cond.notify()
+                return
+            if self._threads >= self.limit:
+                return  # waits for a worker
+            self._threads += 1
+            self._started += 1
+            n = self._started
+        thread = threading.Thread(target=self._work, name=f"{self._name}-{n}", daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            with self._cond:
+                self._threads -= 1
+            raise
+
+    @property
+    def threads(self) -> int:
+        """Worker threads alive now (busy or idle)."""
+        with self._cond:
+            return self._threads
+
+    def release_idle(self) -> None:
+        """Let every worker idle now exit (passivation frees the turn threads)."""
+        with self._cond:
+            self._retire = self._idle
+            self._cond.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._tasks:
+                    self._idle += 1
+                    woke = self._cond.wait(self.idle_s)
+                    self._idle -= 1
+                    if self._tasks:
+                        break
+                    if self._retire > 0 or not woke:
+                        self._retire = max(self._retire - 1, 0)
+                        self._threads -= 1
+                        return
+                task = self._tasks.popleft()
+            try:
+                task()
+            except BaseException:  # a task reports its own failures; never lose the worker
+                log.exception("a turn's thread failed outside its turn")
