@@ -120,11 +120,31 @@ def run_chat(
     lock = threading.Lock()
     last_usage: dict[str, Any] = {}
     running: set[str] = set()  # this session's turns that have opened and not ended
+    held: list[str] = []  # command answers waiting for the streaming reply to end
+    handles: list[SubmitHandle] = []
 
     def write(text: str) -> None:
         with lock:
             out.write(text)
             out.flush()
+
+    def answer(text: str) -> None:
+        """A command's answer: never in the middle of a streaming reply. While a turn of
+        this session runs (or a message waits to open one), it is held and printed when
+        the turn ends."""
+        with lock:
+            if running or any(not h.done() for h in handles):
+                held.append(text)
+                return
+            out.write(text)
+            out.flush()
+
+    def release() -> None:
+        with lock:
+            if held and not running:
+                out.write("".join(held))
+                out.flush()
+                held.clear()
 
     def on_event(topic: str, payload: Any) -> None:
         if payload.get("sessionId") != session_id:
@@ -140,12 +160,16 @@ def run_chat(
         elif topic == "outbound:message" and payload.get("kind") != "reply":
             write(f"\n{payload['content']}\n")
         elif topic == "turn:opened":
-            running.add(payload["turnId"])
+            with lock:
+                running.add(payload["turnId"])
         elif topic == "turn:ended":
-            running.discard(payload["turnId"])
             reason = f"（{payload['reason']}）" if payload.get("reason") else ""
             end = "" if payload["outcome"] == "replied" else f" [{payload['outcome']}{reason}]"
-            write(f"{end}\n{_status(last_usage) if last_usage else ''}\n")
+            with lock:
+                running.discard(payload["turnId"])
+                out.write(f"{end}\n{_status(last_usage) if last_usage else ''}\n")
+                out.flush()
+            release()
 
     def on_interrupt(signum: int, frame: Any) -> None:
         """Ctrl-C: the stop button while a turn runs, else leave. The stop is asked from
@@ -160,7 +184,6 @@ def run_chat(
         ).start()
 
     runtime.subscribe("*", on_event)
-    handles: list[SubmitHandle] = []
     previous_handler = None
     if interactive:
         write(
@@ -182,14 +205,12 @@ def run_chat(
                 break
             word = line.split(maxsplit=1)[0]
             if word in COMMANDS:
-                answer = handle_command(
-                    runtime, session_id, line, platform="cli", user_id="console"
-                )
-                if answer:
-                    write(f"{answer}\n")
+                reply = handle_command(runtime, session_id, line, platform="cli", user_id="console")
+                if reply:
+                    answer(f"{reply}\n")
                 continue
             if word.startswith("/") and word.isascii() and len(word) > 1:
-                write(f"没有这个命令：{word}（/help 看有哪些）\n")
+                answer(f"没有这个命令：{word}（/help 看有哪些）\n")
                 continue
             handles.append(
                 runtime.submit(
@@ -199,6 +220,7 @@ def run_chat(
         for handle in handles:
             handle.result(timeout=None)
         runtime.wait_idle(None)
+        release()
     except KeyboardInterrupt:
         write("\n")
     finally:
@@ -206,5 +228,8 @@ def run_chat(
             signal.signal(signal.SIGINT, previous_handler)
         runtime.shutdown(timeout=30)
         store.close()
+        with lock:
+            running.clear()
+        release()
     write(f"Replay: aalis-agent replay {db_path} --session {session_id}\n")
     return 0
