@@ -1,33 +1,56 @@
 """An OpenAI-compatible streaming chat model (OpenAI, DeepSeek, Ollama, vLLM, LM Studio).
 
-Built on the ``openai`` client library. Streams text, reasoning (``reasoning_content`` /
+The chat completions protocol spoken directly: the request body is encoded to JSON bytes
+by msgspec and posted with httpx, and the reply is read as Server-Sent Events (``data:``
+lines, ``[DONE]`` at the end), split only at line ends, so a character cut across two
+network reads is whole again. Streams text, reasoning (``reasoning_content`` /
 ``reasoning`` deltas where the server sends them) and tool calls, whose arguments grow
 chunk by chunk: each call is announced with its callId in a ``ToolCallProgress`` as soon
-as it starts. Usage is requested in the stream. An abort closes the HTTP stream at once.
-Servers that refuse ``stream_options`` or ``max_tokens`` (asking for
-``max_completion_tokens``) with a 400 get the request again without / renamed, once, and
-the model remembers it. Tool-call deltas without an ``index`` (some servers leave it out)
-are told apart by their ids. The API key comes from the argument; else, for an
-``https`` server and unless ``env_key=False``, from ``OPENAI_API_KEY`` or
-``AALIS_API_KEY`` (a plain-``http`` server, typically a local one, never gets a key it
-was not given). It is never logged, and never stored: the key is registered with
-:mod:`services.secrets` when the model is built, and every error that leaves this module
-is a :class:`ProviderError` whose message has the registered secrets masked and which
-carries neither the client's exception (it holds the request's headers and the response
-body, where some servers echo the key) nor a chain to it.
+as it starts. Usage is requested in the stream; counts a server leaves out are completed.
+An abort closes the HTTP stream at once (its socket is shut down, so a read blocked on a
+silent server returns), and ends a wait between retries at once; one that comes while
+the request is still waiting for the server's answer takes effect when the answer comes.
+
+Quirks of servers, learnt and remembered by the model: those that refuse
+``stream_options`` or ``reasoning_effort``, or ``max_tokens`` (asking for
+``max_completion_tokens``), with a 400 get the request again without / renamed, once.
+Tool-call deltas without an ``index`` (some servers leave it out) are told apart by their
+ids. A 429 or 5xx answer is retried (:data:`MAX_RETRIES` times, waiting as the server's
+``Retry-After`` says, else backing off exponentially from :data:`RETRY_BACKOFF_S`, at
+most :data:`MAX_RETRY_WAIT_S` in all); a reply that has begun is never sent again.
+
+The API key comes from the argument; else, for an ``https`` server and unless
+``env_key=False``, from ``OPENAI_API_KEY`` or ``AALIS_API_KEY`` (a plain-``http`` server,
+typically a local one, never gets a key it was not given). It is never logged, and never
+stored: the key is registered with :mod:`services.secrets` when the model is built, and
+every error that leaves this module is a :class:`ProviderError` whose message has the
+registered secrets masked and which carries neither the HTTP client's exception (it holds
+the request's headers) nor the response, nor a chain to them. Error kinds keep the names
+the ``openai`` library gives them (``BadRequestError``, ``RateLimitError``,
+``APIConnectionError``…), so logs and stored errors read as before.
+
+All models share one HTTP client (its connection pool and TLS context are built once per
+process); a connection whose reply was read to its end is kept for the next call.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import email.utils
+import math
 import os
+import socket
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
+import msgspec
 from aalis_agent.events.errors import ConfigError, ProviderError
 from aalis_agent.events.schema import ChatMessage, ToolCall
 from aalis_agent.services.abort import AbortSignal
@@ -35,6 +58,28 @@ from aalis_agent.services.llm import ChatRequest, StreamChunk, ThinkLevel, ToolC
 from aalis_agent.services.secrets import register_secret
 
 __all__ = ["OpenAICompatibleModel", "ProviderError", "list_server_models", "to_openai_message"]
+
+MAX_RETRIES = 3
+"""How many times a call answered 429 or 5xx is sent again (by default)."""
+RETRY_BACKOFF_S = 0.5
+"""The first wait before a retry when the server names none; it doubles each time."""
+MAX_RETRY_WAIT_S = 30.0
+"""The most a call waits between retries in all; a longer ``Retry-After`` is not waited."""
+
+_ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error answer read for its message
+_MESSAGE_LIMIT = 500  # characters of an error answer that is not an error object
+_DRAIN_LIMIT = 64 * 1024  # bytes after [DONE] read so that the connection can be kept
+_DRAIN_TIMEOUT_S = 0.1  # the longest a server may take to end its reply after [DONE]
+
+_STATUS_KINDS = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+}
 
 
 def _register_keys(base_url: str, api_key: str | None) -> None:
@@ -48,26 +93,146 @@ def _env_key() -> str | None:
     return os.environ.get("OPENAI_API_KEY") or os.environ.get("AALIS_API_KEY")
 
 
+def _endpoint(base_url: str, path: str) -> str:
+    return f"{base_url.rstrip('/')}/{path}"
+
+
+# --- the shared HTTP client ------------------------------------------------------------
+
+_client: httpx.Client | None = None
+_client_lock = threading.Lock()
+
+
+def _http() -> httpx.Client:
+    """The process's HTTP client, built at first use (loading the certificate store takes
+    tens of milliseconds) and closed at exit. Timeouts are set per request, retries are
+    this module's, redirects are not followed, proxies come from the environment."""
+    global _client
+    client = _client
+    if client is None:
+        with _client_lock:
+            client = _client
+            if client is None:
+                client = httpx.Client(
+                    limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+                    follow_redirects=False,
+                )
+                atexit.register(client.close)
+                _client = client
+    return client
+
+
+def _transport_failure(exc: BaseException) -> ProviderError:
+    """The masked stand-in for a failure to reach the server or to read its reply."""
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if isinstance(exc, httpx.TimeoutException):
+        return ProviderError(
+            f"APITimeoutError: Request timed out ({detail})", kind="APITimeoutError"
+        )
+    if isinstance(exc, httpx.TransportError | httpx.InvalidURL | OSError):
+        return ProviderError(
+            f"APIConnectionError: Connection error ({detail})", kind="APIConnectionError"
+        )
+    return ProviderError.of(exc)
+
+
+def _message_of(raw: bytes) -> str:
+    """What an error answer says: its error object's ``message`` (or the error itself when
+    it is text), else the start of the answer."""
+    with contextlib.suppress(msgspec.DecodeError):
+        body = msgspec.json.decode(raw)
+        error = body.get("error", body) if isinstance(body, dict) else None
+        message = error.get("message") if isinstance(error, dict) else error
+        if isinstance(message, str) and message:
+            return message
+    return raw.decode("utf-8", "replace").strip()[:_MESSAGE_LIMIT]
+
+
+def _status_failure(status: int, message: str, retries: int = 0) -> ProviderError:
+    kind = _STATUS_KINDS.get(status) or (
+        "InternalServerError" if status >= 500 else "APIStatusError"
+    )
+    text = f"{kind}: Error code: {status}" + (f" - {message}" if message else "")
+    if retries:
+        text += f" (after {retries} {'retry' if retries == 1 else 'retries'})"
+    return ProviderError(text, kind=kind, status_code=status)
+
+
+def _read_error(response: httpx.Response) -> str:
+    """The message of an error answer (at most its first 64 KiB are read); closes it."""
+    raw = bytearray()
+    try:
+        for piece in response.iter_bytes():
+            raw += piece
+            if len(raw) >= _ERROR_BODY_LIMIT:
+                break
+    except Exception:
+        pass  # what was read is the message; the status still says what happened
+    finally:
+        response.close()
+    return _message_of(bytes(raw))
+
+
+def _retry_after(headers: httpx.Headers) -> float | None:
+    """The wait a server asks for: ``retry-after-ms``, or ``Retry-After`` in seconds or as
+    an HTTP date; None when it names none (or nothing readable)."""
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value:
+            with contextlib.suppress(ValueError):
+                seconds = float(value) * scale
+                if math.isfinite(seconds) and seconds >= 0:
+                    return seconds
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
+# --- listing ---------------------------------------------------------------------------
+
+
 def list_server_models(base_url: str, api_key: str | None, *, timeout_s: float = 30.0) -> list[str]:
     """The ids of the models an OpenAI-compatible server lists (``GET /models``); without
     a key a placeholder is sent, never one from the environment."""
-    import openai
-
     _register_keys(base_url, api_key)
-    client = openai.OpenAI(
-        base_url=base_url,
-        api_key=api_key or "not-needed",
-        max_retries=0,
-        timeout=timeout_s,
-    )
+    client = _http()
+    failure: ProviderError | None = None
     try:
-        try:
-            return [m.id for m in client.models.list()]
-        except Exception as exc:
-            failure = ProviderError.of(exc)
+        response = client.get(
+            _endpoint(base_url, "models"),
+            headers={"Authorization": f"Bearer {api_key or 'not-needed'}"},
+            timeout=timeout_s,
+        )
+    except Exception as exc:
+        failure = _transport_failure(exc)
+    if failure is not None:
         raise failure from None  # outside the handler: no __context__ either
-    finally:
-        client.close()
+    if not response.is_success:
+        raise _status_failure(response.status_code, _message_of(response.content)) from None
+    with contextlib.suppress(msgspec.DecodeError):
+        listing = msgspec.json.decode(response.content)
+        data = listing.get("data") if isinstance(listing, dict) else None
+        if isinstance(data, list):
+            ids = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            if len(ids) == len(data):
+                return ids
+    start = response.content[:200].decode("utf-8", "replace")
+    raise ProviderError(
+        f"APIResponseValidationError: not a model listing (a JSON object whose data is a "
+        f"list of models with an id): {start!r}",
+        kind="APIResponseValidationError",
+        status_code=response.status_code,
+    ) from None
+
+
+# --- the request -----------------------------------------------------------------------
 
 
 def to_openai_message(m: ChatMessage) -> dict[str, Any]:
@@ -89,6 +254,164 @@ def to_openai_message(m: ChatMessage) -> dict[str, Any]:
     return out
 
 
+class _WireFunction(msgspec.Struct, gc=False):
+    name: str
+    arguments: str
+
+
+class _WireCall(msgspec.Struct, gc=False):
+    id: str
+    type: str
+    function: _WireFunction
+
+
+class _WireMessage(msgspec.Struct, omit_defaults=True, gc=False):
+    """A message as :func:`to_openai_message` writes it, built and encoded faster (no
+    dict per message, nothing for the garbage collector to track)."""
+
+    role: str
+    content: str | None
+    tool_calls: list[_WireCall] | msgspec.UnsetType = msgspec.UNSET
+    tool_call_id: str | msgspec.UnsetType | None = msgspec.UNSET
+
+
+def _wire(m: ChatMessage) -> _WireMessage:
+    call_id = m.tool_call_id if m.role == "tool" else msgspec.UNSET
+    if m.tool_calls:
+        calls = [
+            _WireCall(c.id, "function", _WireFunction(c.name, c.arguments)) for c in m.tool_calls
+        ]
+        return _WireMessage(m.role, m.content or None, calls, call_id)
+    return _WireMessage(m.role, m.content, tool_call_id=call_id)
+
+
+def _refuses_effort(text: str) -> bool:
+    """Whether a 400's (lower-cased) message refuses ``reasoning_effort`` as a parameter:
+    unsupported, unrecognized, unknown, not permitted... A value the server does not take
+    (``Unsupported value: 'reasoning_effort' does not support 'minimal'``) is not that:
+    another level may still do."""
+    if "reasoning_effort" not in text or "unsupported value" in text:
+        return False
+    if "supported values" in text or "invalid value" in text:
+        return False
+    return any(
+        word in text
+        for word in (
+            "unsupported",
+            "unrecognized",
+            "not support",
+            "unknown",
+            "extra",
+            "not permitted",
+            "not allowed",
+            "unexpected",
+        )
+    )
+
+
+# --- the reply -------------------------------------------------------------------------
+
+
+class _Events:
+    """The data of the Server-Sent Events in a byte stream, however it was split: bytes
+    are cut into lines only at line ends (CR, LF or CRLF), so a character split across
+    two reads is joined before it is decoded. An event's ``data:`` lines are joined by
+    LF; other fields and comments carry nothing a chat completion uses."""
+
+    __slots__ = ("_cr", "_data", "_partial")
+
+    def __init__(self) -> None:
+        self._partial: list[bytes] = []  # the start of a line whose end has not come
+        self._data: list[bytes] = []  # the data lines of the event being read
+        self._cr = False  # the last piece ended in CR: a LF starting the next belongs to it
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        """The data of the events this piece completes."""
+        if self._cr and piece.startswith(b"\n"):
+            piece = piece[1:]
+        self._cr = piece.endswith(b"\r")
+        if b"\r" in piece:
+            piece = piece.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if b"\n" not in piece:
+            if piece:
+                self._partial.append(piece)
+            return []
+        lines = piece.split(b"\n")
+        if self._partial:
+            self._partial.append(lines[0])
+            lines[0] = b"".join(self._partial)
+            self._partial = []
+        tail = lines.pop()
+        if tail:
+            self._partial.append(tail)
+        out: list[bytes] = []
+        data = self._data
+        for line in lines:
+            if not line:  # an event ends
+                if data:
+                    joined = data[0] if len(data) == 1 else b"\n".join(data)
+                    data.clear()
+                    if joined:
+                        out.append(joined)
+            elif line.startswith(b"data:"):
+                data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+            elif line == b"data":
+                data.append(b"")
+        return out
+
+    def end(self) -> list[bytes]:
+        """At the end of the body: an event the server did not close with a blank line."""
+        return self.feed(b"\n\n")
+
+
+def _malformed(data: bytes, reason: str) -> ProviderError:
+    start = data[:200].decode("utf-8", "replace")
+    return ProviderError(
+        f"APIError: malformed event in the stream ({reason}): {start!r}", kind="APIError"
+    )
+
+
+def _decode(data: bytes) -> dict[str, Any]:
+    """One event's data as a JSON object; anything else is a ProviderError."""
+    failure: ProviderError | None = None
+    try:
+        obj = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        failure = _malformed(data, f"its data is not JSON: {exc}")
+    if failure is not None:
+        raise failure from None  # outside the handler: no __context__ either
+    if not isinstance(obj, dict):
+        raise _malformed(data, "its data is not a JSON object") from None
+    return obj
+
+
+def _stream_error(error: Any) -> ProviderError:
+    """An error the server sent in the stream (``{"error": {...}}``)."""
+    message = error.get("message") if isinstance(error, dict) else error
+    if not isinstance(message, str) or not message:
+        message = "An error occurred during streaming"
+    return ProviderError(f"APIError: {message}", kind="APIError")
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _usage(u: Mapping[str, Any]) -> Usage:
+    """Usage from a chunk; counts a server leaves out are 0, a missing total is the sum."""
+    prompt = _count(u.get("prompt_tokens"))
+    completion = _count(u.get("completion_tokens"))
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=_count(u.get("total_tokens")) or prompt + completion,
+    )
+
+
 @dataclass
 class _Pending:
     """A tool call being streamed: its id, name and the argument text so far."""
@@ -96,42 +419,143 @@ class _Pending:
     id: str
     name: str = ""
     arguments: list[str] = field(default_factory=list)
+    chars: int = 0
 
 
-def _index_of(tc: Any, pending: dict[int, _Pending]) -> int:
+def _index_of(tc: Mapping[str, Any], pending: dict[int, _Pending]) -> int:
     """The slot of a tool-call delta: its ``index``; without one (some servers leave it
     out), a delta with a new id starts the next call and one without continues the last."""
-    if tc.index is not None:
-        return int(tc.index)
+    index = tc.get("index")
+    if isinstance(index, int) and not isinstance(index, bool):
+        return index
+    if isinstance(index, str) and index.isdigit():
+        return int(index)
     if not pending:
         return 0
     last = max(pending)
-    if tc.id and tc.id != pending[last].id:
+    call_id = _text(tc.get("id"))
+    if call_id and call_id != pending[last].id:
         return last + 1
     return last
 
 
-_END = object()
+class _Exchange:
+    """The response a call is reading, as the thread that stops the call sees it.
+
+    A stop shuts the connection's socket down, so that a read blocked on it returns at
+    once; the reading thread closes the response when it is done with it. Once it is done
+    (or stopped) nothing is touched any more: the connection may by then be serving
+    another call."""
+
+    __slots__ = ("_lock", "_over", "_response", "_socket")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._over = False
+        self._response: httpx.Response | None = None
+        self._socket: socket.socket | None = None
+
+    def attach(self, response: httpx.Response, *, raw: bool) -> bool:
+        """Take the response to read; False (and it is closed) when stopped already.
+        ``raw``: the body is read from the connection itself, so its socket may be shut."""
+        sock = None
+        if raw:
+            stream = response.extensions.get("network_stream")
+            with contextlib.suppress(Exception):
+                sock = stream.get_extra_info("socket") if stream is not None else None
+        with self._lock:
+            if not self._over:
+                self._response = response
+                self._socket = sock if isinstance(sock, socket.socket) else None
+                return True
+        response.close()
+        return False
+
+    def interrupt(self) -> None:
+        """A stop, from any thread: the reply is abandoned at once."""
+        with self._lock:
+            if self._over:
+                return
+            self._over = True
+            if self._socket is not None:
+                # The plain socket's shutdown, also under TLS: the reader's blocked
+                # recv returns; closing is left to the reader.
+                with contextlib.suppress(OSError):
+                    socket.socket.shutdown(self._socket, socket.SHUT_RDWR)
+                return
+            response = self._response
+        if response is not None:
+            with contextlib.suppress(Exception):  # a failure to close is not the caller's
+                response.close()
+
+    def finish(self) -> None:
+        """The reader is done: the response is closed (its connection kept when the body
+        was read to its end)."""
+        with self._lock:
+            self._over = True
+            response, self._response, self._socket = self._response, None, None
+        if response is not None:
+            with contextlib.suppress(Exception):
+                response.close()
 
 
-def _next(chunks: Iterator[Any]) -> Any:
-    """The stream's next chunk, or ``_END``; the client's errors come out as ProviderError."""
+def _next_piece(pieces: Iterator[bytes]) -> bytes | None:
+    """The body's next bytes, or None at its end; read errors come out as ProviderError."""
+    failure: ProviderError | None = None
     try:
-        return next(chunks, _END)
+        return next(pieces, None)
     except Exception as exc:
-        failure = ProviderError.of(exc)
+        failure = _transport_failure(exc)
     raise failure from None  # outside the handler: no __context__ either
 
 
-def _usage(u: Any) -> Usage:
-    """Usage from a chunk; counts a server leaves out are 0, a missing total is the sum."""
-    prompt = u.prompt_tokens or 0
-    completion = u.completion_tokens or 0
-    return Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=u.total_tokens or prompt + completion,
-    )
+def _body_pieces(response: httpx.Response) -> tuple[Iterator[bytes], bool]:
+    """The body's bytes as they arrive, and whether they are read raw from the connection
+    (not decoded, and the response not closed behind our back at the body's end)."""
+    encoding = response.headers.get("content-encoding", "").strip().lower()
+    if encoding in ("", "identity") and isinstance(response.stream, httpx.SyncByteStream):
+        return iter(response.stream), True
+    return response.iter_bytes(), False
+
+
+def _drain(pieces: Iterator[bytes], exchange: _Exchange) -> None:
+    """Read what the server still sends after ``[DONE]`` (the end of the chunked body,
+    usually in the same packet), so that the connection can serve the next call; a server
+    that has not ended its reply within a moment loses the connection instead."""
+    timer = threading.Timer(_DRAIN_TIMEOUT_S, exchange.interrupt)
+    timer.daemon = True
+    timer.start()
+    try:
+        left = _DRAIN_LIMIT
+        for piece in pieces:
+            left -= len(piece)
+            if left < 0:
+                break
+    except Exception:
+        pass  # the reply was complete; the connection is dropped, that is all
+    finally:
+        timer.cancel()
+
+
+def _events(pieces: Iterator[bytes], exchange: _Exchange) -> Iterator[dict[str, Any]]:
+    """The reply's chunks (JSON objects) up to ``[DONE]`` or the end of the body; an error
+    the server sends in the stream, or data that is not a JSON object, is a ProviderError."""
+    parser = _Events()
+    while True:
+        piece = _next_piece(pieces)
+        datas = parser.end() if piece is None else parser.feed(piece)
+        for data in datas:
+            if data.startswith(b"[DONE]"):
+                if piece is not None:
+                    _drain(pieces, exchange)
+                return
+            obj = _decode(data)
+            error = obj.get("error")
+            if error:
+                raise _stream_error(error) from None
+            yield obj
+        if piece is None:
+            return
 
 
 class OpenAICompatibleModel:
@@ -151,9 +575,10 @@ class OpenAICompatibleModel:
         default_think: str | None = None,
         name: str | None = None,
         env_key: bool = True,
+        max_retries: int = MAX_RETRIES,
+        retry_backoff_s: float = RETRY_BACKOFF_S,
+        max_retry_wait_s: float = MAX_RETRY_WAIT_S,
     ) -> None:
-        import openai
-
         from_env = env_key and base_url.lower().startswith("https://")
         key = api_key or (_env_key() if from_env else None)
         _register_keys(base_url, key)
@@ -171,56 +596,101 @@ class OpenAICompatibleModel:
         self.think_levels = tuple(think_levels or ())
         self.default_think = default_think
         self._efforts = {level.id: level.effort or level.id for level in self.think_levels}
-        self._client = openai.OpenAI(
-            base_url=base_url,
-            api_key=key or "not-needed",  # local servers accept any key
-            max_retries=0,
-            timeout=timeout_s,
-        )
+        self.max_retries = max(0, max_retries)
+        self.retry_backoff_s = max(0.0, retry_backoff_s)
+        self.max_retry_wait_s = max(0.0, max_retry_wait_s)
+        self._url = _endpoint(base_url, "chat/completions")
+        self._timeout = httpx.Timeout(timeout_s)
+        self._headers = {
+            "Authorization": f"Bearer {key or 'not-needed'}",  # local servers accept any key
+            "Content-Type": "application/json",
+            "Accept-Encoding": "identity",  # events as they are sent, none held back
+        }
+        _http()  # built now rather than on the first call's clock
         # what this server accepts, learnt from its 400s (see _adapt)
         self._usage_option = True
         self._max_tokens_key = "max_tokens"
+        self._effort_option = True
 
     def _request(self, request: ChatRequest) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {
+        body: dict[str, Any] = {
             "model": self.id,
-            "messages": [to_openai_message(m) for m in request.messages],
+            "messages": [_wire(m) for m in request.messages],  # as to_openai_message
             "stream": True,
             self._max_tokens_key: self.max_output_tokens,
         }
         if self._usage_option:
-            kwargs["stream_options"] = {"include_usage": True}
+            body["stream_options"] = {"include_usage": True}
         if request.tools:
-            kwargs["tools"] = list(request.tools)
-        if request.think is not None and request.think in self._efforts:
-            kwargs["reasoning_effort"] = self._efforts[request.think]
-        return kwargs
+            body["tools"] = list(request.tools)
+        if self._effort_option and request.think is not None and request.think in self._efforts:
+            body["reasoning_effort"] = self._efforts[request.think]
+        return body
 
-    def _open(self, request: ChatRequest) -> Any:
-        """Start the streamed call; a 400 naming a parameter this server will not take is
-        answered by adapting the request (see :meth:`_adapt`) and sending it again."""
-        import openai
+    def _encode(self, request: ChatRequest) -> tuple[bytes, bool]:
+        """The request body as JSON bytes, and whether it carries ``reasoning_effort``."""
+        body = self._request(request)
+        failure: ProviderError | None = None
+        try:
+            return msgspec.json.encode(body), "reasoning_effort" in body
+        except Exception as exc:  # a tool definition that is not JSON
+            failure = ProviderError.of(exc)
+        raise failure from None
 
+    def _open(
+        self, request: ChatRequest, abort: AbortSignal, exchange: _Exchange
+    ) -> Iterator[bytes] | None:
+        """Start the streamed call: the body's bytes as they arrive (given to ``exchange``),
+        or None when stopped first.
+
+        A 400 naming a parameter this server will not take is answered by adapting the
+        request (see :meth:`_adapt`) and sending it again; a 429 or 5xx by waiting (as the
+        server asks, else backing off) and sending it again, within the retry budget."""
+        client = _http()
+        retries = 0
+        waited = 0.0
         while True:
-            kwargs = self._request(request)
+            body, effort = self._encode(request)
+            failure: ProviderError | None = None
             try:
-                return self._client.chat.completions.create(**kwargs)
-            except openai.BadRequestError as e:
-                if self._adapt(str(e)):
+                sent = client.build_request(
+                    "POST", self._url, content=body, headers=self._headers, timeout=self._timeout
+                )
+                response = client.send(sent, stream=True)
+            except Exception as exc:
+                failure = _transport_failure(exc)
+            if failure is not None:
+                raise failure from None  # outside the handler: no __context__ either
+            status = response.status_code
+            if 200 <= status < 300:
+                pieces, raw = _body_pieces(response)
+                return pieces if exchange.attach(response, raw=raw) else None
+            asked = _retry_after(response.headers)
+            message = _read_error(response)
+            if status == 400 and self._adapt(message, effort=effort):
+                continue
+            if status == 429 or status >= 500:
+                wait = asked if asked is not None else self.retry_backoff_s * 2**retries
+                if retries < self.max_retries and waited + wait <= self.max_retry_wait_s:
+                    retries += 1
+                    waited += wait
+                    if abort.wait(wait):
+                        return None  # stopped while waiting: nothing more is sent
                     continue
-                failure = ProviderError.of(e)
-            except Exception as e:
-                failure = ProviderError.of(e)
-            raise failure from None  # outside the handler: no __context__ either
+            raise _status_failure(status, message, retries) from None
 
-    def _adapt(self, message: str) -> bool:
-        """Learn from a 400's message; True when the request changed and may be retried."""
+    def _adapt(self, message: str, *, effort: bool = False) -> bool:
+        """Learn from a 400's message; True when the request changed and may be retried.
+        ``effort``: the refused request carried ``reasoning_effort``."""
         text = message.lower()
         if self._usage_option and "stream_options" in text:
             self._usage_option = False  # usage is then counted locally (ACC)
             return True
         if self._max_tokens_key == "max_tokens" and "max_completion_tokens" in text:
             self._max_tokens_key = "max_completion_tokens"
+            return True
+        if effort and self._effort_option and _refuses_effort(text):
+            self._effort_option = False  # think levels are then not sent to this server
             return True
         return False
 
@@ -230,61 +700,65 @@ class OpenAICompatibleModel:
     def chat_stream(self, request: ChatRequest, abort: AbortSignal) -> Iterator[StreamChunk]:
         if abort.aborted:
             return
-        stream = self._open(request)
-        closed = threading.Event()
-
-        def close() -> None:
-            if not closed.is_set():
-                closed.set()
-                # The HTTP response ends at once: the stream is abandoned. A failure to
-                # close is not the caller's (and would be the client's unmasked exception).
-                with contextlib.suppress(Exception):
-                    stream.close()
-
-        abort.add_callback(close)
+        exchange = _Exchange()
+        abort.add_callback(exchange.interrupt)
         pending: dict[int, _Pending] = {}
         usage: Usage | None = None
-        chunks = iter(stream)
         try:
-            while (chunk := _next(chunks)) is not _END:
+            pieces = self._open(request, abort, exchange)
+            if pieces is None:
+                return
+            for chunk in _events(pieces, exchange):
                 if abort.aborted:
                     return
-                if chunk.usage is not None:
-                    usage = _usage(chunk.usage)
-                for choice in chunk.choices:
-                    delta = choice.delta
-                    reasoning = getattr(delta, "reasoning_content", None) or getattr(
-                        delta, "reasoning", None
+                u = chunk.get("usage")
+                if isinstance(u, dict):
+                    usage = _usage(u)
+                choices = chunk.get("choices")
+                for choice in choices if isinstance(choices, list) else ():
+                    delta = choice.get("delta") if isinstance(choice, dict) else None
+                    if not isinstance(delta, dict):
+                        continue
+                    reasoning = _text(delta.get("reasoning_content")) or _text(
+                        delta.get("reasoning")
                     )
                     if reasoning:
                         yield StreamChunk(reasoning_delta=reasoning)
-                    if delta.content:
-                        yield StreamChunk(content_delta=delta.content)
-                    for tc in delta.tool_calls or ():
+                    content = _text(delta.get("content"))
+                    if content:
+                        yield StreamChunk(content_delta=content)
+                    tool_calls = delta.get("tool_calls")
+                    for tc in tool_calls if isinstance(tool_calls, list) else ():
+                        if not isinstance(tc, dict):
+                            continue
                         index = _index_of(tc, pending)
                         call = pending.get(index)
                         if call is None:
-                            call_id = tc.id or f"call-{uuid.uuid4().hex[:12]}"
+                            call_id = _text(tc.get("id")) or f"call-{uuid.uuid4().hex[:12]}"
                             call = pending[index] = _Pending(call_id)
-                        if tc.function is not None:
-                            if tc.function.name:
-                                call.name += tc.function.name
-                            if tc.function.arguments:
-                                call.arguments.append(tc.function.arguments)
+                        function = tc.get("function")
+                        if isinstance(function, dict):
+                            if name := _text(function.get("name")):
+                                call.name += name
+                            if arguments := _text(function.get("arguments")):
+                                call.arguments.append(arguments)
+                                call.chars += len(arguments)
                         yield StreamChunk(
                             tool_call_progress=ToolCallProgress(
                                 index=index,
                                 name=call.name,
                                 call_id=call.id,
-                                chars_accumulated=sum(len(a) for a in call.arguments),
+                                chars_accumulated=call.chars,
                             )
                         )
+            if abort.aborted:
+                return  # the stream ended because a stop closed it
         except Exception:
             if abort.aborted:
                 return  # closed under us by a stop
             raise
         finally:
-            close()
+            exchange.finish()
         calls = tuple(
             ToolCall(id=c.id, name=c.name, arguments="".join(c.arguments))
             for _, c in sorted(pending.items())

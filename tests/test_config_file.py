@@ -118,7 +118,7 @@ id = "m"
     fc = load_config(write(tmp_path, text), env={"MY_KEY": "sk-env"})
     model = fc.llm.models()[0]
     assert isinstance(model, OpenAICompatibleModel)
-    assert model._client.api_key == "sk-env"
+    assert model._headers["Authorization"] == "Bearer sk-env"
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path, text), env={})
     assert str(err.value) == (
@@ -137,7 +137,7 @@ def test_a_provider_without_a_key_does_not_borrow_one(
     )
     model = load_config(write(tmp_path, text)).llm.models()[0]
     assert isinstance(model, OpenAICompatibleModel)
-    assert model._client.api_key == "not-needed"
+    assert model._headers["Authorization"] == "Bearer not-needed"
 
 
 def test_an_llm_key_in_the_plugin_config_is_warned_about_and_ignored(tmp_path: Path) -> None:

@@ -1,0 +1,400 @@
+"""The OpenAI-compatible provider's HTTP streaming against a real loopback server: retries
+on 429 and 5xx (Retry-After, backoff, budget, never after the reply began, abortable),
+the ``reasoning_effort`` refusal, Server-Sent Events cut at awkward places, malformed
+events, kept connections and a stop on a silent server."""
+
+from __future__ import annotations
+
+import email.utils
+import itertools
+import json
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler
+from typing import Any
+
+import pytest
+from aalis_agent.events import ChatMessage
+from aalis_agent.services import AbortSignal, ChatRequest, StreamChunk
+from aalis_agent.services.openai_compat import (
+    OpenAICompatibleModel,
+    ProviderError,
+    _Events,
+    list_server_models,
+)
+
+from tests.harness import LoopbackServer
+
+
+def sse(obj: dict[str, Any], end: str = "\n") -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}{end}{end}".encode()
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "m",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+
+
+def frame(data: bytes) -> bytes:
+    """One chunk of a chunked body: the client reads it apart from its neighbours."""
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+@dataclass
+class Reply:
+    """What the server answers one POST with."""
+
+    status: int = 200
+    pieces: Sequence[bytes] = ()  # the body, one chunk each (200)
+    headers: dict[str, str] = field(default_factory=dict)
+    message: str = "overloaded"  # the error's message (other statuses)
+    done: bool = True  # ends with data: [DONE]
+    drop: bool = False  # the connection is cut after the pieces, mid-body
+    hold: threading.Event | None = None  # after the pieces, silent until this is set
+
+
+OK = Reply(pieces=[sse(chunk({"content": "好"}, "stop"))])
+
+
+class Server(LoopbackServer):
+    """An HTTP/1.1 chat-completions server (keep-alive, chunked, TCP_NODELAY) on loopback
+    whose replies the test scripts."""
+
+    def __init__(self) -> None:
+        self.replies: list[Reply] = []
+        self.requests: list[dict[str, Any]] = []
+        self.ports: list[int] = []  # the client's port for each request
+        self.listing = b""
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True
+            timeout = 10  # an idle kept connection is let go
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(outer.listing)))
+                self.end_headers()
+                self.wfile.write(outer.listing)
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                outer.requests.append(json.loads(body))
+                outer.ports.append(self.client_address[1])
+                reply = outer.replies.pop(0) if outer.replies else OK
+                if reply.status != 200:
+                    error = json.dumps({"error": {"message": reply.message, "type": "x"}})
+                    self.send_response(reply.status)
+                    for name, value in reply.headers.items():
+                        self.send_header(name, value)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(error.encode())))
+                    self.end_headers()
+                    self.wfile.write(error.encode())
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                try:
+                    for piece in reply.pieces:
+                        self.wfile.write(frame(piece))
+                    if reply.hold is not None:
+                        reply.hold.wait(30)
+                    if reply.drop:
+                        self.close_connection = True
+                        return
+                    end = frame(b"data: [DONE]\n\n") if reply.done else b""
+                    self.wfile.write(end + b"0\r\n\r\n")  # in one write: ends at once
+                except OSError:
+                    self.close_connection = True
+
+        self.serve(Handler)
+        self.httpd.handle_error = lambda *args: None  # type: ignore[method-assign]
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    s = Server()
+    yield s
+    for reply in s.replies:
+        if reply.hold is not None:
+            reply.hold.set()
+    s.close()
+
+
+class Signal(AbortSignal):
+    """An abort signal that records the waits asked of it; unless ``sleep``, it answers
+    them at once (a test of what is waited need not wait it)."""
+
+    def __init__(self, sleep: bool = False) -> None:
+        super().__init__()
+        self.sleep = sleep
+        self.waits: list[float | None] = []
+        self.woken: list[bool] = []
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(timeout)
+        self.waiting.set()
+        woken = super().wait(timeout if self.sleep else 0)
+        self.woken.append(woken)
+        return woken
+
+
+REQ = ChatRequest(messages=(ChatMessage(id="u", role="user", content="你好"),), session_id="s")
+
+
+def model(server: Server, **kw: Any) -> OpenAICompatibleModel:
+    return OpenAICompatibleModel(base_url=server.url, model="m", api_key="sk-test-stream", **kw)
+
+
+def text(out: list[StreamChunk]) -> str:
+    return "".join(c.content_delta or "" for c in out)
+
+
+# --- retries ---------------------------------------------------------------------------
+
+
+def test_a_429_is_retried_after_the_seconds_retry_after_names(server: Server) -> None:
+    server.replies += [Reply(429, headers={"Retry-After": "2"}), OK]
+    signal = Signal()
+    out = list(model(server).chat_stream(REQ, signal))
+    assert text(out) == "好" and out[-1].done
+    assert signal.waits == [2.0]
+    assert len(server.requests) == 2 and server.requests[0] == server.requests[1]
+
+
+def test_retry_after_may_be_an_http_date(server: Server) -> None:
+    later = email.utils.formatdate(time.time() + 3, usegmt=True)
+    server.replies += [Reply(429, headers={"Retry-After": later}), OK]
+    signal = Signal()
+    assert text(list(model(server).chat_stream(REQ, signal))) == "好"
+    (wait,) = signal.waits
+    assert wait is not None and 0 < wait <= 3  # whole seconds: what is left of them
+
+
+def test_a_503_is_retried_with_exponential_backoff(server: Server) -> None:
+    server.replies += [Reply(503), Reply(503), OK]
+    signal = Signal()
+    out = list(model(server, retry_backoff_s=0.25).chat_stream(REQ, signal))
+    assert text(out) == "好"
+    assert signal.waits == [0.25, 0.5]
+    assert len(server.requests) == 3
+
+
+def test_retries_exhausted_is_a_provider_error_naming_the_status(server: Server) -> None:
+    server.replies += [Reply(503, message="upstream overloaded")] * 4 + [OK]
+    signal = Signal()
+    with pytest.raises(ProviderError, match=r"^InternalServerError: Error code: 503") as caught:
+        list(model(server, retry_backoff_s=0.1).chat_stream(REQ, signal))
+    err = caught.value
+    assert "upstream overloaded" in str(err) and "after 3 retries" in str(err)
+    assert (err.kind, err.status_code) == ("InternalServerError", 503)
+    assert err.__cause__ is None and err.__context__ is None
+    assert signal.waits == [0.1, 0.2, 0.4]
+    assert len(server.requests) == 4
+
+
+def test_a_retry_after_beyond_the_budget_is_not_waited(server: Server) -> None:
+    server.replies += [Reply(429, headers={"Retry-After": "120"}), OK]
+    signal = Signal()
+    with pytest.raises(ProviderError, match=r"^RateLimitError: Error code: 429") as caught:
+        list(model(server).chat_stream(REQ, signal))
+    assert caught.value.status_code == 429
+    assert signal.waits == [] and len(server.requests) == 1
+
+
+@pytest.mark.parametrize("how", ["error event", "cut"])
+def test_no_retry_once_the_reply_has_begun(server: Server, how: str) -> None:
+    """A 5xx told in the stream, or a connection cut mid-body, after the first chunk: the
+    error comes out, and nothing is sent again."""
+    first = sse(chunk({"content": "字"}))
+    if how == "error event":
+        error = {"error": {"message": "upstream overloaded", "code": 503}}
+        server.replies.append(Reply(pieces=[first, sse(error)], done=False))
+    else:
+        server.replies.append(Reply(pieces=[first], drop=True))
+    signal = Signal()
+    stream = model(server).chat_stream(REQ, signal)
+    assert next(stream).content_delta == "字"
+    expected = "APIError: upstream overloaded" if how == "error event" else "APIConnectionError: "
+    with pytest.raises(ProviderError, match=f"^{expected}") as caught:
+        next(stream)
+    assert caught.value.__context__ is None
+    assert len(server.requests) == 1 and signal.waits == []
+
+
+def test_an_abort_during_the_backoff_ends_the_call_at_once(server: Server) -> None:
+    server.replies += [Reply(503, headers={"Retry-After": "20"}), OK]
+    signal = Signal(sleep=True)
+    out: list[StreamChunk] = []
+    consumer = threading.Thread(
+        target=lambda: out.extend(model(server).chat_stream(REQ, signal)), daemon=True
+    )
+    consumer.start()
+    assert signal.waiting.wait(10)
+    signal.abort("stop")
+    consumer.join(10)
+    assert not consumer.is_alive()  # not the 20 s the server asked for
+    assert out == [] and signal.waits == [20.0] and signal.woken == [True]
+    assert len(server.requests) == 1  # nothing is sent after the stop
+
+
+# --- reasoning_effort ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        "Unrecognized request argument supplied: reasoning_effort",
+        "Unsupported parameter: 'reasoning_effort' is not supported with this model.",
+        "[{'type': 'extra_forbidden', 'loc': ('body', 'reasoning_effort'), "
+        "'msg': 'Extra inputs are not permitted'}]",
+    ],
+)
+def test_a_server_refusing_reasoning_effort_is_asked_again_without_it(
+    server: Server, refusal: str
+) -> None:
+    """The 400 is answered once; the model remembers it for its later calls."""
+    server.replies += [Reply(400, message=refusal), OK, OK]
+    m = model(server, think_levels={"high": "high"})
+    high = ChatRequest(messages=REQ.messages, think="high")
+    assert text(list(m.chat_stream(high, AbortSignal()))) == "好"
+    assert text(list(m.chat_stream(high, AbortSignal()))) == "好"
+    assert ["reasoning_effort" in r for r in server.requests] == [True, False, False]
+    assert server.requests[0]["reasoning_effort"] == "high"
+
+
+def test_a_refused_effort_value_is_not_a_refused_parameter(server: Server) -> None:
+    """``Unsupported value``: this level is wrong, not the parameter; nothing is retried
+    and the next call still sends its level."""
+    refusal = (
+        "Unsupported value: 'reasoning_effort' does not support 'minimal' with this model. "
+        "Supported values are: 'low', 'medium', and 'high'."
+    )
+    server.replies += [Reply(400, message=refusal), OK]
+    m = model(server, think_levels={"minimal": "minimal", "low": "low"})
+    with pytest.raises(ProviderError, match=r"^BadRequestError: Error code: 400 - Unsupported"):
+        list(m.chat_stream(ChatRequest(messages=REQ.messages, think="minimal"), AbortSignal()))
+    list(m.chat_stream(ChatRequest(messages=REQ.messages, think="low"), AbortSignal()))
+    assert [r["reasoning_effort"] for r in server.requests] == ["minimal", "low"]
+
+
+# --- the event stream ------------------------------------------------------------------
+
+
+def _awkward() -> tuple[bytes, list[int]]:
+    """Four events (LF and CRLF line ends, a comment, data over two lines) and the places
+    to cut them: inside a character, inside ``data:``, between CR and LF, inside JSON."""
+    raw = (
+        sse(chunk({"content": "你好"}))
+        + b": keep-alive\n\n"
+        + sse(chunk({"reasoning_content": "想想"}), end="\r\n")
+        + b'data: {"choices": [{"index": 0,\ndata: "delta": {"content": "\xe4\xb8\x96"}}]}\n\n'
+        + sse(chunk({"content": "界"}, "stop"))
+    )
+    ni = raw.index("你".encode()) + 1  # 1 of its 3 bytes
+    data = raw.index(b"data:", raw.index(b"keep-alive")) + 2  # "da" | "ta:"
+    crlf = raw.index(b"\r\n") + 1  # CR | LF
+    shi = raw.index("世".encode()) + 2  # 2 of its 3 bytes
+    jie = raw.index("界".encode()) - 3  # inside the JSON, before the last character
+    return raw, sorted({ni, data, crlf, shi, jie})
+
+
+def test_an_event_stream_cut_at_awkward_places_reads_whole(server: Server) -> None:
+    raw, cuts = _awkward()
+    bounds = [0, *cuts, len(raw)]
+    pieces = [raw[a:b] for a, b in itertools.pairwise(bounds)]
+    server.replies.append(Reply(pieces=pieces))
+    out = list(model(server).chat_stream(REQ, AbortSignal()))
+    assert text(out) == "你好世界"
+    assert [c.reasoning_delta for c in out if c.reasoning_delta] == ["想想"]
+    assert out[-1].done
+
+
+def test_the_event_parser_gives_the_same_events_wherever_the_bytes_are_cut() -> None:
+    raw, _ = _awkward()
+    whole = _Events()
+    expected = whole.feed(raw) + whole.end()
+    assert len(expected) == 4 and expected[2].startswith(b'{"choices": [{"index": 0,\n"delta"')
+    for cut in range(len(raw) + 1):
+        events = _Events()
+        assert events.feed(raw[:cut]) + events.feed(raw[cut:]) + events.end() == expected, cut
+    bytewise = _Events()
+    got = [data for i in range(len(raw)) for data in bytewise.feed(raw[i : i + 1])]
+    assert got + bytewise.end() == expected
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [(b"data: {not json\n\n", "not JSON"), (b"data: [1, 2]\n\n", "not a JSON object")],
+)
+def test_a_malformed_event_is_a_clear_provider_error(
+    server: Server, data: bytes, reason: str
+) -> None:
+    server.replies.append(Reply(pieces=[sse(chunk({"content": "好"})), data]))
+    stream = model(server).chat_stream(REQ, AbortSignal())
+    assert next(stream).content_delta == "好"
+    with pytest.raises(ProviderError, match=r"^APIError: malformed event in the stream") as caught:
+        next(stream)
+    assert reason in str(caught.value) and caught.value.kind == "APIError"
+    assert caught.value.__context__ is None
+
+
+def test_an_event_the_server_does_not_close_is_still_read(server: Server) -> None:
+    """The body ends right after an event's data line, with no blank line nor [DONE]."""
+    last = 'data: {"choices": [{"delta": {"content": "好"}}]}'.encode()
+    server.replies.append(Reply(pieces=[last], done=False))
+    assert text(list(model(server).chat_stream(REQ, AbortSignal()))) == "好"
+
+
+# --- connections -----------------------------------------------------------------------
+
+
+def test_a_reply_read_to_its_end_leaves_its_connection_to_the_next_call(server: Server) -> None:
+    m = model(server)
+    for _ in range(3):
+        assert text(list(m.chat_stream(REQ, AbortSignal()))) == "好"
+    assert len(server.ports) == 3 and len(set(server.ports)) == 1
+
+
+def test_a_stop_ends_a_stream_whose_server_has_gone_silent(server: Server) -> None:
+    """The server sends one chunk and then nothing: the stop shuts the connection down,
+    the blocked read returns, and the stream ends without its final chunk."""
+    hold = threading.Event()
+    server.replies += [Reply(pieces=[sse(chunk({"content": "字"}))], hold=hold), OK]
+    abort = AbortSignal()
+    stream = model(server).chat_stream(REQ, abort)
+    assert next(stream).content_delta == "字"
+    rest: list[StreamChunk] = []
+    consumer = threading.Thread(target=lambda: rest.extend(stream), daemon=True)
+    consumer.start()
+    abort.abort("stop")
+    consumer.join(10)
+    assert not consumer.is_alive() and not hold.is_set()  # the server never spoke again
+    assert rest == []
+    hold.set()
+    # The connection was dropped, not kept: the next call is answered on a new one.
+    assert text(list(model(server).chat_stream(REQ, AbortSignal()))) == "好"
+    assert server.ports[0] != server.ports[1]
+
+
+def test_a_listing_that_is_not_one_is_a_provider_error(server: Server) -> None:
+    server.listing = b'{"models": ["a", "b"]}'
+    with pytest.raises(ProviderError, match=r"^APIResponseValidationError: not a model"):
+        list_server_models(server.url, None)
+    server.listing = b'{"object": "list", "data": [{"id": "a"}, {"id": "b"}]}'
+    assert list_server_models(server.url, None) == ["a", "b"]
