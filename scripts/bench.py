@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from aalis_agent.events import (
     Batch,
     ChatMessage,
@@ -512,11 +513,13 @@ def bench_turns(tmp: Path) -> None:
     for target in (10, 100, 1000):
         # Grow the session to ``target`` history messages (4 per turn), then time turns.
         while len(runtime.view("s").history.messages) < target:
-            runtime.submit("s", Input(id="", content=f"{turns_done}: {USER_TEXT}")).result(60)
+            runtime.submit("s", Input(id="", content=f"growth {turns_done}: {USER_TEXT}")).result(
+                60
+            )
             turns_done += 1
             if turns_done % 25 == 0:
                 before = counter.encodes
-                text = f"{turns_done}: {USER_TEXT}"
+                text = f"growth {turns_done}: {USER_TEXT}"
                 runtime.submit("s", Input(id="", content=text)).result(60)
                 turns_done += 1
                 encoded.append(counter.encodes - before)
@@ -524,7 +527,9 @@ def bench_turns(tmp: Path) -> None:
         appends_before = CountingStore.appends
         for _ in range(20):
             t0 = time.perf_counter()
-            runtime.submit("s", Input(id="", content=f"{turns_done}: {USER_TEXT}")).result(60)
+            runtime.submit("s", Input(id="", content=f"growth {turns_done}: {USER_TEXT}")).result(
+                60
+            )
             turns_done += 1
             samples.append(time.perf_counter() - t0)
         overhead[target] = statistics.median(samples)
@@ -549,6 +554,204 @@ def bench_turns(tmp: Path) -> None:
     )
 
 
+def _tool_turn_runtime(store: SqliteEventStore) -> Any:
+    """The side-by-side workload's runtime: an instant scripted model that answers each
+    user message with one tool call, then (after the tool) with a new reply text."""
+    from aalis_agent.actors.runtime import Runtime
+    from aalis_agent.events import ToolCall
+    from aalis_agent.services import ScriptedModel, ScriptedReply, Services, Tool, ToolRegistry
+
+    def reply(request: object, n: int) -> ScriptedReply:
+        if n % 2:
+            return ScriptedReply(tool_calls=(ToolCall(id=f"c{n}", name="echo", arguments="{}"),))
+        return ScriptedReply(text=f"{n}: {REPLY_TEXT}")
+
+    services = Services(
+        llm=ScriptedModel(reply, context_length=1_000_000),
+        tools=ToolRegistry([Tool("echo", lambda args, ctx: "好")]),
+    )
+    return Runtime(store, services, janitor=False)
+
+
+def _db_bytes(store: SqliteEventStore, path: Path) -> tuple[int, int]:
+    """The database file's size after a checkpoint and a VACUUM, and the stored payload."""
+    conn = store._conn
+    payload = conn.execute("SELECT COALESCE(SUM(LENGTH(data)), 0) FROM events").fetchone()[0]
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.execute("VACUUM")
+    return path.stat().st_size, int(payload)
+
+
+def bench_turns_workload(tmp: Path, turns: int) -> None:
+    """The side-by-side workload (see scripts/peers): one session, ``turns`` turns of a
+    user message, one tool call, the tool and a reply, on the durable SQLite log; p50 per
+    turn, the last 10 turns over the first 10, and the bytes stored per turn."""
+    _quiet_logs()
+    path = tmp / f"workload-{turns}.db"
+    store = SqliteEventStore(path)
+    runtime = _tool_turn_runtime(store)
+    # One turn in another session first: loading the encoding is not a turn's cost.
+    runtime.submit("warm-up", Input(id="", content=USER_TEXT)).result(60)
+    samples: list[float] = []
+    for n in range(turns):
+        t0 = time.perf_counter()
+        runtime.submit("s", Input(id="", content=f"{n}: {USER_TEXT}")).result(60)
+        samples.append(time.perf_counter() - t0)
+    runtime.shutdown(timeout=60)
+    size, payload = _db_bytes(store, path)
+    store.close()
+    first, last = samples[:10], samples[-10:]
+    emit(
+        "turns_workload",
+        statistics.median(samples) * 1000,
+        "ms",
+        peer="aalis-agent",
+        turns=turns,
+        p50_ms=round(statistics.median(samples) * 1000, 3),
+        last10_over_first10=round(statistics.mean(last) / statistics.mean(first), 3),
+        bytes_per_turn=round(size / turns),
+        payload_bytes_per_turn=round(payload / turns),
+    )
+
+
+def bench_floor(tmp: Path) -> None:
+    """The unavoidable work of one tool turn at 10 history messages: its rows written raw
+    in two commits (msgpack encoding included) and its two request lists built, beside
+    the whole turn through the runtime, for the ratio (target <= 4)."""
+    _quiet_logs()
+    path = tmp / "floor-turns.db"
+    store = SqliteEventStore(path)
+    runtime = _tool_turn_runtime(store)
+    for n in range(3):  # 12 history messages before the measured turns
+        runtime.submit("s", Input(id="", content=f"{n}: {USER_TEXT}")).result(60)
+    samples: list[float] = []
+    for n in range(3, 43):
+        t0 = time.perf_counter()
+        runtime.submit("s", Input(id="", content=f"{n}: {USER_TEXT}")).result(60)
+        samples.append(time.perf_counter() - t0)
+    runtime.shutdown(timeout=60)
+    events = store.read("s")
+    store.close()
+    # One turn's rows: everything from the last user input on.
+    last = max(i for i, e in enumerate(events) if isinstance(e, InputReceived))
+    rows = events[last:]
+    history = [e.message for e in events[:last] if isinstance(e, MessageSaved)][-12:]
+    raw = SqliteEventStore(tmp / "floor-raw.db")
+    half = len(rows) // 2
+    seq = 0
+
+    def one_turn() -> None:
+        nonlocal seq
+        session = f"raw{seq}"
+        batch = [msgspec.structs.replace(e, session_id=session) for e in rows]
+        for i, e in enumerate(batch):
+            batch[i] = msgspec.structs.replace(e, seq=i + 1)
+        raw.append(session, batch[:half], 0)
+        raw.append(session, batch[half:], half)
+        for _ in range(2):  # the two calls' request lists
+            request = [history[0], *history, rows[0]]
+            assert request
+        seq += 1
+
+    floor = min(_timed(one_turn) for _ in range(40))
+    raw.close()
+    turn = statistics.median(samples)
+    emit(
+        "floor_ratio",
+        turn / floor,
+        "x",
+        turn_ms=round(turn * 1000, 3),
+        floor_ms=round(floor * 1000, 3),
+        rows=len(rows),
+        history=len(history),
+        target="<= 4",
+    )
+
+
+def bench_many_sessions(tmp: Path) -> None:
+    """The side-by-side workload spread over 1,000 sessions × 5 turns, driven from 4
+    threads (each runs a session's turns one after another), beside one session's turns
+    run sequentially in the same run: throughput ratio (target >= 1), latency p50/p99.
+    Then memory: RSS once every session is passivated, and after three cycles of reviving
+    each session for one more turn and passivating it again (no growth expected)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _quiet_logs()
+    store = SqliteEventStore(tmp / "many.db")
+    runtime = _tool_turn_runtime(store)
+    runtime.submit("warm-up", Input(id="", content=USER_TEXT)).result(60)
+    t0 = time.perf_counter()
+    for n in range(200):
+        runtime.submit("alone", Input(id="", content=f"{n}: {USER_TEXT}")).result(60)
+    sequential = 200 / (time.perf_counter() - t0)
+    sessions = [f"room:{i}" for i in range(1000)]
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def drive(session: str) -> None:
+        mine = []
+        for n in range(5):
+            t = time.perf_counter()
+            runtime.submit(session, Input(id="", content=f"{n}: {USER_TEXT}")).result(120)
+            mine.append(time.perf_counter() - t)
+        with lock:
+            latencies.extend(mine)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(drive, sessions))
+    elapsed = time.perf_counter() - t0
+    rate = len(latencies) / elapsed
+    latencies.sort()
+    emit(
+        "many_sessions_turns_per_s",
+        rate,
+        "turns/s",
+        sessions=len(sessions),
+        turns=len(latencies),
+        threads=4,
+        one_session_sequential=round(sequential, 1),
+        ratio=round(rate / sequential, 3),
+        p50_ms=round(latencies[len(latencies) // 2] * 1000, 3),
+        p99_ms=round(latencies[int(len(latencies) * 0.99)] * 1000, 3),
+        target="ratio >= 1",
+    )
+
+    def passivate_all() -> float:
+        runtime.wait_idle(60)
+        runtime.passivate_idle(0)
+        deadline = time.monotonic() + 60
+        while runtime.active_sessions() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gc.collect()
+        time.sleep(0.3)  # the stopped actors' threads finish
+        return _rss_mb()
+
+    rss = [passivate_all()]
+    for cycle in range(3):
+        for session in sessions:
+            runtime.submit(session, Input(id="", content=f"again {cycle}")).result(120)
+        rss.append(passivate_all())
+    runtime.shutdown(timeout=60)
+    store.close()
+    emit(
+        "passivated_rss_mb",
+        rss[0],
+        "MiB",
+        sessions=len(sessions),
+        after_cycles=[round(r, 1) for r in rss[1:]],
+        growth_per_cycle_kib_per_session=round((rss[-1] - rss[0]) / 3 * 1024 / len(sessions), 2),
+        threads_after=threading.active_count(),
+        note="each cycle revives every session for one turn, then passivates it",
+    )
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 ALL = (
     "append_single_eps",
     "append_single_exclusive_eps",
@@ -564,12 +767,23 @@ ALL = (
     "trim_1k",
     "render_history_1k_us",
     "turns",
+    "turns_workload",
+    "floor",
+    "many_sessions",
+    "first_token",
 )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/bench", description=__doc__)
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"any of: {', '.join(ALL)}")
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=200,
+        metavar="N",
+        help="turns of the side-by-side workload (turns_workload; default 200)",
+    )
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in ALL]
     if unknown:
@@ -616,6 +830,16 @@ def main(argv: list[str] | None = None) -> int:
                 bench_render_history(tmp)
             elif name == "turns":
                 bench_turns(tmp)
+            elif name == "turns_workload":
+                bench_turns_workload(tmp, args.turns)
+            elif name == "floor":
+                bench_floor(tmp)
+            elif name == "many_sessions":
+                bench_many_sessions(tmp)
+            elif name == "first_token":
+                from bench_stream import bench_first_token
+
+                bench_first_token(tmp, emit)
         if big is not None:
             big.close()
     return 0
