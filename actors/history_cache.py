@@ -227,9 +227,15 @@ class HistoryCache:
             self._read(chain, state.active_from)
         self._chain = chain
         new = chain[state.active_from + self._seen :]
-        self._seen += len(new)
+        # The turn in flight's own messages at the end are left unread: the next turn
+        # reads them as history.
+        end = len(new)
+        if exclude_turn is not None:
+            while end and new[end - 1].meta.turn_id == exclude_turn:
+                end -= 1
+        self._seen += end
         added: list[ChatMessage] = []
-        for m in new:
+        for m in new[:end]:
             turn_id = m.meta.turn_id
             if exclude_turn is not None and turn_id == exclude_turn:
                 self._excluded += 1

@@ -148,6 +148,12 @@ class Hooks:
         value = call(0)
         return ran, value
 
+    def quiet(self, *keys: str) -> bool:
+        """Whether no middleware is on any of ``keys`` and no contribution is registered:
+        then nothing outside the runtime runs between a turn's open and its first call."""
+        running = self._running
+        return not self._contributions and not any(running.get(k) for k in keys)
+
     def contribute(self, contribution: Contribution) -> None:
         if contribution.anchor not in ANCHORS:
             raise ValueError(

@@ -42,6 +42,7 @@ from aalis_agent.actors.scheduler import (
     OpenContext,
     Step,
     archive_joined,
+    archived_input_message,
     decide_call_ended,
     decide_insertion,
     decide_recover,
@@ -52,6 +53,7 @@ from aalis_agent.actors.scheduler import (
     turn_left_history,
 )
 from aalis_agent.actors.turn import TurnRunner, deliver
+from aalis_agent.actors.turn_base import FirstCall
 from aalis_agent.events import (
     Batch,
     ChatMessage,
@@ -69,6 +71,7 @@ from aalis_agent.events import (
     InvalidBatch,
     MessageMeta,
     MessageSaved,
+    ModelCallStarted,
     SessionDeleted,
     SessionEvent,
     SessionFailed,
@@ -82,6 +85,7 @@ from aalis_agent.projections.turns import turn_participants
 from aalis_agent.request.texts import NO_RUNNING_TURN, STOP_DENIED, stop_marker_text
 from aalis_agent.request.tokens import default_counter
 from aalis_agent.services import AbortSignal, OutboundMessage, Services
+from aalis_agent.services.models import entry_id
 from aalis_agent.services.settings import venue_of
 
 __all__ = ["SessionActor"]
@@ -128,6 +132,7 @@ class SessionActor(pykka.ThreadingActor):
         self._runner: TurnRunner | None = None
         self._abort: AbortSignal | None = None
         self._call_ended: CallEnded | None = None  # written with the next commit
+        self._first_calls: dict[str, FirstCall] = {}  # recorded at open, by turn
         # The history part of this session's requests, extended turn by turn.
         self._history_cache = HistoryCache(default_counter())
         self._winding_down: list[tuple[str, Future[Any], tuple[str, ...]]] = []
@@ -237,9 +242,10 @@ class SessionActor(pykka.ThreadingActor):
         A failed append fences the actor (:meth:`_fence`). Only where ``refusable`` (a
         new input, a setting) is a batch the store refuses as invalid merely refused:
         nothing was written, so the session goes on without that message."""
-        events = step.events
-        if not events:
+        if not step.events:
             return
+        self._first_call_at_open(step)
+        events = step.events
         before = self.view
         try:
             self.store.append(
@@ -257,6 +263,52 @@ class SessionActor(pykka.ThreadingActor):
         self._call_ended = None  # written with this batch, or its turn is over
         self.view = step.view
         self._effects(before, events)
+
+    def _first_call_at_open(self, step: Step) -> None:
+        """When nothing outside the runtime runs between a turn's open and its first model
+        call (no ``agent:turn:before`` or ``agent:llm:before`` middleware, no prompt
+        contributions), the commit that opens the turn also archives its inputs (SAVE1)
+        and records the first call's start: one commit and one round trip fewer per turn.
+        Its runner then makes that call at once (it has no insertion point: nothing can
+        be pending yet)."""
+        opened = next((e for e in step.events if isinstance(e, TurnOpened)), None)
+        if opened is None or not self.host.hooks.quiet("agent:turn:before", "agent:llm:before"):
+            return
+        try:
+            model = self.services.models.resolve(opened.settings.model).model
+            info = self.services.sessions.info(self.session_id)
+        except Exception:
+            return  # the runner meets it and reports it as it always does
+        known = self._known_inputs(self.view, step.events)
+        inputs = [
+            known[e.input_id]
+            for e in step.events
+            if isinstance(e, InputJoined) and e.turn_id == opened.turn_id and e.input_id in known
+        ]
+        if len(inputs) != len(opened.input_ids):
+            return
+        messages = []
+        for inp in inputs:
+            message = archived_input_message(
+                inp, opened.turn_id, "opened", self._message_id(), opened.at
+            )
+            messages.append(message)
+            if inp.trigger_type == "idle":
+                continue  # an idle prompt is not archived (INS3)
+            if self.services.archive is None:
+                self.host.archive_missed()
+            else:
+                step.add(MessageSaved(message=message))
+        started = step.add(
+            ModelCallStarted(
+                turn_id=opened.turn_id,
+                index=1,
+                model=entry_id(model),
+                purpose="子任务" if info.is_child else "对话",  # ACC1
+                format_retry=False,
+            )
+        )
+        self._first_calls[opened.turn_id] = FirstCall(started, model, tuple(messages))
 
     def _fence(self, exc: BaseException | None) -> NoReturn:
         """Persist, then act: a write failed, so this actor stops here (as Akka
@@ -410,6 +462,7 @@ class SessionActor(pykka.ThreadingActor):
             budget_log=self.host.budget_log,
             history_cache=self._history_cache,
             workers=self.host.workers,
+            first_call=self._first_calls.pop(opened.turn_id, None),
         )
         self.host.runner_started(self._runner)
         self.services.bus.publish(

@@ -159,13 +159,21 @@ class TurnRunner(ToolBatch, ReplyStep):
         # archived (INS3); a host notice is archived without its untrusted part (INS2).
         rendered: list[ChatMessage] = []
         entered = self.opened.at  # their time label: the moment they entered the turn
-        for inp in inputs:
-            message = archived_input_message(
-                inp, self.turn_id, "opened", self.ids.new("msg"), entered
-            )
-            if inp.trigger_type != "idle":
-                self._archive(message)
-            rendered.append(render_input(message, now, tz))
+        first = self._first_call
+        if first is not None and [m.meta.input_id for m in first.messages] == [
+            i.id for i in inputs
+        ]:
+            # Archived in the commit that opened the turn.
+            rendered = [render_input(m, now, tz) for m in first.messages]
+        else:
+            self._first_call = None
+            for inp in inputs:
+                message = archived_input_message(
+                    inp, self.turn_id, "opened", self.ids.new("msg"), entered
+                )
+                if inp.trigger_type != "idle":
+                    self._archive(message)
+                rendered.append(render_input(message, now, tz))
 
         # FLOW3-FLOW6: system prompt, history, tools, contributions.
         prompt, self._persona, self._history = base_prompt(
@@ -278,10 +286,14 @@ class TurnRunner(ToolBatch, ReplyStep):
             format_retry=retry,
         )
         call = _Call()
-        if self.abort.aborted:
+        first = self._first_call if index == 1 else None
+        if first is not None:
+            started = first.started  # recorded when the turn opened
+            self._flush()  # anything reported since goes out first (nothing, as a rule)
+        elif self.abort.aborted:
             call.aborted = True  # stopped before the call went out: no call
             return call
-        if self.opened.source is None and not retry:
+        elif self.opened.source is None and not retry:
             while self._take_inserts(prompt, started):
                 before = self._llm_before(prompt, tool_defs)
             if self._call_refused:

@@ -30,6 +30,7 @@ from aalis_agent.events import (
     IdSource,
     Input,
     MessageSaved,
+    ModelCallStarted,
     SessionEvent,
     ToolCall,
     TurnOpened,
@@ -52,7 +53,7 @@ from aalis_agent.services import (
 from aalis_agent.services.llm import ChatModel, Usage
 from aalis_agent.services.outbound import OutboundKind
 
-__all__ = ["NotRecorded", "TurnBase", "deliver"]
+__all__ = ["FirstCall", "NotRecorded", "TurnBase", "deliver"]
 
 log = structlog.get_logger("aalis.turn")
 
@@ -85,6 +86,17 @@ def deliver(services: Services, message: OutboundMessage) -> None:
             "replyTo": message.reply_to,
         },
     )
+
+
+@dataclass(frozen=True, slots=True)
+class FirstCall:
+    """A turn's first model call, its start recorded in the commit that opened the turn
+    (with the inputs' archived messages): the runner makes it without an insertion
+    point."""
+
+    started: ModelCallStarted
+    model: ChatModel
+    messages: tuple[ChatMessage, ...]
 
 
 @dataclass
@@ -120,6 +132,7 @@ class TurnBase:
         budget_log: BudgetLog | None = None,
         history_cache: HistoryCache | None = None,
         workers: Workers | None = None,
+        first_call: FirstCall | None = None,
     ) -> None:
         self.actor = actor
         self.session_id = session_id
@@ -146,8 +159,9 @@ class TurnBase:
         self._history: PreparedHistory = PreparedHistory(messages=(), active=0)
         self._last_call: TrimmedCall | None = None  # the last call, as trimmed
         self._budget_log = budget_log
-        self._model: ChatModel | None = None
         self._workers = workers
+        self._first_call = first_call
+        self._model: ChatModel | None = first_call.model if first_call is not None else None
 
     def _main(self) -> None:
         raise NotImplementedError  # the runner's (actors/turn.py): the turn's thread body

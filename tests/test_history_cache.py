@@ -131,17 +131,29 @@ def test_prepared_history_equals_the_history_computed_from_scratch(plan: list) -
 
 
 def test_a_growing_history_is_prepared_from_its_new_messages_only() -> None:
+    """Each turn's input is archived before its request is prepared (the turn in flight
+    is left out); the next turn reads it as history: nothing starts over."""
     cache = HistoryCache(COUNTER)
     state = HistoryState()
+
+    def add(m: ChatMessage) -> None:
+        nonlocal state
+        state = HistoryState(state.messages.append(m), state.active_from)
+
     for turn in range(50):
         tid = f"t{turn}"
-        for m in (
+        add(
             ChatMessage(
                 id=f"u{turn}",
                 role="user",
                 content="hi",
                 meta=MessageMeta(turn_id=tid, timestamp=NOW, platform="qq"),
-            ),
+            )
+        )
+        got = cache.prepare(state, 0, tid, NOW, CST)
+        assert tuple(got.messages) == expected(state, 0, tid, NOW)[0]
+        assert len(got.messages) == 4 * turn  # the turns before, not this one's input
+        for m in (
             ChatMessage(
                 id=f"a{turn}",
                 role="assistant",
@@ -159,9 +171,7 @@ def test_a_growing_history_is_prepared_from_its_new_messages_only() -> None:
                 id=f"f{turn}", role="assistant", content="ok", meta=MessageMeta(turn_id=tid)
             ),
         ):
-            state = HistoryState(state.messages.append(m), state.active_from)
-        got = cache.prepare(state, 0, f"t{turn + 1}", NOW, CST)
-        assert tuple(got.messages) == expected(state, 0, f"t{turn + 1}", NOW)[0]
+            add(m)
     assert cache.rebuilds == 0
     # a year later every label is rendered again; a clear starts over
     cache.prepare(state, 0, None, NOW + YEAR_MS, CST)

@@ -22,6 +22,7 @@ PACKAGES = (
     "scenarios",
     "timeline",
     "testing",
+    "inspector",
 )
 
 

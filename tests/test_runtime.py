@@ -659,10 +659,15 @@ def test_a_failed_append_stops_the_session_and_its_next_use_rebuilds_it() -> Non
     """Persist, then act: the archive of the opening input fails, so the model is never
     called; the handle gets SessionFailed. The next input rebuilds the session from its
     log: the cut turn is recorded, the unarchived input is put back at the head of the
-    queue and runs; nothing is lost, nothing half-applied."""
+    queue and runs; nothing is lost, nothing half-applied. (An ``agent:turn:before``
+    middleware keeps the archive out of the commit that opens the turn.)"""
     store = FlakyStore()
     model = GatedModel()
-    runtime = Runtime(store, Services(llm=model), FixedClock(), SequentialIds(), janitor=False)
+    hooks = Hooks()
+    hooks.use("agent:turn:before", lambda ctx, next_: next_())
+    runtime = Runtime(
+        store, Services(llm=model), FixedClock(), SequentialIds(), janitor=False, hooks=hooks
+    )
     try:
         store.fail_next_message = True  # the archive of the opening input fails
         first = runtime.submit(SID, Input(id="", content="一"))
@@ -692,6 +697,38 @@ def test_a_failed_append_stops_the_session_and_its_next_use_rebuilds_it() -> Non
         ]
         assert saved[:2] == ["一", "二"] or saved[:2] == ["一", "好"]
         assert saved.count("一") == 1  # archived once, in the turn that ran it
+    finally:
+        runtime.shutdown(timeout=10)
+
+
+def test_when_the_commit_that_opens_a_turn_fails_the_input_is_refused_whole() -> None:
+    """Without middleware between a turn's open and its first call, the input, its turn,
+    its archive and the first call's start are one commit. When that write fails, the
+    submit itself fails (nothing was accepted), the model is never called, and the next
+    input finds a clean log."""
+    store = FlakyStore()
+    model = GatedModel()
+    runtime = Runtime(store, Services(llm=model), FixedClock(), SequentialIds(), janitor=False)
+    try:
+        store.fail_next_message = True
+        with pytest.raises(SessionFailed, match=r"a write to its log failed.*disk full"):
+            runtime.submit(SID, Input(id="", content="一")).result(5)
+        assert model.calls == []
+        assert store.read(SID) == []  # nothing half-applied
+        second = runtime.submit(SID, Input(id="", content="二"))
+        call = model.answer("好")
+        assert [m.content for m in call.request.messages if m.role == "user"][-1].endswith("二")
+        assert second.result(5).outcome == "replied"
+        log = store.read(SID)
+        first_commit = [type(e).__name__ for e in log[:5]]
+        assert first_commit == [
+            "InputReceived",
+            "TurnOpened",
+            "InputJoined",
+            "MessageSaved",
+            "ModelCallStarted",
+        ]
+        assert project(log) == runtime.view(SID)
     finally:
         runtime.shutdown(timeout=10)
 
