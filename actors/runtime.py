@@ -60,6 +60,7 @@ from aalis_agent.projections import SessionView, project, queue, turns
 from aalis_agent.request.usage import wire
 from aalis_agent.services import Services
 from aalis_agent.services.settings import validate_setting
+from aalis_agent.services.typed_tools import shutdown_default_loop_thread
 
 __all__ = ["InputBefore", "Quarantined", "Runtime", "RuntimeClosed", "SubmitHandle"]
 
@@ -386,6 +387,7 @@ class Runtime:
             if self._janitor is not None:
                 self._janitor.join(timeout=5)
             self.workers.release_idle()
+            shutdown_default_loop_thread()  # async tools' loop; it starts again when used
 
     close = shutdown
 

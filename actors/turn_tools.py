@@ -36,10 +36,9 @@ from aalis_agent.services import (
 from aalis_agent.services.llm import ChatModel
 from aalis_agent.services.secrets import redact
 from aalis_agent.services.tools import Inbound
+from aalis_agent.services.typed_tools import default_loop_thread, run_awaitable
 
-__all__ = ["ASYNC_TOOL", "ToolBatch"]
-
-ASYNC_TOOL = "[错误] 这个工具是异步函数（async def），这里只调用同步函数，没有执行"
+__all__ = ["ToolBatch"]
 """The result a call gets whose tool handler returned an awaitable."""
 
 
@@ -175,11 +174,12 @@ class ToolBatch(TurnBase):
             try:
                 value = tool.handler(c.args, c.tool_call_context)
                 if inspect.isawaitable(value):
-                    if inspect.iscoroutine(value):
-                        value.close()  # never awaited: tools are called synchronously
-                    holder["error"] = ASYNC_TOOL
-                else:
-                    holder["result"] = value
+                    # An async handler runs on the shared tool loop thread; a stop
+                    # cancels it (SCH6).
+                    value = run_awaitable(
+                        value, default_loop_thread().loop, abort=c.tool_call_context.abort
+                    )
+                holder["result"] = value
             except Exception as exc:
                 holder["error"] = redact(f"{type(exc).__name__}: {exc}")
 

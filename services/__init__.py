@@ -30,6 +30,7 @@ from aalis_agent.services.outbound import (
 from aalis_agent.services.sessions import SessionDirectory, SessionInfo, StaticSessions
 from aalis_agent.services.settings import SettingsLayers, SettingsResolver, StaticSettings
 from aalis_agent.services.tools import Inbound, Tool, ToolCallContext, ToolRegistry
+from aalis_agent.services.typed_tools import EventLoopThread, TypedTool, tool, tool_from
 
 __all__ = [
     "AbortSignal",
@@ -39,6 +40,7 @@ __all__ = [
     "ChatModel",
     "ChatRequest",
     "EventBus",
+    "EventLoopThread",
     "Gateway",
     "Inbound",
     "LlmService",
@@ -65,7 +67,10 @@ __all__ = [
     "Tool",
     "ToolCallContext",
     "ToolRegistry",
+    "TypedTool",
     "Usage",
+    "tool",
+    "tool_from",
 ]
 
 

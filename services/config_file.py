@@ -44,6 +44,16 @@ what is wrong; nothing is half-loaded. The layout, with every table optional::
     name = "小助手"
     prompt = "你是小助手。"
     default = true
+
+    [mcp.files]                 # an MCP tool server (services/mcp.py); its name is the table's
+    command = "uvx"             # run over stdio: command, args, env, cwd
+    args = ["mcp-server-filesystem", "."]
+    env = { LOG_LEVEL = "warning" }
+    group = "files"             # the tool group its tools join (default: the server's name)
+    timeoutMs = 60000           # a tool call's limit; startupTimeoutMs limits connecting
+    [mcp.search]
+    url = "http://127.0.0.1:8000/mcp"   # or streamable HTTP: url (and headers)
+    toolPrefix = "search_"      # prepended to its tool names (default: none)
 """
 
 from __future__ import annotations
@@ -63,6 +73,7 @@ from aalis_agent.events.schema import ModelRef
 from aalis_agent.request.limits import MAX_DEPTH, find_unloggable, toml_too_deep
 from aalis_agent.services.config import AgentConfig
 from aalis_agent.services.llm import ChatModel, ScriptedModel, ScriptedReply, ThinkLevel
+from aalis_agent.services.mcp import McpServer
 from aalis_agent.services.models import LlmService, Provider, parse_model_ref
 from aalis_agent.services.outbound import StaticPersonas
 from aalis_agent.services.settings import (
@@ -147,6 +158,19 @@ class _Persona(_Spec):
     default: bool = False
 
 
+class _Mcp(_Spec):
+    command: Text | None = None
+    args: list[str] = msgspec.field(default_factory=list)
+    env: dict[str, Any] | None = None  # each value checked on its own, naming its key
+    cwd: Text | None = None
+    url: Annotated[str, Meta(pattern=r"^https?://", extra={"what": "an http(s) URL"})] | None = None
+    headers: dict[str, Any] | None = None
+    group: Text | None = None
+    tool_prefix: str = ""
+    timeout_ms: Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_MS)] = 60_000
+    startup_timeout_ms: Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_MS)] = 30_000
+
+
 class _Layers(_Spec):
     platform: dict[str, Any] = msgspec.field(default_factory=dict)
     platform_type: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -163,6 +187,7 @@ class _File(_Spec):
     platforms: dict[str, Any] = msgspec.field(default_factory=dict)
     settings: _Layers = msgspec.field(default_factory=_Layers)
     personas: dict[str, Any] = msgspec.field(default_factory=dict)
+    mcp: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -176,6 +201,8 @@ class FileConfig:
     personas: StaticPersonas | None
     missing: tuple[str, ...] = ()
     """API-key variables that are not set (only when loaded with ``require_keys=False``)."""
+    mcp: tuple[McpServer, ...] = ()
+    """The MCP tool servers (``[mcp.<name>]``); connect them with ``McpClient(fc.mcp)``."""
 
     def services(self, **overrides: Any) -> Services:
         """Services built from this file (any field may be overridden)."""
@@ -360,6 +387,7 @@ def parse_config(
         settings=_layers(r, spec, config),
         personas=_personas(r, spec.personas),
         missing=tuple(r.missing),
+        mcp=_mcp_servers(r, spec.mcp),
     )
 
 
@@ -538,6 +566,45 @@ def _personas(r: _Reader, table: dict[str, Any]) -> StaticPersonas | None:
     return StaticPersonas(personas, default)
 
 
+def _mcp_servers(r: _Reader, table: dict[str, Any]) -> tuple[McpServer, ...]:
+    servers: list[McpServer] = []
+    for name, raw in table.items():
+        key = f"mcp.{name}"
+        if not name:
+            raise r.error(key, "an MCP server's name must be non-empty")
+        m = r.convert(raw, _Mcp, key)
+        if (m.command is None) == (m.url is None):
+            raise r.error(key, "give command (stdio) or url (streamable HTTP), one of them")
+        if m.url is not None:
+            for only in ("args", "env", "cwd"):
+                if only in raw:
+                    raise r.error(f"{key}.{only}", "only a command (stdio) server takes it")
+        elif "headers" in raw:
+            raise r.error(f"{key}.headers", "only a url (streamable HTTP) server takes it")
+        env, headers = (
+            None
+            if table is None
+            else {k: r.convert(v, str, f"{key}.{what}.{k}") for k, v in table.items()}
+            for what, table in (("env", m.env), ("headers", m.headers))
+        )
+        servers.append(
+            McpServer(
+                name=name,
+                command=m.command,
+                args=tuple(m.args),
+                env=env,
+                cwd=m.cwd,
+                url=m.url,
+                headers=headers,
+                group=m.group,
+                prefix=m.tool_prefix,
+                timeout_s=m.timeout_ms / 1000,
+                startup_timeout_s=m.startup_timeout_ms / 1000,
+            )
+        )
+    return tuple(servers)
+
+
 def describe(fc: FileConfig) -> str:
     """A readable summary of what ``fc`` gives a runtime (``aalis-agent config``)."""
     from aalis_agent.services.models import entry_id, model_name, think_default, think_levels
@@ -597,6 +664,12 @@ def describe(fc: FileConfig) -> str:
             for pid, _ in fc.personas.list()
         ]
         lines.append("personas: " + ", ".join(names))
+    for server in fc.mcp:
+        target = server.url or " ".join([server.command or "", *server.args])
+        lines.append(
+            f"MCP server {server.name!r} ({server.transport}: {target}), "
+            f"tool group {server.tool_group!r}"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -129,7 +129,7 @@ def test_a_surrogate_pair_split_across_stream_chunks_is_saved_and_sent_whole() -
 
 
 async def _async_tool(args: Any, ctx: Any) -> str:
-    return "never"
+    return "awaited"
 
 
 @pytest.mark.parametrize(
@@ -142,7 +142,7 @@ async def _async_tool(args: Any, ctx: Any) -> str:
         (lambda a, c: 2**70, "1180591620717411303424", None),
         (lambda a, c: math.nan, None, "NaN"),
         (lambda a, c: object(), None, "工具返回了 object"),
-        (_async_tool, None, "异步函数"),
+        (_async_tool, "awaited", None),  # run on the tool loop thread, not refused
     ],
 )
 def test_tool_results_of_any_type_are_coerced_or_refused(

@@ -1,0 +1,418 @@
+"""Tools from MCP servers (the Model Context Protocol), through the maintained ``mcp`` SDK.
+
+Why the SDK: it is the protocol's reference implementation, kept in step with the spec
+(version negotiation, the stdio and streamable HTTP transports, pagination, cancellation,
+process shutdown); the protocol is too large and moving to speak by hand. It is an optional
+extra (``pip install aalis-agent[mcp]``): this module imports it only when a client starts.
+
+An :class:`McpClient` connects to the servers of its :class:`McpServer` specs (a command
+run over stdio, or a streamable HTTP URL), lists their tools and offers each as a
+:class:`Tool` with the server's input schema, in the server's tool group. The SDK is async:
+every connection lives on the client's own event loop thread (:class:`EventLoopThread`);
+a tool call, made from the turn's tool thread, runs there and is waited for, with a
+timeout, and is cancelled when the turn is stopped (``ctx.abort``). A server that fails to
+start raises :class:`McpError` naming it (with the tail of its stderr for a command).
+
+Usage::
+
+    client = McpClient([McpServer("files", command="uvx", args=("mcp-server-fs", "."))])
+    client.start()                     # connects, lists tools; McpError names a bad server
+    client.register(services.tools)    # the tools join the registry, group "files"
+    ...
+    client.close()                     # at shutdown
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+from aalis_agent.events.errors import Aborted, RunError, ToolError
+from aalis_agent.services.tools import Tool, ToolCallContext, ToolRegistry
+from aalis_agent.services.typed_tools import EventLoopThread, run_awaitable
+
+if TYPE_CHECKING:
+    from mcp import Client
+
+__all__ = ["McpClient", "McpError", "McpServer", "McpTool"]
+
+log = structlog.get_logger(__name__)
+
+
+class McpError(RunError):
+    """An MCP server could not be reached or used; the message names the server."""
+
+
+@dataclass(frozen=True)
+class McpServer:
+    """One MCP server: ``command`` (with ``args``, ``env``, ``cwd``) run over stdio, or a
+    streamable HTTP ``url`` (with ``headers``). Its tools join tool group ``group``
+    (default: the server's name), named ``prefix + tool name``."""
+
+    name: str
+    command: str | None = None
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] | None = None
+    cwd: str | None = None
+    url: str | None = None
+    headers: Mapping[str, str] | None = field(default=None, repr=False)
+    group: str | None = None
+    prefix: str = ""
+    timeout_s: float = 60.0
+    """The longest a tool call may take."""
+    startup_timeout_s: float = 30.0
+    """The longest connecting and listing the tools may take."""
+
+    def __post_init__(self) -> None:
+        if (self.command is None) == (self.url is None):
+            raise ValueError(f"MCP server {self.name!r}: give a command or a url (one of them)")
+
+    @property
+    def tool_group(self) -> str:
+        return self.group if self.group is not None else self.name
+
+    @property
+    def transport(self) -> str:
+        return "stdio" if self.command is not None else "http"
+
+
+@dataclass(frozen=True, slots=True)
+class McpTool:
+    """A tool as a server lists it."""
+
+    server: str
+    name: str
+    description: str
+    input_schema: Mapping[str, Any]
+
+
+class _Connection:
+    """One server's live session: entered and left by one task on the client's loop."""
+
+    def __init__(self, spec: McpServer) -> None:
+        self.spec = spec
+        self.client: Client | None = None
+        self.tools: list[McpTool] = []
+        self.stderr: collections.deque[str] = collections.deque(maxlen=40)
+        self.task: asyncio.Task[None] | None = None
+        self.closing: asyncio.Event | None = None
+        self.failure: BaseException | None = None
+        self.stderr_reader: threading.Thread | None = None
+
+
+class McpClient:
+    """The connections to a set of MCP servers, on an event loop thread of their own."""
+
+    def __init__(self, servers: Iterable[McpServer], *, name: str = "aalis-mcp") -> None:
+        self.servers = tuple(servers)
+        names = [s.name for s in self.servers]
+        for n in names:
+            if names.count(n) > 1:
+                raise ValueError(f"MCP server {n!r} is listed twice")
+        self._loop = EventLoopThread(name)
+        self._lock = threading.Lock()
+        self._connections: dict[str, _Connection] = {}
+
+    def __enter__(self) -> McpClient:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- connecting -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect to every server and list its tools; on a failure, the servers already
+        connected are closed and :class:`McpError` names the one that failed."""
+        try:
+            for spec in self.servers:
+                if spec.name not in self._connections:
+                    self._connections[spec.name] = self._connect(spec)
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self, spec: McpServer) -> _Connection:
+        try:
+            import mcp  # noqa: F401
+        except ImportError:
+            raise McpError(
+                f"MCP server {spec.name!r}: the mcp SDK is not installed "
+                "(pip install 'aalis-agent[mcp]')"
+            ) from None
+        conn = _Connection(spec)
+        future = self._loop.submit(self._open(conn))
+        try:
+            future.result(spec.startup_timeout_s + 5)
+        except McpError:
+            raise
+        except BaseException as exc:
+            future.cancel()
+            raise McpError(_failed(conn, exc)) from None
+        return conn
+
+    async def _open(self, conn: _Connection) -> None:
+        """Start the connection's task and wait until its tools are listed."""
+        spec = conn.spec
+        conn.closing = asyncio.Event()
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        conn.task = asyncio.create_task(self._serve(conn, ready), name=f"mcp:{spec.name}")
+        try:
+            await asyncio.wait_for(asyncio.shield(ready), spec.startup_timeout_s)
+        except TimeoutError:
+            ready.cancel()
+            conn.task.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(conn.task, 10)
+            raise McpError(
+                _failed(conn, None, f"did not answer within {spec.startup_timeout_s:g} s")
+            ) from None
+        except Exception as exc:
+            raise McpError(_failed(conn, exc)) from None
+
+    async def _serve(self, conn: _Connection, ready: asyncio.Future[None]) -> None:
+        """Hold the session open until the client closes (enter and exit in one task)."""
+        from mcp import Client
+
+        spec = conn.spec
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                transport = await _transport(spec, conn, stack)
+                client = await stack.enter_async_context(Client(transport))
+                conn.tools = await _list_tools(client, spec.name)
+                conn.client = client
+                if not ready.done():
+                    ready.set_result(None)
+                assert conn.closing is not None
+                await conn.closing.wait()
+        except BaseException as exc:
+            conn.failure = exc
+            if not ready.done():
+                ready.set_exception(exc if isinstance(exc, Exception) else McpError(repr(exc)))
+            elif not isinstance(exc, asyncio.CancelledError):
+                log.warning("MCP server connection ended", server=spec.name, error=_leaf(exc))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            conn.client = None
+
+    # --- tools ----------------------------------------------------------------------------
+
+    def listed(self) -> list[McpTool]:
+        """Every connected server's tools, as listed."""
+        return [t for c in self._connections.values() for t in c.tools]
+
+    def tools(self) -> list[Tool]:
+        """The servers' tools as :class:`Tool` objects calling back into this client."""
+        out: list[Tool] = []
+        for conn in self._connections.values():
+            spec = conn.spec
+            for t in conn.tools:
+                out.append(
+                    Tool(
+                        name=spec.prefix + t.name,
+                        handler=self._handler(spec.name, t.name),
+                        description=t.description,
+                        parameters=dict(t.input_schema),
+                        groups=(spec.tool_group,),
+                    )
+                )
+        return out
+
+    def register(self, registry: ToolRegistry) -> list[Tool]:
+        """Add the servers' tools to ``registry``; the tools added."""
+        tools = self.tools()
+        for t in tools:
+            registry.register(t)
+        return tools
+
+    def _handler(self, server: str, name: str) -> Any:
+        def handler(args: Mapping[str, Any], ctx: ToolCallContext) -> str:
+            return self.call(server, name, args, ctx=ctx)
+
+        return handler
+
+    def call(
+        self,
+        server: str,
+        name: str,
+        arguments: Mapping[str, Any] | None = None,
+        *,
+        ctx: ToolCallContext | None = None,
+        timeout_s: float | None = None,
+    ) -> str:
+        """Call tool ``name`` of ``server`` and wait: its text content (structured content
+        as JSON when it has no text). A tool's error, a timeout or a lost server raises
+        :class:`ToolError`; a stop (``ctx.abort``) cancels the call and raises Aborted."""
+        conn = self._connections.get(server)
+        if conn is None:
+            raise ToolError(f"MCP server {server!r} is not connected")
+        client = conn.client
+        if client is None:
+            raise ToolError(f"MCP server {server!r} is not connected (its connection ended)")
+        limit = conn.spec.timeout_s if timeout_s is None else timeout_s
+        abort = ctx.abort if ctx is not None else None
+        try:
+            result = run_awaitable(
+                client.call_tool(name, dict(arguments or {}), read_timeout_seconds=limit),
+                self._loop.loop,
+                abort=abort,
+                timeout=limit + 1,
+            )
+        except (Aborted, ToolError):
+            raise
+        except TimeoutError:
+            raise ToolError(
+                f"MCP server {server!r}: tool {name!r} timed out after {limit:g} s"
+            ) from None
+        except Exception as exc:
+            raise ToolError(f"MCP server {server!r}: tool {name!r} failed: {_leaf(exc)}") from None
+        text = _result_text(result)
+        if result.is_error:
+            raise ToolError(text or f"MCP tool {name!r} failed")
+        return text
+
+    # --- closing --------------------------------------------------------------------------
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Close every connection (a stdio server's process ends) and the loop thread."""
+        with self._lock:
+            connections, self._connections = list(self._connections.values()), {}
+        if self._loop.running and connections:
+
+            async def shut() -> None:
+                for conn in connections:
+                    if conn.closing is not None:
+                        conn.closing.set()
+                tasks = [c.task for c in connections if c.task is not None]
+                if tasks:
+                    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+                    for task in pending:
+                        task.cancel()
+
+            with contextlib.suppress(Exception):
+                self._loop.submit(shut()).result(timeout_s + 5)
+        self._loop.close()
+
+
+async def _transport(spec: McpServer, conn: _Connection, stack: contextlib.AsyncExitStack) -> Any:
+    """The SDK transport for ``spec``: a stdio process (its stderr kept for errors and
+    logged at debug level) or a streamable HTTP endpoint."""
+    if spec.url is not None:
+        from mcp.client.streamable_http import streamable_http_client
+
+        http_client = None
+        if spec.headers:
+            import httpx2
+
+            http_client = await stack.enter_async_context(
+                httpx2.AsyncClient(
+                    headers=dict(spec.headers), timeout=httpx2.Timeout(30.0, read=300.0)
+                )
+            )
+        return streamable_http_client(spec.url, http_client=http_client)
+    from mcp import StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    assert spec.command is not None
+    errlog, conn.stderr_reader = _stderr_pipe(spec.name, conn.stderr)
+    stack.callback(errlog.close)  # our copy of the write end; the child keeps its own
+    params = StdioServerParameters(
+        command=spec.command,
+        args=list(spec.args),
+        env=dict(spec.env) if spec.env is not None else None,
+        cwd=spec.cwd,
+    )
+    return stdio_client(params, errlog=errlog)
+
+
+def _stderr_pipe(server: str, tail: collections.deque[str]) -> tuple[Any, threading.Thread]:
+    """A file for a server's stderr: a pipe read by a daemon thread that keeps the last
+    lines (for error messages) and logs each at debug level, so nothing grows unbounded."""
+    read_fd, write_fd = os.pipe()
+
+    def drain() -> None:
+        with open(read_fd, encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                text = line.rstrip("\n")
+                tail.append(text)
+                log.debug("MCP server stderr", server=server, line=text)
+
+    reader = threading.Thread(target=drain, name=f"mcp-stderr:{server}", daemon=True)
+    reader.start()
+    return open(write_fd, "w", encoding="utf-8"), reader  # the stack closes it
+
+
+async def _list_tools(client: Client, server: str) -> list[McpTool]:
+    tools: list[McpTool] = []
+    cursor: str | None = None
+    for _ in range(1000):  # a server whose pages never end cannot hang the start
+        page = await client.list_tools(cursor=cursor)
+        for t in page.tools:
+            tools.append(
+                McpTool(
+                    server=server,
+                    name=t.name,
+                    description=t.description or t.title or "",
+                    input_schema=dict(t.input_schema or {"type": "object", "properties": {}}),
+                )
+            )
+        cursor = page.next_cursor
+        if not cursor:
+            break
+    return tools
+
+
+def _result_text(result: Any) -> str:
+    """A call result as text: text blocks joined; other blocks named; structured content
+    as JSON when there is no text."""
+    parts: list[str] = []
+    for block in result.content or ():
+        kind = getattr(block, "type", "")
+        if kind == "text":
+            parts.append(block.text)
+        elif kind in ("image", "audio"):
+            parts.append(f"[{kind}: {block.mime_type}]")
+        elif kind == "resource_link":
+            parts.append(f"[resource: {block.uri}]")
+        elif kind == "resource":
+            res = block.resource
+            text = getattr(res, "text", None)
+            parts.append(text if isinstance(text, str) else f"[resource: {res.uri}]")
+    if not parts and result.structured_content is not None:
+        return msgspec.json.encode(result.structured_content).decode()
+    return "\n".join(parts)
+
+
+def _leaf(exc: BaseException) -> str:
+    """The first real error inside (nested) exception groups, as ``Type: message``."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _failed(conn: _Connection, exc: BaseException | None, problem: str | None = None) -> str:
+    spec = conn.spec
+    where = (
+        f"command {' '.join([spec.command or '', *spec.args])!r}"
+        if spec.command is not None
+        else f"url {spec.url!r}"
+    )
+    if conn.stderr_reader is not None:
+        conn.stderr_reader.join(1.0)  # the last lines a dead server wrote
+    cause = exc or conn.failure
+    what = problem or (f"failed to start: {_leaf(cause)}" if cause else "failed to start")
+    message = f"MCP server {spec.name!r} ({where}) {what}"
+    if conn.stderr:
+        message += "\nits stderr ends with:\n" + "\n".join(list(conn.stderr)[-10:])
+    return message

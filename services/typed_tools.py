@@ -1,0 +1,412 @@
+"""Tools from typed functions: ``@tool`` and :func:`tool_from` build a :class:`Tool` whose
+JSON schema comes from the function's type hints and docstring.
+
+Why msgspec (not pydantic): it is already the runtime's dependency (the event log's codec),
+so typed tools add nothing to install; it builds a JSON schema from the same types it
+validates (ints, floats, bools, strings, lists, ``Optional``, ``Literal``, enums, nested
+``msgspec.Struct``, ``TypedDict`` and dataclasses), and its validation errors carry the
+path of the bad value (``$.items[1].name``), which is what the model needs to fix its call.
+Arguments are checked leniently (``strict=False``): ``"3"`` is accepted for an ``int``,
+as models often quote numbers.
+
+Why docstring_parser: it reads the parameter descriptions of Google, NumPy, reST and Epydoc
+docstrings alike, is small, pure Python and maintained; reading the sections by hand would
+cover one style and its corner cases badly.
+
+A call's arguments are validated before the function runs; a bad one raises
+:class:`ToolError` naming the argument, which the turn reports to the model as the call's
+result (``ToolError: invalid argument `count`: ...``), so the model can call again.
+A parameter annotated :class:`ToolCallContext` receives the call's context and is left out
+of the schema. An ``async def`` function (or one returning an awaitable) runs to completion
+on an event loop thread (:class:`EventLoopThread`, a shared one unless a loop is given)
+while the tool thread waits; stopping the turn (``ctx.abort``) cancels the task.
+A ``str`` result is returned as is; any other value is JSON-encoded with msgspec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import inspect
+import re
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any, TypeVar, get_type_hints, overload
+
+import docstring_parser
+import msgspec
+from aalis_agent.events.errors import Aborted, ToolError
+from aalis_agent.services.abort import AbortSignal
+from aalis_agent.services.tools import Tool, ToolCallContext
+from msgspec import Meta
+
+__all__ = [
+    "EventLoopThread",
+    "TypedTool",
+    "default_loop_thread",
+    "run_awaitable",
+    "shutdown_default_loop_thread",
+    "tool",
+    "tool_from",
+]
+
+T = TypeVar("T")
+
+
+# --- running coroutines from a tool thread ------------------------------------------------
+
+
+class EventLoopThread:
+    """An asyncio event loop running on a thread of its own (a daemon), started on first
+    use; :meth:`run` runs an awaitable on it from any other thread and waits for it."""
+
+    def __init__(self, name: str = "aalis-async") -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop (started now if it is not running yet)."""
+        with self._lock:
+            if self._loop is None or self._loop.is_closed():
+                loop = asyncio.new_event_loop()
+                started = threading.Event()
+
+                def serve() -> None:
+                    asyncio.set_event_loop(loop)
+                    loop.call_soon(started.set)
+                    loop.run_forever()
+
+                thread = threading.Thread(target=serve, name=self.name, daemon=True)
+                thread.start()
+                started.wait()
+                self._loop, self._thread = loop, thread
+            return self._loop
+
+    @property
+    def running(self) -> bool:
+        with self._lock:
+            return self._loop is not None and not self._loop.is_closed()
+
+    def run(
+        self,
+        awaitable: Awaitable[T],
+        *,
+        abort: AbortSignal | None = None,
+        timeout: float | None = None,
+    ) -> T:
+        """Run ``awaitable`` on this loop and wait for its result (see :func:`run_awaitable`)."""
+        return run_awaitable(awaitable, self.loop, abort=abort, timeout=timeout)
+
+    def submit(self, awaitable: Awaitable[T]) -> concurrent.futures.Future[T]:
+        """Schedule ``awaitable`` on this loop; its future, to wait for or cancel."""
+        return asyncio.run_coroutine_threadsafe(_as_coroutine(awaitable), self.loop)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancel what is still running, stop the loop and join its thread."""
+        with self._lock:
+            loop, thread = self._loop, self._thread
+            self._loop = self._thread = None
+        if loop is None or thread is None or loop.is_closed():
+            return
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=timeout)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(timeout + 1)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout)
+        if not thread.is_alive():
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+
+_default_lock = threading.Lock()
+_default: EventLoopThread | None = None
+
+
+def default_loop_thread() -> EventLoopThread:
+    """The shared loop thread typed async tools run on when no loop is given."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = EventLoopThread("aalis-async-tools")
+        return _default
+
+
+def shutdown_default_loop_thread() -> None:
+    """Stop the shared loop thread (it starts again on next use)."""
+    global _default
+    with _default_lock:
+        current, _default = _default, None
+    if current is not None:
+        current.close()
+
+
+async def _as_coroutine(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+def run_awaitable(
+    awaitable: Awaitable[T],
+    loop: asyncio.AbstractEventLoop,
+    *,
+    abort: AbortSignal | None = None,
+    timeout: float | None = None,
+) -> T:
+    """Run ``awaitable`` to completion on ``loop`` (running on another thread) and wait.
+
+    When ``abort`` is set the task is cancelled and :class:`Aborted` is raised; after
+    ``timeout`` seconds the task is cancelled and :class:`TimeoutError` is raised.
+    """
+    coroutine: Coroutine[Any, Any, T] = (
+        awaitable if inspect.iscoroutine(awaitable) else _as_coroutine(awaitable)
+    )
+    if abort is not None and abort.aborted:
+        coroutine.close()
+        raise Aborted(abort.reason or "stop")
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        coroutine.close()
+        raise RuntimeError("cannot wait for a coroutine on the loop of this very thread")
+    future = asyncio.run_coroutine_threadsafe(coroutine, loop)
+    if abort is not None:
+
+        def cancel() -> None:
+            future.cancel()  # cancels the task on the loop (thread-safe)
+
+        abort.add_callback(cancel)
+    try:
+        return future.result(timeout)
+    except concurrent.futures.CancelledError:
+        if abort is not None and abort.aborted:
+            raise Aborted(abort.reason or "stop") from None
+        raise
+    except TimeoutError:
+        future.cancel()
+        raise
+
+
+# --- building a tool from a function -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TypedTool(Tool):
+    """A :class:`Tool` built from a typed function; calling it calls the function."""
+
+    fn: Callable[..., Any] | None = field(default=None, compare=False)
+    arguments: type[msgspec.Struct] | None = field(default=None, compare=False, repr=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fn is None:  # pragma: no cover - always set by tool_from
+            raise TypeError(f"tool {self.name!r} has no function")
+        return self.fn(*args, **kwargs)
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def tool_from(
+    fn: Callable[..., Any],
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    groups: Iterable[str] = (),
+    loop: asyncio.AbstractEventLoop | EventLoopThread | None = None,
+    timeout: float | None = None,
+) -> TypedTool:
+    """A :class:`Tool` calling ``fn``, its parameters' schema from the type hints.
+
+    ``name`` defaults to the function's name, ``description`` to its docstring (less the
+    parameter sections, whose entries describe the parameters). An async ``fn`` runs on
+    ``loop`` (an event loop running on another thread, or an :class:`EventLoopThread`;
+    default: :func:`default_loop_thread`), for at most ``timeout`` seconds when given.
+    """
+    tool_name: str = name or str(getattr(fn, "__name__", ""))
+    if not _NAME.match(tool_name):
+        raise ValueError(f"tool name {tool_name!r}: use 1-64 letters, digits, '_' or '-'")
+    doc = docstring_parser.parse(inspect.getdoc(fn) or "")
+    described = {p.arg_name: (p.description or "").strip() for p in doc.params}
+    hints = get_type_hints(fn, include_extras=True)
+    signature = inspect.signature(fn)
+    context_param: str | None = None
+    fields: list[tuple[str, Any, Any]] = []
+    for pname, param in signature.parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
+            raise TypeError(
+                f"tool {tool_name!r}: parameter {pname!r} must be a keyword parameter "
+                "(no *args, **kwargs or positional-only parameters)"
+            )
+        hint = hints.get(pname, Any)
+        if hint is ToolCallContext:
+            context_param = pname
+            continue
+        meta: dict[str, Any] = {}
+        if described.get(pname):
+            meta["description"] = described[pname]
+        if param.default is not param.empty:
+            with contextlib.suppress(Exception):
+                meta["extra_json_schema"] = {
+                    "default": msgspec.json.decode(msgspec.json.encode(param.default))
+                }
+        annotated = Annotated[hint, Meta(**meta)] if meta else hint
+        # A missing optional argument stays unset, so the function's own default applies.
+        default = msgspec.UNSET if param.default is not param.empty else msgspec.NODEFAULT
+        fields.append((pname, annotated, default))
+    try:
+        arguments = msgspec.defstruct(
+            f"{tool_name}_arguments",
+            [(n, t) if d is msgspec.NODEFAULT else (n, t, d) for n, t, d in fields],
+            kw_only=True,
+            forbid_unknown_fields=True,
+        )
+        parameters = _schema(arguments)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"tool {tool_name!r}: unsupported parameter type: {exc}") from None
+    text = description
+    if text is None:
+        parts = [doc.short_description or "", doc.long_description or ""]
+        text = "\n\n".join(p.strip() for p in parts if p and p.strip())
+
+    def handler(args: Mapping[str, Any], ctx: ToolCallContext) -> str:
+        kwargs = _validate(arguments, args)
+        if context_param is not None:
+            kwargs[context_param] = ctx
+        value = fn(**kwargs)
+        if inspect.isawaitable(value):
+            value = _await(value, loop, ctx.abort, timeout, tool_name)
+        return _encode(value, tool_name)
+
+    return TypedTool(
+        name=tool_name,
+        handler=handler,
+        description=text,
+        parameters=parameters,
+        groups=tuple(groups),
+        fn=fn,
+        arguments=arguments,
+    )
+
+
+@overload
+def tool(fn: Callable[..., Any], /) -> TypedTool: ...
+
+
+@overload
+def tool(
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    groups: Iterable[str] = (),
+    loop: asyncio.AbstractEventLoop | EventLoopThread | None = None,
+    timeout: float | None = None,
+) -> Callable[[Callable[..., Any]], TypedTool]: ...
+
+
+def tool(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    groups: Iterable[str] = (),
+    loop: asyncio.AbstractEventLoop | EventLoopThread | None = None,
+    timeout: float | None = None,
+) -> TypedTool | Callable[[Callable[..., Any]], TypedTool]:
+    """Decorator: ``@tool`` or ``@tool(name=..., groups=(...))`` makes a function a
+    :class:`TypedTool` (see :func:`tool_from`); the tool still calls like the function."""
+    options = {
+        "name": name,
+        "description": description,
+        "groups": tuple(groups),
+        "loop": loop,
+        "timeout": timeout,
+    }
+    if fn is not None:
+        return tool_from(fn, **options)  # type: ignore[arg-type]
+
+    def decorate(f: Callable[..., Any]) -> TypedTool:
+        return tool_from(f, **options)  # type: ignore[arg-type]
+
+    return decorate
+
+
+def _schema(arguments: type[msgspec.Struct]) -> dict[str, Any]:
+    """The arguments' JSON schema: an object, with ``$defs`` for nested types."""
+    template = "#/$defs/{name}"
+    (_,), components = msgspec.json.schema_components([arguments], ref_template=template)
+    schema = dict(components.pop(arguments.__name__))
+    schema.pop("title", None)
+    schema.setdefault("properties", {})
+    if components:
+        schema["$defs"] = components
+    return schema
+
+
+_AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>.*)`)?$", re.S)
+_FIELD = re.compile(r"^Object (?P<how>contains unknown|missing required) field `(?P<name>.*)`$")
+
+
+def _validate(arguments: type[msgspec.Struct], args: Mapping[str, Any]) -> dict[str, Any]:
+    """The checked arguments as keyword arguments, or a ToolError naming the bad one."""
+    try:
+        value = msgspec.convert(dict(args), arguments, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ToolError(_explain(str(exc))) from None
+    return {
+        name: getattr(value, name)
+        for name in arguments.__struct_fields__
+        if getattr(value, name) is not msgspec.UNSET
+    }
+
+
+def _explain(error: str) -> str:
+    m = _AT.match(error)
+    message, path = (m["message"], m["path"] or "") if m else (error, "")
+    field_error = _FIELD.match(message)
+    prefix = path.lstrip(".")
+    if field_error is not None:
+        where = f"{prefix}.{field_error['name']}" if prefix else field_error["name"]
+        if field_error["how"] == "contains unknown":
+            return f"unknown argument `{where}`"
+        return f"missing required argument `{where}`"
+    if not prefix:
+        return f"invalid arguments: {message}"
+    return f"invalid argument `{prefix}`: {message}"
+
+
+def _await(
+    value: Awaitable[Any],
+    loop: asyncio.AbstractEventLoop | EventLoopThread | None,
+    abort: AbortSignal,
+    timeout: float | None,
+    tool_name: str,
+) -> Any:
+    target = loop if loop is not None else default_loop_thread()
+    running = target.loop if isinstance(target, EventLoopThread) else target
+    try:
+        return run_awaitable(value, running, abort=abort, timeout=timeout)
+    except TimeoutError:
+        raise ToolError(f"tool {tool_name!r} timed out after {timeout} s") from None
+
+
+def _encode(value: Any, tool_name: str) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return msgspec.json.encode(value).decode()
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise ToolError(f"tool {tool_name!r} returned a value that is not JSON: {exc}") from None

@@ -1,0 +1,225 @@
+"""MCP tool servers through the SDK: a real small server (tests/mcp_server.py) over stdio
+and over streamable HTTP on loopback; its tools listed, called, stopped, and called from a
+turn through the runtime."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pykka
+import pytest
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import (
+    FixedClock,
+    InMemoryEventStore,
+    Input,
+    SequentialIds,
+    ToolCall,
+    ToolFinished,
+)
+from aalis_agent.events.errors import Aborted, ToolError
+from aalis_agent.services import (
+    AbortSignal,
+    ScriptedModel,
+    ScriptedReply,
+    Services,
+    ToolCallContext,
+    ToolRegistry,
+)
+from aalis_agent.services.config_file import parse_config
+from aalis_agent.services.mcp import McpClient, McpError, McpServer
+
+pytest.importorskip("mcp")
+
+SERVER = str(Path(__file__).with_name("mcp_server.py"))
+
+
+def stdio_server(name: str = "calc", **kw: object) -> McpServer:
+    return McpServer(name, command=sys.executable, args=(SERVER,), **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def stdio_client() -> Iterator[McpClient]:
+    client = McpClient([stdio_server(group="math", timeout_s=5)])
+    client.start()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def http_url() -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, SERVER, "--http", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                break
+            assert proc.poll() is None, "the test MCP server exited"
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def context(abort: AbortSignal | None = None) -> ToolCallContext:
+    return ToolCallContext(session_id="s", turn_id="t", call_id="c", abort=abort or AbortSignal())
+
+
+def test_stdio_tools_are_listed_with_their_schemas(stdio_client: McpClient) -> None:
+    listed = {t.name: t for t in stdio_client.listed()}
+    assert {"add", "echo", "fail", "slow"} <= set(listed)
+    assert listed["add"].description.startswith("Add two integers.")
+    schema = listed["add"].input_schema
+    assert schema["type"] == "object" and sorted(schema["required"]) == ["a", "b"]
+    registry = ToolRegistry()
+    stdio_client.register(registry)
+    add = registry.get("add")
+    assert add is not None and add.groups == ("math",)
+    assert add.definition()["function"]["parameters"]["properties"]["a"]["type"] == "integer"
+    assert registry.available(()) == []  # grouped: only when the group is enabled
+    assert {t.name for t in registry.available(("math",))} == set(listed)
+
+
+def test_stdio_calls(stdio_client: McpClient) -> None:
+    tools = {t.name: t for t in stdio_client.tools()}
+    assert tools["add"].handler({"a": 2, "b": 40}, context()) == "42"
+    assert tools["echo"].handler({"text": "你好"}, context()) == "你好"
+    with pytest.raises(ToolError, match="no good"):
+        tools["fail"].handler({"reason": "no good"}, context())
+    with pytest.raises(ToolError, match="a"):
+        tools["add"].handler({"a": "x", "b": 1}, context())
+
+
+def test_a_call_is_cancelled_on_abort(stdio_client: McpClient) -> None:
+    abort = AbortSignal()
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            stdio_client.call("calc", "slow", {"seconds": 30}, ctx=context(abort))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    time.sleep(0.3)
+    abort.abort("stop")
+    worker.join(5)
+    assert not worker.is_alive() and isinstance(outcome[0], Aborted)
+    # The connection still serves.
+    assert stdio_client.call("calc", "add", {"a": 1, "b": 1}) == "2"
+
+
+def test_a_call_times_out(stdio_client: McpClient) -> None:
+    with pytest.raises(ToolError, match="timed out"):
+        stdio_client.call("calc", "slow", {"seconds": 30}, timeout_s=0.3)
+    assert stdio_client.call("calc", "echo", {"text": "still here"}) == "still here"
+
+
+def test_streamable_http(http_url: str) -> None:
+    with McpClient([McpServer("web", url=http_url, prefix="web_")]) as client:
+        registry = ToolRegistry()
+        client.register(registry)
+        add = registry.get("web_add")
+        assert add is not None and add.groups == ("web",)
+        assert add.handler({"a": 5, "b": 6}, context()) == "11"
+        assert client.call("web", "echo", {"text": "hi"}) == "hi"
+
+
+def test_a_server_that_fails_to_start_is_named() -> None:
+    crash = McpServer(
+        "broken",
+        command=sys.executable,
+        args=("-c", "import sys; print('cannot start: no token', file=sys.stderr); sys.exit(3)"),
+    )
+    with pytest.raises(McpError, match=r"MCP server 'broken' .*failed to start") as info:
+        McpClient([crash]).start()
+    assert "cannot start: no token" in str(info.value)
+    with pytest.raises(McpError, match=r"MCP server 'missing'.*No such file"):
+        McpClient([McpServer("missing", command="/nonexistent/mcp-server")]).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+    with pytest.raises(McpError, match="MCP server 'down'"):
+        McpClient([McpServer("down", url=f"http://127.0.0.1:{port}/mcp")]).start()
+
+
+def test_the_config_file_declares_servers() -> None:
+    fc = parse_config(
+        {
+            "mcp": {
+                "calc": {"command": sys.executable, "args": [SERVER], "group": "math"},
+                "web": {"url": "http://127.0.0.1:1/mcp", "timeoutMs": 5000},
+            }
+        }
+    )
+    calc, web = fc.mcp
+    assert (calc.name, calc.command, calc.args, calc.tool_group) == (
+        "calc",
+        sys.executable,
+        (SERVER,),
+        "math",
+    )
+    assert (web.url, web.tool_group, web.timeout_s) == ("http://127.0.0.1:1/mcp", "web", 5.0)
+
+
+@pytest.fixture
+def runtimes() -> Iterator[list[Runtime]]:
+    made: list[Runtime] = []
+    yield made
+    for rt in made:
+        rt.shutdown(timeout=10)
+    pykka.ActorRegistry.stop_all()
+
+
+def test_a_turn_calls_an_mcp_tool(runtimes: list[Runtime]) -> None:
+    fc = parse_config({"mcp": {"calc": {"command": sys.executable, "args": [SERVER]}}})
+    with McpClient(fc.mcp) as client:
+        registry = ToolRegistry()
+        client.register(registry)
+        model = ScriptedModel(
+            [
+                ScriptedReply(
+                    tool_calls=(
+                        ToolCall(id="c1", name="add", arguments='{"a": 2, "b": 3}'),
+                        ToolCall(id="c2", name="fail", arguments='{"reason": "坏了"}'),
+                    )
+                ),
+                ScriptedReply(text="是 5"),
+            ]
+        )
+        store = InMemoryEventStore()
+        runtime = Runtime(
+            store,
+            Services(llm=model, tools=registry),
+            FixedClock(step_ms=1000),
+            SequentialIds(),
+            janitor=False,
+        )
+        runtimes.append(runtime)
+        handle = runtime.submit("qq:group:1", Input(id="", content="2+3?", platform="qq"))
+        handle.result(30)
+        runtime.wait_idle(30)
+        sent = {t["function"]["name"]: t for t in model.requests[0].tools}
+        assert json.dumps(sent["add"]["function"]["parameters"])  # the server's schema
+        finished = {e.call_id: e for e in store.read("qq:group:1") if isinstance(e, ToolFinished)}
+        assert finished["c1"].result == "5" and finished["c1"].error is None
+        assert finished["c2"].error == "ToolError: Error executing tool fail: 坏了"
+        results = [m.content for m in model.requests[1].messages if m.role == "tool"]
+        assert results == ["5", finished["c2"].error]

@@ -1,0 +1,366 @@
+"""Tools from typed functions: the schema from hints and docstrings, argument checks
+reported to the model, the context injected, async tools (and their cancellation), and a
+turn through the runtime calling one."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal, TypedDict
+
+import msgspec
+import pykka
+import pytest
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import (
+    FixedClock,
+    InMemoryEventStore,
+    Input,
+    SequentialIds,
+    ToolCall,
+    ToolFinished,
+)
+from aalis_agent.events.errors import Aborted, ToolError
+from aalis_agent.services import (
+    AbortSignal,
+    ScriptedModel,
+    ScriptedReply,
+    Services,
+    ToolCallContext,
+    ToolRegistry,
+)
+from aalis_agent.services.typed_tools import EventLoopThread, TypedTool, tool, tool_from
+
+
+def context(abort: AbortSignal | None = None) -> ToolCallContext:
+    return ToolCallContext(session_id="s", turn_id="t", call_id="c1", abort=abort or AbortSignal())
+
+
+def params(t: TypedTool) -> dict[str, Any]:
+    return dict(t.definition()["function"]["parameters"])
+
+
+class Color(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+class Point(msgspec.Struct):
+    """A point on the map."""
+
+    x: int
+    y: int = 0
+
+
+class Place(TypedDict):
+    city: str
+    zip: int
+
+
+@dataclass
+class Box:
+    width: float
+    height: float
+
+
+# --- the schema ---------------------------------------------------------------------------
+
+
+def test_scalars_required_and_defaults() -> None:
+    @tool
+    def search(query: str, limit: int = 5, exact: bool = False, score: float | None = None) -> str:
+        """Search the notes."""
+        return query
+
+    assert isinstance(search, TypedTool) and search.name == "search"
+    assert search.description == "Search the notes."
+    p = params(search)
+    assert p["type"] == "object" and p["required"] == ["query"]
+    props = p["properties"]
+    assert props["query"] == {"type": "string"}
+    assert props["limit"] == {"type": "integer", "default": 5}
+    assert props["exact"] == {"type": "boolean", "default": False}
+    assert props["score"]["anyOf"] == [{"type": "number"}, {"type": "null"}]
+    assert props["score"]["default"] is None
+    assert p["additionalProperties"] is False
+    assert search("x") == "x"  # the tool still calls like the function
+
+
+def test_lists_literals_enums_and_nested_types() -> None:
+    @tool
+    def plan(
+        tags: list[str],
+        mode: Literal["fast", "slow"],
+        color: Color,
+        at: Point,
+        place: Place,
+        box: Box | None = None,
+        points: list[Point] = [],  # noqa: B006 - a default the schema shows
+    ) -> str:
+        return "ok"
+
+    p = params(plan)
+    props = p["properties"]
+    assert props["tags"] == {"type": "array", "items": {"type": "string"}}
+    assert props["mode"] == {"enum": ["fast", "slow"]}
+    assert props["color"] == {"$ref": "#/$defs/Color"}
+    assert p["$defs"]["Color"]["enum"] == ["blue", "red"]
+    assert props["at"] == {"$ref": "#/$defs/Point"}
+    assert p["$defs"]["Point"]["required"] == ["x"]
+    assert p["$defs"]["Point"]["description"] == "A point on the map."
+    assert p["$defs"]["Place"]["properties"] == {
+        "city": {"type": "string"},
+        "zip": {"type": "integer"},
+    }
+    assert props["box"]["anyOf"][0] == {"$ref": "#/$defs/Box"}
+    assert props["points"] == {
+        "type": "array",
+        "items": {"$ref": "#/$defs/Point"},
+        "default": [],
+    }
+    assert sorted(p["required"]) == ["at", "color", "mode", "place", "tags"]
+    json.dumps(plan.definition())  # the definition is plain JSON
+
+
+def test_google_docstring_gives_descriptions() -> None:
+    @tool(groups=("notes",))
+    def remember(text: str, days: int = 7) -> str:
+        """Remember a note.
+
+        The note is kept for a while.
+
+        Args:
+            text: What to remember.
+            days: How many days
+                to keep it.
+
+        Returns:
+            A confirmation.
+        """
+        return "ok"
+
+    assert remember.description == "Remember a note.\n\nThe note is kept for a while."
+    props = params(remember)["properties"]
+    assert props["text"]["description"] == "What to remember."
+    assert props["days"]["description"] == "How many days\nto keep it."
+    assert remember.groups == ("notes",)
+
+
+def test_numpy_docstring_gives_descriptions() -> None:
+    def weather(city: str) -> str:
+        """Today's weather.
+
+        Parameters
+        ----------
+        city : str
+            The city's name.
+        """
+        return "sunny"
+
+    t = tool_from(weather, name="get_weather", description="The weather now.")
+    assert t.name == "get_weather" and t.description == "The weather now."
+    assert params(t)["properties"]["city"]["description"] == "The city's name."
+
+
+def test_unsupported_parameters_are_refused() -> None:
+    def variadic(*names: str) -> str:
+        return ""
+
+    with pytest.raises(TypeError, match="keyword parameter"):
+        tool_from(variadic)
+    with pytest.raises(ValueError, match="tool name"):
+        tool_from(lambda: "x", name="has space")
+
+
+# --- calls ----------------------------------------------------------------------------------
+
+
+def test_arguments_are_validated_and_named() -> None:
+    @tool
+    def move(at: Point, steps: int, mode: Literal["walk", "run"] = "walk") -> dict[str, Any]:
+        return {"x": at.x, "steps": steps, "mode": mode}
+
+    ctx = context()
+    assert json.loads(move.handler({"at": {"x": 1}, "steps": "3"}, ctx)) == {
+        "x": 1,
+        "steps": 3,
+        "mode": "walk",
+    }
+    cases = [
+        ({"at": {"x": 1}, "steps": "many"}, "invalid argument `steps`: Expected `int`"),
+        ({"at": {"x": "q"}, "steps": 1}, "invalid argument `at.x`"),
+        ({"steps": 1}, "missing required argument `at`"),
+        ({"at": {"x": 1}, "steps": 1, "speed": 2}, "unknown argument `speed`"),
+        ({"at": {"x": 1}, "steps": 1, "mode": "fly"}, "invalid argument `mode`"),
+    ]
+    for args, problem in cases:
+        with pytest.raises(ToolError, match=problem):
+            move.handler(args, ctx)
+
+
+def test_context_is_injected_and_left_out_of_the_schema() -> None:
+    seen: list[ToolCallContext] = []
+
+    @tool
+    def who(ctx: ToolCallContext, loud: bool = False) -> str:
+        seen.append(ctx)
+        return ctx.session_id.upper() if loud else ctx.session_id
+
+    assert "ctx" not in params(who)["properties"]
+    ctx = context()
+    assert who.handler({"loud": True}, ctx) == "S"
+    assert seen == [ctx]
+
+
+def test_results_str_as_is_others_as_json() -> None:
+    ctx = context()
+    assert tool_from(lambda: "plain", name="a").handler({}, ctx) == "plain"
+    assert tool_from(lambda: {"k": [1, 2]}, name="b").handler({}, ctx) == '{"k":[1,2]}'
+    assert tool_from(lambda: Point(1, 2), name="c").handler({}, ctx) == '{"x":1,"y":2}'
+    assert tool_from(lambda: None, name="d").handler({}, ctx) == "null"
+    with pytest.raises(ToolError, match="not JSON"):
+        tool_from(lambda: object(), name="e").handler({}, ctx)
+
+
+def test_async_tool_runs_on_a_loop_thread() -> None:
+    threads: list[str] = []
+
+    @tool
+    async def double(n: int, ctx: ToolCallContext) -> int:
+        await asyncio.sleep(0.01)
+        threads.append(threading.current_thread().name)
+        return n * 2
+
+    assert double.handler({"n": 21}, context()) == "42"
+    assert threads and threads[0] != threading.current_thread().name
+
+
+def test_async_tool_on_a_given_loop() -> None:
+    loop_thread = EventLoopThread("test-loop")
+    try:
+
+        async def where() -> str:
+            return threading.current_thread().name
+
+        assert tool_from(where, loop=loop_thread).handler({}, context()) == "test-loop"
+        assert tool_from(where, loop=loop_thread.loop).handler({}, context()) == "test-loop"
+    finally:
+        loop_thread.close()
+
+
+def test_async_tool_is_cancelled_on_abort() -> None:
+    started = threading.Event()
+    cancelled = threading.Event()
+
+    @tool
+    async def wait_long() -> str:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "never"
+
+    abort = AbortSignal()
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            wait_long.handler({}, context(abort))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    assert started.wait(5)
+    abort.abort("stop", by="tester")
+    worker.join(5)
+    assert not worker.is_alive()
+    assert isinstance(outcome[0], Aborted)
+    assert cancelled.wait(5)
+    # Already stopped: the coroutine does not start at all.
+    started.clear()
+    with pytest.raises(Aborted):
+        wait_long.handler({}, context(abort))
+    assert not started.is_set()
+
+
+def test_async_tool_timeout() -> None:
+    @tool(timeout=0.05)
+    async def stuck() -> str:
+        await asyncio.sleep(60)
+        return "never"
+
+    with pytest.raises(ToolError, match="timed out"):
+        stuck.handler({}, context())
+
+
+# --- a turn through the runtime ----------------------------------------------------------------
+
+
+@pytest.fixture
+def runtimes() -> Iterator[list[Runtime]]:
+    made: list[Runtime] = []
+    yield made
+    for rt in made:
+        rt.shutdown(timeout=10)
+    pykka.ActorRegistry.stop_all()
+
+
+def run_turn(
+    runtimes: list[Runtime], registry: ToolRegistry, calls: list[ToolCall]
+) -> tuple[InMemoryEventStore, ScriptedModel]:
+    model = ScriptedModel([ScriptedReply(tool_calls=tuple(calls)), ScriptedReply(text="好")])
+    store = InMemoryEventStore()
+    runtime = Runtime(
+        store,
+        Services(llm=model, tools=registry),
+        FixedClock(step_ms=1000),
+        SequentialIds(),
+        janitor=False,
+    )
+    runtimes.append(runtime)
+    handle = runtime.submit("qq:group:1", Input(id="", content="算一下", platform="qq"))
+    handle.result(10)
+    runtime.wait_idle(10)
+    return store, model
+
+
+def test_a_turn_calls_typed_tools(runtimes: list[Runtime]) -> None:
+    @tool
+    def add(a: int, b: int, ctx: ToolCallContext) -> dict[str, Any]:
+        """Add two integers.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        return {"sum": a + b, "session": ctx.session_id}
+
+    @tool
+    async def shout(text: str) -> str:
+        await asyncio.sleep(0)
+        return text.upper()
+
+    calls = [
+        ToolCall(id="c1", name="add", arguments='{"a": 2, "b": 3}'),
+        ToolCall(id="c2", name="add", arguments='{"a": "two", "b": 3}'),
+        ToolCall(id="c3", name="shout", arguments='{"text": "hi"}'),
+    ]
+    store, model = run_turn(runtimes, ToolRegistry([add, shout]), calls)
+    sent = {t["function"]["name"]: t for t in model.requests[0].tools}
+    assert sent["add"]["function"]["parameters"]["required"] == ["a", "b"]
+    assert sent["add"]["function"]["description"] == "Add two integers."
+    finished = {e.call_id: e for e in store.read("qq:group:1") if isinstance(e, ToolFinished)}
+    assert finished["c1"].error is None
+    assert json.loads(finished["c1"].result or "") == {"sum": 5, "session": "qq:group:1"}
+    assert finished["c2"].result is None
+    assert finished["c2"].error == ("ToolError: invalid argument `a`: Expected `int`, got `str`")
+    assert finished["c3"].result == "HI"
+    results = [m for m in model.requests[1].messages if m.role == "tool"]
+    assert [r.content for r in results][1] == finished["c2"].error
