@@ -37,6 +37,7 @@ class InputOutcome:
     turn_id: str | None
     outcome: TurnOutcome | str  # a turn outcome, or "released"
     reason: str | None = None
+    reply: str | None = None  # the text the turn replied with (saved, then sent)
 
 
 @dataclass(frozen=True, slots=True)

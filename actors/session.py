@@ -129,6 +129,7 @@ class SessionActor(pykka.ThreadingActor):
         self.ids = ids
         self._waiters: dict[str, Future[InputOutcome]] = {}
         self._turn_inputs: dict[str, list[Input]] = {}
+        self._replies: dict[str, str] = {}  # turn id -> the reply text saved (and sent)
         self._runner: TurnRunner | None = None
         self._abort: AbortSignal | None = None
         self._call_ended: CallEnded | None = None  # written with the next commit
@@ -380,6 +381,12 @@ class SessionActor(pykka.ThreadingActor):
                     )
                 case TurnOpened():
                     opened = event
+                case MessageSaved(message=m) if (
+                    m.role == "assistant" and m.meta.turn_record is not None and m.meta.turn_id
+                ):
+                    self._replies[m.meta.turn_id] = (
+                        m.meta.visible_content if m.meta.visible_content is not None else m.content
+                    )
                 case StopRequested():
                     runner, abort = self._runner, self._abort
                     if abort is not None and runner is not None and runner.turn_id == event.turn_id:
@@ -420,8 +427,11 @@ class SessionActor(pykka.ThreadingActor):
             except Exception:
                 log.exception("sending the error notice failed", session=self.session_id)
         inputs = self._turn_inputs.pop(event.turn_id, [])
+        reply = self._replies.pop(event.turn_id, None)
         for inp in inputs:
-            self._resolve(inp.id, InputOutcome(inp.id, event.turn_id, event.outcome, event.reason))
+            self._resolve(
+                inp.id, InputOutcome(inp.id, event.turn_id, event.outcome, event.reason, reply)
+            )
         log.info(
             logs.turn_ended(
                 event.turn_id,

@@ -870,3 +870,20 @@ def test_a_stop_during_llm_before_means_the_call_is_never_made() -> None:
         assert not [e for e in runtime.store.read(SID) if isinstance(e, ModelCallStarted)]
     finally:
         runtime.shutdown(timeout=10)
+
+
+def test_the_outcome_of_a_replied_input_carries_the_reply_text() -> None:
+    """The handle's outcome says what the turn replied (as sent, with or without a
+    gateway); a turn that did not reply has none."""
+    store = InMemoryEventStore()
+    model = ScriptedModel([ScriptedReply(text="你好，我在")])
+    runtime = Runtime(store, Services(llm=model), FixedClock(), SequentialIds(), janitor=False)
+    try:
+        outcome = runtime.submit(SID, Input(id="", content="在吗")).result(10)
+        assert (outcome.outcome, outcome.reply) == ("replied", "你好，我在")
+        silent = ScriptedModel([ScriptedReply(text="  ")])
+        runtime.services.llm = silent
+        quiet = runtime.submit("other", Input(id="", content="嗯")).result(10)
+        assert (quiet.outcome, quiet.reply) == ("silent", None)
+    finally:
+        runtime.shutdown(timeout=10)

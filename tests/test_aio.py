@@ -1,0 +1,336 @@
+"""The asyncio API (actors/aio.py): awaitable submits with the reply text, typed event
+streams, stop/delete/view, a slow consumer, and an event loop that never stalls."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from aalis_agent.actors.aio import AsyncRuntime, EventsDropped, StreamEvent, TurnResult
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import InMemoryEventStore, Input, Sender, ToolCall
+from aalis_agent.services import (
+    ScriptedModel,
+    ScriptedReply,
+    Services,
+    Tool,
+    ToolCallContext,
+    ToolRegistry,
+)
+from aalis_agent.services.bus_events import (
+    MessageSent,
+    QueueChanged,
+    StreamDelta,
+    ToolExecution,
+    TurnEnded,
+    TurnStarted,
+    UsageReported,
+)
+
+from tests.harness import ROOT, GatedModel
+
+SID = "qq:group:42"
+USER = {"sender": Sender(user_id="u1", nickname="u1"), "platform": "qq"}
+
+
+def add(args: Mapping[str, Any], ctx: ToolCallContext) -> str:
+    return str(args["a"] + args["b"])
+
+
+def tool_then_text(text: str = "一共 3 个", chunks: int = 3) -> list[ScriptedReply]:
+    return [
+        ScriptedReply(tool_calls=(ToolCall(id="c1", name="add", arguments='{"a":1,"b":2}'),)),
+        ScriptedReply(text=text, chunks=chunks),
+    ]
+
+
+def make_runtime(model: Any) -> Runtime:
+    return Runtime(
+        InMemoryEventStore(),
+        Services(llm=model, tools=ToolRegistry([Tool("add", add)])),
+        janitor=False,
+    )
+
+
+async def collect_until_ended(stream: Any, turns: int = 1, timeout: float = 10) -> list[Any]:
+    events: list[StreamEvent] = []
+    ended = 0
+    while ended < turns:
+        event = await stream.next(timeout)
+        events.append(event)
+        ended += isinstance(event, TurnEnded)
+    return events
+
+
+def test_submit_awaits_the_reply_and_streams_typed_events() -> None:
+    async def main() -> None:
+        async with AsyncRuntime(make_runtime(ScriptedModel(tool_then_text()))) as aruntime:
+            async with aruntime.events(SID) as events:
+                handle = await aruntime.asubmit(SID, Input(id="", content="1+2?", **USER))
+                assert handle.where == "开轮"
+                result = await handle
+                assert result == TurnResult(
+                    handle.input_id, result.turn_id, "replied", None, "一共 3 个"
+                )
+                assert result.turn_id and result.replied
+                assert await handle.result(timeout=1) is result  # awaitable again
+                seen = await collect_until_ended(events)
+            view = await aruntime.aview(SID)
+            assert view.queue.running is None
+        kinds = [type(e) for e in seen]
+        assert kinds.index(TurnStarted) < kinds.index(ToolExecution) and kinds[-1] is TurnEnded
+        assert {ToolExecution, StreamDelta, MessageSent, UsageReported} <= set(kinds)
+        deltas = "".join(e.content for e in seen if isinstance(e, StreamDelta))
+        assert deltas == "一共 3 个"
+        tools = [(e.phase, e.name) for e in seen if isinstance(e, ToolExecution)]
+        assert tools == [("start", "add"), ("end", "add")]
+        assert all(e.session_id == SID for e in seen if not isinstance(e, EventsDropped))
+
+    asyncio.run(main())
+
+
+def test_queue_insert_stop_and_delete() -> None:
+    model = GatedModel()
+
+    async def main() -> None:
+        aruntime = await AsyncRuntime(make_runtime(model)).start()
+        try:
+            events = aruntime.events(SID, topics={"agent:queue", "turn:ended"})
+            first = await aruntime.asubmit(SID, Input(id="", content="a", **USER))
+            await asyncio.to_thread(model.wait_call)
+            joined = await aruntime.asubmit(SID, Input(id="", content="b", **USER))
+            assert joined.where == "待插入"
+            injected = await aruntime.asubmit(SID, Input(id="", content="c", source="timer"))
+            assert injected.where == "排队"
+            queue = await events.next(5)
+            assert isinstance(queue, QueueChanged)
+            assert await aruntime.astop(SID, platform="qq", user_id="u1") is not None
+            assert (await first.result(5)).outcome == "aborted"
+            # The pending input and the injection run next; delete stops that turn.
+            await asyncio.to_thread(model.wait_call)
+            generation = await aruntime.adelete(SID, timeout=10)
+            assert generation == 1
+            outcomes = {(await h).outcome for h in (joined, injected)}
+            assert outcomes <= {"aborted", "released"}
+            ended = [e async for e in _until(events, TurnEnded, 2)]
+            assert [e.outcome for e in ended] == ["aborted", "aborted"]
+            events.close()
+            rest = [e async for e in events]  # what was queued, then the end
+            assert not any(isinstance(e, EventsDropped) for e in rest)
+        finally:
+            await aruntime.ashutdown(timeout=10)
+
+    asyncio.run(main())
+
+
+async def _until(stream: Any, kind: type, n: int) -> Any:
+    got = 0
+    while got < n:
+        event = await stream.next(5)
+        if isinstance(event, kind):
+            got += 1
+            yield event
+
+
+def test_a_slow_consumer_loses_the_newest_events_and_is_told() -> None:
+    model = ScriptedModel([ScriptedReply(text="x" * 60, chunks=60)])
+
+    async def main() -> None:
+        async with AsyncRuntime(make_runtime(model)) as aruntime:
+            stream = aruntime.events(SID, maxsize=4)
+            published = [0]
+            aruntime.runtime.subscribe(
+                "*", lambda topic, payload: published.__setitem__(0, published[0] + 1)
+            )
+            handle = await aruntime.asubmit(SID, "hi")
+            # Not reading: the turn still ends (runtime threads never wait for us).
+            result = await handle.result(timeout=10)
+            assert result.reply == "x" * 60
+            await aruntime.await_idle(10)
+            got: list[StreamEvent] = []
+            while True:
+                try:
+                    got.append(await stream.next(0.2))
+                except TimeoutError:
+                    break
+            stream.close()
+        assert not any(isinstance(e, EventsDropped) for e in got[:4])  # the first four fitted
+        assert len(got) == 5 and isinstance(got[4], EventsDropped)  # then the gap
+        assert got[4].count == stream.dropped_total == published[0] - 4 > 50
+
+    asyncio.run(main())
+
+
+def test_a_stalled_loop_bounds_what_waits_for_it() -> None:
+    async def main() -> None:
+        async with AsyncRuntime(make_runtime(ScriptedModel())) as aruntime:
+            stream = aruntime.events(maxsize=8)
+            bus = aruntime.runtime.services.bus
+            payload = {"sessionId": "s", "turnId": "t", "contentDelta": "."}
+
+            def publish() -> None:
+                for _ in range(100):
+                    bus.publish("outbound:stream", payload)
+
+            thread = threading.Thread(target=publish)
+            thread.start()
+            thread.join()  # blocks the loop on purpose: 100 events, none delivered
+            got: list[StreamEvent] = []
+            while True:
+                try:
+                    got.append(await stream.next(0.1))
+                except TimeoutError:
+                    break
+        # 8 deliveries were scheduled and fit; 92 were dropped on the publishing thread.
+        assert [type(e) for e in got] == [StreamDelta] * 8 + [EventsDropped]
+        assert got[-1] == EventsDropped(92) and stream.dropped_total == 92
+
+    asyncio.run(main())
+
+
+def test_streams_end_when_the_runtime_shuts_down() -> None:
+    async def main() -> list[StreamEvent]:
+        aruntime = await AsyncRuntime(make_runtime(ScriptedModel())).start()
+        stream = aruntime.events()
+        handle = await aruntime.asubmit(SID, "hi")
+        await handle
+
+        async def drain() -> list[StreamEvent]:
+            return [e async for e in stream]
+
+        task = asyncio.create_task(drain())
+        await aruntime.ashutdown(timeout=10)
+        return await asyncio.wait_for(task, 5)
+
+    seen = asyncio.run(main())
+    assert isinstance(seen[-1], TurnEnded)
+
+
+LAG_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, json, sys, time
+    from aalis_agent.actors.aio import AsyncRuntime, warm_up
+    from aalis_agent.actors.runtime import Runtime
+    from aalis_agent.events import InMemoryEventStore, ToolCall
+    from aalis_agent.services import ScriptedModel, ScriptedReply, Services, Tool, ToolRegistry
+
+    WARM_FIRST = sys.argv[1] == "warm-first"
+    replies = []
+    for n in range(4):
+        replies.append(ScriptedReply(
+            tool_calls=(ToolCall(id=f"c{n}", name="add", arguments='{"a":1,"b":2}'),)))
+        replies.append(ScriptedReply(text="好的，" * 40, chunks=40, chunk_delay_s=0.002))
+    tool = Tool("add", lambda args, ctx: str(args["a"] + args["b"]))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        lag = {"max": 0.0}
+        running = True
+
+        async def probe():
+            while running:
+                t0 = time.perf_counter()
+                await asyncio.sleep(0.001)
+                lag["max"] = max(lag["max"], time.perf_counter() - t0 - 0.001)
+
+        probing = asyncio.create_task(probe())
+        await asyncio.sleep(0.01)
+        runtime = Runtime(
+            InMemoryEventStore(), Services(llm=ScriptedModel(replies), tools=ToolRegistry([tool])),
+            janitor=False,
+        )
+        aruntime = AsyncRuntime(runtime)
+        t0 = time.perf_counter()
+        await aruntime.start()
+        start_lag, start_s = lag["max"], time.perf_counter() - t0
+        lag["max"] = 0.0
+        events = aruntime.events()
+        reader = asyncio.create_task(
+            asyncio.wait_for(events.__anext__(), 30))  # touch the stream while turns run
+        t0 = time.perf_counter()
+        handles = [await aruntime.asubmit(f"room:{n % 2}", f"第 {n} 条") for n in range(4)]
+        results = [await h for h in handles]
+        turns_s = time.perf_counter() - t0
+        await reader
+        events.close()
+        await aruntime.ashutdown(timeout=10)
+        running = False
+        await probing
+        print(json.dumps({
+            "start_lag": start_lag, "start_s": start_s, "turn_lag": lag["max"],
+            "turns_s": turns_s, "outcomes": [r.outcome for r in results],
+            "replies": sum(r.reply is not None for r in results),
+        }))
+
+    if WARM_FIRST:
+        warm_up()
+    asyncio.run(main())
+    """
+)
+
+
+def run_lag(mode: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", LAG_SCRIPT, mode],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def least_lag(mode: str, key: str, attempts: int = 3) -> dict[str, Any]:
+    """The run with the least ``key`` lag of up to ``attempts`` fresh processes: a stall
+    the code causes shows in every run; a busy machine's scheduling noise does not."""
+    best: dict[str, Any] | None = None
+    for _ in range(attempts):
+        run = run_lag(mode)
+        assert run["outcomes"] == ["replied"] * 4 and run["replies"] == 4, run
+        if best is None or run[key] < best[key]:
+            best = run
+        if best[key] < LAG_LIMIT_S:
+            break
+    assert best is not None
+    return best
+
+
+LAG_LIMIT_S = 0.05
+
+
+def test_the_loop_never_stalls_while_turns_run() -> None:
+    """In a fresh process (the tokenizer not loaded): the first turns of two sessions,
+    each with a tool call and a streamed reply, never pause the loop 50 ms. Loading the
+    tokenizer holds the GIL (~0.1-0.2 s): ``start()`` does it up front, so no turn does;
+    ``warm_up()`` before ``asyncio.run`` keeps that pause out of the loop too."""
+    cold = least_lag("start-in-loop", "turn_lag")
+    assert cold["turn_lag"] < LAG_LIMIT_S, cold
+    warm = least_lag("warm-first", "start_lag")
+    assert max(warm["start_lag"], warm["turn_lag"]) < LAG_LIMIT_S, warm
+    print(f"\nloop lag: cold {cold}\nwarm {warm}")
+
+
+def test_without_start_the_first_turn_is_still_off_the_loop() -> None:
+    """Without ``start()`` the first turn loads the tokenizer on its own thread: the
+    turn completes and replies; only the GIL pause of that load reaches the loop."""
+
+    async def main() -> TurnResult:
+        aruntime = AsyncRuntime(make_runtime(ScriptedModel(tool_then_text())))
+        try:
+            t0 = time.perf_counter()
+            handle = await aruntime.asubmit(SID, "1+2?")
+            assert time.perf_counter() - t0 < 5
+            return await handle.result(timeout=30)
+        finally:
+            await aruntime.ashutdown(timeout=10)
+
+    assert asyncio.run(main()).reply == "一共 3 个"
