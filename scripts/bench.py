@@ -771,6 +771,7 @@ ALL = (
     "floor",
     "many_sessions",
     "first_token",
+    "inspector_100k",
 )
 
 
@@ -840,6 +841,10 @@ def main(argv: list[str] | None = None) -> int:
                 from bench_stream import bench_first_token
 
                 bench_first_token(tmp, emit)
+            elif name == "inspector_100k":
+                from bench_inspector import bench_inspector_100k
+
+                bench_inspector_100k(tmp, emit)
         if big is not None:
             big.close()
     return 0

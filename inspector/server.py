@@ -1,0 +1,289 @@
+"""The inspector's HTTP server: a read-only page and JSON over one event database.
+
+The standard library's ``ThreadingHTTPServer`` serves it: the inspector is a local,
+single-user debugging page with a handful of GET routes and static files, so it needs no
+router, no ASGI loop (every answer is a blocking SQLite read and a fold) and no new
+dependency. It binds the loopback address only, answers only requests addressed to it by
+a loopback name (a page elsewhere cannot reach it through DNS rebinding), and only reads:
+the database is opened with ``SqliteEventStore(read_only=True)``.
+
+Routes (``<id>`` is the session id, percent-encoded as one path segment):
+
+* ``/`` the page; ``/static/<file>`` its script, styles and the chart library.
+* ``/api/sessions`` every session with its event count.
+* ``/api/sessions/<id>/timeline?offset=0&limit=50`` a page of turns (negative offset:
+  from the end), with the session's summary; the events after the last turn on the last
+  page.
+* ``/api/sessions/<id>/events?from=A&to=B&limit=500`` events A..B as lines and as data.
+* ``/api/sessions/<id>/request?turn=T&index=K`` one model call as the log records it.
+* ``/api/sessions/<id>/usage`` the token-usage series, one point per recorded call.
+* ``/api/sessions/<id>/state?seq=N`` the fold of the log up to N: history, queue, turn.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import msgspec
+from aalis_agent.events import CorruptEvent, SqliteEventStore, StoreError
+from aalis_agent.inspector.index import SessionIndex
+
+__all__ = ["LOOPBACK", "Inspector", "InspectorServer", "make_server"]
+
+LOOPBACK = "127.0.0.1"
+STATIC = Path(__file__).resolve().parent / "static"
+MAX_PAGE = 500  # turns in one timeline page
+MAX_EVENTS = 2000  # events in one events answer
+CACHED_SESSIONS = 4  # decoded logs kept in memory
+
+_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".png": "image/png",
+    ".svg": "image/svg+xml",
+}
+
+
+class NotFound(Exception):
+    """Answered with 404 and its message."""
+
+
+class BadRequest(Exception):
+    """Answered with 400 and its message."""
+
+
+class Inspector:
+    """The JSON answers over one read-only store, with the last few sessions indexed."""
+
+    def __init__(self, store: SqliteEventStore) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, tuple[threading.Lock, SessionIndex, list[Any]]] = (
+            OrderedDict()
+        )
+        self._read_to: dict[str, int] = {}
+
+    def sessions(self) -> dict[str, Any]:
+        names = self.store.sessions()
+        try:
+            open_ = set(self.store.open_sessions())
+        except StoreError:
+            open_ = set(names)
+        return {
+            "sessions": [
+                {"session_id": n, "events": self.store.last_seq(n), "open": n in open_}
+                for n in names
+            ]
+        }
+
+    def session(self, session_id: str) -> tuple[threading.Lock, SessionIndex, list[Any]]:
+        """The session's index, brought up to the log's end (a live writer may append)."""
+        last = self.store.last_seq(session_id)
+        if last == 0:
+            raise NotFound(f"no session {session_id!r}")
+        with self._lock:
+            entry = self._cache.get(session_id)
+            if entry is None:
+                entry = (threading.Lock(), SessionIndex(session_id), [])
+                self._cache[session_id] = entry
+                self._read_to[session_id] = 0
+                while len(self._cache) > CACHED_SESSIONS:
+                    gone, _ = self._cache.popitem(last=False)
+                    self._read_to.pop(gone, None)
+            self._cache.move_to_end(session_id)
+        lock, index, corrupt = entry
+        with lock:
+            read_to = self._read_to.get(session_id, 0)
+            if last > read_to:
+                bad: list[CorruptEvent] = []
+                index.feed(self.store.read(session_id, read_to, on_corrupt=bad.append))
+                corrupt.extend({"seq": b.seq, "reason": b.reason} for b in bad)
+                self._read_to[session_id] = last
+        return entry
+
+    def call(
+        self, session_id: str, answer: Callable[[SessionIndex], dict[str, Any] | None]
+    ) -> dict[str, Any]:
+        lock, index, corrupt = self.session(session_id)
+        with lock:  # folds extend shared lists: one at a time per session
+            data = answer(index)
+            if data is not None and "summary" in data:
+                data["summary"]["corrupt"] = list(corrupt)
+        if data is None:
+            raise NotFound("no such record in this session")
+        return data
+
+
+def _int(query: dict[str, list[str]], name: str, default: int | None = None) -> int:
+    values = query.get(name)
+    if not values:
+        if default is None:
+            raise BadRequest(f"missing parameter {name!r}")
+        return default
+    try:
+        return int(values[0])
+    except ValueError:
+        raise BadRequest(f"parameter {name!r} must be an integer, got {values[0]!r}") from None
+
+
+def route(inspector: Inspector, path: str, query: dict[str, list[str]]) -> dict[str, Any]:
+    """The JSON answer for an ``/api/...`` path (raw, still percent-encoded)."""
+    parts = path.strip("/").split("/")
+    if parts == ["api", "sessions"]:
+        return inspector.sessions()
+    if len(parts) != 4 or parts[:2] != ["api", "sessions"]:
+        raise NotFound(f"no route {path!r}")
+    session_id, what = unquote(parts[2]), parts[3]
+    if what == "timeline":
+        offset = _int(query, "offset", 0)
+        limit = min(max(_int(query, "limit", 50), 1), MAX_PAGE)
+
+        def timeline(ix: SessionIndex) -> dict[str, Any]:
+            data = ix.timeline(offset, limit)
+            data["summary"] = ix.summary()
+            return data
+
+        return inspector.call(session_id, timeline)
+    if what == "events":
+        first = _int(query, "from", 1)
+        last = _int(query, "to", first + MAX_EVENTS - 1)
+        limit = min(max(_int(query, "limit", MAX_EVENTS), 1), MAX_EVENTS)
+        return inspector.call(session_id, lambda ix: ix.events_page(first, last, limit))
+    if what == "request":
+        turn = (query.get("turn") or [""])[0]
+        if not turn:
+            raise BadRequest("missing parameter 'turn'")
+        index = _int(query, "index")
+        return inspector.call(session_id, lambda ix: ix.request(turn, index))
+    if what == "usage":
+        return inspector.call(session_id, lambda ix: ix.usage_series())
+    if what == "state":
+        seq = _int(query, "seq")
+        if seq < 0:
+            raise BadRequest("seq must be 0 or more")
+        return inspector.call(session_id, lambda ix: ix.state(seq))
+    raise NotFound(f"no route {path!r}")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: InspectorServer
+    protocol_version = "HTTP/1.1"
+    server_version = "aalis-inspector"
+    sys_version = ""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        if self.server.log is not None:
+            self.server.log(format % args)
+
+    def _send(self, status: int, body: bytes, content_type: str, cache: bool = False) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "max-age=300" if cache else "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Referrer-Policy", "no-referrer")
+        self.send_header(
+            "Content-Security-Policy",
+            "default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+            "connect-src 'self'; frame-ancestors 'none'",
+        )
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, status: int, data: Any) -> None:
+        self._send(status, msgspec.json.encode(data), "application/json; charset=utf-8")
+
+    def _host_ok(self) -> bool:
+        host = (self.headers.get("Host") or "").lower()
+        port = self.server.server_address[1]
+        return host in {f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"}
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_GET(self) -> None:
+        if not self._host_ok():
+            self._json(HTTPStatus.FORBIDDEN, {"error": "only loopback hosts are served"})
+            return
+        url = urlsplit(self.path)
+        path = url.path
+        try:
+            if path.startswith("/api/"):
+                query = parse_qs(url.query)
+                self._json(HTTPStatus.OK, route(self.server.inspector, path, query))
+                return
+            name = "index.html" if path in ("/", "/index.html") else None
+            if path.startswith("/static/"):
+                name = path[len("/static/") :]
+            if name is None or name not in self.server.static_files:
+                raise NotFound(f"no page {path!r}")
+            file = STATIC / name
+            self._send(HTTPStatus.OK, file.read_bytes(), _TYPES[file.suffix], cache=False)
+        except NotFound as exc:
+            self._json(HTTPStatus.NOT_FOUND, {"error": str(exc)})
+        except BadRequest as exc:
+            self._json(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
+        except (StoreError, CorruptEvent) as exc:
+            self._json(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": str(exc)})
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+
+class InspectorServer(ThreadingHTTPServer):
+    """The inspector bound to a loopback port; ``url`` is where the page is."""
+
+    daemon_threads = True
+    allow_reuse_address = False
+
+    def __init__(
+        self,
+        store: SqliteEventStore,
+        port: int = 0,
+        *,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.inspector = Inspector(store)
+        self.store = store
+        self.log = log
+        self.static_files = frozenset(
+            p.name for p in STATIC.iterdir() if p.is_file() and p.suffix in _TYPES
+        )
+        super().__init__((LOOPBACK, port), _Handler)
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.server_address[1]}/"
+
+    def start(self) -> threading.Thread:
+        """Serve on a daemon thread (tests, benchmarks); ``stop`` ends it."""
+        thread = threading.Thread(target=self.serve_forever, name="inspector", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+        self.store.close()
+
+
+def make_server(
+    db: str | Path, port: int = 0, *, log: Callable[[str], None] | None = None
+) -> InspectorServer:
+    """Open ``db`` read-only and bind the inspector to ``127.0.0.1:port`` (0: any free)."""
+    if not Path(db).is_file():
+        raise StoreError(f"no event database at {str(db)!r}")
+    store = SqliteEventStore(db, read_only=True)
+    try:
+        return InspectorServer(store, port, log=log)
+    except BaseException:
+        store.close()
+        raise

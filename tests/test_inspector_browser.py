@@ -1,0 +1,175 @@
+"""The inspector page in a real headless Chromium: the timeline's turns, one expanded
+model-call request, the budget chart's points and the state slider, against the log.
+
+Needs Debian's ``chromium`` (``apt-get install -y chromium``) and the ``playwright``
+package, which drives that browser (no browser of its own is downloaded). Skips with the
+reason when either is missing. The screenshot goes to ``$AALIS_TEST_ARTIFACTS`` when set,
+else to the test's temporary folder.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aalis_agent.cli.demo import run_demo
+from aalis_agent.events import (
+    ModelCallStarted,
+    SqliteEventStore,
+    TurnOpened,
+    UsageRecorded,
+)
+from aalis_agent.inspector.server import InspectorServer, make_server
+from aalis_agent.projections import project
+from aalis_agent.projections.history import history_window
+
+SESSION = "demo:room-1"
+
+
+def _chromium() -> str | None:
+    for name in (os.environ.get("AALIS_CHROMIUM"), "chromium", "chromium-browser"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="playwright is not installed (pip install playwright)"
+)
+CHROMIUM = _chromium()
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        CHROMIUM is None,
+        reason="no chromium executable (apt-get install -y chromium, or set AALIS_CHROMIUM)",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def demo_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("inspect-browser") / "demo.db"
+    run_demo(str(path), out=io.StringIO())
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(demo_db: Path) -> Iterator[InspectorServer]:
+    srv = make_server(demo_db)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def page(server: InspectorServer) -> Iterator[Any]:
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+        )
+        try:
+            # The test polls with evaluated predicates, which the page's CSP forbids.
+            pg = browser.new_page(viewport={"width": 1400, "height": 1000}, bypass_csp=True)
+            errors: list[str] = []
+            pg.on("pageerror", lambda exc: errors.append(str(exc)))
+            pg.goto(server.url, wait_until="load")
+            pg.wait_for_function("window.inspector && window.inspector.ready === true")
+            yield pg
+            assert errors == []
+        finally:
+            browser.close()
+
+
+def _log(db: Path) -> list[Any]:
+    with SqliteEventStore(db, read_only=True) as store:
+        return store.read(SESSION)
+
+
+def test_timeline_shows_the_turns_of_the_log(page: Any, demo_db: Path) -> None:
+    events = _log(demo_db)
+    turns = page.locator("#timeline > li.turn")
+    ids = [turns.nth(i).get_attribute("data-turn-id") for i in range(turns.count())]
+    assert ids == [e.turn_id for e in events if isinstance(e, TurnOpened)]
+    first = page.locator('li.turn[data-turn-id="turn-1"]')
+    entries = first.locator("li.input").evaluate_all("els => els.map(e => e.dataset.entry)")
+    assert entries == ["opened", "joined"]
+    assert first.locator("li.tool").get_attribute("data-call-id") == "call-weather"
+    assert "replied" in first.locator(".turn-head").inner_text()
+    third = page.locator('li.turn[data-turn-id="turn-3"]')
+    assert "aborted" in third.locator(".turn-head").inner_text()
+    assert "stop requested by 10001" in third.locator("li.stop").inner_text()
+    assert third.locator("li.marker").count() >= 1
+
+
+def test_an_expanded_request_is_the_call_as_recorded(page: Any, demo_db: Path) -> None:
+    events = _log(demo_db)
+    started = next(
+        e
+        for e in events
+        if isinstance(e, ModelCallStarted) and e.turn_id == "turn-1" and e.index == 2
+    )
+    usage = next(e for e in events if isinstance(e, UsageRecorded) and e.seq > started.seq)
+    call = page.locator('li.turn[data-turn-id="turn-1"] li.call[data-index="2"]')
+    call.locator("button.expand-request").click()
+    box = call.locator(".request")
+    box.locator("table.usage").wait_for()
+    used = box.locator('table.usage tr[data-key="used"] td').inner_text()
+    budget = box.locator('table.usage tr[data-key="token budget"] td').inner_text()
+    assert (int(used), int(budget)) == (usage.usage.used, usage.usage.token_budget)
+    labels = box.locator("table.parts td:first-child").all_inner_texts()
+    assert labels == [p.label for p in usage.usage.parts]
+    view = project(e for e in events if e.seq <= started.seq)
+    opened = next(e for e in events if isinstance(e, TurnOpened) and e.turn_id == "turn-1")
+    window = history_window(view.history, opened.settings.history_limit)
+    ids = box.locator(".history .msg").evaluate_all("els => els.map(e => e.dataset.id)")
+    assert ids == [m.id for m in window]
+
+
+def test_chart_points_are_the_recorded_usage(page: Any, demo_db: Path) -> None:
+    usage = [e.usage for e in _log(demo_db) if isinstance(e, UsageRecorded)]
+    data = page.evaluate(
+        """() => {
+            const c = window.inspector.chart;
+            return { labels: c.series.map(s => s.label), data: c.data };
+        }"""
+    )
+    labels, columns = data["labels"], data["data"]
+    assert columns[0] == list(range(1, len(usage) + 1))
+    assert columns[labels.index("used")] == [u.used for u in usage]
+    assert columns[labels.index("budget")] == [u.token_budget for u in usage]
+    assert columns[labels.index("trimmed")] == [u.used if u.trimmed else None for u in usage]
+    # The lowest band of the stack is the first part; the top one adds up every part.
+    parts = ("system", "persona", "memory_summary", "memory_vector", "skills", "platform")
+    parts += ("subtask", "system_other", "tool_defs", "tool_results", "history")
+    shown = [p for p in parts if any(getattr(u.breakdown, p) for u in usage)]
+    top = columns[labels.index(shown[-1])]
+    assert top == [sum(getattr(u.breakdown, p) for p in shown) for u in usage]
+    assert page.locator("#chart canvas").count() == 1
+
+
+def test_slider_shows_the_state_at_an_event(
+    page: Any, demo_db: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    page.fill("#seq-input", "10")
+    page.dispatch_event("#seq-input", "change")
+    page.wait_for_function("window.inspector.state && window.inspector.state.seq === 10")
+    view = page.locator("#state-view")
+    assert "pending inserts (1): in-2" in view.locator(".pending").inner_text()
+    assert "running turn: turn-1" in view.locator(".running").inner_text()
+    assert page.input_value("#seq-slider") == "10"
+    msgs = view.locator(".history .msg").evaluate_all("els => els.map(e => e.dataset.id)")
+    events = [e for e in _log(demo_db) if e.seq <= 10]
+    assert msgs == [m.id for m in history_window(project(events).history, 0)]
+    out = Path(os.environ.get("AALIS_TEST_ARTIFACTS") or tmp_path_factory.mktemp("shots"))
+    out.mkdir(parents=True, exist_ok=True)
+    shot = out / "inspector.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    print(f"screenshot: {shot}")
