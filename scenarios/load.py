@@ -38,7 +38,7 @@ from aalis_agent.scenarios.spec import (
     ToolOutcome,
     ToolSpec,
 )
-from aalis_agent.services import AgentConfig, Usage
+from aalis_agent.services import AgentConfig, Usage, shapes
 from aalis_agent.services.settings import (
     MAX_TOKENS,
     check_config_range,
@@ -339,11 +339,6 @@ class _Place:
 
 # --- msgspec's errors in the file's words ----------------------------------------------
 
-_AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>.*)`)?$", re.S)
-_SEGMENT = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
-_RANGE = re.compile(r"^Expected `(?:int|float)` (?P<op>[<>]=?) (?P<bound>\S+)$")
-_FIELD = re.compile(r"^Object (?P<how>contains unknown|missing required) field `(?P<name>.*)`$")
-
 
 _TYPE_INFO: dict[Any, Any] = {}
 
@@ -372,9 +367,7 @@ def _explain(error: str, value: Any, info: Any) -> tuple[str, str]:
     """``(inner place, reason)`` for msgspec's ``error`` converting ``value`` to the type
     ``info``: a table inside the table converted names the inner place (`` usage``,
     `` tool_calls #2``); the reason names the key, what it takes and what it got."""
-    m = _AT.match(error)
-    message, path = (m["message"], m["path"] or "") if m else (error, "")
-    steps: list[str | int] = [name or int(index) for name, index in _SEGMENT.findall(path)]
+    message, steps = shapes.split_error(error)
     inner, i = "", 0
     while i < len(steps) and isinstance(steps[i], str):
         struct = bare(info, mi.StructType)
@@ -399,7 +392,7 @@ def _explain(error: str, value: Any, info: Any) -> tuple[str, str]:
     key = "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in rest).lstrip(".")
     subject = f"{key} " if key else ""
     info = info_at(info, rest)
-    field_error = _FIELD.match(message)
+    field_error = shapes.FIELD.match(message)
     if field_error is not None:
         name = field_error["name"]
         struct = bare(info, mi.StructType)
@@ -407,84 +400,33 @@ def _explain(error: str, value: Any, info: Any) -> tuple[str, str]:
         if field_error["how"] == "contains unknown":
             known = ", ".join(sorted(fields)) or "none"
             return inner, f"{subject}unknown key {name!r} (known here: {known})"
-        hint = _extra(fields.get(name)).get("required")
+        hint = shapes.extra(fields.get(name)).get("required")
         return inner, f"{subject}{name} is required" + (f" ({hint})" if hint else "")
     got = value_at(value, steps)
-    what = _extra(info).get("what")
-    bound = _RANGE.match(message)
+    what = shapes.extra(info).get("what")
+    bound = shapes.RANGE.match(message)
     if bound is not None:
         if what and bound["op"].startswith(">"):
-            return inner, f"{subject}must be {_what(info)}, got {shown_value(got)}"
+            return inner, f"{subject}must be {shapes.what(info)}, got {shown_value(got)}"
         limit = f"{float(bound['bound']):g}" if "." in bound["bound"] else bound["bound"]
         return inner, f"{subject}must be {bound['op']} {limit}, got {shown_value(got)}"
     if message.startswith("Expected `str` of length"):
         return inner, f"{subject}must not be empty"
     literal = bare(info, mi.LiteralType)
     if message.startswith("Invalid enum value") and literal is not None:
-        values = ", ".join(map(str, _extra(info).get("values", literal.values)))
-        nope = _extra(info).get("not")
+        values = ", ".join(map(str, shapes.extra(info).get("values", literal.values)))
+        nope = shapes.extra(info).get("not")
         if nope:
             return inner, f"{key} = {got!r} is not {nope}; use one of {values}"
         return inner, f"{subject}must be one of {values}, got {shown_value(got)}"
     if message.startswith("Expected `"):
-        what = _what(info).replace("{key}", key)
-        return inner, f"{subject}must be {what}, got {_kind(got)}"
+        what = shapes.what(info).replace("{key}", key)
+        return inner, f"{subject}must be {what}, got {shapes.kind(got)}"
     return inner, subject + message[:1].lower() + message[1:]
-
-
-def _extra(info: Any) -> dict[str, Any]:
-    """The ``extra`` of ``info``'s metadata (of the one member of a union that has any)."""
-    extra: dict[str, Any] = {}
-    while isinstance(info, mi.Metadata):
-        extra.update(info.extra or {})
-        info = info.type
-    if isinstance(info, mi.UnionType):
-        for member in info.types:
-            extra = {**_extra(member), **extra}
-    return extra
-
-
-def _what(info: Any) -> str:
-    """What a value of type ``info`` is, in words."""
-    extra = _extra(info) if not isinstance(bare(info), mi.UnionType) else {}
-    if extra.get("what"):
-        return str(extra["what"])
-    info = bare(info)
-    if isinstance(info, mi.UnionType):
-        return " or ".join(_what(t) for t in info.types if not isinstance(t, mi.NoneType))
-    if isinstance(info, mi.LiteralType):
-        return f"one of {', '.join(map(str, extra.get('values', info.values)))}"
-    if isinstance(info, mi.StrType):
-        return "text"
-    if isinstance(info, mi.IntType):
-        return "an integer"
-    if isinstance(info, mi.FloatType):
-        return "a number"
-    if isinstance(info, mi.BoolType):
-        return "true or false"
-    if isinstance(info, mi.ListType):
-        return "a list of text" if isinstance(bare(info.item_type), mi.StrType) else "a list"
-    if isinstance(info, mi.StructType | mi.DictType):
-        return "a table"
-    return "something else"
 
 
 def _only(scripted: int) -> str:
     return f"only {scripted} {'reply is' if scripted == 1 else 'replies are'}"
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, str):
-        return f"text {shown_value(value)}"
-    if isinstance(value, int | float):
-        return f"a number ({value})"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, Mapping):
-        return "a table"
-    return type(value).__name__
 
 
 def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
@@ -610,7 +552,7 @@ class _Loader:
             return int(value.timestamp() * 1000)
         if isinstance(value, date):
             raise top.error("start needs a time of day too, e.g. 2026-01-01T08:00:00+08:00")
-        raise top.error(f"start must be a date and time, got {_kind(value)}")
+        raise top.error(f"start must be a date and time, got {shapes.kind(value)}")
 
     def _owners(self, top: _Place, owners: list[str]) -> tuple[tuple[str, str], ...]:
         out = []

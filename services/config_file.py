@@ -71,6 +71,7 @@ import msgspec.inspect as mi
 from aalis_agent.events.errors import ConfigError
 from aalis_agent.events.schema import ModelRef
 from aalis_agent.request.limits import MAX_DEPTH, find_unloggable, toml_too_deep
+from aalis_agent.services import shapes
 from aalis_agent.services.config import AgentConfig
 from aalis_agent.services.llm import ChatModel, ScriptedModel, ScriptedReply, ThinkLevel
 from aalis_agent.services.mcp import McpServer
@@ -240,87 +241,35 @@ class _Reader:
 
 # --- msgspec's errors in the file's words ----------------------------------------------
 
-_AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>.*)`)?$", re.S)
-_SEGMENT = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
-_RANGE = re.compile(r"^Expected `int` (?P<op>[<>]=) (?P<bound>-?\d+)$")
-_FIELD = re.compile(r"^Object (?P<how>contains unknown|missing required) field `(?P<name>.*)`$")
-
 
 def _explain(error: str, value: Any, tp: Any) -> tuple[str, str]:
     """``(dotted key, problem)`` for msgspec's ``error`` converting ``value`` to ``tp``:
     its path ``$.a.b[0]`` becomes ``a.b[0]``, and the problem names what the key takes
     and what it got."""
-    m = _AT.match(error)
-    message, path = (m["message"], m["path"] or "") if m else (error, "")
-    steps = [name or int(index) for name, index in _SEGMENT.findall(path)]
+    message, steps = shapes.split_error(error)
     info = info_at(mi.type_info(tp), steps)
     where = "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in steps).lstrip(".")
-    field = _FIELD.match(message)
+    field = shapes.FIELD.match(message)
     if field is not None:
         struct = bare(info, mi.StructType)
         fields = {f.encode_name: f.type for f in struct.fields} if struct else {}
         if field["how"] == "contains unknown":
             problem = f"unknown key (known: {', '.join(sorted(fields))})"
         else:
-            hint = _extra(fields.get(field["name"])).get("required")
+            hint = shapes.extra(fields.get(field["name"])).get("required")
             problem = f"required: {hint}" if hint else "required"
         return _join(where, field["name"]), problem
     got = value_at(value, steps)
-    bound = _RANGE.match(message)
+    bound = shapes.RANGE.match(message)
     if bound is not None:
         return where, f"must be {bound['op']} {bound['bound']}, got {shown_value(got)}"
     if message.startswith(("Expected `", "Invalid enum value")):
-        return where, f"expected {_what(info)}, got {_kind(got)}"
+        return where, f"expected {shapes.what(info)}, got {shapes.kind(got)}"
     return where, message[:1].lower() + message[1:]
 
 
 def _join(key: str, name: str) -> str:
     return f"{key}.{name}" if key and name and not name.startswith("[") else key + name
-
-
-def _extra(info: Any) -> dict[str, Any]:
-    extra: dict[str, Any] = {}
-    while isinstance(info, mi.Metadata):
-        extra.update(info.extra or {})
-        info = info.type
-    return extra
-
-
-def _what(info: Any) -> str:
-    """What a value of type ``info`` is, in words."""
-    what = _extra(info).get("what")
-    if what:
-        return str(what)
-    info = bare(info)
-    if isinstance(info, mi.UnionType):
-        return " or ".join(_what(t) for t in info.types if not isinstance(t, mi.NoneType))
-    if isinstance(info, mi.LiteralType):
-        return f"one of {', '.join(map(str, info.values))}"
-    if isinstance(info, mi.StrType):
-        return "non-empty text" if info.min_length else "text"
-    if isinstance(info, mi.IntType):
-        return "an integer"
-    if isinstance(info, mi.BoolType):
-        return "true or false"
-    if isinstance(info, mi.ListType):
-        return "a list"
-    if isinstance(info, mi.StructType | mi.DictType):
-        return "a table"
-    return "something else"
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return f"a boolean ({str(value).lower()})"
-    if isinstance(value, Mapping):
-        return "a table"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, int | float):
-        return f"a number ({value})"
-    if isinstance(value, str):
-        return f"text ({shown_value(value)})" if value else "empty text"
-    return type(value).__name__
 
 
 # --- loading ------------------------------------------------------------------------------
