@@ -419,7 +419,9 @@ def _conversation(n: int) -> list[ChatMessage]:
     out: list[ChatMessage] = []
     i = 0
     while len(out) < n:
-        out.append(ChatMessage(id=f"u{i}", role="user", content=f"({i}) {USER_TEXT}"))
+        at = 1_767_000_000_000 + i * 60_000  # archived inputs carry their time
+        meta = MessageMeta(timestamp=at, platform="qq")
+        out.append(ChatMessage(id=f"u{i}", role="user", content=f"({i}) {USER_TEXT}", meta=meta))
         if i % 10 == 9:
             call = ToolCall(id=f"c{i}", name="weather", arguments='{"city": "上海"}')
             out.append(ChatMessage(id=f"a{i}", role="assistant", tool_calls=(call,)))
@@ -462,18 +464,55 @@ def bench_trim(tmp: Path) -> None:
     emit("trim_1k_cold_ms", cold_s * 1000, "ms", messages=1000, counter=counter.name)
 
 
-def bench_render_history(tmp: Path) -> None:
-    """Rendering a 1,000-message history for a request (labels cached per message)."""
+def bench_history_prep(tmp: Path) -> None:
+    """The history part of a request at 1,000 messages: from scratch (window, tool groups,
+    labels, token prefix sums) and through a session's history cache after one more turn
+    (4 messages) was archived."""
     from datetime import timedelta, timezone
 
+    from aalis_agent.actors.history_cache import HistoryCache
+    from aalis_agent.projections.history import HistoryState, history_window
     from aalis_agent.request.prompt import render_history
+    from aalis_agent.request.tokens import default_counter, message_tokens
 
-    history = _conversation(1000)
+    counter = default_counter()
+    history = _conversation(1004)
     tz = timezone(timedelta(hours=8))
     now = 1_767_300_000_000
-    render_history(history, now, tz)  # labels kept from here on
-    seconds = best_of(50, lambda: render_history(history, now, tz))
-    emit("render_history_1k_us", seconds * 1e6, "us", messages=len(history))
+    state = HistoryState()
+    for m in history[:1000]:
+        state = HistoryState(state.messages.append(m))
+    grown = state
+    for m in history[1000:]:
+        grown = HistoryState(grown.messages.append(m))
+
+    def scratch() -> None:
+        sent = render_history(history_window(grown, 0), now, tz)
+        prefix = [0]
+        for m in sent:
+            prefix.append(prefix[-1] + message_tokens(counter, m))
+
+    def incremental() -> None:
+        cache = HistoryCache(counter)
+        cache.prepare(state, 0, None, now, tz)  # the turns before (not timed below)
+        t0 = time.perf_counter()
+        cache.prepare(grown, 0, None, now, tz)
+        timings.append(time.perf_counter() - t0)
+
+    scratch()
+    timings: list[float] = []
+    for _ in range(20):
+        incremental()
+    full = best_of(20, scratch)
+    emit(
+        "history_prep_1k_us",
+        min(timings) * 1e6,
+        "us",
+        messages=1004,
+        from_scratch_us=round(full * 1e6, 1),
+        ratio=round(full / min(timings), 1),
+        note="one turn's history preparation through the session's cache vs from scratch",
+    )
 
 
 def bench_turns(tmp: Path) -> None:
@@ -765,7 +804,7 @@ ALL = (
     "passivated_10k",
     "inputs_per_s_1k_sessions",
     "trim_1k",
-    "render_history_1k_us",
+    "history_prep_1k_us",
     "turns",
     "turns_workload",
     "floor",
@@ -827,8 +866,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench_inputs_per_s_1k(tmp)
             elif name == "trim_1k":
                 bench_trim(tmp)
-            elif name == "render_history_1k_us":
-                bench_render_history(tmp)
+            elif name == "history_prep_1k_us":
+                bench_history_prep(tmp)
             elif name == "turns":
                 bench_turns(tmp)
             elif name == "turns_workload":
