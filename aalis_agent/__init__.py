@@ -5,10 +5,11 @@ top level (``events/``, ``projections/``, ``actors/``, ``services/``) and the
 distribution maps them to ``aalis_agent.events`` and so on, so a project's own
 ``events`` or ``services`` package never collides with ours.
 
-    from aalis_agent import Input, Runtime, ScriptedModel, ScriptedReply, Services
-    from aalis_agent import SqliteEventStore
+    from aalis_agent import AsyncRuntime, Input, Runtime, Services, SqliteEventStore, tool
 
-    runtime = Runtime(SqliteEventStore("agent.db"), Services(llm=ScriptedModel([...])))
+    runtime = Runtime(SqliteEventStore("agent.db"), Services(llm=..., tools=...))
+    async with AsyncRuntime(runtime) as agent:
+        result = await (await agent.asubmit("room-1", Input(id="", content="hi")))
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
+from aalis_agent.actors.aio import AsyncHandle, AsyncRuntime, EventsDropped, TurnResult
 from aalis_agent.actors.hooks import Contribution, Hooks
 from aalis_agent.actors.messages import InputOutcome
 from aalis_agent.actors.runtime import (
@@ -45,6 +47,7 @@ from aalis_agent.events import (
     SqliteEventStore,
     StoreError,
     StoreInUse,
+    ToolCall,
     ToolError,
     UsageError,
 )
@@ -64,6 +67,11 @@ from aalis_agent.services import (
     ToolCallContext,
     ToolRegistry,
 )
+from aalis_agent.services.bus_events import subscribe_typed, typed_event
+from aalis_agent.services.logging_setup import install as _install_logging
+from aalis_agent.services.typed_tools import TypedTool, tool, tool_from
+
+_install_logging()  # quiet: nothing is printed unless the application configures logging
 
 try:
     __version__ = _version("aalis-agent")
@@ -74,6 +82,8 @@ __all__ = [
     "AbortSignal",
     "Aborted",
     "AgentError",
+    "AsyncHandle",
+    "AsyncRuntime",
     "ChatModel",
     "ChatRequest",
     "ConcurrencyConflict",
@@ -81,6 +91,7 @@ __all__ = [
     "Contribution",
     "CorruptEvent",
     "EventStore",
+    "EventsDropped",
     "Hooks",
     "InMemoryEventStore",
     "Input",
@@ -110,9 +121,16 @@ __all__ = [
     "StreamChunk",
     "SubmitHandle",
     "Tool",
+    "ToolCall",
     "ToolCallContext",
     "ToolError",
     "ToolRegistry",
+    "TurnResult",
+    "TypedTool",
     "UsageError",
     "__version__",
+    "subscribe_typed",
+    "tool",
+    "tool_from",
+    "typed_event",
 ]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from aalis_agent.events import ConfigError
 from aalis_agent.request.limits import json_too_deep
 from aalis_agent.request.texts import listing_footer, listing_header
-from aalis_agent.services.models import entry_id, model_name
+from aalis_agent.services.models import entry_id, model_name, parse_model_ref
 from aalis_agent.services.settings import SETTING_FIELDS, shown_value, validate_setting
 
 if TYPE_CHECKING:
@@ -107,6 +107,8 @@ def set_setting(
         return refusal
     field = SETTING_FIELDS[key]
     stored = None if reset else validate_setting(key, value)
+    if not reset:
+        _require_existing(runtime, key, stored)
     runtime.set_setting(session_id, key, stored, reset=reset, by=user_id)
     shown = next(f for f in runtime.fields(session_id, platform, venue) if f.key == key)
     if reset:
@@ -119,6 +121,26 @@ def set_setting(
     else:
         note = f"，此刻：{shown.text}"
     return f"已设置{field.label}（{key}）= {given}{note}"
+
+
+def _require_existing(runtime: Runtime, key: str, value: Any) -> None:
+    """A model or persona that is not there is refused (ConfigError naming it and where
+    to look), so a typo never silently falls back. Other keys pass."""
+    services = runtime.services
+    if key == "llm":
+        wanted = _show(value)
+        if services.models.find(parse_model_ref(value, where=key)) is None:
+            raise ConfigError(
+                f"session setting 'llm': there is no model {wanted!r}; /model lists the models"
+            )
+    elif key == "persona":
+        if services.persona is None:
+            raise ConfigError("session setting 'persona': no personas are configured")
+        if value not in {pid for pid, _ in services.persona.list()}:
+            raise ConfigError(
+                f"session setting 'persona': there is no persona {shown_value(value)}; "
+                "/persona lists the personas"
+            )
 
 
 def _refusal(runtime: Runtime, key: str, platform: str | None, user_id: str | None) -> str | None:

@@ -18,6 +18,7 @@ runtime.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
@@ -30,9 +31,22 @@ from aalis_agent.events import Input, Sender, SqliteEventStore
 from aalis_agent.services import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, Services
 from aalis_agent.services.builtin_tools import builtin_tools
 
-__all__ = ["default_model", "run_chat"]
+__all__ = ["WHERE", "default_model", "listed_limits", "run_chat"]
 
 CONSOLE = Sender(user_id="console", nickname="console")
+
+WHERE = {
+    "开轮": "开了新的一轮",
+    "待插入": "并入正在跑的这一轮",
+    "排队": "排队，这一轮结束后再答",
+    "放掉": "没有送给模型",
+}
+"""What a typed line's ``SubmitHandle.where`` means, shown after it at a terminal."""
+
+NO_USAGE = "[用量] 无"
+"""The status of a turn that finished no model call (stopped before the answer)."""
+
+PROMPT = "> "
 
 
 def default_model() -> ScriptedModel:
@@ -59,6 +73,77 @@ def _status(usage: Mapping[str, Any]) -> str:
         f"[用量] {usage.get('used')}/{usage.get('contextWindow')} ({ratio:.1f}%) "
         f"历史 {usage.get('historyMessages')} 条" + (" 已裁剪" if usage.get("trimmed") else "")
     )
+
+
+def listed_limits(
+    base_url: str, api_key: str | None, model: str, *, timeout_s: float = 10.0
+) -> tuple[int | None, int | None]:
+    """``(context length, max output tokens)`` of ``model`` as the server's model listing
+    (``GET /models``) gives them, each None when it gives none (Ollama's, OpenAI's) or
+    the listing cannot be read. Keys read: ``context_length``, ``max_model_len`` (vLLM),
+    ``max_context_length`` (LM Studio), ``context_window``; ``max_completion_tokens``,
+    ``max_output_tokens``; also under ``top_provider`` (OpenRouter)."""
+    import httpx
+    import msgspec
+
+    try:
+        response = httpx.get(
+            f"{base_url.rstrip('/')}/models",
+            headers={"Authorization": f"Bearer {api_key or 'not-needed'}"},
+            timeout=timeout_s,
+            follow_redirects=False,
+        )
+        listing = msgspec.json.decode(response.content) if response.is_success else None
+    except Exception:  # the listing is a convenience: without it the defaults hold
+        return None, None
+    data = listing.get("data") if isinstance(listing, dict) else None
+    entry = next((m for m in data or () if isinstance(m, dict) and m.get("id") == model), None)
+    if entry is None:
+        return None, None
+    places = [entry, entry.get("top_provider") or {}]
+
+    def first(*keys: str) -> int | None:
+        for place in places:
+            for key in keys:
+                value = place.get(key) if isinstance(place, dict) else None
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+        return None
+
+    return (
+        first("context_length", "max_model_len", "max_context_length", "context_window"),
+        first("max_completion_tokens", "max_output_tokens"),
+    )
+
+
+def _turn_error(runtime: Runtime, session_id: str, turn_id: str) -> str | None:
+    """What the last failed model call of ``turn_id`` said (masked, as stored)."""
+    from aalis_agent.events import ModelCallEnded
+
+    errors = [
+        e.error
+        for e in runtime.store.read(session_id)
+        if isinstance(e, ModelCallEnded) and e.turn_id == turn_id and e.error
+    ]
+    return errors[-1] if errors else None
+
+
+def _typed_lines(prompt: Any, on_ctrl_c: Any) -> Iterator[tuple[int, str | None]]:
+    """Lines typed at the terminal through ``prompt`` (a prompt_toolkit
+    ``PromptSession``), numbered from 1; ends at Ctrl-D, or at a Ctrl-C for which
+    ``on_ctrl_c()`` says False (it stops a running turn and says True)."""
+    number = 0
+    while True:
+        try:
+            text = prompt.prompt(PROMPT)
+        except EOFError:
+            return
+        except KeyboardInterrupt:
+            if on_ctrl_c():
+                continue
+            raise
+        number += 1
+        yield number, text
 
 
 def _lines(stdin: IO[Any]) -> Iterator[tuple[int, str | None]]:
@@ -102,11 +187,15 @@ def run_chat(
     default) answers. With ``tools``, a services without tools gets the built-in ones
     (``current_time``, ``calculate``). ``stdin`` (default: ``sys.stdin``) is read as
     UTF-8 bytes; a line that is not valid UTF-8 is reported on ``err`` (default:
-    ``sys.stderr``) and skipped."""
+    ``sys.stderr``) and skipped. At a terminal, lines are edited with prompt_toolkit
+    (history, the reply printed above the input line), and each shows where it went.
+    Returns 1 when a turn failed (its error in one line on ``err``), else 0."""
     stdin = sys.stdin if stdin is None else stdin
-    out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     interactive = stdin.isatty()
+    # At a terminal, output goes through prompt_toolkit's stdout proxy (set below), so it
+    # prints above the line being typed; ``sink`` is the stream of the moment.
+    sink: list[TextIO] = [sys.stdout if out is None else out]
     services = services or Services(llm=default_model())
     if tools and not services.tools.available(None):
         for tool in builtin_tools(tz=services.tz):
@@ -118,15 +207,25 @@ def run_chat(
     store = SqliteEventStore(db_path)
     runtime = Runtime(store, services)
     lock = threading.Lock()
-    last_usage: dict[str, Any] = {}
+    usage: dict[str, Mapping[str, Any]] = {}  # the last token:usage of each running turn
     running: set[str] = set()  # this session's turns that have opened and not ended
     held: list[str] = []  # command answers waiting for the streaming reply to end
     handles: list[SubmitHandle] = []
+    errors: list[str] = []  # the failed turns' errors, each shown once
+    at_line_start = [True]
+    paused: list[list[str] | None] = [None]  # output held while a typed line is sent
+
+    def emit(text: str) -> None:  # with ``lock`` held
+        if paused[0] is not None:
+            paused[0].append(text)
+        elif text:
+            sink[0].write(text)
+            sink[0].flush()
+            at_line_start[0] = text.endswith("\n")
 
     def write(text: str) -> None:
         with lock:
-            out.write(text)
-            out.flush()
+            emit(text)
 
     def answer(text: str) -> None:
         """A command's answer: never in the middle of a streaming reply. While a turn of
@@ -136,24 +235,31 @@ def run_chat(
             if running or any(not h.done() for h in handles):
                 held.append(text)
                 return
-            out.write(text)
-            out.flush()
+            emit(text)
 
     def release() -> None:
         with lock:
             if held and not running:
-                out.write("".join(held))
-                out.flush()
+                emit("".join(held))
                 held.clear()
+
+    def report_failure(turn_id: str, reason: str | None) -> None:
+        error = _turn_error(runtime, session_id, turn_id) or reason or "error"
+        with lock:
+            if error in errors:
+                return
+            errors.append(error)
+            err.write(f"aalis-agent chat: error: turn failed: {error}\n")
+            err.flush()
 
     def on_event(topic: str, payload: Any) -> None:
         if payload.get("sessionId") != session_id:
             return
         if topic == "outbound:stream" and "contentDelta" in payload:
             write(payload["contentDelta"])
-        elif topic == "token:usage":
-            last_usage.clear()
-            last_usage.update(payload)
+        elif topic == "token:usage" and payload.get("turnId"):
+            with lock:
+                usage[payload["turnId"]] = payload
         elif topic == "tool:execute" and payload.get("phase") == "end":
             failed = f" 失败：{payload['error'][:80]}" if payload.get("error") else ""
             write(f"\n[工具] {payload['name']}{failed}\n")
@@ -163,64 +269,116 @@ def run_chat(
             with lock:
                 running.add(payload["turnId"])
         elif topic == "turn:ended":
+            turn_id = payload["turnId"]
             reason = f"（{payload['reason']}）" if payload.get("reason") else ""
             end = "" if payload["outcome"] == "replied" else f" [{payload['outcome']}{reason}]"
             with lock:
-                running.discard(payload["turnId"])
-                out.write(f"{end}\n{_status(last_usage) if last_usage else ''}\n")
-                out.flush()
+                running.discard(turn_id)
+                used = usage.pop(turn_id, None)  # this turn's own numbers, or none
+                emit(f"{end}\n{_status(used) if used else NO_USAGE}\n")
+            if payload["outcome"] == "error":
+                report_failure(turn_id, payload.get("reason"))
             release()
 
-    def on_interrupt(signum: int, frame: Any) -> None:
-        """Ctrl-C: the stop button while a turn runs, else leave. The stop is asked from
-        another thread: this handler may have interrupted a write holding ``lock``."""
+    def stop_running() -> bool:
+        """Ctrl-C: the stop button while a turn runs (True), else leave (False). The stop
+        is asked from another thread: a signal may have interrupted a write holding
+        ``lock``."""
         if not running:
-            raise KeyboardInterrupt
+            return False
         threading.Thread(
             target=runtime.stop,
             args=(session_id,),
             kwargs={"platform": "cli", "user_id": CONSOLE.user_id},
             daemon=True,
         ).start()
+        return True
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        if not stop_running():
+            raise KeyboardInterrupt
+
+    def submit(line: str, echo: bool) -> None:
+        """Send a typed line, or run it as a command. ``echo``: at a terminal, show the
+        line again with where it went (the prompt erased it)."""
+        word = line.split(maxsplit=1)[0]
+        shown = f"{PROMPT}{line}"
+        if word in COMMANDS:
+            if echo:
+                write(("" if at_line_start[0] else "\n") + shown + "\n")
+            reply = handle_command(runtime, session_id, line, platform="cli", user_id="console")
+            if reply:
+                answer(f"{reply}\n")
+            return
+        if word.startswith("/") and word.isascii() and len(word) > 1:
+            if echo:
+                write(("" if at_line_start[0] else "\n") + shown + "\n")
+            answer(f"没有这个命令：{word}（/help 看有哪些）\n")
+            return
+        if not echo:
+            handles.append(
+                runtime.submit(
+                    session_id, Input(id="", content=line, sender=CONSOLE, platform="cli")
+                )
+            )
+            return
+        # The line and where it went are shown before anything its turn prints: output
+        # that comes while it is being sent waits (never a lock held across the submit).
+        with lock:
+            paused[0] = []
+        where = "?"
+        try:
+            handle = runtime.submit(
+                session_id, Input(id="", content=line, sender=CONSOLE, platform="cli")
+            )
+            handles.append(handle)
+            where = handle.where
+        finally:
+            with lock:
+                waiting, paused[0] = paused[0] or [], None
+                note = WHERE.get(where, where)
+                emit(("" if at_line_start[0] else "\n") + f"{shown}  [{where}] {note}\n")
+                emit("".join(waiting))
 
     runtime.subscribe("*", on_event)
     previous_handler = None
+    prompt_session: Any = None
+    proxy: Any = contextlib.nullcontext()
     if interactive:
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import InMemoryHistory
+        from prompt_toolkit.patch_stdout import patch_stdout
+
+        prompt_session = PromptSession(history=InMemoryHistory(), erase_when_done=True)
+        proxy = patch_stdout(raw=True)
         write(
             f"aalis-agent chat: session {session_id}, log {db_path}. "
             "/help lists the commands; Ctrl-C stops a reply; /quit leaves.\n"
         )
         if threading.current_thread() is threading.main_thread():
             previous_handler = signal.signal(signal.SIGINT, on_interrupt)
+    outer = sink[0]
     try:
-        for number, line in _lines(stdin):
-            if line is None:
+        with proxy:
+            if interactive:
                 with lock:
-                    err.write(f"chat: line {number} is not valid UTF-8; skipped\n")
-                    err.flush()
-                continue
-            if not line.strip():
-                continue
-            if line.strip() == "/quit":
-                break
-            word = line.split(maxsplit=1)[0]
-            if word in COMMANDS:
-                reply = handle_command(runtime, session_id, line, platform="cli", user_id="console")
-                if reply:
-                    answer(f"{reply}\n")
-                continue
-            if word.startswith("/") and word.isascii() and len(word) > 1:
-                answer(f"没有这个命令：{word}（/help 看有哪些）\n")
-                continue
-            handles.append(
-                runtime.submit(
-                    session_id, Input(id="", content=line, sender=CONSOLE, platform="cli")
-                )
-            )
-        for handle in handles:
-            handle.result(timeout=None)
-        runtime.wait_idle(None)
-        release()
+                    sink[0] = sys.stdout  # the proxy
+            lines = _typed_lines(prompt_session, stop_running) if interactive else _lines(stdin)
+            for number, line in lines:
+                if line is None:
+                    with lock:
+                        err.write(f"chat: line {number} is not valid UTF-8; skipped\n")
+                        err.flush()
+                    continue
+                if not line.strip():
+                    continue
+                if line.strip() == "/quit":
+                    break
+                submit(line, echo=interactive)
+            for handle in handles:
+                handle.result(timeout=None)
+            runtime.wait_idle(None)
+            release()
     except KeyboardInterrupt:
         write("\n")
     finally:
@@ -229,7 +387,8 @@ def run_chat(
         runtime.shutdown(timeout=30)
         store.close()
         with lock:
+            sink[0] = outer
             running.clear()
         release()
     write(f"Replay: aalis-agent replay {db_path} --session {session_id}\n")
-    return 0
+    return 1 if errors else 0

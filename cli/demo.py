@@ -9,6 +9,7 @@ the next turn reads.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Mapping
@@ -86,11 +87,24 @@ def run_demo(db_path: str, out: TextIO | None = None) -> int:
     )
     runtime = Runtime(store, services, ids=SequentialIds(), janitor=False)
 
+    closed = threading.Event()  # the reader left (``demo | head``): wind down at once
+
     def say(line: str) -> None:
-        out.write(line + "\n")
-        out.flush()
+        try:
+            out.write(line + "\n")
+            out.flush()
+        except BrokenPipeError:
+            closed.set()
+            release_tool.set()  # nothing waits for a tool nobody will see
+            raise
 
     def on_event(topic: str, payload: Any) -> None:
+        if closed.is_set():
+            return
+        with contextlib.suppress(BrokenPipeError):  # the main thread stops at its next line
+            _show(topic, payload)
+
+    def _show(topic: str, payload: Any) -> None:
         if topic == "turn:opened":
             say(f"  ⟳ {payload['turnId']} opened for {', '.join(payload['inputIds'])}")
         elif topic == "outbound:message":
@@ -137,6 +151,7 @@ def run_demo(db_path: str, out: TextIO | None = None) -> int:
         markers = [m.content for m in request.messages if m.kind == "turn-stopped"]
         say(f"\nThe last turn's model read the stop marker: {markers[0] if markers else 'no'}\n")
     finally:
+        release_tool.set()
         runtime.shutdown(timeout=30)
     say("Timeline, replayed from the log:")
     run_replay(store, [session_id], at=None, as_json=False, out=out)

@@ -13,10 +13,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, TextIO
 
 import structlog
 from aalis_agent.events import AgentError, ConfigError, ReplayError, SqliteEventStore, StoreError
-from aalis_agent.services.secrets import redact, redact_processor
+from aalis_agent.services.logging_setup import LOGGER_NAME, BoundLogger, stdlib_processors
+from aalis_agent.services.secrets import redact
 
 __all__ = ["build_parser", "main"]
 
@@ -27,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="aalis-agent",
         description="An embedded, event-sourced actor runtime for LLM chat sessions.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"aalis-agent {_installed_version()}"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -83,7 +88,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="environment variable holding that server's API key (default for https "
         "servers: OPENAI_API_KEY or AALIS_API_KEY; http servers get none unless named)",
     )
+    chat.add_argument(
+        "--context-length",
+        type=_limit,
+        metavar="N|auto",
+        help="the --base-url model's context window in tokens (default 128000); auto: as "
+        "the server's model listing gives it, where it does",
+    )
+    chat.add_argument(
+        "--max-tokens",
+        type=_limit,
+        metavar="N|auto",
+        help="the most tokens the --base-url model may answer with (default 4096); auto: "
+        "as the server's model listing gives it, where it does",
+    )
     chat.add_argument("--script", help="a scripted model's replies (TOML or JSON), instead")
+    chat.add_argument(
+        "-v", "--verbose", action="store_true", help="show the runtime's log lines on stderr"
+    )
 
     config = sub.add_parser(
         "config",
@@ -102,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay = sub.add_parser(
         "replay",
-        help="print a session's timeline, or its projected state at an event",
+        help="print a session's timeline or its state at an event, or fork a turn (--fork)",
         description=(
             "Replay session logs from an event database: the timeline of each session "
             "(turns, inputs and entry modes, model calls, tool calls with callIds, outcomes "
@@ -117,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--at", metavar="SEQ", type=int, help="show the projected state as of this seq"
     )
     replay.add_argument("--json", action="store_true", help="print one JSON object per line")
+    from aalis_agent.cli.fork import add_fork_arguments
+
+    add_fork_arguments(replay)
 
     scenario = sub.add_parser(
         "scenario",
@@ -136,7 +161,37 @@ def build_parser() -> argparse.ArgumentParser:
     scenario.add_argument(
         "-v", "--verbose", action="store_true", help="show the runtime's log lines"
     )
+    inspect = sub.add_parser(
+        "inspect",
+        help="serve a local read-only web page over an event database",
+        description=(
+            "Serve the sessions, a timeline of turns, model-call requests, the token budget "
+            "over calls and the state at any event, on 127.0.0.1 (a free port unless --port)."
+        ),
+    )
+    from aalis_agent.inspector.cli import add_arguments as add_inspect_arguments
+
+    add_inspect_arguments(inspect)
     return parser
+
+
+def _installed_version() -> str:
+    """The installed distribution's version (its metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("aalis-agent")
+    except PackageNotFoundError:  # pragma: no cover - a tree that is not installed
+        return "0+unknown"
+
+
+def _limit(text: str) -> int | str:
+    """A token count (a positive integer) or ``auto``."""
+    if text == "auto":
+        return text
+    if not (text.isascii() and text.isdigit()) or len(text) > 12 or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {text!r}")
+    return int(text)
 
 
 def _open_existing(path: str) -> SqliteEventStore:
@@ -146,6 +201,10 @@ def _open_existing(path: str) -> SqliteEventStore:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
+    if args.fork is not None:
+        from aalis_agent.cli.fork import run_fork
+
+        return run_fork(args)
     from aalis_agent.cli.replay import run_replay
 
     if args.at is not None and args.at < 1:
@@ -192,13 +251,46 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                 name = args.api_key_env
                 raise ConfigError(f"--api-key-env: the environment variable {name} is not set")
         model = OpenAICompatibleModel(
-            base_url=args.base_url, model=args.model, api_key=api_key, env_key=not args.api_key_env
+            base_url=args.base_url,
+            model=args.model,
+            api_key=api_key,
+            env_key=not args.api_key_env,
+            **_server_limits(args, api_key),
         )
     elif args.api_key_env:
         raise ConfigError("--api-key-env goes with --base-url and --model")
+    elif args.context_length is not None or args.max_tokens is not None:
+        raise ConfigError("--context-length and --max-tokens go with --base-url and --model")
     elif args.script:
         model = ScriptedModel.from_file(args.script)
     return run_chat(args.db, args.session, model, services=services, tools=not args.no_tools)
+
+
+def _server_limits(args: argparse.Namespace, api_key: str | None) -> dict[str, Any]:
+    """``context_length`` and ``max_output_tokens`` for the --base-url model: as given,
+    or for ``auto`` as the server's model listing says (else the model's defaults)."""
+    limits: dict[str, Any] = {}
+    wanted = {"context_length": args.context_length, "max_output_tokens": args.max_tokens}
+    if "auto" in wanted.values():
+        from aalis_agent.cli.chat import listed_limits
+
+        if api_key is None and not args.api_key_env and args.base_url.startswith("https://"):
+            api_key = os.environ.get("OPENAI_API_KEY") or os.environ.get("AALIS_API_KEY")
+        listed = dict(zip(wanted, listed_limits(args.base_url, api_key, args.model), strict=True))
+        for key, value in wanted.items():
+            if value == "auto":
+                if listed[key] is None:
+                    option = "--context-length" if key == "context_length" else "--max-tokens"
+                    sys.stderr.write(
+                        f"aalis-agent chat: {option} auto: the server's model listing gives "
+                        "none; using the default\n"
+                    )
+                else:
+                    wanted[key] = listed[key]
+    for key, value in wanted.items():
+        if isinstance(value, int):
+            limits[key] = value
+    return limits
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -215,33 +307,54 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.db)
 
 
-def configure_logging(verbose: bool = False, quiet: bool = False) -> None:
-    """Route structlog to stderr: INFO, DEBUG with ``verbose``, WARNING with ``quiet``;
-    registered secrets are masked in every value, tracebacks included."""
-    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """A handler writing to the ``sys.stderr`` of the moment, so that a replaced one
+    (tests, pipes) is honoured."""
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
+def configure_logging(
+    verbose: bool = False, quiet: bool = False, *, level: int | None = None
+) -> None:
+    """Route the log to stderr: the library's (structlog through :mod:`logging`, loggers
+    ``aalis.*``) at INFO, DEBUG with ``verbose``, WARNING with ``quiet``, or ``level``;
+    other loggers at WARNING. Registered secrets are masked in every value, tracebacks
+    included. Calling it again replaces the handler it installed."""
+    if level is None:
+        level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     structlog.configure(
-        processors=[  # structlog's defaults, with the traceback formatted, then masked
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.StackInfoRenderer(),
-            structlog.dev.set_exc_info,
-            structlog.processors.TimeStamper(fmt="%Y-%m-%d %H:%M:%S", utc=False),
-            structlog.processors.format_exc_info,  # the traceback as text, so that...
-            redact_processor,  # ...this masks it with every other value
-            structlog.dev.ConsoleRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        # Resolved at each call, so a replaced sys.stderr (tests, pipes) is honoured.
-        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
+        processors=stdlib_processors(console=True),
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=BoundLogger,
+        cache_logger_on_first_use=False,
     )
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _Stderr)]:
+        root.removeHandler(old)
+    handler = _Stderr()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root.addHandler(handler)
+    logging.getLogger(LOGGER_NAME).setLevel(level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``aalis-agent`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    # The demo prints its own transcript: the log joins it only when asked (-v).
-    configure_logging(getattr(args, "verbose", False), quiet=args.command in ("demo", "chat"))
+    verbose = getattr(args, "verbose", False)
+    # The demo prints its own transcript, the chat its own one-line errors: the log joins
+    # them only when asked (-v).
+    silent = args.command == "chat" and not verbose
+    configure_logging(
+        verbose, quiet=args.command == "demo", level=logging.CRITICAL if silent else None
+    )
     try:
         if args.command == "replay":
             return _cmd_replay(args)
@@ -251,6 +364,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_chat(args)
         if args.command == "config":
             return _cmd_config(args)
+        if args.command == "inspect":
+            from aalis_agent.inspector.cli import run as run_inspect
+
+            return run_inspect(args)
         if args.command == "scenario":
             from aalis_agent.scenarios import run_cli
 

@@ -9,6 +9,7 @@ import pykka
 import pytest
 import structlog
 from aalis_agent.actors.runtime import Runtime
+from aalis_agent.services import logging_setup
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -23,6 +24,7 @@ def _reset_structlog() -> Iterator[None]:
     """A test that runs the CLI configures structlog; later tests start from defaults."""
     yield
     structlog.reset_defaults()
+    logging_setup.install()  # the library's own default: quiet unless logging is configured
 
 
 @pytest.fixture

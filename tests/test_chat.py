@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
@@ -49,19 +50,24 @@ def test_piped_lines_are_answered_in_order_and_persisted(tmp_path: Path) -> None
     assert len(joined) == 2  # both messages entered a turn (joined or queued first)
 
 
-_UNREAD: dict[int, bytes] = {}  # per terminal: what was read past the last needle
+_UNREAD: dict[int, str] = {}  # per terminal: what was read past the last needle
+# At a terminal the chat edits its input line with prompt_toolkit, which redraws the
+# prompt around what is printed above it: its control sequences, and the bare prompt it
+# draws, are left out of what the tests read.
+_CONTROL = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|>\x08|\x08")
 
 
 def _read_until(fd: int, needle: str, timeout: float = 20.0) -> str:
-    """The terminal's output up to and including ``needle``; what came after it in the
-    same read is kept for the next call (two lines may arrive in one read)."""
-    want = needle.encode()
-    seen = _UNREAD.pop(fd, b"")
+    """The terminal's text up to and including ``needle`` (control sequences left out);
+    what came after it in the same read is kept for the next call (two lines may arrive
+    in one read)."""
+    seen = _UNREAD.pop(fd, "")
+    raw = b""
     deadline = time.monotonic() + timeout
-    while want not in seen:
+    while needle not in seen:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise TimeoutError(f"{needle!r} not seen in {seen.decode(errors='replace')!r}")
+            raise TimeoutError(f"{needle!r} not seen in {seen!r}")
         ready, _, _ = select.select([fd], [], [], remaining)
         if ready:
             try:
@@ -70,12 +76,28 @@ def _read_until(fd: int, needle: str, timeout: float = 20.0) -> str:
                 break
             if not chunk:
                 break
-            seen += chunk
-    if want not in seen:  # the terminal closed first: the program has ended
-        raise EOFError(f"{needle!r} not seen before the end: {seen.decode(errors='replace')!r}")
-    end = seen.index(want) + len(want)
+            raw += chunk
+            try:  # a character or a control sequence may be cut across two reads
+                text = raw.decode()
+            except UnicodeDecodeError:
+                continue
+            if "\x1b" in text[-8:] and not _CONTROL.search(text[text.rindex("\x1b") :]):
+                continue
+            seen = _CONTROL.sub("", seen + text)
+            raw = b""
+    if needle not in seen:  # the terminal closed first: the program has ended
+        raise EOFError(f"{needle!r} not seen before the end: {seen!r}")
+    end = seen.index(needle) + len(needle)
     _UNREAD[fd] = seen[end:]
-    return seen[:end].decode(errors="replace")
+    return seen[:end]
+
+
+def _exec_chat(*args: str) -> None:
+    """In a pty's child: run ``chat ARGS`` (the test's terminal answers no cursor
+    position requests: prompt_toolkit is told not to ask)."""
+    os.chdir(ROOT)
+    os.environ["PROMPT_TOOLKIT_NO_CPR"] = "1"
+    os.execv(sys.executable, [*CLI, "chat", *args])
 
 
 def _chat_on_a_terminal(tmp_path: Path, second_reply: str) -> tuple[int, int, Path]:
@@ -90,8 +112,7 @@ def _chat_on_a_terminal(tmp_path: Path, second_reply: str) -> tuple[int, int, Pa
     db = tmp_path / "chat.db"
     pid, fd = pty.fork()
     if pid == 0:  # the child: the command, on a terminal
-        os.chdir(ROOT)
-        os.execv(sys.executable, [*CLI, "chat", "--db", str(db), "--script", str(script)])
+        _exec_chat("--db", str(db), "--script", str(script))
     _UNREAD.pop(fd, None)  # a number an earlier test's terminal had
     return pid, fd, db
 
@@ -101,10 +122,14 @@ def test_typing_while_a_reply_streams_then_stop(tmp_path: Path) -> None:
     try:
         _read_until(fd, "/quit leaves.")  # the interactive greeting
         os.write(fd, "讲个长故事\n".encode())
+        _read_until(fd, "> 讲个长故事  [开轮] 开了新的一轮")  # the line, and where it went
         _read_until(fd, "慢慢")  # the reply is streaming
         os.write(fd, "等一下\n".encode())  # typed mid-turn: it waits to join or queues
+        _read_until(fd, "> 等一下  [")
+        assert _read_until(fd, "]") in ("待插入]", "排队]")
         os.write(fd, b"/stop\n")
         _read_until(fd, "[aborted")
+        _read_until(fd, "[用量] 无\r\n")  # the stopped turn's own usage: none
         _read_until(fd, "好的")  # the typed line ran next
         os.write(fd, b"/quit\n")
         _read_until(fd, "Replay:")
@@ -149,6 +174,38 @@ def test_ctrl_c_stops_a_streaming_reply_and_leaves_when_idle(tmp_path: Path) -> 
         log = store.read("cli:console")
     assert [e.by for e in log if isinstance(e, StopRequested)] == [None]
     assert [e.outcome for e in log if isinstance(e, TurnRecorded)] == ["aborted", "replied"]
+
+
+def test_the_usage_line_after_a_stop_is_that_turns_own(tmp_path: Path) -> None:
+    """A turn that replied shows its numbers; the next one, stopped before its answer,
+    shows none (not the previous turn's again)."""
+    script = tmp_path / "script.toml"
+    script.write_text(
+        '[[replies]]\ntext = "快"\n\n'
+        '[[replies]]\ntext = "' + "慢" * 60 + '"\nchunks = 60\nchunk_delay_s = 0.1\n',
+        encoding="utf-8",
+    )
+    pid, fd = pty.fork()
+    if pid == 0:
+        _exec_chat("--db", str(tmp_path / "c.db"), "--script", str(script))
+    _UNREAD.pop(fd, None)
+    try:
+        _read_until(fd, "/quit leaves.")
+        os.write(fd, "一\n".encode())
+        _read_until(fd, "快\r\n[用量] ")  # the first turn's own numbers
+        os.write(fd, "二\n".encode())
+        _read_until(fd, "慢慢")
+        os.write(fd, b"/stop\n")
+        _read_until(fd, "[aborted（stop）]\r\n")
+        assert _read_until(fd, "\r\n").endswith("[用量] 无\r\n")
+        os.write(fd, b"/quit\n")
+        _read_until(fd, "Replay:")
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        os.waitpid(pid, 0)
+        os.close(fd)
 
 
 def test_a_config_file_gives_models_settings_and_listings(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from aalis_agent.events import (
     TurnOpened,
 )
 from aalis_agent.events.codec import decode, encode
-from aalis_agent.services import ScriptedModel, Services, StaticAuthority
+from aalis_agent.services import ScriptedModel, Services, StaticAuthority, StaticPersonas
 
 SID = "qq:group:5"
 
@@ -50,23 +50,19 @@ def test_session_lists_every_field_with_its_unset_text(runtime: Runtime) -> None
 
 def test_owner_sets_and_the_next_turn_reads_it(runtime: Runtime) -> None:
     assert cmd(runtime, "/session.set historyLimit 4") == "已设置历史条数上限（historyLimit）= 4"
-    assert cmd(runtime, "/session.set llm deepseek/deepseek-chat") == (
-        "已设置模型（llm）= deepseek/deepseek-chat（不在，用的是 scripted）"
-    )
+    assert cmd(runtime, "/session.set llm demo/scripted") == "已设置模型（llm）= demo/scripted"
     runtime.submit(SID, Input(id="", content="你好", platform="qq")).result(10)
     runtime.wait_idle(10)
     opened = next(e for e in runtime.store.read(SID) if isinstance(e, TurnOpened))
     assert opened.settings.history_limit == 4
-    assert str(opened.settings.model) == "deepseek/deepseek-chat"
+    assert str(opened.settings.model) == "demo/scripted"
     changes = [
         (e.key, e.value, e.by) for e in runtime.store.read(SID) if isinstance(e, SettingsChanged)
     ]
     assert changes[0] == ("historyLimit", 4, "boss")
     assert "历史条数上限（historyLimit）：4" in (cmd(runtime, "/session") or "")
     assert cmd(runtime, "/session.reset historyLimit") == "已恢复历史条数上限（historyLimit）：0"
-    assert dict(runtime.view(SID).settings) == {
-        "llm": {"provider": "deepseek", "model": "deepseek-chat"}
-    }
+    assert dict(runtime.view(SID).settings) == {"llm": {"provider": "demo", "model": "scripted"}}
 
 
 @pytest.mark.parametrize("key", ["maxToolIterations", "historyLimit"])
@@ -114,8 +110,57 @@ def test_help_lists_every_command(runtime: Runtime) -> None:
         assert any(line.startswith(name + " ") for line in reply.splitlines()), name
 
 
-def test_text_settings_are_taken_as_typed_and_lists_read_well(runtime: Runtime) -> None:
-    assert cmd(runtime, "/session.set persona 123") == "已设置人设（persona）= 123"
+def test_a_model_or_persona_that_is_not_there_is_refused(runtime: Runtime) -> None:
+    reply = cmd(runtime, "/session.set llm deepseek/deepseek-chat")
+    assert reply == (
+        "设置失败：session setting 'llm': there is no model 'deepseek/deepseek-chat'; "
+        "/model lists the models"
+    )
+    assert cmd(runtime, "/session.set persona helper") == (
+        "设置失败：session setting 'persona': no personas are configured"
+    )
+    assert dict(runtime.view(SID).settings) == {}
+    assert cmd(runtime, "/session.reset llm") == "已恢复模型（llm）：跟随服务偏好（此刻：scripted）"
+
+
+@pytest.fixture
+def with_personas() -> Iterator[Runtime]:
+    rt = Runtime(
+        InMemoryEventStore(),
+        Services(
+            llm=ScriptedModel(),
+            authority=StaticAuthority([("qq", "boss")]),
+            persona=StaticPersonas({"123": ("一二三", "你是一二三。"), "cat": ("猫", "喵。")}),
+        ),
+        FixedClock(),
+        SequentialIds(),
+        janitor=False,
+    )
+    yield rt
+    rt.shutdown(timeout=10)
+    pykka.ActorRegistry.stop_all()
+
+
+def test_a_persona_is_set_by_its_listed_id_and_an_unknown_one_refused(
+    with_personas: Runtime,
+) -> None:
+    assert (
+        cmd(with_personas, "/session.set persona 123")
+        == "已设置人设（persona）= 123，此刻：一二三（123）"
+    )
+    assert cmd(with_personas, "/session.set persona dog") == (
+        "设置失败：session setting 'persona': there is no persona 'dog'; "
+        "/persona lists the personas"
+    )
+    assert with_personas.view(SID).settings["persona"] == "123"
+
+
+def test_text_settings_are_taken_as_typed_and_lists_read_well(with_personas: Runtime) -> None:
+    runtime = with_personas
+    assert (
+        cmd(runtime, "/session.set persona 123")
+        == "已设置人设（persona）= 123，此刻：一二三（123）"
+    )
     assert runtime.view(SID).settings["persona"] == "123"
     assert cmd(runtime, '/session.set enabledToolGroups ["web", "files"]') == (
         "已设置工具分组（enabledToolGroups）= web、files"

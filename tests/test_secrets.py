@@ -243,7 +243,7 @@ def test_chat_with_the_key_in_the_environment_shows_and_stores_none(
     db = tmp_path / "chat.db"
     args = ("chat", "--db", str(db), "--base-url", echo.url, "--model", "m")
     result = run_cli(*args, "--api-key-env", "ECHO_TEST_KEY", stdin="你好\n", env=ENV)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # a turn the server failed: one line, exit 1
     assert echo.keys == [KEY]  # the server got it (and echoed it)
     assert "turn failed" in result.stderr and "AuthenticationError" in result.stderr
     assert KEY not in result.stdout + result.stderr

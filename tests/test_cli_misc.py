@@ -1,0 +1,196 @@
+"""The ``aalis-agent`` command's edges: ``--version``, ``demo | head``, a server's errors
+in one line, and the ``--context-length`` / ``--max-tokens`` of a ``--base-url`` model."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from http.server import BaseHTTPRequestHandler
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import LoopbackServer, run_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {"PATH": "/usr/bin:/bin"}
+
+
+def test_version_comes_from_the_installed_distribution() -> None:
+    result = run_cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"aalis-agent {version('aalis-agent')}\n"
+
+
+def test_demo_into_head_ends_quietly_and_at_once(tmp_path: Path) -> None:
+    """``aalis-agent demo | head -3``: the reader leaves, the demo ends without a
+    traceback and without waiting for its tool's 10 s timeout."""
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aalis_agent.cli", "demo", "--db", str(tmp_path / "d.db")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    lines = [proc.stdout.readline() for _ in range(3)]
+    proc.stdout.close()  # as head does
+    try:
+        status = proc.wait(timeout=8)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    stderr = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert lines[0].startswith(b"Session demo:room-1")
+    assert status == 0 and stderr == ""
+    assert time.monotonic() - started < 8
+
+
+class Server(LoopbackServer):
+    """``GET /models`` answers ``listing``; each POST the next of ``posts``: ``"429"`` or
+    a streamed reply ``"好"``. The posted bodies are kept."""
+
+    def __init__(self, listing: list[dict[str, Any]] | None = None) -> None:
+        self.posts: list[str] = []
+        self.bodies: list[dict[str, Any]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _json(self, status: int, obj: Any, **headers: str) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                if listing is None:
+                    self._json(404, {"error": {"message": "no listing"}})
+                else:
+                    self._json(200, {"object": "list", "data": listing})
+
+            def do_POST(self) -> None:
+                outer.bodies.append(
+                    json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                )
+                if (outer.posts.pop(0) if outer.posts else "ok") == "429":
+                    error = {"message": "Rate limit reached", "type": "rate_limit"}
+                    self._json(429, {"error": error}, **{"Retry-After": "0"})
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                base = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+                for choice in (
+                    {"delta": {"content": "好"}},
+                    {"delta": {}, "finish_reason": "stop"},
+                ):
+                    data = {**base, "choices": [{"index": 0, **choice}]}
+                    self.wfile.write(f"data: {json.dumps(data)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+
+        self.serve(Handler)
+
+
+@pytest.fixture
+def server() -> Any:
+    s = Server(
+        [{"id": "other"}, {"id": "m", "max_model_len": 20_000, "max_completion_tokens": 512}]
+    )
+    yield s
+    s.close()
+
+
+def _chat(
+    db: Path, url: str, *args: str, stdin: str = "你好\n"
+) -> subprocess.CompletedProcess[str]:
+    return run_cli(
+        "chat", "--db", str(db), "--base-url", url, "--model", "m", *args, stdin=stdin, env=ENV
+    )
+
+
+def test_a_429_is_one_line_and_a_non_zero_exit(server: Server, tmp_path: Path) -> None:
+    server.posts += ["429"] * 4  # the first try and its three retries
+    result = _chat(tmp_path / "c.db", server.url)
+    assert result.returncode == 1
+    assert result.stderr == (
+        "aalis-agent chat: error: turn failed: RateLimitError: Error code: 429 - "
+        "Rate limit reached (after 3 retries)\n"
+    )
+    assert "[用量] 无" in result.stdout.splitlines()
+
+
+def test_a_wrong_base_url_is_one_line_and_a_non_zero_exit(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = _chat(tmp_path / "c.db", f"http://127.0.0.1:{port}/v1", stdin="你好\n再来\n")
+    assert result.returncode == 1
+    [line] = result.stderr.splitlines()  # the same error is told once
+    assert line.startswith("aalis-agent chat: error: turn failed: APIConnectionError: ")
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_context_length_and_max_tokens_as_given(server: Server, tmp_path: Path) -> None:
+    result = _chat(tmp_path / "c.db", server.url, "--context-length", "9000", "--max-tokens", "77")
+    assert result.returncode == 0, result.stderr
+    assert any(
+        line.startswith("[用量] ") and "/9000 " in line for line in result.stdout.splitlines()
+    )
+    assert server.bodies[0]["max_tokens"] == 77
+
+
+def test_context_length_and_max_tokens_from_the_servers_listing(
+    server: Server, tmp_path: Path
+) -> None:
+    result = _chat(
+        tmp_path / "c.db", server.url, "--context-length", "auto", "--max-tokens", "auto"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert any(
+        line.startswith("[用量] ") and "/20000 " in line for line in result.stdout.splitlines()
+    )
+    assert server.bodies[0]["max_tokens"] == 512
+
+
+def test_a_listing_without_the_numbers_keeps_the_defaults(tmp_path: Path) -> None:
+    bare = Server([{"id": "m"}])
+    try:
+        result = _chat(tmp_path / "c.db", bare.url, "--context-length", "auto")
+    finally:
+        bare.close()
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == (
+        "aalis-agent chat: --context-length auto: the server's model listing gives none; "
+        "using the default\n"
+    )
+    assert any("/128000 " in line for line in result.stdout.splitlines())
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "many", "1e9"])
+def test_a_bad_limit_is_refused_by_the_parser(value: str, tmp_path: Path) -> None:
+    result = run_cli("chat", "--db", str(tmp_path / "c.db"), "--context-length", value)
+    assert result.returncode == 2
+    assert "expected a positive integer or auto" in result.stderr
+
+
+def test_limits_without_a_base_url_are_refused(tmp_path: Path) -> None:
+    result = run_cli("chat", "--db", str(tmp_path / "c.db"), "--max-tokens", "100")
+    assert result.returncode == 2
+    assert result.stderr == (
+        "aalis-agent chat: error: --context-length and --max-tokens go with --base-url and "
+        "--model\n"
+    )
