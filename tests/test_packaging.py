@@ -23,6 +23,7 @@ PACKAGES = (
     "timeline",
     "testing",
     "inspector",
+    "scale",
 )
 
 

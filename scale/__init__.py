@@ -1,0 +1,1 @@
+"""Past one machine: session ownership across processes and placement of runtime shards on Ray."""
