@@ -88,3 +88,5 @@ class Workers:
                 task()
             except BaseException:  # a task reports its own failures; never lose the worker
                 log.exception("a turn's thread failed outside its turn")
+            finally:
+                del task  # an idle worker holds nothing of the turn it ran (its session's state)

@@ -606,7 +606,7 @@ def _tool_turn_runtime(store: SqliteEventStore) -> Any:
         return ScriptedReply(text=f"{n}: {REPLY_TEXT}")
 
     services = Services(
-        llm=ScriptedModel(reply, context_length=1_000_000),
+        llm=ScriptedModel(reply, context_length=1_000_000, keep_requests=0),
         tools=ToolRegistry([Tool("echo", lambda args, ctx: "好")]),
     )
     return Runtime(store, services, janitor=False)

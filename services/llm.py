@@ -121,8 +121,9 @@ Responder = Callable[[ChatRequest, int], ScriptedReply]
 class ScriptedModel:
     """A model that answers from a script: a list of replies used in order, or a function.
 
-    Every request is kept in :attr:`requests`, so tests can assert on exactly what was
-    sent. Delays wait on the abort signal, so a stop abandons the stream at once.
+    The latest ``keep_requests`` requests (1,000 by default) are kept in
+    :attr:`requests`, so tests can assert on exactly what was sent; :attr:`calls` counts
+    them all. Delays wait on the abort signal, so a stop abandons the stream at once.
     """
 
     def __init__(
@@ -137,6 +138,7 @@ class ScriptedModel:
         name: str | None = None,
         think_levels: Sequence[ThinkLevel] = (),
         default_think: str | None = None,
+        keep_requests: int = 1000,
     ) -> None:
         self.id = model_id
         self.provider_id = provider_id
@@ -150,6 +152,8 @@ class ScriptedModel:
         self._default = default or ScriptedReply(text="好的。")
         self._lock = threading.Lock()
         self.requests: list[ChatRequest] = []
+        self.calls = 0
+        self._keep = max(keep_requests, 0)
 
     @classmethod
     def from_file(cls, path: str | Path, **kwargs: Any) -> ScriptedModel:
@@ -180,8 +184,12 @@ class ScriptedModel:
 
     def _next(self, request: ChatRequest) -> ScriptedReply:
         with self._lock:
-            self.requests.append(request)
-            n = len(self.requests)
+            self.calls += 1
+            n = self.calls
+            if self._keep:
+                self.requests.append(request)
+                if len(self.requests) > 2 * self._keep:
+                    del self.requests[: -self._keep]
             if self._responder is not None:
                 return self._responder(request, n)
             if self._replies:
