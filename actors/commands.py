@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from aalis_agent.events import ConfigError
 from aalis_agent.request.limits import json_too_deep
-from aalis_agent.request.texts import listing_footer, listing_header
+from aalis_agent.request.texts import ZH, Texts
 from aalis_agent.services.models import entry_id, model_name, parse_model_ref
 from aalis_agent.services.settings import SETTING_FIELDS, shown_value, validate_setting
 
@@ -29,17 +29,8 @@ __all__ = [
     "set_setting",
 ]
 
-HELP = "\n".join(
-    (
-        "/stop  停下在跑的一轮（参与这一轮的人和 owner）",
-        "/session  看本会话的设置：模型、深度思考、最大工具迭代、历史条数上限、人设、工具分组",
-        "/session.set <键> <值>  改本会话的一项设置（如 /session.set llm openai/gpt-4o）",
-        "/session.reset <键>  恢复一项设置",
-        "/model [关键词] [-p 页]  列出 / 搜索对话模型",
-        "/persona [关键词] [-p 页]  列出 / 搜索人设",
-    )
-)
-"""What ``/help`` answers."""
+HELP = ZH("command.help")
+"""What ``/help`` answers (``zh``; the session's locale: ``texts("command.help")``)."""
 
 TEXT_KEYS = frozenset({"llm", "think", "persona"})
 """Settings whose value is taken as typed (``/session.set persona 123`` sets ``"123"``)."""
@@ -52,7 +43,7 @@ COMMANDS = frozenset(
 PAGE_SIZE = 20
 """Entries per page of ``/model`` and ``/persona``."""
 
-USAGE = "用法：/session、/session.set <键> <值>、/session.reset <键>、/model [关键词] [-p 页]"
+USAGE = ZH("command.usage")
 
 MAX_VALUE_CHARS = 100_000
 """Longest value ``/session.set`` reads (256 tool groups of 256 characters fit)."""
@@ -81,11 +72,11 @@ def parse_value(key: str, raw: str) -> Any:
     return raw
 
 
-def _show(value: Any) -> str:
+def _show(value: Any, texts: Texts = ZH) -> str:
     if isinstance(value, dict) and {"provider", "model"} <= value.keys():
         return f"{value['provider']}/{value['model']}"
     if isinstance(value, list):
-        return "、".join(map(str, value)) or "无"
+        return texts("setting.list_separator").join(map(str, value)) or texts("setting.none")
     return str(value)
 
 
@@ -101,26 +92,28 @@ def set_setting(
     venue: str | None = None,
 ) -> str:
     """Set or reset a session-layer setting; owner-only keys refuse anyone else (SET3,
-    SET4). Returns the reply; a bad key or value raises ConfigError naming it."""
-    refusal = _refusal(runtime, key, platform, user_id)
+    SET4). Returns the reply (in the locale of ``platform`` and ``venue``); a bad key or
+    value raises ConfigError naming it."""
+    texts = runtime.services.texts_for(platform, venue)
+    refusal = _refusal(runtime, key, platform, user_id, texts)
     if refusal is not None:
         return refusal
-    field = SETTING_FIELDS[key]
+    label = texts(f"setting.{key}")
     stored = None if reset else validate_setting(key, value)
     if not reset:
         _require_existing(runtime, key, stored)
     runtime.set_setting(session_id, key, stored, reset=reset, by=user_id)
     shown = next(f for f in runtime.fields(session_id, platform, venue) if f.key == key)
     if reset:
-        return f"已恢复{field.label}（{key}）：{shown.text}"
-    given = _show(stored)
+        return texts("command.reset_done", label=label, key=key, text=shown.text)
+    given = _show(stored, texts)
     if shown.text == given:
         note = ""
-    elif shown.text.startswith(given + "（"):  # the set value, with a remark on it
+    elif shown.text.startswith(given + texts("setting.remark_open")):  # with a remark on it
         note = shown.text[len(given) :]
     else:
-        note = f"，此刻：{shown.text}"
-    return f"已设置{field.label}（{key}）= {given}{note}"
+        note = texts("command.set_note", text=shown.text)
+    return texts("command.set_done", label=label, key=key, given=given, note=note)
 
 
 def _require_existing(runtime: Runtime, key: str, value: Any) -> None:
@@ -143,7 +136,9 @@ def _require_existing(runtime: Runtime, key: str, value: Any) -> None:
             )
 
 
-def _refusal(runtime: Runtime, key: str, platform: str | None, user_id: str | None) -> str | None:
+def _refusal(
+    runtime: Runtime, key: str, platform: str | None, user_id: str | None, texts: Texts = ZH
+) -> str | None:
     """The reply refusing ``key`` to this user (owner-only keys, SET3-SET4), or None; an
     unknown key raises ConfigError."""
     if key not in SETTING_FIELDS:
@@ -151,7 +146,7 @@ def _refusal(runtime: Runtime, key: str, platform: str | None, user_id: str | No
         raise ConfigError(f"unknown session setting {shown_value(key)}; known: {known}")
     field = SETTING_FIELDS[key]
     if field.owner_only and not runtime.services.authority.is_owner(platform, user_id):
-        return f"{field.label}（{key}）只有 owner 能改"
+        return texts("command.owner_only", label=texts(f"setting.{key}"), key=key)
     return None
 
 
@@ -167,22 +162,23 @@ def handle_command(
     """The reply to a command line, or None when ``text`` is not one of these commands
     (or, for ``/stop``, when the turn was stopped and there is nothing to say). ``venue``
     (``venue_of(platform, group id)``) shows the venue layer's values; default: the
-    session's."""
+    session's. Replies are in the locale of ``platform`` and ``venue``."""
     words = text.strip().split(maxsplit=2)
     if not words:
         return None
     name = words[0]
+    texts = runtime.services.texts_for(platform, venue)
     if name == "/help":
-        return HELP
+        return texts("command.help")
     if name == "/stop":
         return runtime.stop_command(session_id, platform, user_id)
     if name == "/session":
-        return "\n".join(f.line() for f in runtime.fields(session_id, platform, venue))
+        return "\n".join(f.line(texts) for f in runtime.fields(session_id, platform, venue))
     if name in ("/model", "/persona"):
         return _listing(runtime, session_id, name, text.strip().split()[1:], platform, venue)
     if name in ("/session.set", "/session.reset"):
         if len(words) < 2 or (name == "/session.set" and len(words) < 3):
-            return USAGE
+            return texts("command.usage")
         key = words[1]
         try:
             if name == "/session.reset":
@@ -195,7 +191,7 @@ def handle_command(
                     user_id=user_id,
                     venue=venue,
                 )
-            refusal = _refusal(runtime, key, platform, user_id)
+            refusal = _refusal(runtime, key, platform, user_id, texts)
             if refusal is not None:  # before reading the value at all
                 return refusal
             value = parse_value(key, words[2])
@@ -203,12 +199,12 @@ def handle_command(
                 runtime, session_id, key, value, platform=platform, user_id=user_id, venue=venue
             )
         except ConfigError as exc:
-            return f"设置失败：{exc}"
+            return texts("command.set_failed", error=exc)
     return None
 
 
 def page_of(
-    entries: list[tuple[str, str]], args: list[str]
+    entries: list[tuple[str, str]], args: list[str], texts: Texts = ZH
 ) -> tuple[list[tuple[str, str]], str | None, int, int, int]:
     """Filter ``(id, text)`` entries by the keyword in ``args`` (case-insensitive, on the
     id and the text) and cut page ``-p N``. Returns the page, the keyword, the total
@@ -218,15 +214,13 @@ def page_of(
     while i < len(args):
         if args[i] in ("-p", "--page"):
             if i + 1 >= len(args):
-                raise ValueError("-p 后面要跟页码")
+                raise ValueError(texts("command.page_missing"))
             raw = args[i + 1]
             shown = raw if len(raw) <= 20 else raw[:20] + "…"
-            if not (raw.isascii() and raw.isdigit()):
-                raise ValueError(f"页码要是正整数，不是 {shown!r}")
+            if not (raw.isascii() and raw.isdigit()) or (len(raw) <= 9 and int(raw) < 1):
+                raise ValueError(texts("command.page_not_positive", given=repr(shown)))
             if len(raw) > 9:  # never converts thousands of digits
-                raise ValueError(f"页码太大：{shown}")
-            if int(raw) < 1:
-                raise ValueError(f"页码要是正整数，不是 {shown!r}")
+                raise ValueError(texts("command.page_too_large", given=shown))
             page = int(raw)
             i += 2
             continue
@@ -250,31 +244,38 @@ def _listing(
     venue: str | None,
 ) -> str:
     services = runtime.services
+    texts = services.texts_for(platform, venue)
     if name == "/model":
-        what, current = "对话模型", None
+        what, current = texts("listing.models"), None
         with contextlib.suppress(ConfigError):
             fields = runtime.fields(session_id, platform, venue)
             current = next(f.value for f in fields if f.key == "llm")
         models = services.models.models()
         entries = [(entry_id(m), model_name(m)) for m in models]  # searched: id and name
-        extra = {entry_id(m): f" · 上下文 {m.context_length}" for m in models}
+        extra = {
+            entry_id(m): texts("listing.context", context_length=m.context_length) for m in models
+        }
     else:
-        what, current, extra = "人设", None, {}
+        what, current, extra = texts("listing.personas"), None, {}
         if services.persona is None:
-            return "没有人设服务，/persona 无可列"
+            return texts("listing.no_persona_service")
         entries = list(services.persona.list())
     try:
-        shown, keyword, total, page, pages = page_of(entries, args)
+        shown, keyword, total, page, pages = page_of(entries, args, texts)
     except ValueError as exc:
-        return f"{name}：{exc}"
+        return texts("command.error", command=name, error=exc)
     if total == 0:
-        found = f"没有含“{keyword}”的{what}" if keyword else f"没有可用的{what}"
-        return f"{found}\n{listing_footer(name, 1, 1)}"
+        if keyword:
+            found = texts("listing.none_matching", keyword=keyword, what=what)
+        else:
+            found = texts("listing.none", what=what)
+        return f"{found}\n{texts.listing_footer(name, 1, 1)}"
     if page > pages:
-        return f"没有第 {page} 页（共 {pages} 页）\n{listing_footer(name, pages, pages)}"
-    lines = [listing_header(what, total, page, pages, keyword)]
+        missing = texts("listing.no_page", page=page, pages=pages)
+        return f"{missing}\n{texts.listing_footer(name, pages, pages)}"
+    lines = [texts.listing_header(what, total, page, pages, keyword)]
     for eid, text in shown:
-        mark = "  ← 此刻在用" if eid == current else ""
+        mark = texts("listing.in_use") if eid == current else ""
         lines.append(f"{eid}  {text}{extra.get(eid, '')}{mark}")
-    lines.append(listing_footer(name, page, pages))
+    lines.append(texts.listing_footer(name, page, pages))
     return "\n".join(lines)

@@ -13,12 +13,7 @@ from typing import Any
 
 from aalis_agent.events.errors import ConfigError
 from aalis_agent.events.schema import ModelRef
-from aalis_agent.request.texts import (
-    THINK_NOT_TUNABLE,
-    UNLIMITED,
-    follow_preference,
-    think_not_in_model,
-)
+from aalis_agent.request.texts import ZH, Texts
 from aalis_agent.services import Services
 from aalis_agent.services.models import ModelChoice, model_name, think_default, think_levels
 from aalis_agent.services.settings import SETTING_FIELDS, SettingsLayers
@@ -26,13 +21,10 @@ from aalis_agent.services.settings import SETTING_FIELDS, SettingsLayers
 __all__ = ["LAYER_TEXT", "FieldView", "session_fields"]
 
 LAYER_TEXT = {
-    "plugin config": "插件配置",
-    "platform profile": "平台档",
-    "platform-type profile": "平台类型档",
-    "venue": "场所",
-    "session": "本会话",
+    kind: ZH(f"setting.layer.{kind}")
+    for kind in ("plugin config", "platform profile", "platform-type profile", "venue", "session")
 }
-"""How the UI names each settings layer."""
+"""How the UI names each settings layer (``zh``; a locale's: ``setting.layer.<kind>``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +41,14 @@ class FieldView:
     text: str
     options: tuple[tuple[str, str], ...] = ()
 
-    def line(self) -> str:
+    def line(self, texts: Texts = ZH) -> str:
+        """The field as ``/session`` shows it, in ``texts``' language."""
         where = ""
         if self.layer is not None and self.layer not in ("session", "plugin config"):
             kind = self.layer.split(" '", 1)[0]
-            where = f" · {LAYER_TEXT.get(kind, kind)}"
-        return f"{self.label}（{self.key}）：{self.text}{where}"
+            key = f"setting.layer.{kind}"
+            where = texts("setting.line.layer", layer=texts(key) if kind in LAYER_TEXT else kind)
+        return texts("setting.line", label=self.label, key=self.key, text=self.text, where=where)
 
 
 def _effective(
@@ -91,7 +85,8 @@ def session_fields(
     venue: str | None = None,
 ) -> list[FieldView]:
     """Every field of :data:`SETTING_FIELDS` for ``session_id``, whose own layer is
-    ``layer``, read for ``platform`` and ``venue``."""
+    ``layer``, read for ``platform`` and ``venue``, in their locale."""
+    texts = services.texts_for(platform, venue)
     eff = _effective(services, session_id, platform, venue, layer)
     out: list[FieldView] = []
     choice: ModelChoice | None = None
@@ -103,58 +98,70 @@ def session_fields(
         choice = None
     for key, spec in SETTING_FIELDS.items():
         value, where = eff.get(key, (None, None))
-        text = spec.unset_text
+        text = texts(f"setting.{key}.unset")
         options: tuple[tuple[str, str], ...] = ()
         if key == "llm":
-            text, value = _model_text(choice, value)
+            text, value = _model_text(choice, value, texts)
         elif key == "think":
-            text, options = _think_text(services, choice, value)
+            text, options = _think_text(services, choice, value, texts)
         elif key == "maxToolIterations":
-            text = UNLIMITED if value is None else str(value)
+            text = texts("setting.unlimited") if value is None else str(value)
         elif key == "historyLimit":
             value = 0 if value is None else value
             text = str(value)
         elif key == "persona":
             names = dict(services.persona.list()) if services.persona is not None else {}
             if value is not None:
-                text = f"{names[value]}（{value}）" if value in names else str(value)
+                if value in names:
+                    text = texts("setting.remark", text=names[value], remark=value)
+                else:
+                    text = str(value)
             else:
                 default = getattr(services.persona, "default", None)
-                text = f"{text}（{names[default]}）" if default in names else text
+                if default in names:
+                    text = texts("setting.remark", text=text, remark=names[default])
         elif key == "enabledToolGroups" and value is not None:
-            text = "全部" if "*" in value else ("无" if not value else "、".join(value))
-        out.append(FieldView(key, spec.label, spec.owner_only, value, where, text, options))
+            if "*" in value:
+                text = texts("setting.all")
+            else:
+                text = (
+                    texts("setting.list_separator").join(value) if value else texts("setting.none")
+                )
+        label = texts(f"setting.{key}")
+        out.append(FieldView(key, label, spec.owner_only, value, where, text, options))
     return out
 
 
-def _model_text(choice: ModelChoice | None, value: Any) -> tuple[str, Any]:
+def _model_text(choice: ModelChoice | None, value: Any, texts: Texts) -> tuple[str, Any]:
     if choice is None:
-        return ("没有可用的模型", None)
+        return (texts("setting.no_model"), None)
     name = model_name(choice.model)
     if value is None:
-        return follow_preference(name), choice.entry_id
+        return texts.follow_preference(name), choice.entry_id
     wanted = f"{value['provider']}/{value['model']}"
     if choice.source != "setting":  # set, but not there: the fallback is in use (SET5)
-        return f"{wanted}（不在，用的是 {name}）", choice.entry_id
+        return texts("setting.model_missing", wanted=wanted, model=name), choice.entry_id
     return wanted, choice.entry_id
 
 
 def _think_text(
-    services: Services, choice: ModelChoice | None, value: Any
+    services: Services, choice: ModelChoice | None, value: Any, texts: Texts
 ) -> tuple[str, tuple[tuple[str, str], ...]]:
     if choice is None:
-        return (THINK_NOT_TUNABLE, ())
+        return (texts("setting.think_not_tunable"), ())
     levels = think_levels(choice.model)
     options = tuple((lv.id, lv.label) for lv in levels)
     default = think_default(choice.model)
     if default is None:
-        return THINK_NOT_TUNABLE, options
+        return texts("setting.think_not_tunable"), options
     if value is None:
-        return f"按模型的默认档（{default.label}）", options
+        return texts("setting.think_default", default=default.label), options
     mine = next((lv for lv in levels if lv.id == value), None)
     if mine is not None:
         return mine.label, options
     # The level's name from whichever model declares it; else its id.
     known = (lv for m in services.models.models() for lv in think_levels(m) if lv.id == value)
     name = next((lv.label for lv in known), str(value))
-    return f"{name}（{think_not_in_model(default.label)}）", options
+    return texts(
+        "setting.remark", text=name, remark=texts.think_not_in_model(default.label)
+    ), options

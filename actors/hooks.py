@@ -148,6 +148,10 @@ class Hooks:
         value = call(0)
         return ran, value
 
+    def has_middleware(self, key: str) -> bool:
+        """Whether any middleware is on ``key``."""
+        return bool(self._running.get(key))
+
     def quiet(self, *keys: str) -> bool:
         """Whether no middleware is on any of ``keys`` and no contribution is registered:
         then nothing outside the runtime runs between a turn's open and its first call."""

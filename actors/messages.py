@@ -97,6 +97,9 @@ class AppendEvents:
     turn_id: str
     events: tuple[SessionEvent, ...]
     final: bool = False  # saves the reply: refused when a stop came first
+    # With the reply: the turn ends in the same commit, and its reply (``settle.notice``)
+    # is sent by the actor once that commit is durable.
+    settle: Settled | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +127,8 @@ class CallEnded:
 @dataclass(frozen=True, slots=True)
 class Settled:
     """The runner finished its turn: its last facts, recorded with the turn's record in
-    one batch, and an error notice to send once that batch is durable."""
+    one batch, and a message (an error notice, or the reply) to send once that batch is
+    durable."""
 
     turn_id: str
     outcome: TurnOutcome

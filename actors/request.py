@@ -18,6 +18,7 @@ from aalis_agent.request.prompt import (
     split_parts,
     system_prompt,
 )
+from aalis_agent.request.texts import Texts
 from aalis_agent.request.tokens import default_counter, tool_definition_tokens
 from aalis_agent.request.trim import TrimRequest, TrimResult, trim, trim_budget
 from aalis_agent.request.usage import breakdown, usage_payload
@@ -37,12 +38,14 @@ def base_prompt(
     *,
     exclude_turn: str | None,
     cache: HistoryCache | None = None,
+    texts: Texts | None = None,
 ) -> tuple[TurnPrompt, str | None, PreparedHistory]:
     """FLOW3-FLOW4, shared by turns and ``token:request`` snapshots: the system prompt and
     the history read from memory. Returns the prompt, the persona text and the prepared
     history (what was sent as history, its token prefix sums when known, and the number of
     active history messages). With the session's ``cache`` and the default memory, the
-    history is extended by what was archived since the last turn instead of read whole."""
+    history is extended by what was archived since the last turn instead of read whole.
+    ``texts``: the turn's locale (default: the runtime's)."""
     persona = services.persona.prompt(settings.persona) if services.persona else None
     memory = services.memory  # FLOW4: the history window comes from memory
     limit = settings.history_limit
@@ -55,7 +58,7 @@ def base_prompt(
             active=memory.count_history(session_id, state, exclude_turn),
         )
     prompt = TurnPrompt(
-        system=system_prompt(persona, services.config.system_prompt),
+        system=system_prompt(persona, services.config.system_prompt, texts=texts or services.texts),
         history=prepared.messages,
     )
     return prompt, persona, prepared
@@ -105,11 +108,13 @@ def trim_call(
     *,
     protected: frozenset[str] = frozenset(),
     snapshot: bool = False,
+    texts: Texts | None = None,
 ) -> TrimmedCall:
     """FLOW9 for a turn's call and a ``token:request`` snapshot alike: the budget from the
     model and the plugin config, the list split into head, history and turn, the five-step
     trim (TRIM). ``snapshot`` puts the continuation hint at the end (no inputs). When the
-    history part is the prepared history unchanged, its token prefix sums are reused."""
+    history part is the prepared history unchanged, its token prefix sums are reused.
+    ``texts``: the locale of what the trim adds (default: the runtime's)."""
     config = services.config
     budget = trim_budget(llm.context_length, llm.max_output_tokens, config.trim_threshold_ratio)
     head, hist, rest = split_parts(messages, history.ids, history.messages)
@@ -127,6 +132,7 @@ def trim_call(
             tool_tokens=tool_tokens,
             snapshot=snapshot,
             history_prefix=prefix,
+            texts=texts or services.texts,
         ),
         counter,
     )

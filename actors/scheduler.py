@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Literal, TypeVar
 
 import msgspec
@@ -39,11 +40,12 @@ from aalis_agent.events import (
 from aalis_agent.events.schema import ReleaseReason, TurnEntry
 from aalis_agent.projections import SessionView, evolve, queue
 from aalis_agent.projections.turns import TurnLog, input_origin
-from aalis_agent.request.texts import BATCH_NO_REPLY_NEEDED, BATCH_PREFIX
+from aalis_agent.request.texts import ZH, Texts
 
 __all__ = [
     "OpenContext",
     "Step",
+    "Where",
     "archive_joined",
     "archived_input_message",
     "decide_call_ended",
@@ -58,6 +60,38 @@ __all__ = [
 ]
 
 E = TypeVar("E", bound=SessionEvent)
+
+
+class Where(StrEnum):
+    """Where an accepted input went (``SubmitHandle.where``, the SCH8 log line). The
+    values are stable names; the display text comes from the locale
+    (:meth:`~aalis_agent.request.texts.Texts.where`: ``zh`` 开轮, 待插入, 排队, 放掉, 插入)."""
+
+    OPENED = "opened"
+    """It opened a turn."""
+    PENDING = "pending"
+    """It waits to join the running turn at its next insertion point."""
+    QUEUED = "queued"
+    """It waits for a turn of its own."""
+    RELEASED = "released"
+    """It was let go without a turn (an input of a generation before a deletion)."""
+    JOINED = "joined"
+    """It joined the running turn (an insertion point took it; the log line only)."""
+    DROPPED = "dropped"
+    """An ``agent:input:before`` hook dropped it before the session saw it."""
+    DEFERRED = "deferred"
+    """Accepted while its session could not take it yet; it is handed on later."""
+
+    @classmethod
+    def of(cls, word: str) -> Where:
+        """The outcome a ``zh`` display word (开轮, 待插入, ...) or a value names."""
+        if isinstance(word, Where):
+            return word
+        found = _WHERE_WORDS.get(word)
+        return found if found is not None else cls(word)
+
+
+_WHERE_WORDS = {ZH.where(w): w for w in Where}
 
 
 @dataclass
@@ -86,6 +120,8 @@ class OpenContext:
     new_turn_id: Callable[[], str]
     multi_party: bool = False
     venue_for: Callable[[Input], str | None] = lambda inp: None
+    texts_for: Callable[[Input], Texts] = lambda inp: ZH
+    """The texts of the locale the input's turn speaks (the batch prefix); default zh."""
 
 
 def archived_input_message(
@@ -121,9 +157,8 @@ def _open(step: Step, batch: list[Input], ctx: OpenContext, *, from_queue: bool)
     head = batch[0]
     prefix = None
     if from_queue and head.source is None:
-        prefix = BATCH_PREFIX
-        if ctx.multi_party and not any(i.was_addressed for i in batch):
-            prefix = f"{BATCH_PREFIX}\n{BATCH_NO_REPLY_NEEDED}"
+        quiet = ctx.multi_party and not any(i.was_addressed for i in batch)
+        prefix = ctx.texts_for(head).batch_prefix(no_reply_needed=quiet)
     turn_id = ctx.new_turn_id()
     step.add(
         TurnOpened(
@@ -157,27 +192,28 @@ def _with_party(settings: TurnSettings, multi_party: bool) -> TurnSettings:
     return msgspec.structs.replace(settings, multi_party=multi_party)
 
 
-def decide_submit(step: Step, inp: Input, generation: int, ctx: OpenContext) -> str:
-    """An input arrives (SCH1-SCH4, DEL2). Returns where it went: ``开轮``, ``待插入``,
-    ``排队`` or ``放掉`` (the words of the SCH8 log line)."""
+def decide_submit(step: Step, inp: Input, generation: int, ctx: OpenContext) -> Where:
+    """An input arrives (SCH1-SCH4, DEL2). Returns where it went: :class:`Where`
+    ``OPENED``, ``PENDING``, ``QUEUED`` or ``RELEASED`` (the SCH8 log line shows each
+    in the locale's words)."""
     step.add(InputReceived(input=inp, generation=generation))
     if generation != step.view.queue.generation:
         # An input of a generation before a deletion: dropped, unarchived (DEL2).
         step.add(InputReleased(input_id=inp.id, reason="stale-generation"))
-        return "放掉"
+        return Where.RELEASED
     running = step.view.queue.running
     if running is None:
         if step.view.queue.queued or step.view.queue.pending:
             step.add(InputQueued(input_id=inp.id))
             decide_open_next(step, ctx)
-            return "排队"
+            return Where.QUEUED
         _open(step, [inp], ctx, from_queue=False)
-        return "开轮"
+        return Where.OPENED
     if inp.source is None and running.accepts_inserts:
         step.add(InputHeld(input_id=inp.id, turn_id=running.turn_id))
-        return "待插入"
+        return Where.PENDING
     step.add(InputQueued(input_id=inp.id))
-    return "排队"
+    return Where.QUEUED
 
 
 def decide_insertion(step: Step, turn_id: str) -> list[Input]:

@@ -80,9 +80,8 @@ from aalis_agent.events import (
     TurnOpened,
     TurnRecorded,
 )
-from aalis_agent.projections import SessionView, project, queue
+from aalis_agent.projections import SessionView, project, queue, turns
 from aalis_agent.projections.turns import turn_participants
-from aalis_agent.request.texts import NO_RUNNING_TURN, STOP_DENIED, stop_marker_text
 from aalis_agent.request.tokens import default_counter
 from aalis_agent.services import AbortSignal, OutboundMessage, Services
 from aalis_agent.services.models import entry_id
@@ -204,6 +203,7 @@ class SessionActor(pykka.ThreadingActor):
             new_turn_id=self._new_turn_id,
             multi_party=info.multi_party,
             venue_for=venue_for,
+            texts_for=lambda inp: self.services.texts_for(inp.platform, venue_for(inp)),
         )
 
     def _new_turn_id(self) -> str:
@@ -422,10 +422,10 @@ class SessionActor(pykka.ThreadingActor):
     def _turn_ended(self, event: TurnRecorded) -> None:
         notice, self._notice = self._notice, None
         if notice is not None and notice.turn_id == event.turn_id:
-            try:  # the turn's record is durable: now its error notice may go out
+            try:  # the turn's record is durable: now its reply or error notice goes out
                 deliver(self.services, notice)
             except Exception:
-                log.exception("sending the error notice failed", session=self.session_id)
+                log.exception("sending the turn's message failed", session=self.session_id)
         inputs = self._turn_inputs.pop(event.turn_id, [])
         reply = self._replies.pop(event.turn_id, None)
         for inp in inputs:
@@ -507,11 +507,15 @@ class SessionActor(pykka.ThreadingActor):
 
     def _marker(self, by: str | None) -> ChatMessage:
         turn = self.view.queue.running
+        opened = turns.last_opened(self.view.turns)
+        texts = self.services.texts_for(
+            opened.platform if opened else None, opened.venue if opened else None
+        )
         return ChatMessage(
             id=self._message_id(),
             role="system",
             kind="turn-stopped",
-            content=stop_marker_text(by),
+            content=texts.stop_marker_text(by),
             meta=MessageMeta(turn_id=turn.turn_id if turn else None),
         )
 
@@ -608,6 +612,14 @@ class SessionActor(pykka.ThreadingActor):
             if refused and _is_reply(event):
                 continue  # a stopped turn saves no reply; its other facts (usage) stay
             step.add(event)
+        if msg.settle is not None and not refused:
+            # The reply and the turn's end in one commit; the actor sends the reply once
+            # it is durable, before the turn's waiters hear of its end.
+            if self._runner is not None and self._runner.turn_id == msg.turn_id:
+                self._runner = None
+                self._abort = None
+            self._settle(step, msg.settle)
+            return True
         self._commit(step)
         return not refused
 
@@ -628,11 +640,16 @@ class SessionActor(pykka.ThreadingActor):
             self._abort = None
         if not self._running(msg.turn_id):
             return
-        winding = self._winding_down
         step = self._step()
-        if not winding:  # the runner's last facts (a deleted turn writes nothing more)
+        if not self._winding_down:  # the runner's last facts (a deleted turn writes none)
             for event in msg.events:
                 step.add(event)
+        self._settle(step, msg)
+
+    def _settle(self, step: Step, msg: Settled) -> None:
+        """Record the turn's end in ``step`` (its marker after a stop, the next turn
+        opened) and commit it."""
+        winding = self._winding_down
         running = step.view.queue.running
         by = None
         if step.view.turns.current is not None:
@@ -673,14 +690,14 @@ class SessionActor(pykka.ThreadingActor):
         """``/stop`` (CMD3): the reply to send, or None when the turn was stopped."""
         running = self.view.queue.running
         if running is None or not running.stoppable:
-            return NO_RUNNING_TURN
+            return self.services.texts_for(msg.platform)("stop.no_running_turn")
         current = self.view.turns.current
         participants = turn_participants(current) if current is not None else ()
         allowed = self.services.authority.is_owner(msg.platform, msg.user_id) or (
             msg.user_id is not None and (msg.platform, msg.user_id) in participants
         )
         if not allowed:
-            return STOP_DENIED
+            return self.services.texts_for(msg.platform)("stop.denied")
         self._on_stop(Stop(platform=msg.platform, user_id=msg.user_id))
         return None
 

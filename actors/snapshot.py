@@ -47,10 +47,11 @@ def token_request(runtime: Runtime, session_id: str, platform: str | None = None
     settings = services.resolver.for_turn(session_id, where, view.settings, venue)
     now = runtime.clock.now_ms()
     tz = services.tz
+    texts = services.texts_for(where, venue)
     prompt, persona, history = base_prompt(
-        services, session_id, view.history, settings, now, exclude_turn=None
+        services, session_id, view.history, settings, now, exclude_turn=None, texts=texts
     )
-    prompt.volatile = volatile_for(now, tz, where, info.multi_party)
+    prompt.volatile = volatile_for(now, tz, where, info.multi_party, texts=texts)
     add_contributions(
         runtime.hooks,
         services,
@@ -65,7 +66,7 @@ def token_request(runtime: Runtime, session_id: str, platform: str | None = None
     tools = [t.definition() for t in services.tools.available(settings.tool_groups)]
     llm = services.models.resolve(settings.model, warn=False).model
     # The same trim and the same accounting as a turn's call (actors/request.py).
-    call = trim_call(services, llm, messages, tools, history, snapshot=True)
+    call = trim_call(services, llm, messages, tools, history, snapshot=True, texts=texts)
     return call_usage(
         llm,
         call,

@@ -57,7 +57,6 @@ from aalis_agent.request.prompt import (
     render_input,
     volatile_for,
 )
-from aalis_agent.request.texts import ERROR_PREFIX
 from aalis_agent.services import (
     ChatRequest,
     OutboundMessage,
@@ -86,7 +85,7 @@ class TurnRunner(ToolBatch, ReplyStep):
     """Drives one turn: model calls, tool batches and insertion points (FLOW1-FLOW15)."""
 
     def _main(self) -> None:
-        started = self.clock.now_ms()
+        started = self._started_ms = self.clock.now_ms()
         outcome: TurnOutcome = "error"
         reason: str | None = None
         notice: OutboundMessage | None = None
@@ -115,7 +114,7 @@ class TurnRunner(ToolBatch, ReplyStep):
             if not self.abort.aborted:
                 # Sent by the actor once the turn's record is durable (persist, then act).
                 notice = self._outbound(
-                    f"{ERROR_PREFIX} 这一轮出错了（{type(exc).__name__}），turn={self.turn_id}",
+                    self.texts.turn_failed(type(exc).__name__, self.turn_id),
                     "error",
                 )
         finally:
@@ -123,7 +122,7 @@ class TurnRunner(ToolBatch, ReplyStep):
                 outcome, reason = "aborted", self.abort.reason
             duration = max(self.clock.now_ms() - started, 0)
             events, self._drafts = tuple(self._drafts), []
-            if settle:
+            if settle and not self._settled:  # else it ended with its reply
                 with contextlib.suppress(pykka.ActorDeadError):
                     self.actor.tell(
                         Settled(self.turn_id, outcome, reason, duration, events, notice)
@@ -184,17 +183,22 @@ class TurnRunner(ToolBatch, ReplyStep):
             now,
             exclude_turn=self.turn_id,
             cache=self._history_cache,
+            texts=self.texts,
         )
         prompt.batch_prefix = self.opened.batch_prefix
         self._protected.update(m.id for m in rendered)
         if instruction_input is not None:
-            prompt.instruction = instruction_block(instruction_input, now, tz)
+            prompt.instruction = instruction_block(instruction_input, now, tz, texts=self.texts)
             self._protected.add(prompt.instruction.id)
             if instruction_input.trigger_type == "idle":
-                prompt.volatile = volatile_for(now, tz, self.opened.platform, settings.multi_party)
+                prompt.volatile = volatile_for(
+                    now, tz, self.opened.platform, settings.multi_party, texts=self.texts
+                )
         else:
             prompt.inputs = rendered
-            prompt.volatile = volatile_for(now, tz, self.opened.platform, settings.multi_party)
+            prompt.volatile = volatile_for(
+                now, tz, self.opened.platform, settings.multi_party, texts=self.texts
+            )
         add_contributions(
             self.hooks,
             services,

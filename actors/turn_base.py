@@ -17,7 +17,7 @@ from aalis_agent.actors.history_cache import HistoryCache, PreparedHistory
 from aalis_agent.actors.hooks import (
     Hooks,
 )
-from aalis_agent.actors.messages import AppendEvents
+from aalis_agent.actors.messages import AppendEvents, Settled
 from aalis_agent.actors.request import (
     TrimmedCall,
     call_usage,
@@ -42,7 +42,7 @@ from aalis_agent.request.labels import time_label
 from aalis_agent.request.prompt import (
     TurnPrompt,
 )
-from aalis_agent.request.texts import focus_guide
+from aalis_agent.request.texts import Texts
 from aalis_agent.request.trim import TrimResult
 from aalis_agent.request.usage import wire
 from aalis_agent.services import (
@@ -141,6 +141,8 @@ class TurnBase:
         self.inputs = list(inputs)
         self.view = view
         self.services = services
+        self.texts: Texts = services.texts_for(opened.platform, opened.venue)
+        """The texts of this turn's locale (its platform's, else the runtime's)."""
         self.hooks = hooks
         self.clock = clock
         self.ids = ids
@@ -160,6 +162,8 @@ class TurnBase:
         self._last_call: TrimmedCall | None = None  # the last call, as trimmed
         self._budget_log = budget_log
         self._workers = workers
+        self._started_ms = 0  # when the runner began (the turn's duration counts from it)
+        self._settled = False  # the turn's end was committed with its reply
         self._first_call = first_call
         self._model: ChatModel | None = first_call.model if first_call is not None else None
 
@@ -186,7 +190,7 @@ class TurnBase:
         """Queue facts for the actor; they go out together at the next :meth:`_flush`."""
         self._drafts.extend(drafts)
 
-    def _flush(self, *, final: bool = False) -> None:
+    def _flush(self, *, final: bool = False, settle: Settled | None = None) -> None:
         """Persist, then act: commit the queued facts as one batch and wait until they
         are durable, before anything that acts on them (a model call, a tool, sending).
 
@@ -198,8 +202,10 @@ class TurnBase:
         if not self._drafts and not final:
             return
         events, self._drafts = tuple(self._drafts), []
-        if not self.actor.ask(AppendEvents(self.turn_id, events, final=final)):
+        if not self.actor.ask(AppendEvents(self.turn_id, events, final=final, settle=settle)):
             raise NotRecorded(self.turn_id)
+        if settle is not None:
+            self._settled = True
 
     def _archive(self, message: ChatMessage) -> None:
         """Archive through the message archive: the session log by default; when the
@@ -254,7 +260,7 @@ class TurnBase:
             when = time_label(message.meta.timestamp or now, now, self.services.tz)
             self._addressed.append((when, inp.sender.user_id or "?"))
         return ChatMessage(
-            id=self.ids.new("msg"), role="system", content=focus_guide(list(self._addressed))
+            id=self.ids.new("msg"), role="system", content=self.texts.focus_guide(self._addressed)
         )
 
     def _usage(
@@ -303,6 +309,7 @@ class TurnBase:
             tools,
             self._history,
             protected=frozenset(self._protected),
+            texts=self.texts,
         )
         self._last_call = trimmed
         result, budget = trimmed.result, trimmed.budget

@@ -10,6 +10,7 @@ from aalis_agent.actors.hooks import (
     ReplyBefore,
     TurnAfter,
 )
+from aalis_agent.actors.messages import Settled
 from aalis_agent.actors.turn_base import TurnBase, _Call, deliver
 from aalis_agent.events import (
     ChatMessage,
@@ -64,7 +65,7 @@ class ReplyStep(TurnBase):
                 ChatMessage(
                     id=self.ids.new("msg"),
                     role="system",
-                    content=ctx.retry_feedback or "请按要求的格式重新回答。",
+                    content=ctx.retry_feedback or self.texts("prompt.format_retry"),
                 )
             )
             retry = self._model_call(prompt, [], retry=True)
@@ -90,8 +91,15 @@ class ReplyStep(TurnBase):
                     ),
                 )
             )
-            self._flush(final=True)  # refused when a stop came first (NotRecorded)
-            deliver(self.services, self._outbound(final))
+            if self.hooks.has_middleware("agent:turn:after"):
+                self._flush(final=True)  # refused when a stop came first (NotRecorded)
+                deliver(self.services, self._outbound(final))
+            else:
+                # Nothing runs after the reply: the turn ends in the commit that saves
+                # it, and the actor sends it once durable (one commit fewer per turn).
+                duration = max(self.clock.now_ms() - self._started_ms, 0)
+                ended = Settled(self.turn_id, "replied", None, duration, (), self._outbound(final))
+                self._flush(final=True, settle=ended)
         after = TurnAfter(
             message=list(self.inputs),
             reply=final if outcome == "replied" else None,

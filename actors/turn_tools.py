@@ -90,7 +90,7 @@ class ToolBatch(TurnBase):
             # Arguments must be a JSON object, nested no deeper than the log can hold;
             # otherwise the call does not run and the model gets the error (FLOW13).
             raw = clean_text(tc.arguments)
-            args, error = parse_tool_arguments(raw)
+            args, error = parse_tool_arguments(raw, texts=self.texts)
             kept = raw if error is None else "{}"
             stored.append(ToolCall(id=tc.id, name=tc.name, arguments=kept))
             context = self._tool_context(tc.id)
@@ -113,7 +113,10 @@ class ToolBatch(TurnBase):
             if error is None:
                 result, error, metadata = self._execute(tc, args, context)
             if result is not None and max_tokens is not None:
-                result = truncate_to_tokens(result, max_tokens, default_counter())  # CFG4
+                suffix = self.texts("prompt.truncated_suffix")
+                result = truncate_to_tokens(
+                    result, max_tokens, default_counter(), suffix=suffix
+                )  # CFG4
             self._report(
                 ToolFinished(
                     turn_id=self.turn_id,
@@ -169,7 +172,7 @@ class ToolBatch(TurnBase):
 
         def execute(c: ToolBefore) -> None:
             if tool is None:
-                holder["error"] = f"没有这个工具：{c.name}"
+                holder["error"] = self.texts("tool.not_found", name=c.name)
                 return
             try:
                 value = tool.handler(c.args, c.tool_call_context)
@@ -188,7 +191,7 @@ class ToolBatch(TurnBase):
         except Exception as exc:
             return None, redact(f"{type(exc).__name__}: {exc}"), {}
         if not ran and "result" not in holder and "error" not in holder:
-            holder["error"] = "工具调用被拦下，没有执行"
+            holder["error"] = self.texts("tool.blocked")
         after = ToolAfter(tc.name, holder.get("result"), context, error=holder.get("error"))
         self.hooks.run("agent:tool:after", after, lambda c: c)
         return self._recordable(tc, after)

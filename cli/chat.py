@@ -27,7 +27,9 @@ from typing import IO, Any, TextIO
 
 from aalis_agent.actors.commands import COMMANDS, handle_command
 from aalis_agent.actors.runtime import Runtime, SubmitHandle
+from aalis_agent.actors.scheduler import Where
 from aalis_agent.events import Input, Sender, SqliteEventStore
+from aalis_agent.request.texts import ZH, Texts
 from aalis_agent.services import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, Services
 from aalis_agent.services.builtin_tools import builtin_tools
 
@@ -36,14 +38,12 @@ __all__ = ["WHERE", "default_model", "listed_limits", "run_chat"]
 CONSOLE = Sender(user_id="console", nickname="console")
 
 WHERE = {
-    "开轮": "开了新的一轮",
-    "待插入": "并入正在跑的这一轮",
-    "排队": "排队，这一轮结束后再答",
-    "放掉": "没有送给模型",
+    w: ZH(f"chat.where.{w}") for w in (Where.OPENED, Where.PENDING, Where.QUEUED, Where.RELEASED)
 }
-"""What a typed line's ``SubmitHandle.where`` means, shown after it at a terminal."""
+"""What a typed line's ``SubmitHandle.where`` means, shown after it at a terminal (``zh``;
+a locale's: ``chat.where.<where>``)."""
 
-NO_USAGE = "[用量] 无"
+NO_USAGE = ZH("chat.no_usage")
 """The status of a turn that finished no model call (stopped before the answer)."""
 
 PROMPT = "> "
@@ -62,17 +62,31 @@ def default_model() -> ScriptedModel:
                 said.insert(
                     0, m.content.split(") ", 1)[-1] if m.content.startswith("(") else m.content
                 )
-        return ScriptedReply(text=f"（脚本模型）收到：{' / '.join(said)}", chunks=4)
+        return ScriptedReply(text=ZH("chat.scripted_reply", said=" / ".join(said)), chunks=4)
 
     return ScriptedModel(reply, model_id="scripted", provider_id="demo")
 
 
-def _status(usage: Mapping[str, Any]) -> str:
+def _status(usage: Mapping[str, Any], texts: Texts = ZH) -> str:
     ratio = usage.get("usageRatio", 0.0) * 100
-    return (
-        f"[用量] {usage.get('used')}/{usage.get('contextWindow')} ({ratio:.1f}%) "
-        f"历史 {usage.get('historyMessages')} 条" + (" 已裁剪" if usage.get("trimmed") else "")
+    line = texts(
+        "chat.usage",
+        used=usage.get("used"),
+        window=usage.get("contextWindow"),
+        ratio=f"{ratio:.1f}",
+        history=usage.get("historyMessages"),
     )
+    return line + (texts("chat.usage_trimmed") if usage.get("trimmed") else "")
+
+
+def _where_text(texts: Texts, where: str) -> str:
+    """``[where] what it means``, in ``texts``' words, after a typed line."""
+    key = f"chat.where.{where}"
+    try:
+        note = texts(key)
+    except KeyError:  # dropped, deferred, or unknown: the word again, as before
+        note = texts.where(where)
+    return f"[{texts.where(where)}] {note}"
 
 
 def listed_limits(
@@ -198,7 +212,7 @@ def run_chat(
     sink: list[TextIO] = [sys.stdout if out is None else out]
     services = services or Services(llm=default_model())
     if tools and not services.tools.available(None):
-        for tool in builtin_tools(tz=services.tz):
+        for tool in builtin_tools(tz=services.tz, texts=services.texts_for("cli")):
             services.tools.register(tool)
     if model is not None:
         services.llm = model
@@ -206,6 +220,7 @@ def run_chat(
         services.llm = default_model()
     store = SqliteEventStore(db_path)
     runtime = Runtime(store, services)
+    texts = services.texts_for("cli")  # the chat's platform
     lock = threading.Lock()
     usage: dict[str, Mapping[str, Any]] = {}  # the last token:usage of each running turn
     running: set[str] = set()  # this session's turns that have opened and not ended
@@ -261,8 +276,9 @@ def run_chat(
             with lock:
                 usage[payload["turnId"]] = payload
         elif topic == "tool:execute" and payload.get("phase") == "end":
-            failed = f" 失败：{payload['error'][:80]}" if payload.get("error") else ""
-            write(f"\n[工具] {payload['name']}{failed}\n")
+            error = payload.get("error")
+            failed = texts("chat.tool_failed", error=error[:80]) if error else ""
+            write(f"\n{texts('chat.tool', name=payload['name'], failed=failed)}\n")
         elif topic == "outbound:message" and payload.get("kind") != "reply":
             write(f"\n{payload['content']}\n")
         elif topic == "turn:opened":
@@ -270,12 +286,12 @@ def run_chat(
                 running.add(payload["turnId"])
         elif topic == "turn:ended":
             turn_id = payload["turnId"]
-            reason = f"（{payload['reason']}）" if payload.get("reason") else ""
+            reason = texts("chat.reason", reason=payload["reason"]) if payload.get("reason") else ""
             end = "" if payload["outcome"] == "replied" else f" [{payload['outcome']}{reason}]"
             with lock:
                 running.discard(turn_id)
                 used = usage.pop(turn_id, None)  # this turn's own numbers, or none
-                emit(f"{end}\n{_status(used) if used else NO_USAGE}\n")
+                emit(f"{end}\n{_status(used, texts) if used else texts('chat.no_usage')}\n")
             if payload["outcome"] == "error":
                 report_failure(turn_id, payload.get("reason"))
             release()
@@ -313,7 +329,7 @@ def run_chat(
         if word.startswith("/") and word.isascii() and len(word) > 1:
             if echo:
                 write(("" if at_line_start[0] else "\n") + shown + "\n")
-            answer(f"没有这个命令：{word}（/help 看有哪些）\n")
+            answer(texts("chat.unknown_command", command=word) + "\n")
             return
         if not echo:
             handles.append(
@@ -336,8 +352,8 @@ def run_chat(
         finally:
             with lock:
                 waiting, paused[0] = paused[0] or [], None
-                note = WHERE.get(where, where)
-                emit(("" if at_line_start[0] else "\n") + f"{shown}  [{where}] {note}\n")
+                note = _where_text(texts, where)
+                emit(("" if at_line_start[0] else "\n") + f"{shown}  {note}\n")
                 emit("".join(waiting))
 
     runtime.subscribe("*", on_event)

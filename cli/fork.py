@@ -77,6 +77,7 @@ from aalis_agent.events import (
     to_builtins,
 )
 from aalis_agent.projections import project
+from aalis_agent.request.texts import ZH
 from aalis_agent.scenarios.result import message_json
 from aalis_agent.services import (
     AbortSignal,
@@ -1116,7 +1117,7 @@ def _render(report: ForkReport) -> str:
             lines.append(f"  recovery: {render_event(e)}")
     if fork.submitted:
         subs = ", ".join(
-            f"{i.id} {_preview(i.content, 30)} → {where}" for i, where in fork.submitted
+            f"{i.id} {_preview(i.content, 30)} → {ZH.where(where)}" for i, where in fork.submitted
         )
         lines.append(f"  submitted again: {subs}")
     o = report.original

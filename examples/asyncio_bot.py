@@ -4,9 +4,9 @@ Two rooms (``lobby``, ``garden``), three users (alice, bob, carol), a scripted m
 it runs offline) and one tool. It shows:
 
 - a tool call (``multiply``), and a message that arrives while the tool runs and joins
-  the running turn (``待插入``: the model's next call sees it);
+  the running turn (``pending``: the model's next call sees it);
 - an injection (a reminder) that arrives while a reply streams and waits in the queue
-  (``排队``), then runs as its own turn;
+  (``queued``), then runs as its own turn;
 - ``/stop``: refused to someone who is not in the turn, obeyed for the one who is;
 - every room served from one event loop: submits are awaited, turn results carry the
   reply text, and one task renders the typed event stream of all rooms.
@@ -49,10 +49,10 @@ from aalis_agent import (
 
 PLATFORM = "fake"
 WHERE = {
-    "开轮": "opens a turn",
-    "待插入": "joins the running turn",
-    "排队": "queued",
-    "放掉": "released",
+    "opened": "opens a turn",
+    "pending": "joins the running turn",
+    "queued": "queued",
+    "released": "released",
     "dropped": "dropped",
 }
 

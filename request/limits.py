@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from aalis_agent.events.codec import clean_text
-from aalis_agent.request.texts import tool_bad_arguments
+from aalis_agent.request.texts import ZH, Texts
 
 __all__ = [
     "INT64_MAX",
@@ -66,19 +66,15 @@ def has_lone_surrogate(s: str) -> bool:
 # --- tool arguments (FLOW13) ----------------------------------------------------------
 
 
-def tool_arguments_too_deep(raw: str, max_depth: int) -> str:
+def tool_arguments_too_deep(raw: str, max_depth: int, *, texts: Texts = ZH) -> str:
     """The result a call gets whose arguments nest deeper than ``max_depth``."""
-    return (
-        f"[错误] 工具参数嵌套超过 {max_depth} 层，没有执行，请换成层次更浅的参数重新生成。"
-        f"原文前 200 字：{clean_text(raw[:200])}"
-    )
+    return texts("tool.arguments_too_deep", max_depth=max_depth, raw=clean_text(raw[:200]))
 
 
-def tool_arguments_too_long(raw: str, max_chars: int) -> str:
+def tool_arguments_too_long(raw: str, max_chars: int, *, texts: Texts = ZH) -> str:
     """The result a call gets whose arguments are longer than ``max_chars`` characters."""
-    return (
-        f"[错误] 工具参数有 {len(raw)} 字，超过上限 {max_chars} 字，没有执行，请精简后重新生成。"
-        f"原文前 200 字：{clean_text(raw[:200])}"
+    return texts(
+        "tool.arguments_too_long", length=len(raw), max_chars=max_chars, raw=clean_text(raw[:200])
     )
 
 
@@ -106,24 +102,25 @@ def json_too_deep(raw: str, max_depth: int) -> bool:
 
 
 def parse_tool_arguments(
-    raw: str, *, max_depth: int = MAX_DEPTH, max_chars: int | None = None
+    raw: str, *, max_depth: int = MAX_DEPTH, max_chars: int | None = None, texts: Texts = ZH
 ) -> tuple[dict[str, Any], str | None]:
     """A tool call's arguments (FLOW13): ``(args, None)`` for a JSON object (the empty
     string means none: ``{}``), else ``({}, the error the model gets)``: not JSON or not an
     object (:func:`~aalis_agent.request.texts.tool_bad_arguments`), nested deeper than
-    ``max_depth``, or longer than ``max_chars``. Never raises for any text."""
+    ``max_depth``, or longer than ``max_chars``, in ``texts``' language. Never raises for
+    any text."""
     if raw == "":
         return {}, None
     if max_chars is not None and len(raw) > max_chars:
-        return {}, tool_arguments_too_long(raw, max_chars)
+        return {}, tool_arguments_too_long(raw, max_chars, texts=texts)
     if json_too_deep(raw, max_depth):
-        return {}, tool_arguments_too_deep(raw, max_depth)
+        return {}, tool_arguments_too_deep(raw, max_depth, texts=texts)
     try:
         value = json.loads(raw)
     except ValueError:  # also an integer past the interpreter's digit limit
-        return {}, tool_bad_arguments(clean_text(raw))
+        return {}, texts.tool_bad_arguments(clean_text(raw))
     if not isinstance(value, dict):
-        return {}, tool_bad_arguments(clean_text(raw))
+        return {}, texts.tool_bad_arguments(clean_text(raw))
     return value, None
 
 

@@ -21,12 +21,7 @@ from datetime import tzinfo
 import msgspec
 from aalis_agent.events.schema import ChatMessage, Input, MessageMeta
 from aalis_agent.request.labels import sender_label, time_label
-from aalis_agent.request.texts import (
-    DELEGATION_HEAD,
-    HOST_NOTICE_HEAD,
-    INPUT_CONVENTION,
-    volatile_context,
-)
+from aalis_agent.request.texts import ZH, Texts
 
 __all__ = [
     "Block",
@@ -56,11 +51,11 @@ class Block:
     text: str
 
 
-def system_prompt(persona_prompt: str | None, configured: str) -> str:
+def system_prompt(persona_prompt: str | None, configured: str, *, texts: Texts = ZH) -> str:
     """Persona prompt, then ``systemPrompt`` (alone without a persona), then the fixed
-    input-convention block at the end (FLOW3, CFG1)."""
+    input-convention block at the end (FLOW3, CFG1), in ``texts``' language."""
     parts = [p.strip() for p in (persona_prompt, configured) if p and p.strip()]
-    parts.append(INPUT_CONVENTION)
+    parts.append(texts.input_convention)
     return "\n\n".join(parts)
 
 
@@ -71,15 +66,16 @@ def is_instruction(inp: Input) -> bool:
     )
 
 
-def instruction_block(inp: Input, now_ms: int, tz: tzinfo) -> ChatMessage:
+def instruction_block(inp: Input, now_ms: int, tz: tzinfo, *, texts: Texts = ZH) -> ChatMessage:
     """The system block an instruction turn shows instead of a current user message."""
     if inp.host_notice is not None:
-        parts = [HOST_NOTICE_HEAD, inp.content]
+        parts = [texts("prompt.host_notice_head"), inp.content]
         if inp.host_notice.untrusted:
             parts.append(inp.host_notice.untrusted)  # this turn only, never archived (INS2)
         text, injector = "\n".join(parts), "host-notice"
     elif inp.trigger_type == "proactive":
-        text, injector = f"{DELEGATION_HEAD}\n{inp.content}", "cross-session-delegation"
+        head = texts("prompt.delegation_head")
+        text, injector = f"{head}\n{inp.content}", "cross-session-delegation"
     else:
         when = time_label(inp.timestamp or now_ms, now_ms, tz)
         text, injector = f"({when}) {inp.content}", "idle-prompt"
@@ -227,6 +223,8 @@ def _opens_turn(m: ChatMessage) -> bool:
     return m.meta.input_id is not None or m.id in _TURN_IDS or m.id.startswith(_TURN_BLOCK)
 
 
-def volatile_for(now_ms: int, tz: tzinfo, platform: str | None, multi_party: bool) -> str:
-    """The volatile context block of a turn."""
-    return volatile_context(time_label(now_ms, now_ms, tz), platform, multi_party)
+def volatile_for(
+    now_ms: int, tz: tzinfo, platform: str | None, multi_party: bool, *, texts: Texts = ZH
+) -> str:
+    """The volatile context block of a turn, in ``texts``' language."""
+    return texts.volatile_context(time_label(now_ms, now_ms, tz), platform, multi_party)

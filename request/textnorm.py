@@ -45,15 +45,21 @@ def strip_leaked_special_tokens(text: str) -> str:
     return cleaned.strip() if cleaned != text else text
 
 
-def truncate(text: str, max_chars: int) -> str:
-    """Cut ``text`` to ``max_chars`` with a visible suffix naming the original length."""
+def truncate(text: str, max_chars: int, *, suffix: str = TRUNCATED_SUFFIX) -> str:
+    """Cut ``text`` to ``max_chars`` with a visible suffix naming the original length
+    (``suffix``: the locale's template, with ``{length}``)."""
     if max_chars < 0 or len(text) <= max_chars:
         return text
-    return text[:max_chars] + TRUNCATED_SUFFIX.format(length=len(text))
+    return text[:max_chars] + suffix.format(length=len(text))
 
 
 def truncate_to_tokens(
-    text: str, max_tokens: int, counter: TokenCounter, *, min_chars: int = 0
+    text: str,
+    max_tokens: int,
+    counter: TokenCounter,
+    *,
+    min_chars: int = 0,
+    suffix: str = TRUNCATED_SUFFIX,
 ) -> str:
     """Cut ``text`` so that the whole result, visible suffix included, costs at most
     ``max_tokens`` by ``counter``; ``text`` itself when it fits (or ``max_tokens < 0``).
@@ -83,7 +89,7 @@ def truncate_to_tokens(
     floor = max(min_chars, 0)
     if floor >= n:
         return text  # no cut keeps that much and is shorter
-    suffix = TRUNCATED_SUFFIX.format(length=n)
+    suffix = suffix.format(length=n)
 
     def fits(k: int) -> bool:
         return counter.count(text[:k] + suffix) <= max_tokens

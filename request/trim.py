@@ -41,7 +41,7 @@ import msgspec
 from aalis_agent.events.schema import ChatMessage, MessageMeta
 from aalis_agent.request.pairing import group_results, pair_results
 from aalis_agent.request.textnorm import truncate, truncate_to_tokens
-from aalis_agent.request.texts import CONTINUATION_HINT
+from aalis_agent.request.texts import ZH, Texts
 from aalis_agent.request.tokens import TokenCounter, message_tokens
 
 __all__ = [
@@ -53,7 +53,7 @@ __all__ = [
     "trim_budget",
 ]
 
-COLLAPSED_PREFIX = "[历史工具调用]"
+COLLAPSED_PREFIX = ZH("prompt.collapsed_tools")
 RESULT_LIMIT = 1500
 RESULT_KEEP = 500
 REASONING_LIMIT = 200
@@ -82,6 +82,9 @@ class TrimRequest:
     snapshot: bool = False
     # The history's token prefix sums (len(history) + 1 items), when already known.
     history_prefix: Sequence[int] | None = None
+    # The language of the texts a trim adds (truncation suffix, collapsed tool calls,
+    # continuation hint).
+    texts: Texts = ZH
 
 
 @dataclass(frozen=True)
@@ -195,26 +198,31 @@ def _replace(message: ChatMessage, **changes: object) -> ChatMessage:
     return msgspec.structs.replace(message, **changes)
 
 
-def _cut(counter: TokenCounter, text: str, keep: int) -> str | None:
+def _suffix(state: _State) -> str:
+    """The truncation suffix template of the request's locale (``{length}``)."""
+    return state.req.texts("prompt.truncated_suffix")
+
+
+def _cut(counter: TokenCounter, text: str, keep: int, suffix: str) -> str | None:
     """``text`` cut to ``keep`` characters with the visible suffix (one truncation rule
     for tool results and reasoning), or None when that would not make it shorter or
     cheaper: a cut must never lengthen a message, in characters or in tokens."""
     if len(text) <= keep:
         return None
-    cut = truncate(text, keep)
+    cut = truncate(text, keep, suffix=suffix)
     if len(cut) >= len(text) or counter.count(cut) >= counter.count(text):
         return None
     return cut
 
 
-def _shrink(counter: TokenCounter, text: str, ratio: float) -> str | None:
+def _shrink(counter: TokenCounter, text: str, ratio: float, suffix: str) -> str | None:
     """``text`` cut, suffix included, to about ``ratio`` of its tokens, keeping at least
     200 characters; None when no such cut has fewer tokens than the text."""
     if len(text) <= INJECTED_MIN_CHARS:
         return None
     original = counter.count(text)
     target = math.floor(original * ratio)
-    cut = truncate_to_tokens(text, target, counter, min_chars=INJECTED_MIN_CHARS)
+    cut = truncate_to_tokens(text, target, counter, min_chars=INJECTED_MIN_CHARS, suffix=suffix)
     return cut if cut != text and counter.count(cut) < original else None
 
 
@@ -227,7 +235,7 @@ def _step2(state: _State) -> bool:
     for i, m in enumerate(turn):
         if i in locked or m.role != "tool" or len(m.content) <= RESULT_LIMIT:
             continue
-        cut = _cut(state.counter, m.content, RESULT_KEEP)
+        cut = _cut(state.counter, m.content, RESULT_KEEP, _suffix(state))
         if cut is None:
             continue
         before = message_tokens(state.counter, m)
@@ -245,7 +253,7 @@ def _step2(state: _State) -> bool:
         m = turn[i]
         assert m.reasoning is not None
         keep = REASONING_KEEP_NEW if n == len(long) - 1 else REASONING_KEEP_OLD
-        cut = _cut(state.counter, m.reasoning, keep)
+        cut = _cut(state.counter, m.reasoning, keep, _suffix(state))
         if cut is None:
             continue
         before = message_tokens(state.counter, m)
@@ -265,8 +273,9 @@ def _step2(state: _State) -> bool:
         # results that reuse its ids
         members = [i, *group_results(turn, i)]
         answers = pair_results(m.tool_calls, [turn[j] for j in members[1:]])
+        prefix = state.req.texts("prompt.collapsed_tools")
         lines = [
-            f"{COLLAPSED_PREFIX} {c.name} → {(r.content if r is not None else '')[:100]}"
+            f"{prefix} {c.name} → {(r.content if r is not None else '')[:100]}"
             for c, r in zip(m.tool_calls, answers, strict=True)
         ]
         collapsed = ChatMessage(
@@ -317,7 +326,7 @@ def _step4(state: _State) -> None:
     ratio = budget / total
     for part, i in injected:
         m = part[i]
-        cut = _shrink(state.counter, m.content, ratio)
+        cut = _shrink(state.counter, m.content, ratio, _suffix(state))
         if cut is None:
             continue
         before = message_tokens(state.counter, m)
@@ -335,16 +344,16 @@ def _step4(state: _State) -> None:
         state.note(4, "deleted", [m.id], message_tokens(state.counter, m))
 
 
-def _step5_changes(counter: TokenCounter, m: ChatMessage) -> dict[str, object]:
+def _step5_changes(counter: TokenCounter, m: ChatMessage, suffix: str) -> dict[str, object]:
     """Step 2's thresholds and truncation rule: results over 1500 characters keep 500,
     reasoning over 200 keeps 400, both with the visible suffix; never lengthening."""
     changes: dict[str, object] = {}
     if m.role == "tool" and len(m.content) > RESULT_LIMIT:
-        cut = _cut(counter, m.content, RESULT_KEEP)
+        cut = _cut(counter, m.content, RESULT_KEEP, suffix)
         if cut is not None:
             changes["content"] = cut
     if m.reasoning and len(m.reasoning) > REASONING_LIMIT:
-        cut = _cut(counter, m.reasoning, REASONING_KEEP_NEW)
+        cut = _cut(counter, m.reasoning, REASONING_KEEP_NEW, suffix)
         if cut is not None:
             changes["reasoning"] = cut
     return changes
@@ -359,7 +368,7 @@ def _step5(state: _State) -> None:
         m = turn[i]
         if m.id in state.req.protected:
             continue
-        changes = _step5_changes(state.counter, m)
+        changes = _step5_changes(state.counter, m, _suffix(state))
         if changes:
             before = message_tokens(state.counter, m)
             turn[i] = _replace(m, **changes)
@@ -373,7 +382,8 @@ def _hint(state: _State, count_before: int) -> None:
     now = len(state.head) + len(state.history) - state.dropped + len(state.turn)
     if count_before - now < HINT_MIN_REMOVED:
         return
-    hint = ChatMessage(id="continuation-hint", role="system", content=CONTINUATION_HINT)
+    text = state.req.texts("prompt.continuation_hint")
+    hint = ChatMessage(id="continuation-hint", role="system", content=text)
     position = len(state.turn)
     if not state.req.snapshot:
         inputs = [i for i, m in enumerate(state.turn) if m.id in state.req.protected]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, tzinfo
 
+from aalis_agent.request.texts import Texts, texts_for
 from aalis_agent.services.abort import Aborted, AbortSignal
 from aalis_agent.services.authority import Authority, StaticAuthority
 from aalis_agent.services.bus import EventBus
@@ -107,6 +108,19 @@ class Services:
         if cached is None or cached.config is not self.config:
             cached = self._layers = SettingsLayers(config=self.config)
         return cached
+
+    def texts_for(self, platform: str | None = None, venue: str | None = None) -> Texts:
+        """The texts of ``platform`` (and ``venue``): the locale a settings layer picks for
+        it (``locale`` in a platform, platform-type or venue layer), else the runtime's
+        :attr:`AgentConfig.locale`."""
+        pick = getattr(self.resolver, "locale_for", None)
+        chosen = pick(platform, venue) if pick is not None else None
+        return texts_for(chosen or self.config.locale)
+
+    @property
+    def texts(self) -> Texts:
+        """The runtime's own texts (:attr:`AgentConfig.locale`), for no platform."""
+        return texts_for(self.config.locale)
 
     @property
     def models(self) -> LlmService:

@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from typing import Any
 
 from aalis_agent.events.errors import ToolError
+from aalis_agent.request.texts import ZH, Texts
 from aalis_agent.services.tools import Tool, ToolCallContext
 
 __all__ = ["ToolError", "builtin_tools", "calculate", "current_time"]
@@ -122,10 +123,11 @@ def current_time(now: datetime, utc_offset_hours: float | None = None) -> str:
 
 
 def builtin_tools(
-    clock_ms: Callable[[], int] | None = None, tz: tzinfo | None = None
+    clock_ms: Callable[[], int] | None = None, tz: tzinfo | None = None, *, texts: Texts = ZH
 ) -> list[Tool]:
     """``current_time`` and ``calculate`` as tools; ``clock_ms`` and ``tz`` make time
-    deterministic in tests (default: the system clock and local zone)."""
+    deterministic in tests (default: the system clock and local zone); ``texts``: the
+    language of their descriptions."""
 
     def now() -> datetime:
         if clock_ms is None:
@@ -148,23 +150,29 @@ def builtin_tools(
         Tool(
             "current_time",
             time_tool,
-            description="当前日期与时间（可指定 UTC 偏移小时数）",
+            description=texts("tool.builtin.current_time"),
             parameters={
                 "type": "object",
                 "properties": {
-                    "utc_offset_hours": {"type": "number", "description": "如 8 表示 UTC+8"}
+                    "utc_offset_hours": {
+                        "type": "number",
+                        "description": texts("tool.builtin.current_time.utc_offset_hours"),
+                    }
                 },
             },
         ),
         Tool(
             "calculate",
             calc_tool,
-            description=(
-                "计算算术表达式：+ - * / // % **、括号、sqrt abs round log sin cos tan pi e"
-            ),
+            description=texts("tool.builtin.calculate"),
             parameters={
                 "type": "object",
-                "properties": {"expression": {"type": "string", "description": "如 (3+4)*2"}},
+                "properties": {
+                    "expression": {
+                        "type": "string",
+                        "description": texts("tool.builtin.calculate.expression"),
+                    }
+                },
                 "required": ["expression"],
             },
         ),

@@ -9,6 +9,7 @@ from typing import Any
 
 import structlog
 from aalis_agent.events.errors import ConfigError
+from aalis_agent.request.locales import DEFAULT_LOCALE, check_locale
 
 __all__ = ["AgentConfig"]
 
@@ -23,6 +24,7 @@ _KEYS = {
     "think": "think",
     "maxToolIterations": "max_tool_iterations",
     "historyLimit": "history_limit",
+    "locale": "locale",
 }
 
 
@@ -39,6 +41,9 @@ class AgentConfig:
     think: str | None = None
     max_tool_iterations: int | None = None
     history_limit: int = 0
+    locale: str = DEFAULT_LOCALE
+    """The language of every text the model and people see (``request/locales``: ``zh``,
+    the default, or ``en``); a settings layer may pick another for its platform."""
 
     def __post_init__(self) -> None:
         # Upper bounds: what the log and the turn can hold (as the configuration file
@@ -56,6 +61,7 @@ class AgentConfig:
             raise ConfigError(f"systemPrompt must be text, got {type(self.system_prompt).__name__}")
         if self.think is not None and not isinstance(self.think, str):
             raise ConfigError(f"think must be a level id (text), got {self.think!r}")
+        check_locale(self.locale)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, where: str = "config") -> AgentConfig:

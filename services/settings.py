@@ -17,10 +17,12 @@ from typing import Any, Protocol
 from aalis_agent.events.errors import ConfigError
 from aalis_agent.events.schema import ModelRef, TurnSettings
 from aalis_agent.request.limits import INT64_MAX, has_lone_surrogate
+from aalis_agent.request.locales import check_locale
 from aalis_agent.services.config import AgentConfig
 
 __all__ = [
     "CONFIG_MAXIMA",
+    "LAYER_KEYS",
     "LAYER_NAMES",
     "MAX_ID_CHARS",
     "MAX_RATIO",
@@ -258,6 +260,13 @@ class SettingsLayers:
         values = {k: v for k, (v, _) in self.effective(platform, session_layer, venue).items()}
         return _turn_settings(values)
 
+    def locale_for(self, platform: str | None, venue: str | None = None) -> str | None:
+        """The ``locale`` the highest layer that sets one gives ``platform`` and ``venue``
+        (platform profile, then platform type, then venue); None when none sets it (the
+        runtime's own, ``AgentConfig.locale``, applies)."""
+        found = self.effective(platform, {}, venue).get("locale")
+        return found[0] if found is not None else None
+
 
 _ATTR = {"platform profile": "platforms", "platform-type profile": "types", "venue": "venues"}
 
@@ -290,12 +299,19 @@ SETTING_FIELDS: dict[str, SettingField] = {
 other plugins own but a turn reads when it opens (SCH5)."""
 
 
+LAYER_KEYS = frozenset({"locale"})
+"""Keys a settings layer (a platform, a platform type, a venue) may set besides the
+session's fields: ``locale``, the language its sessions' texts are in."""
+
+
 def validate_setting(key: str, value: Any, *, layer: str = "session") -> Any:
     """The value to store for ``key``, or a ConfigError naming the layer, key and problem.
 
     Every value is checked to the type and range the log holds: integers within
     :data:`SETTING_MAXIMA`, ids valid text (no lone surrogates) of at most
     :data:`MAX_ID_CHARS` characters, at most :data:`MAX_TOOL_GROUPS` tool groups."""
+    if key in LAYER_KEYS:
+        return check_locale(value, where=f"{layer} setting {key!r}")
     if not isinstance(key, str) or key not in SETTING_FIELDS:
         raise ConfigError(
             f"unknown {layer} setting {shown_value(key)}; known: {', '.join(SETTING_FIELDS)}"

@@ -74,7 +74,7 @@ def test_submit_awaits_the_reply_and_streams_typed_events() -> None:
         async with AsyncRuntime(make_runtime(ScriptedModel(tool_then_text()))) as aruntime:
             async with aruntime.events(SID) as events:
                 handle = await aruntime.asubmit(SID, Input(id="", content="1+2?", **USER))
-                assert handle.where == "开轮"
+                assert handle.where == "opened"
                 result = await handle
                 assert result == TurnResult(
                     handle.input_id, result.turn_id, "replied", None, "一共 3 个"
@@ -106,9 +106,9 @@ def test_queue_insert_stop_and_delete() -> None:
             first = await aruntime.asubmit(SID, Input(id="", content="a", **USER))
             await asyncio.to_thread(model.wait_call)
             joined = await aruntime.asubmit(SID, Input(id="", content="b", **USER))
-            assert joined.where == "待插入"
+            assert joined.where == "pending"
             injected = await aruntime.asubmit(SID, Input(id="", content="c", source="timer"))
-            assert injected.where == "排队"
+            assert injected.where == "queued"
             queue = await events.next(5)
             assert isinstance(queue, QueueChanged)
             assert await aruntime.astop(SID, platform="qq", user_id="u1") is not None

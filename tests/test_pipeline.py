@@ -878,7 +878,7 @@ def test_an_input_arriving_while_llm_before_runs_joins_that_call(envs: list[Env]
     env.hooks.use("agent:llm:before", arrive_now)
     env.runtime.submit(SID, Input(id="", content="先说的", **ALICE))
     first = model.wait_call().request
-    assert late and late[0].where == "待插入"
+    assert late and late[0].where == "pending"
     users = [m.content for m in first.messages if m.role == "user"]
     assert users[-1].endswith("刚到的") and users[-2].endswith("先说的")
     joined = [m for m in env.saved() if m.meta.entry == "joined"]

@@ -137,7 +137,7 @@ CALL = ToolCall(id="call-1", name="slow", arguments="{}")
 def test_one_turn_at_a_time_and_new_messages_never_interrupt(rig: Rig) -> None:  # SCH1
     first = rig.submit("第一条", **human("a"))
     second = rig.submit("第二条", **human("b"))
-    assert (first.where, second.where) == ("开轮", "待插入")
+    assert (first.where, second.where) == ("opened", "pending")
     assert len(rig.of(TurnOpened)) == 1
     assert len(rig.model.calls) == 1  # the running call was not restarted or interrupted
     rig.model.answer("好")
@@ -150,7 +150,7 @@ def test_human_inserts_join_before_the_next_call_after_the_tool_batch(rig: Rig) 
     rig.model.answer(tool_calls=(CALL,))
     rig.tool.wait_running()
     inserted = rig.submit("顺便也看看这个", **human("b", addressed=False))
-    assert inserted.where == "待插入"
+    assert inserted.where == "pending"
     rig.tool.release()
     rig.settle()
     second = rig.model.wait_call().request
@@ -171,7 +171,7 @@ def test_human_inserts_join_before_the_next_call_after_the_tool_batch(rig: Rig) 
 def test_input_that_misses_the_final_call_waits_for_the_next_turn(rig: Rig) -> None:  # SCH2
     rig.submit("你好", **human("a"))
     late = rig.submit("还有一件事", **human("b"))
-    assert late.where == "待插入"
+    assert late.where == "pending"
     rig.model.answer("你好呀")  # the final call returns without tool calls
     rig.settle()
     first_end = rig.of(TurnRecorded)[0]
@@ -186,7 +186,7 @@ def test_input_that_misses_the_final_call_waits_for_the_next_turn(rig: Rig) -> N
 def test_injections_queue_and_run_alone(rig: Rig) -> None:  # SCH3
     rig.submit("你好", **human("a"))
     notice = rig.submit("定时提醒", source="schedule", trigger_type="interval")
-    assert notice.where == "排队"
+    assert notice.where == "queued"
     rig.model.answer("好")
     rig.settle()
     opened = rig.of(TurnOpened)
@@ -194,7 +194,7 @@ def test_injections_queue_and_run_alone(rig: Rig) -> None:  # SCH3
     assert opened[1].batch_prefix is None
     # A human message during the injection's turn queues: nothing joins an injection.
     during = rig.submit("在吗", **human("b"))
-    assert during.where == "排队"
+    assert during.where == "queued"
     rig.model.answer("提醒完毕")
     rig.settle()
     assert rig.of(TurnOpened)[2].input_ids == (during.input_id,)
@@ -208,7 +208,7 @@ def test_queue_head_opens_the_next_turn(rig: Rig) -> None:  # SCH4
     rig.model.answer("最终")  # h1 was pending: it missed the final call and queues
     rig.settle()
     h2 = rig.submit("三", **human("c"))
-    assert h2.where == "排队"  # the injection's turn is running now
+    assert h2.where == "queued"  # the injection's turn is running now
     rig.model.answer("通知已读")
     rig.settle()
     opened = rig.of(TurnOpened)
@@ -426,7 +426,7 @@ def test_inputs_of_an_older_generation_are_dropped(rig: Rig) -> None:  # DEL2
     rig.runtime.delete(SID)
     stale: Future[Any] = Future()
     where = rig.runtime._ask(SID, Submit(Input(id="old", content="迟到的"), 0, stale))
-    assert where == "放掉"
+    assert where == "released"
     assert stale.result(1).outcome == "released"
     assert [(e.input_id, e.reason) for e in rig.of(InputReleased)] == [("old", "stale-generation")]
     assert not rig.of(MessageSaved) and not rig.of(TurnOpened)

@@ -129,7 +129,7 @@ def test_an_insert_while_a_tool_runs_joins_after_the_tool_results() -> None:
     assert messages[tool].tool_call_id == "call-weather"
     assert messages[tool - 1].tool_calls[0].arguments == '{"city": "上海"}'
     # Bob's input waited, then joined turn 1; both inputs end with it.
-    assert [s.result["where"] for s in r.steps] == ["开轮", "待插入"]
+    assert [s.result["where"] for s in r.steps] == ["opened", "pending"]
     joined = [e for e in r.of(InputJoined) if e.entry == "joined"]
     assert [e.input_id for e in joined] == ["in-2"]
     assert [(i.turn_id, i.outcome) for i in r.inputs[SID1]] == [("turn-1", "replied")] * 2
@@ -145,7 +145,7 @@ def test_an_insert_while_a_tool_runs_joins_after_the_tool_results() -> None:
 def test_injections_queue_and_each_runs_as_its_own_turn() -> None:
     r = result_of("queued_injection")
     sid = "qq:group:2"
-    assert [s.result["where"] for s in r.steps] == ["开轮", "排队", "排队", "排队"]
+    assert [s.result["where"] for s in r.steps] == ["opened", "queued", "queued", "queued"]
     opened = r.of(TurnOpened, sid)
     assert [(o.source, o.input_ids) for o in opened] == [
         (None, ("in-1",)),
@@ -369,7 +369,7 @@ def test_instruction_injections_and_points_on_another_session() -> None:
     assert [e.outcome for e in r.of(TurnRecorded, "s1")] == ["replied", "silent"]
     # s2's input arrived while call 1 of s1 waited: s2's call came before s1's answer.
     assert r.calls["s2"][0].turn_id == "turn-2"
-    assert [s.result["where"] for s in r.steps] == ["开轮", "开轮", "开轮"]
+    assert [s.result["where"] for s in r.steps] == ["opened", "opened", "opened"]
 
 
 def test_load_scenario_checks_without_running() -> None:
@@ -522,7 +522,7 @@ def test_cli_transcript_and_a_db_that_replay_reads(
         "[step 2] while weather call 1 runs: qq:group:1 ← say from 10002 (Bob)",
         "[call 2 of qq:group:1] turn-1: 7 messages, tools: weather",
         "    released weather call 1 → '上海明天多云，14 到 21 度。'",
-        "qq:group:1 in-2 (step 2): 待插入 → turn-1 replied",
+        "qq:group:1 in-2 (step 2): pending → turn-1 replied",
         f"aalis-agent replay {db} --session qq:group:1",
     ):
         assert expected in out, expected
@@ -803,7 +803,7 @@ def test_a_stopped_turn_keeps_its_tool_group_and_the_next_turn_reads_the_marker(
     assert "被 10001 停下了" in nxt[marker][1]
     # Bob, queued while turn 5 waited in agent:reply:before, is released by the stop-all
     # and archived without a turn; he never opened a turn.
-    assert r.steps[9].result == {"input_id": "in-6", "where": "排队"}
+    assert r.steps[9].result == {"input_id": "in-6", "where": "queued"}
     assert [(e.input_id, e.reason, e.archived) for e in r.of(InputReleased, SID7)] == [
         ("in-6", "stop-all", True)
     ]
@@ -860,7 +860,7 @@ def test_an_input_in_agent_llm_before_joins_the_same_call() -> None:
     """「再增量组装、重跑agent:llm:before,取空为止」: inputs that arrive while the hook runs
     join the call being built (entry "joined"), round after round, not the next turn."""
     r = result_of("insert_in_llm_before")
-    assert [s.result["where"] for s in r.steps] == ["开轮", "待插入", "待插入", "排队"]
+    assert [s.result["where"] for s in r.steps] == ["opened", "pending", "pending", "queued"]
     first = held_around(r, 2).point
     second = held_around(r, 3).point
     assert (first.hook, first.n, first.round) == ("agent:llm:before", 1, 1)

@@ -83,7 +83,7 @@ def inj(n: int, source: str = "schedule") -> Input:
 
 def test_an_idle_session_opens_at_once() -> None:
     s = Session()
-    assert s.submit(h(1)) == "开轮"
+    assert s.submit(h(1)) == "opened"
     opened = [e for e in s.log if isinstance(e, TurnOpened)]
     assert opened[0].input_ids == ("h1",) and not opened[0].from_queue
     assert opened[0].batch_prefix is None
@@ -92,14 +92,14 @@ def test_an_idle_session_opens_at_once() -> None:
 def test_humans_wait_to_join_a_human_turn_injections_queue() -> None:
     s = Session()
     s.submit(h(1))
-    assert s.submit(h(2, addressed=False)) == "待插入"
-    assert s.submit(inj(1)) == "排队"
+    assert s.submit(h(2, addressed=False)) == "pending"
+    assert s.submit(inj(1)) == "queued"
 
 
 def test_nothing_joins_an_injection_turn() -> None:
     s = Session()
     s.submit(inj(1))
-    assert s.submit(h(1)) == "排队"
+    assert s.submit(h(1)) == "queued"
     assert s.step(lambda st: decide_insertion(st, "turn-1")) == []
 
 
@@ -109,7 +109,7 @@ def test_after_the_final_call_humans_queue_and_pending_ones_move_to_the_queue() 
     s.submit(h(2))
     events = s.step(lambda st: decide_call_ended(st, "turn-1", 1, tool_calls=0))
     assert [e.input_id for e in events if isinstance(e, InputQueued)] == ["h2"]
-    assert s.submit(h(3)) == "排队"
+    assert s.submit(h(3)) == "queued"
     assert s.step(lambda st: decide_insertion(st, "turn-1")) == []
 
 
@@ -118,7 +118,7 @@ def test_a_call_with_tool_calls_keeps_inserts_open() -> None:
     s.submit(h(1))
     s.submit(h(2))
     s.step(lambda st: decide_call_ended(st, "turn-1", 1, tool_calls=2))
-    assert s.submit(h(3)) == "待插入"
+    assert s.submit(h(3)) == "pending"
     joined = s.step(lambda st: decide_insertion(st, "turn-1"))
     assert [(e.input_id, e.entry) for e in joined if isinstance(e, InputJoined)] == [
         ("h2", "joined"),
@@ -131,7 +131,7 @@ def test_a_stopped_turn_takes_no_inserts_and_new_humans_queue() -> None:
     s.submit(h(1))
     s.submit(h(2))
     s.step(lambda st: decide_stop(st, by="u"))
-    assert s.submit(h(3)) == "排队"
+    assert s.submit(h(3)) == "queued"
     assert s.step(lambda st: decide_insertion(st, "turn-1")) == []
 
 
@@ -217,7 +217,7 @@ def test_a_stale_generation_is_dropped_unarchived() -> None:
     s.step(lambda st: st.add(SessionDeleted(generation=1)))
     result: list[str] = []
     s.step(lambda st: result.append(decide_submit(st, h(1), 0, s.ctx)))
-    assert result == ["放掉"]
+    assert result == ["released"]
     assert [e.reason for e in s.log if isinstance(e, InputReleased)] == ["stale-generation"]
 
 

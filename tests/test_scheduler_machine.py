@@ -358,9 +358,9 @@ class SSession:
             if self.waiting():
                 inp.place = ("queued",)
                 self.open_next()
-                return "排队"
+                return "queued"
             self.open_turn([inp], from_queue=False)
-            return "开轮"
+            return "opened"
         if (
             inp.human
             and running.human_opened
@@ -369,9 +369,9 @@ class SSession:
             and running.phase != "ended"
         ):
             inp.place = ("pending", running.key)
-            return "待插入"
+            return "pending"
         inp.place = ("queued",)
-        return "排队"
+        return "queued"
 
     def _archive(self, inp: SInput) -> None:
         inp.archive_done = True
@@ -927,7 +927,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         handle = self.runtime.submit(sid, inp)
         self.handles[inp.id] = (sid, handle)
         self.settle()
-        assert handle.where == "放掉"
+        assert handle.where == "released"
         assert deleted == [s.generation]
 
     def _tail(self, sid: str) -> list[SessionEvent]:

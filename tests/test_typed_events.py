@@ -95,7 +95,7 @@ def test_a_turn_with_a_tool_an_insert_and_a_stop_converts_every_event() -> None:
         model.answer(tool_calls=(ToolCall(id="call-1", name="slow", arguments="{}"),))
         tool.wait_running()
         inserted = runtime.submit(SID, Input(id="", content="顺便", **user))
-        assert inserted.where == "待插入"
+        assert inserted.where == "pending"
         tool.release()
         model.answer(text="查好了")
         assert first.result(10).outcome == "replied"
