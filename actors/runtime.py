@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import pykka
@@ -38,6 +38,7 @@ from aalis_agent.actors.messages import (
     StopCommand,
     Submit,
 )
+from aalis_agent.actors.ownership import SessionOwnedElsewhere
 from aalis_agent.actors.session import SessionActor
 from aalis_agent.actors.turn import TurnRunner
 from aalis_agent.actors.workers import Workers
@@ -61,6 +62,9 @@ from aalis_agent.request.usage import wire
 from aalis_agent.services import Services
 from aalis_agent.services.settings import validate_setting
 from aalis_agent.services.typed_tools import shutdown_default_loop_thread
+
+if TYPE_CHECKING:
+    from aalis_agent.actors.ownership import SessionOwnership
 
 __all__ = ["InputBefore", "Quarantined", "Runtime", "RuntimeClosed", "SubmitHandle"]
 
@@ -104,6 +108,7 @@ class Quarantined:
 class _Entry:
     ref: pykka.ActorRef[Any]
     generation: int
+    owned: bool = False  # holds one acquisition of the runtime's ownership
 
 
 class Runtime:
@@ -121,8 +126,14 @@ class Runtime:
         ask_timeout_s: float = 60.0,
         hooks: Hooks | None = None,
         max_turn_threads: int = 512,
+        ownership: SessionOwnership | None = None,
     ) -> None:
         self.store = store
+        # Several runtimes over one shared log (aalis_agent.scale): a session's actor
+        # starts only once this runtime owns the session, and gives it back when it stops.
+        self.ownership = ownership
+        if ownership is not None:
+            ownership.on_lost(self._ownership_lost)
         self.hooks = hooks or Hooks()
         self.budget_log = BudgetLog()  # ACC4: per-session throttled budget lines
         # Turns run on reused daemon threads; at most ``max_turn_threads`` at once (later
@@ -194,21 +205,47 @@ class Runtime:
             return entry
         if self._closed:
             raise RuntimeClosed("the runtime is shut down")
-        view = self._load(session_id)
-        host: SessionHost = self  # the narrow protocol the actor sees
-        ref = SessionActor.start(
-            host=host,
-            session_id=session_id,
-            view=view,
-            store=self.store,
-            services=self.services,
-            clock=self.clock,
-            ids=self.ids,
-        )
-        entry = _Entry(ref, view.queue.generation)
+        if self.ownership is not None:  # before the log is read: SessionOwnedElsewhere
+            self.ownership.acquire(session_id)
+        try:
+            view = self._load(session_id)
+            host: SessionHost = self  # the narrow protocol the actor sees
+            ref = SessionActor.start(
+                host=host,
+                session_id=session_id,
+                view=view,
+                store=self.store,
+                services=self.services,
+                clock=self.clock,
+                ids=self.ids,
+            )
+        except BaseException:
+            self._release(session_id, self.ownership is not None)
+            raise
+        if entry is not None:  # a dead actor's acquisition: the new one holds its own
+            self._release(session_id, entry.owned)
+        entry = _Entry(ref, view.queue.generation, self.ownership is not None)
         self._generations.setdefault(session_id, view.queue.generation)
         self._entries[session_id] = entry
         return entry
+
+    def _release(self, session_id: str, owned: bool) -> None:
+        """Give back an actor's acquisition of the session (when it held one)."""
+        if owned and self.ownership is not None:
+            try:
+                self.ownership.release(session_id)
+            except Exception:  # the lease then expires by itself
+                log.exception("session ownership not released", session=session_id)
+
+    def _ownership_lost(self, session_id: str) -> None:
+        """Another runtime took the session (this one's lease expired): stop its actor.
+        Whatever it still tries to append is refused by the store's sequence check."""
+        with self._lock:
+            entry = self._entries.pop(session_id, None)
+        if entry is not None:
+            log.warning("session ownership lost: its actor stops", session=session_id)
+            with contextlib.suppress(Exception):
+                entry.ref.stop(block=False)
 
     def _ask(self, session_id: str, message: Any) -> Any:
         for attempt in (1, 2):
@@ -227,8 +264,10 @@ class Runtime:
     def _forget(self, session_id: str, ref: pykka.ActorRef[Any]) -> None:
         with self._lock:
             entry = self._entries.get(session_id)
-            if entry is not None and entry.ref.actor_urn == ref.actor_urn:
-                del self._entries[session_id]
+            if entry is None or entry.ref.actor_urn != ref.actor_urn:
+                return
+            del self._entries[session_id]
+        self._release(session_id, entry.owned)
 
     def session_failed(self, session_id: str, actor: SessionActor) -> None:
         """Called by an actor fenced after a failed write: forget it, so the session's
@@ -246,7 +285,8 @@ class Runtime:
             ):
                 return False
             del self._entries[session_id]
-            return True
+        self._release(session_id, entry.owned)
+        return True
 
     def archive_missed(self) -> None:
         """ARC1: one warning per activation, at the first write the absent archive missed."""
@@ -380,10 +420,14 @@ class Runtime:
             with self._lock:
                 refs = [e.ref for e in self._entries.values()]
                 refs += [e.ref for _, e in entries]
+                # Those gone from _entries meanwhile were released as they left.
+                owned = [s for s, e in self._entries.items() if e.owned]
                 self._entries.clear()
             for ref in refs:
                 with contextlib.suppress(Exception):
                     ref.stop(block=True, timeout=self.ask_timeout_s)
+            for session_id in owned:
+                self._release(session_id, True)
             if self._janitor is not None:
                 self._janitor.join(timeout=5)
             self.workers.release_idle()
@@ -508,6 +552,8 @@ class Runtime:
                     started.append(session_id)
                 elif view.seq:
                     idle.append((session_id, view.seq))
+            except SessionOwnedElsewhere:
+                continue  # another runtime runs it (and recovers it)
             except SessionFailed as exc:
                 if not exc.quarantined:
                     log.error("session could not recover", session=session_id, error=str(exc))
