@@ -4,7 +4,7 @@
     async with AsyncRuntime(Runtime(store, services)) as aruntime:
         async with aruntime.events("qq:group:1") as events:
             handle = await aruntime.asubmit("qq:group:1", Input(id="", content="你好"))
-            print(handle.where)                    # 开轮, 待插入, 排队 or 放掉
+            print(handle.where)                    # opened, pending, queued or released
             result = await handle                  # TurnResult: turn_id, outcome, reply
             async for event in events:             # typed events (services/bus_events.py)
                 ...
@@ -123,8 +123,8 @@ class AsyncHandle:
 
     @property
     def where(self) -> str:
-        """``开轮`` (opened a turn), ``待插入`` (joins the running turn at its next
-        insertion point), ``排队`` (queued), ``放掉`` (released) or ``dropped``."""
+        """``opened`` (opened a turn), ``pending`` (joins the running turn at its next
+        insertion point), ``queued`` (queued), ``released`` (released) or ``dropped``."""
         return self._handle.where
 
     @property

@@ -81,7 +81,7 @@ class InputBefore:
 
 @dataclass(frozen=True)
 class SubmitHandle:
-    """An accepted input: ``where`` it went (``开轮``, ``待插入``, ``排队``, ``放掉``), and
+    """An accepted input: ``where`` it went (``opened``, ``pending``, ``queued``, ``released``), and
     a future for how it ended (its turn's outcome, or its release)."""
 
     input_id: str

@@ -588,8 +588,8 @@ def bench_turns(tmp: Path) -> None:
         "commits_per_tool_turn",
         commits[1000],
         "commits",
-        note="durable appends per turn (submit, each call, each tool, reply, record): "
-        "persist, then act waits on them",
+        note="durable appends a tool turn waits on (open with its archive and first call; "
+        "the tool's start; its result with the next call; the reply with the turn's end)",
     )
 
 
