@@ -24,6 +24,7 @@ from typing import Any
 
 from aalis_agent.actors.aio import AsyncHandle, AsyncRuntime, EventsDropped
 from aalis_agent.events import ToolCall
+from aalis_agent.services import AgentConfig
 from aalis_agent.services.bus_events import (
     MessageSent,
     QueueChanged,
@@ -237,7 +238,11 @@ async def conversation(chat: FakeChat, bot: Bot) -> None:
 async def main() -> dict[str, list[str]]:
     runtime = Runtime(
         InMemoryEventStore(),
-        Services(llm=ScriptedModel(respond), tools=ToolRegistry([MULTIPLY])),
+        Services(
+            llm=ScriptedModel(respond),
+            tools=ToolRegistry([MULTIPLY]),
+            config=AgentConfig(locale="en"),  # what the model and people read, in English
+        ),
     )
     chat = FakeChat()
     async with AsyncRuntime(runtime) as aruntime:
