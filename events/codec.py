@@ -1,27 +1,57 @@
 """The one place that encodes and decodes log rows, built once and reused.
 
-Rows are stored as MessagePack (compact, fast); ``--json`` output and golden files use
-JSON. No other module calls ``msgspec.*.decode`` on log rows.
+Events are MessagePack maps (compact, and decoded by msgspec straight into the schema's
+Structs); ``--json`` output and golden files use JSON. No other module calls
+``msgspec.*.decode`` on log rows. A stored row is in one of two formats:
+
+* **Format 1**: one event, encoded whole (:func:`encode`, :func:`decode`). What the
+  in-memory store keeps, and every SQLite row written before format 2; still read.
+* **Format 2** (:func:`pack_row`, :class:`RowReader`): one SQLite row per appended batch.
+  The byte ``0x02``; the row's place in its *group* (a byte, 0 for a group's first row);
+  the number of events (a varint); then a raw DEFLATE stream (16 KiB window) of a
+  MessagePack array of the events *keyless* (:func:`encode_keyless`: no ``session_id``
+  and ``seq``, which the row's key gives back). The stream is compressed against a
+  dictionary: the fixed bytes of :mod:`._dictionary` (typical events), then
+  ``"sessionId"`` and the session id, then, for every row of a group but its first, the
+  last :data:`CONTEXT_BYTES` of the group's earlier rows (their arrays, one after the
+  other). Field names, tags and the values a session repeats (its turn ids, model,
+  token counts) thus cost a back-reference each. A writer ends a group after
+  :data:`GROUP_ROWS` rows, so a row is read with at most that many rows before it, and
+  one row that cannot be read costs at most the rest of its group.
+
+The dictionary, :data:`CONTEXT_BYTES` and the window are part of format 2: a stored row
+inflates against exactly them, so they never change; other values make another format.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+import zlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
+from aalis_agent.events._dictionary import dictionary
 from aalis_agent.events.errors import CorruptEvent, InvalidInput
 from aalis_agent.events.schema import Event, Input, SessionEvent
 
 __all__ = [
+    "CONTEXT_BYTES",
+    "GROUP_ROWS",
+    "ROW_FORMAT",
+    "RowContext",
+    "RowReader",
     "checked_input",
     "clean_text",
     "decode",
     "decode_json",
     "encode",
     "encode_json",
+    "encode_keyless",
     "event_tag",
+    "pack_row",
     "restamp",
+    "row_header",
     "to_builtins",
 ]
 
@@ -39,8 +69,14 @@ def encode(event: Event) -> bytes:
     return _encoder.encode(event)
 
 
+def encode_keyless(event: Event) -> bytes:
+    """Encode one event as a format-2 row holds it: without ``session_id`` and ``seq``."""
+    return _encoder.encode(msgspec.structs.replace(event, session_id="", seq=0))
+
+
 def decode(data: bytes, *, session_id: str = "?", seq: int = 0) -> SessionEvent:
-    """Decode one stored row; a bad row raises :class:`CorruptEvent` naming session and seq."""
+    """Decode one event encoded whole (a format-1 row); a bad row raises
+    :class:`CorruptEvent` naming session and seq."""
     try:
         return _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -128,3 +164,191 @@ def restamp(event: E, *, seq: int, session_id: str | None = None) -> E:
     if session_id is None:
         return msgspec.structs.replace(event, seq=seq)
     return msgspec.structs.replace(event, seq=seq, session_id=session_id)
+
+
+# --- format 2: one compressed row per batch ------------------------------------------
+
+ROW_FORMAT = 2
+"""The format new SQLite rows are written in (format 1: one event per row, encoded whole)."""
+
+GROUP_ROWS = 32
+"""The most rows a writer puts in one group, so a row is read with at most this many
+rows before it (a reader takes any group the row header can say: up to 256 rows)."""
+
+CONTEXT_BYTES = 4096
+"""How much of a group's earlier rows (their end) a row is compressed against; part of
+the format, never changed."""
+
+_MARK = 0x02  # the first byte of a format-2 row; a format-1 row starts with a map header
+_WBITS = -14  # raw DEFLATE, 16 KiB window: the dictionary (about 7.3 KiB) fits whole
+_LEVEL = 9
+_MEM_LEVEL = 8
+_STATIC = dictionary()
+_setattr = msgspec.structs.force_setattr
+_rows_decoder: msgspec.msgpack.Decoder[list[SessionEvent]] = msgspec.msgpack.Decoder(
+    list[SessionEvent]
+)
+
+
+class RowContext(NamedTuple):
+    """What the next row of a session may be compressed against: the row just written
+    or read (its last ``seq`` and its place ``depth`` in its group) and the dictionary
+    the next row of its group is compressed against (``zdict``: the fixed bytes, the
+    session, the end of the group's plaintext so far)."""
+
+    seq: int
+    depth: int
+    zdict: bytes
+
+
+def _head(session_id: str) -> bytes:
+    """The dictionary of a group's first row: the fixed bytes, then the session id as the
+    ``sessionId`` of a token-usage payload spells it."""
+    return _STATIC + b"\xa9sessionId" + _encoder.encode(session_id)
+
+
+def _next_zdict(head: bytes, zdict: bytes, body: bytes) -> bytes:
+    """The dictionary after a row whose plaintext is ``body``, compressed against
+    ``zdict``: ``head`` and the last :data:`CONTEXT_BYTES` of the group's plaintext
+    (``zdict`` past ``head``, then ``body``), copied once."""
+    keep = CONTEXT_BYTES - len(body)
+    if keep <= 0:
+        return b"".join((head, memoryview(body)[-CONTEXT_BYTES:]))
+    if keep >= len(zdict) - len(head):
+        return zdict + body
+    return b"".join((head, memoryview(zdict)[len(zdict) - keep :], body))
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(0x80 | (n & 0x7F))
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def row_header(data: object) -> tuple[int, int, int] | None:
+    """``(depth, count, offset)`` of a format-2 row: its place in its group, how many
+    events it holds and where its DEFLATE stream starts; None for any other row (a
+    format-1 row, or one too short to be either)."""
+    if not isinstance(data, bytes) or len(data) < 3 or data[0] != _MARK:
+        return None
+    depth = data[1]
+    if data[2] < 0x80:  # fewer than 128 events: the count is one byte
+        return depth, data[2], 3
+    count = shift = 0
+    for i in range(2, min(len(data), 12)):
+        byte = data[i]
+        count |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return depth, count, i + 1
+        shift += 7
+    return None
+
+
+def _group_rows() -> int:
+    return max(1, min(GROUP_ROWS, 256))  # a row says its place in one byte
+
+
+def pack_row(
+    session_id: str, parts: Sequence[bytes], last_seq: int, after: RowContext | None
+) -> tuple[bytes, RowContext]:
+    """One format-2 row holding ``parts`` (:func:`encode_keyless` of consecutive events,
+    the last one ``last_seq``), and the context the session's next row may use.
+
+    ``after`` is the context of the session's row just before (its seq must be the one
+    before ``parts``), or None: the row then starts a group, as it does when the group
+    is full. The row is inflated once more before it is returned: it must give back
+    exactly what was packed.
+    """
+    if not parts:
+        raise ValueError("a row holds at least one event")
+    head = _head(session_id)
+    if after is None or after.seq != last_seq - len(parts) or after.depth + 1 >= _group_rows():
+        depth, zdict = 0, head
+    else:
+        depth, zdict = after.depth + 1, after.zdict
+    body = _array_header(len(parts)) + b"".join(parts)
+    deflate = zlib.compressobj(
+        _LEVEL, zlib.DEFLATED, _WBITS, _MEM_LEVEL, zlib.Z_DEFAULT_STRATEGY, zdict
+    )
+    packed = deflate.compress(body) + deflate.flush()
+    inflate = zlib.decompressobj(_WBITS, zdict=zdict)
+    if inflate.decompress(packed) != body or not inflate.eof:
+        raise ValueError("the packed row does not inflate back")  # zlib itself failed
+    row = bytes((_MARK, depth)) + _varint(len(parts)) + packed
+    return row, RowContext(last_seq, depth, _next_zdict(head, zdict, body))
+
+
+class RowReader:
+    """Reads the rows of one session, in seq order, in either format.
+
+    :meth:`read` takes each row with its ``seq`` (the seq of its last event) and
+    returns its events; a row that cannot be read raises :class:`CorruptEvent` naming its
+    first seq, and the reader goes on with the next row. A row that continues a group
+    needs the row before it read first (with ``events=False`` when only its context is
+    wanted): one that follows a row not read, or not read successfully, is corrupt too.
+    """
+
+    __slots__ = ("_after", "_head", "session_id")
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self._head = _head(session_id)
+        self._after: RowContext | None = None
+
+    def read(self, seq: int, data: bytes, *, events: bool = True) -> list[SessionEvent]:
+        """The events of one row (none when ``events`` is False: the row is read as the
+        context of the next one only)."""
+        header = row_header(data)
+        if header is None:
+            self._after = None
+            if not events:
+                return []
+            return [decode(data, session_id=self.session_id, seq=seq)]
+        depth, count, offset = header
+        first = seq - count + 1
+        after, self._after = self._after, None
+        if count < 1:
+            raise self._corrupt(seq, 1, "it says it holds no events")
+        zdict = self._head
+        if depth:
+            if after is None or after.seq != first - 1 or after.depth != depth - 1:
+                raise self._corrupt(
+                    first, count, f"it continues the row before seq {first}, which was not read"
+                )
+            zdict = after.zdict
+        try:
+            inflate = zlib.decompressobj(_WBITS, zdict=zdict)
+            body = inflate.decompress(memoryview(data)[offset:])
+        except zlib.error as exc:
+            raise self._corrupt(first, count, f"does not inflate: {exc}") from None
+        if not inflate.eof or inflate.unused_data:
+            raise self._corrupt(first, count, "its compressed stream is cut short or overlong")
+        self._after = RowContext(seq, depth, _next_zdict(self._head, zdict, body))
+        if not events:
+            return []
+        try:
+            out = _rows_decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise self._corrupt(first, count, str(exc)) from None
+        if len(out) != count:
+            raise self._corrupt(first, count, f"it holds {len(out)} events")
+        session_id = self.session_id
+        for n, event in enumerate(out, first):  # the keys the row leaves out
+            _setattr(event, "session_id", session_id)
+            _setattr(event, "seq", n)
+        return out
+
+    def _corrupt(self, first: int, count: int, reason: str) -> CorruptEvent:
+        span = f"seq {first}" if count == 1 else f"seqs {first}-{first + count - 1}"
+        return CorruptEvent(self.session_id, first, f"a row of {span}: {reason}")

@@ -1,27 +1,42 @@
 """``SqliteEventStore``: the durable default store.
 
-The table ``events`` (WITHOUT ROWID): primary key ``(session_id, seq)`` is the
-concurrency check, a unique global ``position`` orders ``read_all``, ``type`` is the
-event's tag (handy in SQL), ``data`` the MessagePack-encoded event. Beside it,
-``idle_sessions`` lists the sessions whose last append said they had no unfinished work,
-written in the same transaction, so recovery folds only the others. WAL journal with
-``synchronous=NORMAL``: an append is acknowledged after its transaction commits. A batch
-is one transaction.
+Layout (format 3, ``PRAGMA user_version``):
 
-The schema is made with sqlite-utils; the hot paths use the raw connection, since
-sqlite-utils commits every call on its own.
+* ``sessions (id, name)`` numbers the sessions, so that a row names its session with a
+  small integer rather than the whole id.
+* ``log (sid, seq, position, data)`` (WITHOUT ROWID, primary key ``(sid, seq)``, which
+  is the concurrency check, and clusters one session's rows for a range scan): one row
+  per appended batch. ``seq`` and ``position`` are those of the batch's *last* event (a
+  unique index on ``position`` orders ``read_all``); ``data`` holds the events in row
+  format 2, compressed against the rows before it in its group (see
+  :mod:`aalis_agent.events.codec`). A row in format 1, one event encoded whole, is
+  read too: every row an older version wrote is one.
+* ``events (position, session_id, seq, type, data)``, a view of ``log`` by session id,
+  is the older table's shape, for SQL by hand; inserting into it stores the row as
+  given. ``type`` is NULL: a row holds a batch, its tags are inside ``data``.
+* ``idle_sessions`` lists the sessions whose last append said they had no unfinished
+  work, written in the same transaction, so recovery folds only the others.
+
+Formats 1 and 2 had a table ``events`` with one row per event (format 1 without
+``idle_sessions``). Opening one for writing moves its rows into ``log`` as they are, in
+one transaction; opened ``read_only`` (as replay does), it is read as it is.
+
+WAL journal with ``synchronous=NORMAL``: an append is acknowledged after its
+transaction commits. A batch is one transaction.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from contextlib import suppress
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
-import sqlite_utils
-from aalis_agent.events.codec import decode, event_tag
+from aalis_agent.events.codec import RowContext, RowReader, pack_row, row_header
 from aalis_agent.events.errors import ConcurrencyConflict, CorruptEvent, StoreError
 from aalis_agent.events.ownership import acquire_writer, release_writer
 from aalis_agent.events.schema import SessionEvent
@@ -33,13 +48,46 @@ from aalis_agent.events.store import (
     encode_batch,
 )
 
-__all__ = ["SqliteEventStore"]
+__all__ = ["STORE_FORMAT", "SqliteEventStore"]
 
-_STORE_FORMAT = 2  # PRAGMA user_version of a database this code created
-# Format 1 had no ``idle_sessions``; opening one adds the (empty) table, which is all
-# format 2 adds: every session then counts as possibly open until recovery marks it.
-# Opened ``read_only`` (as replay does), a format-1 file is read as it is.
-_SESSION_IDS = (
+STORE_FORMAT = 3
+"""``PRAGMA user_version`` of a database this code creates."""
+_OLD_FORMATS = (1, 2)  # one row per event in ``events``; 1 has no ``idle_sessions``
+_CONTEXTS = 1024  # sessions whose last row this store remembers, to continue its group
+
+_SCHEMA = (
+    "CREATE TABLE sessions (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE)",
+    "CREATE TABLE log (sid INTEGER NOT NULL, seq INTEGER NOT NULL, "
+    "position INTEGER NOT NULL, data BLOB NOT NULL, PRIMARY KEY (sid, seq)) WITHOUT ROWID",
+)
+_VIEW = (
+    "CREATE UNIQUE INDEX log_position ON log (position)",
+    "CREATE VIEW events (position, session_id, seq, type, data) AS "
+    "SELECT log.position, sessions.name, log.seq, NULL, log.data "
+    "FROM log JOIN sessions ON sessions.id = log.sid",
+    "CREATE TRIGGER events_insert INSTEAD OF INSERT ON events BEGIN "
+    "INSERT OR IGNORE INTO sessions (name) VALUES (NEW.session_id); "
+    "INSERT INTO log (sid, seq, position, data) VALUES "
+    "((SELECT id FROM sessions WHERE name = NEW.session_id), NEW.seq, NEW.position, NEW.data); "
+    "END",
+    # Sessions whose writer said they have no unfinished work (see open_sessions).
+    "CREATE TABLE IF NOT EXISTS idle_sessions (session_id TEXT PRIMARY KEY) WITHOUT ROWID",
+)
+_MIGRATE = (
+    # Session ids in sorted order, by skipping along the old primary key.
+    "INSERT INTO sessions (name) "
+    "WITH RECURSIVE s(id) AS ("
+    " SELECT (SELECT min(session_id) FROM events)"
+    " UNION ALL"
+    " SELECT (SELECT min(session_id) FROM events WHERE session_id > s.id)"
+    " FROM s WHERE s.id IS NOT NULL) "
+    "SELECT id FROM s WHERE id IS NOT NULL",
+    "INSERT INTO log (sid, seq, position, data) "
+    "SELECT sessions.id, events.seq, events.position, events.data "
+    "FROM events JOIN sessions ON sessions.name = events.session_id",
+    "DROP TABLE events",
+)
+_OLD_SESSION_IDS = (
     "WITH RECURSIVE s(id) AS ("
     " SELECT (SELECT min(session_id) FROM events)"
     " UNION ALL"
@@ -47,11 +95,17 @@ _SESSION_IDS = (
     " FROM s WHERE s.id IS NOT NULL) "
     "SELECT id FROM s WHERE id IS NOT NULL"
 )
-"""Every session id, sorted, by skipping along the primary key: one seek per session
-rather than a visit to every event."""
-_INSERT = "INSERT INTO events (position, session_id, seq, type, data) VALUES (?, ?, ?, ?, ?)"
+"""Every session id of an old-format file, sorted, by skipping along the primary key:
+one seek per session rather than a visit to every event."""
+_SESSION_IDS = (
+    "SELECT name FROM sessions WHERE EXISTS (SELECT 1 FROM log WHERE log.sid = sessions.id) "
+    "ORDER BY name"
+)
+_INSERT = "INSERT INTO log (sid, seq, position, data) VALUES (?, ?, ?, ?)"
 _MARK_IDLE = "INSERT OR IGNORE INTO idle_sessions (session_id) VALUES (?)"
 _UNMARK_IDLE = "DELETE FROM idle_sessions WHERE session_id = ?"
+
+Row = tuple[int, bytes]  # (seq, data)
 
 
 class SqliteEventStore:
@@ -121,7 +175,13 @@ class SqliteEventStore:
         self._idle_cache: dict[str, bool] = {}  # session -> has a row in idle_sessions
         self._position_cache: int | None = None
         self._data_version: int | None = None
+        # Session numbers never change once committed: kept for the store's lifetime.
+        self._sids: dict[str, int] = {}
+        self._names: dict[int, str] = {}
+        # The last row this store wrote per session, for the next row to continue.
+        self._contexts: OrderedDict[str, RowContext] = OrderedDict()
         self._has_idle_table = True
+        self._old_layout = False  # a format-1 or -2 file opened read-only
         try:
             if read_only:
                 self._check_schema_read_only()
@@ -140,19 +200,30 @@ class SqliteEventStore:
             raise StoreError(f"{self.path!r} is not a usable event database: {exc}") from None
 
     def _unknown_format(self, version: int) -> StoreError:
-        return StoreError(f"{self.path!r}: event table format {version} is not {_STORE_FORMAT}")
+        return StoreError(f"{self.path!r}: event table format {version} is not {STORE_FORMAT}")
+
+    def _tables(self) -> dict[str, str]:
+        """Names of the tables and views, with their kind."""
+        rows = self._conn.execute(
+            "SELECT name, type FROM sqlite_master WHERE type IN ('table', 'view')"
+        ).fetchall()
+        return {name: kind for name, kind in rows}
 
     def _check_schema_read_only(self) -> None:
-        """The checks of :meth:`_ensure_schema` without its writes: format 1 is read as
-        it is (no session index, so every session counts as open)."""
-        tables = {
-            r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
-        }
-        if "events" not in tables:
-            raise StoreError(f"{self.path!r} holds no event table")
+        """The checks of :meth:`_ensure_schema` without its writes: an older format is
+        read as it is (format 1 has no session index, so every session counts as open)."""
+        tables = self._tables()
         version = self._conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (1, _STORE_FORMAT):
+        if "log" in tables and version in (*_OLD_FORMATS, STORE_FORMAT):
+            self._old_layout = False
+        elif tables.get("events") == "table":
+            if version not in _OLD_FORMATS:
+                raise self._unknown_format(version)
+            self._old_layout = True
+        elif "log" in tables:
             raise self._unknown_format(version)
+        else:
+            raise StoreError(f"{self.path!r} holds no event table")
         self._has_idle_table = "idle_sessions" in tables
 
     def _refuse_if_read_only(self) -> None:
@@ -160,38 +231,35 @@ class SqliteEventStore:
             raise StoreError(f"{self.path!r} is opened read-only: nothing can be written")
 
     def _ensure_schema(self) -> None:
-        db = sqlite_utils.Database(self._conn)
+        tables = self._tables()
         version = self._conn.execute("PRAGMA user_version").fetchone()[0]
-        if "events" in db.table_names():
-            if version == 1:
-                with db.conn:
-                    self._create_idle_table()
-                    self._conn.execute(f"PRAGMA user_version={_STORE_FORMAT}")
-                return
-            if version != _STORE_FORMAT:
+        if "log" in tables:
+            if version != STORE_FORMAT:
                 raise self._unknown_format(version)
             return
-        # sqlite-utils writes the table definition; WITHOUT ROWID (which it has no flag
-        # for) clusters rows by (session_id, seq), so reading one session is one range scan.
-        sql = db.create_table_sql(
-            "events",
-            {"position": int, "session_id": str, "seq": int, "type": str, "data": bytes},
-            pk=("session_id", "seq"),
-            not_null={"position", "session_id", "seq", "type", "data"},
-        )
-        with db.conn:
-            db.execute(sql.rstrip().rstrip(";") + " WITHOUT ROWID")
-            db["events"].create_index(  # type: ignore[union-attr]
-                ["position"], index_name="events_position", unique=True
-            )
-            self._create_idle_table()
-        self._conn.execute(f"PRAGMA user_version={_STORE_FORMAT}")
+        if "events" in tables:
+            if version not in _OLD_FORMATS or tables["events"] != "table":
+                raise self._unknown_format(version)
+            self._migrate()
+            return
+        self._run((*_SCHEMA, *_VIEW, f"PRAGMA user_version={STORE_FORMAT}"))
 
-    def _create_idle_table(self) -> None:
-        # Sessions whose writer said they have no unfinished work (see open_sessions).
-        self._conn.execute(
-            "CREATE TABLE IF NOT EXISTS idle_sessions (session_id TEXT PRIMARY KEY) WITHOUT ROWID"
-        )
+    def _migrate(self) -> None:
+        """Move the rows of a format-1 or -2 file into ``log``, each as it is (format 1);
+        the view ``events`` then stands where the table was."""
+        self._run((*_SCHEMA, *_MIGRATE, *_VIEW, f"PRAGMA user_version={STORE_FORMAT}"))
+
+    def _run(self, statements: Iterable[str]) -> None:
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for sql in statements:
+                conn.execute(sql)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
 
     # --- writing ---------------------------------------------------------------------
 
@@ -206,15 +274,25 @@ class SqliteEventStore:
         self._refuse_if_read_only()
         check_batch(session_id, events, expected_seq)
         idle = open_work is False
-        rows = [(session_id, e.seq, event_tag(e), blob) for e, blob in encode_batch(events)]
+        n = len(events)
+        last = expected_seq + n
+        parts = [blob for _, blob in encode_batch(events, keyless=True)]
+        # Packed before the lock, continuing the last row this store wrote for the
+        # session; checked again under the lock, where another writer shows.
+        after = self._contexts.get(session_id)
+        if after is not None and after.seq != expected_seq:
+            after = None
+        packed = pack_row(session_id, parts, last, after) if parts else None
         with self._lock:
             conn = self._conn
             try:
                 conn.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError as exc:
                 raise StoreError(f"{self.path!r}: cannot start a write: {exc}") from None
+            new_sid: int | None = None
             try:
                 self._refresh_cache()
+                sid = self._sid_unlocked(session_id)
                 actual = self._seq_cache.get(session_id)
                 if actual is None:
                     actual = self._last_seq_unlocked(session_id)
@@ -223,18 +301,22 @@ class SqliteEventStore:
                     raise ConcurrencyConflict(session_id, expected_seq, actual)
                 position = self._position_cache
                 if position is None:
-                    position = conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0
-                if len(rows) == 1:
-                    conn.execute(_INSERT, (position + 1, *rows[0]))
-                elif rows:
-                    conn.executemany(
-                        _INSERT, [(position + i, *row) for i, row in enumerate(rows, 1)]
-                    )
-                if rows and self._idle_cache.get(session_id) is not idle:
-                    if idle:
-                        conn.execute(_MARK_IDLE, (session_id,))
-                    else:
-                        conn.execute(_UNMARK_IDLE, (session_id,))
+                    position = conn.execute("SELECT max(position) FROM log").fetchone()[0] or 0
+                if packed is not None:
+                    if after is not None and self._contexts.get(session_id) is not after:
+                        packed = pack_row(session_id, parts, last, None)  # start a group
+                    if sid is None:
+                        cursor = conn.execute(
+                            "INSERT INTO sessions (name) VALUES (?)", (session_id,)
+                        )
+                        assert cursor.lastrowid is not None
+                        sid = new_sid = cursor.lastrowid
+                    conn.execute(_INSERT, (sid, last, position + n, packed[0]))
+                    if self._idle_cache.get(session_id) is not idle:
+                        if idle:
+                            conn.execute(_MARK_IDLE, (session_id,))
+                        else:
+                            conn.execute(_UNMARK_IDLE, (session_id,))
                 conn.execute("COMMIT")
             except BaseException as exc:
                 if conn.in_transaction:
@@ -249,11 +331,19 @@ class SqliteEventStore:
                     raise StoreError(f"{self.path!r}: append failed: {exc}") from None
                 raise
             # Committed: the caches now hold what the database holds.
-            self._seq_cache[session_id] = expected_seq + len(rows)
-            self._position_cache = position + len(rows)
-            if rows:
+            self._seq_cache[session_id] = last
+            self._position_cache = position + n
+            if new_sid is not None:
+                self._sids[session_id] = new_sid
+                self._names[new_sid] = session_id
+            if packed is not None:
                 self._idle_cache[session_id] = idle
-        return expected_seq + len(rows)
+                contexts = self._contexts
+                contexts[session_id] = packed[1]
+                contexts.move_to_end(session_id)
+                if len(contexts) > _CONTEXTS:
+                    contexts.popitem(last=False)
+        return last
 
     def _refresh_cache(self) -> None:
         """Drop the cached last seqs and position if another connection has written.
@@ -273,6 +363,7 @@ class SqliteEventStore:
         self._seq_cache.clear()
         self._idle_cache.clear()
         self._position_cache = None
+        self._contexts.clear()
 
     def mark_idle(self, sessions: Sequence[tuple[str, int]]) -> int:
         self._refuse_if_read_only()
@@ -302,70 +393,179 @@ class SqliteEventStore:
 
     # --- reading ---------------------------------------------------------------------
 
+    def _sid_unlocked(self, session_id: str) -> int | None:
+        """The session's number, if it has one (old-format files have none)."""
+        sid = self._sids.get(session_id)
+        if sid is None and not self._old_layout:
+            row = self._conn.execute(
+                "SELECT id FROM sessions WHERE name = ?", (session_id,)
+            ).fetchone()
+            if row is not None:
+                sid = self._sids[session_id] = row[0]
+                self._names[sid] = session_id
+        return sid
+
+    def _name_unlocked(self, sid: int) -> str:
+        """The session id numbered ``sid`` (every number in ``log`` has one)."""
+        name = self._names.get(sid)
+        if name is None:
+            for number, known in self._conn.execute("SELECT id, name FROM sessions"):
+                self._names[number] = known
+                self._sids[known] = number
+            name = self._names[sid]
+        return name
+
+    def _rows_unlocked(self, session_id: str, after_seq: int) -> list[Row]:
+        """The session's rows holding events past ``after_seq``, in order, led by the
+        earlier rows of the first one's group when it continues one (to be read for
+        their context only: their seqs are ``after_seq`` or less)."""
+        conn = self._conn
+        if self._old_layout:
+            return conn.execute(
+                "SELECT seq, data FROM events WHERE session_id = ? AND seq > ? ORDER BY seq",
+                (session_id, after_seq),
+            ).fetchall()
+        sid = self._sid_unlocked(session_id)
+        if sid is None:
+            return []
+        rows: list[Row] = conn.execute(
+            "SELECT seq, data FROM log WHERE sid = ? AND seq > ? ORDER BY seq", (sid, after_seq)
+        ).fetchall()
+        if rows:
+            before = self._group_before_unlocked(sid, *rows[0])
+            if before:
+                rows[:0] = before
+        return rows
+
+    def _group_before_unlocked(self, sid: int, seq: int, data: bytes) -> list[Row]:
+        """The rows before this one in its group, oldest first (none for a row that
+        starts its group, or is not a format-2 row)."""
+        header = row_header(data)
+        if header is None or header[0] == 0:
+            return []
+        depth, count, _ = header
+        rows: list[Row] = self._conn.execute(
+            "SELECT seq, data FROM log WHERE sid = ? AND seq <= ? ORDER BY seq DESC LIMIT ?",
+            (sid, seq - count, depth),
+        ).fetchall()
+        rows.reverse()
+        return rows
+
     def read(
         self, session_id: str, after_seq: int = 0, *, on_corrupt: CorruptHandler | None = None
     ) -> list[SessionEvent]:
         with self._lock:
-            rows = self._conn.execute(
-                "SELECT seq, data FROM events WHERE session_id = ? AND seq > ? ORDER BY seq",
-                (session_id, after_seq),
-            ).fetchall()
+            rows = self._rows_unlocked(session_id, after_seq)
         out: list[SessionEvent] = []
-        append = out.append
+        reader = RowReader(session_id)
+        read = reader.read
         for seq, data in rows:
             try:
-                append(decode(data, session_id=session_id, seq=seq))
+                if seq <= after_seq:  # an earlier row of the first one's group
+                    read(seq, data, events=False)
+                    continue
+                events = read(seq, data)
             except CorruptEvent as exc:
+                if seq <= after_seq:
+                    continue  # the row that needs it will say so
                 if on_corrupt is None:
                     raise
                 on_corrupt(exc)
+                continue
+            if events[0].seq <= after_seq:  # the row holds events from before too
+                events = [e for e in events if e.seq > after_seq]
+            out += events
         return out
 
     def read_all(self, after_position: int = 0, limit: int | None = None) -> list[Recorded]:
         check_limit(limit)
+        after_position = max(after_position, 0)
+        # Each row holds at least one event past after_position: ``limit`` rows suffice.
+        bound = -1 if limit is None else limit
         with self._lock:
+            if self._old_layout:
+                rows: list[tuple[Any, ...]] = self._conn.execute(
+                    "SELECT position, session_id, seq, data FROM events "
+                    "WHERE position > ? ORDER BY position LIMIT ?",
+                    (after_position, bound),
+                ).fetchall()
+                return [
+                    Recorded(position, RowReader(sid).read(seq, data)[0])
+                    for position, sid, seq, data in rows
+                ]
             rows = self._conn.execute(
-                "SELECT position, session_id, seq, data FROM events "
+                "SELECT position, sid, seq, data FROM log "
                 "WHERE position > ? ORDER BY position LIMIT ?",
-                (after_position, -1 if limit is None else limit),
+                (after_position, bound),
             ).fetchall()
-        return [
-            Recorded(position, decode(data, session_id=sid, seq=seq))
-            for position, sid, seq, data in rows
-        ]
+            readers: dict[int, tuple[RowReader, int]] = {}  # sid -> reader, last seq read
+            work: list[tuple[int, int, int, bytes, RowReader, list[Row]]] = []
+            for position, sid, seq, data in rows:
+                state = readers.get(sid)
+                if state is None:
+                    state = (RowReader(self._name_unlocked(sid)), -1)
+                reader, last = state
+                header = row_header(data)
+                before: list[Row] = []
+                if header is not None and header[0] and last != seq - header[1]:
+                    before = self._group_before_unlocked(sid, seq, data)
+                work.append((position, sid, seq, data, reader, before))
+                readers[sid] = (reader, seq)
+        out: list[Recorded] = []
+        for position, _, seq, data, reader, before in work:
+            for earlier_seq, earlier in before:
+                with suppress(CorruptEvent):  # the row that needs it will say so
+                    reader.read(earlier_seq, earlier, events=False)
+            events = reader.read(seq, data)
+            for event in events:
+                at = position - (seq - event.seq)
+                if at > after_position:
+                    out.append(Recorded(at, event))
+        return out if limit is None else out[:limit]
 
     def last_seq(self, session_id: str) -> int:
         with self._lock:
             return self._last_seq_unlocked(session_id)
 
     def _last_seq_unlocked(self, session_id: str) -> int:
-        row = self._conn.execute(
-            "SELECT max(seq) FROM events WHERE session_id = ?", (session_id,)
-        ).fetchone()
+        if self._old_layout:
+            row = self._conn.execute(
+                "SELECT max(seq) FROM events WHERE session_id = ?", (session_id,)
+            ).fetchone()
+            return int(row[0] or 0)
+        sid = self._sid_unlocked(session_id)
+        if sid is None:
+            return 0
+        row = self._conn.execute("SELECT max(seq) FROM log WHERE sid = ?", (sid,)).fetchone()
         return int(row[0] or 0)
 
     def sessions(self) -> list[str]:
         with self._lock:
-            rows = self._conn.execute(_SESSION_IDS).fetchall()
-        return [r[0] for r in rows]
+            return self._sessions_unlocked()
+
+    def _sessions_unlocked(self) -> list[str]:
+        sql = _OLD_SESSION_IDS if self._old_layout else _SESSION_IDS
+        return [r[0] for r in self._conn.execute(sql).fetchall()]
 
     def open_sessions(self) -> list[str]:
         with self._lock:
-            rows = self._conn.execute(_SESSION_IDS).fetchall()
+            names = self._sessions_unlocked()
             if not self._has_idle_table:  # a format-1 file opened read-only
-                return [r[0] for r in rows]
+                return names
             idle = {r[0] for r in self._conn.execute("SELECT session_id FROM idle_sessions")}
-        return [r[0] for r in rows if r[0] not in idle]
+        return [name for name in names if name not in idle]
 
     def count(self, session_id: str | None = None) -> int:
-        """How many events the store holds (for one session, or all)."""
+        """How many events the store holds (for one session, or all). A log holds seqs
+        1 to its last, so this is the last seq, summed over sessions."""
         with self._lock:
-            if session_id is None:
-                row = self._conn.execute("SELECT count(*) FROM events").fetchone()
-            else:
-                row = self._conn.execute(
-                    "SELECT count(*) FROM events WHERE session_id = ?", (session_id,)
-                ).fetchone()
+            if session_id is not None:
+                return self._last_seq_unlocked(session_id)
+            table, key = ("events", "session_id") if self._old_layout else ("log", "sid")
+            row = self._conn.execute(
+                f"SELECT coalesce(sum(last), 0) FROM "
+                f"(SELECT max(seq) AS last FROM {table} GROUP BY {key})"
+            ).fetchone()
         return int(row[0])
 
     def close(self) -> None:

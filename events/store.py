@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
-from aalis_agent.events.codec import decode, encode
+from aalis_agent.events.codec import decode, encode, encode_keyless
 from aalis_agent.events.errors import ConcurrencyConflict, CorruptEvent, InvalidBatch
 from aalis_agent.events.schema import Event, SessionEvent
 
@@ -100,16 +100,20 @@ class EventStore(Protocol):
         ...
 
 
-def encode_batch(events: Iterable[SessionEvent]) -> list[tuple[SessionEvent, bytes]]:
-    """Encode a batch for storage. Nothing unreadable is ever written: a value the codec
-    cannot store, or a row that would not decode back into its event (a wrong type, say
-    ``None`` where the schema wants text), refuses the whole batch with
+def encode_batch(
+    events: Iterable[SessionEvent], *, keyless: bool = False
+) -> list[tuple[SessionEvent, bytes]]:
+    """Encode a batch for storage, each event whole (format 1) or, with ``keyless``,
+    without its session and seq (as a format-2 row holds it). Nothing unreadable is ever
+    written: a value the codec cannot store, or an event that would not decode back (a
+    wrong type, say ``None`` where the schema wants text), refuses the whole batch with
     :class:`InvalidBatch` naming the session, seq, event type and the problem."""
     out = []
+    pack = encode_keyless if keyless else encode
     for event in events:
         where = f"session {event.session_id!r} seq {event.seq} ({type(event).__name__})"
         try:
-            data = encode(event)
+            data = pack(event)
         except (msgspec.EncodeError, OverflowError, TypeError, ValueError) as exc:
             raise InvalidBatch(f"{where}: cannot encode event: {exc}") from None
         try:
@@ -147,9 +151,10 @@ def check_batch(session_id: str, events: Iterable[Event], expected_seq: int) -> 
 class InMemoryEventStore:
     """The reference store: encoded events in dicts and lists behind one lock. Not durable.
 
-    Events are kept encoded, as the SQLite store keeps them, so that a caller changing a
-    dict inside an event it appended or read cannot rewrite history, and so that both
-    stores give back exactly the same values.
+    Events are kept encoded (one by one, in row format 1), as the SQLite store keeps
+    them encoded (a batch per row, in row format 2), so that a caller changing a dict
+    inside an event it appended or read cannot rewrite history, and so that both stores
+    give back exactly the same values.
     """
 
     def __init__(self) -> None:

@@ -100,7 +100,7 @@ class QueueState(msgspec.Struct, frozen=True):
 
 
 def _without(items: tuple[Waiting, ...], input_id: str) -> tuple[Waiting, ...]:
-    return tuple(w for w in items if w.input.id != input_id)
+    return tuple([w for w in items if w.input.id != input_id])
 
 
 def _take(state: QueueState, input_id: str) -> tuple[QueueState, Waiting | None]:
@@ -137,12 +137,23 @@ def _on_held(state: QueueState, event: InputHeld) -> QueueState:
 
 
 def _on_joined(state: QueueState, event: InputJoined) -> QueueState:
-    state, taken = _take(state, event.input_id)
+    input_id = event.input_id
+    running = state.running
+    if running is not None and running.turn_id == event.turn_id:
+        arrived = state.arrived
+        for w in arrived:  # the usual case: received, then joined in the same batch
+            if w.input.id == input_id:
+                if w.held_for is not None or w.front:
+                    w = replace(w, held_for=None, front=False)
+                running = replace(running, joined=(*running.joined, w))
+                return replace(state, arrived=_without(arrived, input_id), running=running)
+    state, taken = _take(state, input_id)
     running = state.running
     if taken is None or running is None or running.turn_id != event.turn_id:
         return state
-    joined = replace(taken, held_for=None, front=False)
-    return replace(state, running=replace(running, joined=(*running.joined, joined)))
+    if taken.held_for is not None or taken.front:
+        taken = replace(taken, held_for=None, front=False)
+    return replace(state, running=replace(running, joined=(*running.joined, taken)))
 
 
 def _on_requeued(state: QueueState, event: InputRequeued) -> QueueState:
@@ -164,7 +175,10 @@ def _on_call_started(state: QueueState, event: ModelCallStarted) -> QueueState:
     running = state.running
     if running is None or running.turn_id != event.turn_id:
         return state
-    carried = frozenset(w.input.id for w in running.joined)
+    joined = running.joined
+    if len(joined) == 1 == len(running.carried) and joined[0].input.id in running.carried:
+        return state  # the usual turn: its one input is carried already
+    carried = frozenset([w.input.id for w in joined])
     if carried == running.carried:
         return state
     return replace(state, running=replace(running, carried=carried))
@@ -180,15 +194,15 @@ def _on_released(state: QueueState, event: InputReleased) -> QueueState:
 def _on_message(state: QueueState, event: MessageSaved) -> QueueState:
     running = state.running
     meta = event.message.meta
+    input_id = meta.input_id
     if running is not None and meta.turn_id == running.turn_id:
-        if meta.input_id is not None and meta.input_id not in running.carried:
-            running = replace(running, carried=running.carried | {meta.input_id})
+        if input_id is not None and input_id not in running.carried:
+            running = replace(running, carried=running.carried | {input_id})
             state = replace(state, running=running)
         if meta.turn_record is not None and event.message.role == "assistant":
             state = replace(state, running=replace(running, reply_saved=True))
     if not state.to_archive:
         return state
-    input_id = meta.input_id
     if input_id is None:
         return state
     return replace(state, to_archive=_without(state.to_archive, input_id))

@@ -1,8 +1,11 @@
-"""Write the golden logs for the current schema version (never overwrites).
+"""Write the golden logs for the current schema version and store format (never overwrites).
 
-Golden logs under tests/golden/ are what every later version must keep decoding. Run
-``.venv/bin/python scripts/golden.py`` once when SCHEMA_VERSION is bumped, and commit the
-new files beside the old ones.
+Golden logs under tests/golden/ are what every later version must keep decoding:
+``v<schema>_session.jsonl`` (the events as JSON) and, per store format, a SQLite file
+holding the same events (``v<schema>_session.db`` for store format 2, one row per event;
+``v<schema>_session.store<format>.db`` from format 3 on). Run
+``.venv/bin/python scripts/golden.py`` once when SCHEMA_VERSION or the store format is
+bumped, and commit the new files beside the old ones.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from aalis_agent.events import (
@@ -26,13 +30,17 @@ from aalis_agent.events import (
     MessageMeta,
     MessageSaved,
     SessionDeleted,
+    SessionEvent,
     SettingsChanged,
     SqliteEventStore,
+    decode_json,
     encode_json,
 )
+from aalis_agent.events.sqlite import STORE_FORMAT
 from aalis_agent.testing.sample import write_demo_session
 
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden"
+SESSION = "golden:room-1"
 
 
 def extra_events(session_id: str, last_seq: int, clock: FixedClock) -> Batch:
@@ -54,29 +62,68 @@ def extra_events(session_id: str, last_seq: int, clock: FixedClock) -> Batch:
     return b
 
 
+class _Recording(InMemoryEventStore):
+    """Remembers how many events each append carried."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def append(
+        self,
+        session_id: str,
+        events: Sequence[SessionEvent],
+        expected_seq: int,
+        *,
+        open_work: bool | None = None,
+    ) -> int:
+        if events:
+            self.sizes.append(len(events))
+        return super().append(session_id, events, expected_seq, open_work=open_work)
+
+
+def golden_session() -> tuple[list[SessionEvent], list[int]]:
+    """The golden session as this version writes it, and the size of each batch."""
+    store = _Recording()
+    clock = FixedClock(1_767_225_600_000, step_ms=250)
+    events = write_demo_session(store, SESSION, clock)
+    extra = extra_events(SESSION, events[-1].seq, clock)
+    store.append(SESSION, extra.events, extra.expected_seq)
+    return store.read(SESSION), store.sizes
+
+
 def main() -> int:
     jsonl = GOLDEN / f"v{SCHEMA_VERSION}_session.jsonl"
-    db = GOLDEN / f"v{SCHEMA_VERSION}_session.db"
-    if jsonl.exists() or db.exists():
-        print(f"{jsonl.name} or {db.name} exists already; golden files are never rewritten")
+    db = GOLDEN / f"v{SCHEMA_VERSION}_session.store{STORE_FORMAT}.db"
+    if jsonl.exists() and db.exists():
+        print(f"{jsonl.name} and {db.name} exist already; golden files are never rewritten")
         return 1
-    clock = FixedClock(1_767_225_600_000, step_ms=250)
-    store = InMemoryEventStore()
-    events = write_demo_session(store, "golden:room-1", clock)
-    extra = extra_events("golden:room-1", events[-1].seq, clock)
-    store.append("golden:room-1", extra.events, extra.expected_seq)
-    events = store.read("golden:room-1")
     GOLDEN.mkdir(parents=True, exist_ok=True)
-    jsonl.write_bytes(b"".join(encode_json(e) + b"\n" for e in events))
+    events, sizes = golden_session()
+    if jsonl.exists():
+        # The schema version's events are the ones its JSONL holds; the demo may have
+        # changed a text since. Batches as the demo writes them, when the count agrees.
+        lines = jsonl.read_bytes().splitlines()
+        events = [decode_json(line, seq=n) for n, line in enumerate(lines, 1)]
+        if sum(sizes) != len(events):
+            sizes = [1] * len(events)
+    else:
+        jsonl.write_bytes(b"".join(encode_json(e) + b"\n" for e in events))
+        print(f"wrote {jsonl} ({len(events)} events)")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "golden.db"
         sqlite = SqliteEventStore(path)
-        sqlite.append("golden:room-1", events, 0)
+        version = sqlite._conn.execute("PRAGMA user_version").fetchone()[0]
+        assert version == STORE_FORMAT, f"the store writes format {version}"
+        last = 0
+        for size in sizes:
+            last = sqlite.append(SESSION, events[last : last + size], last)
+        assert sqlite.read(SESSION) == events
         sqlite._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         sqlite._conn.execute("PRAGMA journal_mode=DELETE")
         sqlite.close()
         shutil.copyfile(path, db)
-    print(f"wrote {jsonl} and {db} ({len(events)} events)")
+    print(f"wrote {db} ({len(events)} events in {len(sizes)} rows)")
     return 0
 
 

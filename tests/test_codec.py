@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -335,3 +337,204 @@ def test_nested_values_are_frozen() -> None:
     with pytest.raises(AttributeError):
         sender.nickname = "x"  # type: ignore[misc]
     assert opened.settings.history_limit == 0 and sender.nickname is None
+
+
+# --- row format 2: a batch per row, compressed against the rows before it --------------
+
+ROW_SESSION = "qq:group:会话"
+
+
+def _stamped(events: Sequence[Event], first: int = 1) -> list[SessionEvent]:
+    return [
+        codec.restamp(e, seq=n, session_id=ROW_SESSION)  # type: ignore[misc]
+        for n, e in enumerate(events, first)
+    ]
+
+
+def _pack(batches: Sequence[Sequence[SessionEvent]]) -> list[tuple[int, bytes]]:
+    """Each batch as one row, every row continuing the one before (as a writer does)."""
+    rows: list[tuple[int, bytes]] = []
+    after: codec.RowContext | None = None
+    for events in batches:
+        parts = [codec.encode_keyless(e) for e in events]
+        row, after = codec.pack_row(ROW_SESSION, parts, events[-1].seq, after)
+        rows.append((events[-1].seq, row))
+    return rows
+
+
+def _batches(events: list[SessionEvent], sizes: Sequence[int]) -> list[list[SessionEvent]]:
+    out, i = [], 0
+    for size in sizes:
+        if i < len(events):
+            out.append(events[i : i + size])
+            i += size
+    if i < len(events):
+        out.append(events[i:])
+    return out
+
+
+@pytest.mark.parametrize("cls", EVENT_TYPES, ids=lambda c: c.__name__)
+@settings(max_examples=30)
+@given(data=st.data())
+def test_every_event_type_round_trips_in_a_format_2_row(
+    cls: type[Event], data: st.DataObject
+) -> None:
+    event = _stamped([data.draw(EVENT_STRATEGIES[cls])], first=7)[0]
+    keyless = codec.encode_keyless(event)
+    assert codec.decode(keyless) == codec.restamp(event, seq=0, session_id="")
+    [(seq, row)] = _pack([[event]])
+    assert row[0] == codec.ROW_FORMAT and codec.row_header(row)[:2] == (0, 1)  # type: ignore[index]
+    [back] = codec.RowReader(ROW_SESSION).read(seq, row)
+    assert type(back) is cls
+    assert back == event
+    assert codec.encode(back) == codec.encode(event)
+
+
+@settings(max_examples=60)
+@given(
+    events=st.lists(ANY_EVENT, min_size=1, max_size=40),
+    sizes=st.lists(st.integers(min_value=1, max_value=20), max_size=8),
+)
+def test_batches_of_any_events_read_back_row_by_row(events: list[Event], sizes: list[int]) -> None:
+    stamped = _stamped(events)
+    rows = _pack(_batches(stamped, sizes))
+    reader = codec.RowReader(ROW_SESSION)
+    back = [e for seq, row in rows for e in reader.read(seq, row)]
+    assert back == stamped
+    assert [codec.row_header(row)[0] for _, row in rows] == list(range(len(rows)))  # type: ignore[index]
+
+
+def test_a_group_holds_at_most_group_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "GROUP_ROWS", 3)
+    events = _stamped([InputQueued(input_id=f"in-{n}") for n in range(8)])
+    rows = _pack([[e] for e in events])
+    assert [codec.row_header(row)[0] for _, row in rows] == [0, 1, 2, 0, 1, 2, 0, 1]  # type: ignore[index]
+    reader = codec.RowReader(ROW_SESSION)
+    assert [e for seq, row in rows for e in reader.read(seq, row)] == events
+    # A row that starts a group reads on its own; one inside a group needs the rows before.
+    assert codec.RowReader(ROW_SESSION).read(*rows[3]) == [events[3]]
+    with pytest.raises(CorruptEvent, match="continues the row before seq 5, which was not read"):
+        codec.RowReader(ROW_SESSION).read(*rows[4])
+    reader = codec.RowReader(ROW_SESSION)
+    assert reader.read(*rows[3], events=False) == []
+    assert reader.read(*rows[4]) == [events[4]]
+
+
+def test_rows_compress_against_their_group() -> None:
+    """The second turn of the same shape costs a fraction of the first: its tags, field
+    names and repeated values point back into the group."""
+    text = "你好,帮我查一下明天上海的天气,顺便看看要不要带伞。"
+    first = _stamped([MessageSaved(at=1, message=ChatMessage(id="m1", role="user", content=text))])
+    second = _stamped(
+        [MessageSaved(at=2, message=ChatMessage(id="m2", role="user", content=text))], first=2
+    )
+    (_, key), (_, chained) = _pack([first, second])
+    assert len(chained) < len(key) / 3
+    assert len(key) < len(codec.encode(first[0]))
+
+
+def test_format_1_rows_read_as_before_and_break_a_group() -> None:
+    old = _stamped([InputQueued(input_id="a")])[0]
+    new = _stamped([InputQueued(input_id="b"), InputQueued(input_id="c")], first=2)
+    rows = _pack([[new[0]], [new[1]]])
+    reader = codec.RowReader(ROW_SESSION)
+    assert reader.read(1, codec.encode(old)) == [old]
+    assert reader.read(*rows[0]) == [new[0]]
+    assert reader.read(*rows[1]) == [new[1]]
+    reader.read(1, codec.encode(old))  # a format-1 row between: the group is not continued
+    with pytest.raises(CorruptEvent, match="which was not read"):
+        reader.read(*rows[1])
+
+
+def _corrupted(row: bytes, how: str) -> bytes:
+    _, count, offset = codec.row_header(row)  # type: ignore[misc]
+    if how == "cut":
+        return row[:-2]
+    if how == "empty-stream":
+        return row[:offset]
+    if how == "flipped":
+        middle = offset + (len(row) - offset) // 2
+        return row[:middle] + bytes([row[middle] ^ 0xFF]) + row[middle + 1 :]
+    if how == "trailing":
+        return row + b"\x00garbage"
+    if how == "count":
+        return row[:2] + bytes([count + 1]) + row[offset:]
+    if how == "no-events":
+        return row[:2] + b"\x00" + row[offset:]
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["cut", "empty-stream", "flipped", "trailing", "count"])
+def test_a_corrupt_format_2_row_is_a_corrupt_event_naming_its_first_seq(how: str) -> None:
+    events = _stamped([InputQueued(input_id=f"in-{n}", at=n) for n in range(6)])
+    rows = _pack([events[:2], events[2:5], events[5:]])
+    bad = _corrupted(rows[1][1], how)
+    reader = codec.RowReader(ROW_SESSION)
+    assert reader.read(*rows[0]) == events[:2]
+    with pytest.raises(CorruptEvent) as info:
+        reader.read(rows[1][0], bad)
+    first = 2 if how == "count" else 3  # the row's first seq, as its header tells it
+    assert (info.value.session_id, info.value.seq) == (ROW_SESSION, first)
+    assert info.value.reason.startswith(f"a row of seqs {first}-5: ")
+    assert f"session {ROW_SESSION!r} seq {first}: cannot decode event" in str(info.value)
+    # The row after it continues its group: it cannot be read either, and says why.
+    with pytest.raises(CorruptEvent) as after:
+        reader.read(*rows[2])
+    assert after.value.seq == 6 and "which was not read" in after.value.reason
+
+
+def test_a_row_of_no_events_is_corrupt() -> None:
+    [(seq, row)] = _pack([_stamped([InputQueued(input_id="a")])])
+    with pytest.raises(CorruptEvent, match="holds no events"):
+        codec.RowReader(ROW_SESSION).read(seq, _corrupted(row, "no-events"))
+
+
+def test_a_row_whose_events_do_not_validate_keeps_its_group_readable() -> None:
+    """The stream inflates but an event in it is not one (a required field missing): the
+    row is corrupt, and the rows after it in its group still read."""
+    good = _stamped([InputQueued(input_id="a"), InputQueued(input_id="b")])
+    parts = [codec.encode_keyless(good[0]), msgspec.msgpack.encode({"type": "input_queued"})]
+    bad, after = codec.pack_row(ROW_SESSION, parts, 2, None)
+    nxt = _stamped([InputQueued(input_id="c")], first=3)
+    row3, _ = codec.pack_row(ROW_SESSION, [codec.encode_keyless(nxt[0])], 3, after)
+    reader = codec.RowReader(ROW_SESSION)
+    with pytest.raises(CorruptEvent) as info:
+        reader.read(2, bad)
+    assert info.value.seq == 1 and "input_id" in info.value.reason
+    assert reader.read(3, row3) == nxt
+
+
+@settings(max_examples=200)
+@given(garbage=st.binary(max_size=64), depth=st.integers(0, 3), seq=st.integers(1, 10**6))
+def test_random_format_2_rows_are_events_or_corrupt_events(
+    garbage: bytes, depth: int, seq: int
+) -> None:
+    row = bytes([codec.ROW_FORMAT, depth]) + garbage
+    try:
+        events = codec.RowReader("fuzz").read(seq, row)
+    except CorruptEvent as exc:
+        assert exc.session_id == "fuzz"
+    else:
+        assert all(isinstance(e, EVENT_TYPES) for e in events)
+
+
+def test_row_header_tells_format_2_rows_apart() -> None:
+    assert codec.row_header(codec.encode(InputQueued(input_id="a"))) is None  # format 1
+    assert codec.row_header(b"") is None
+    assert codec.row_header(b"\x02\x00") is None
+    assert codec.row_header("\x02\x00\x01text") is None  # not bytes at all
+    assert codec.row_header(b"\x02\x05\x81\x01stream") == (5, 129, 4)
+    assert codec.row_header(b"\x02\x00\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff") is None
+
+
+def test_the_row_dictionary_is_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aalis_agent.events import _dictionary
+
+    data = _dictionary.dictionary()
+    assert hashlib.sha256(data).hexdigest() == _dictionary.SHA256
+    assert data == codec._STATIC
+    events = list(_dictionary.EVENTS)
+    events[-1] = {**events[-1], "at": 0}
+    monkeypatch.setattr(_dictionary, "EVENTS", tuple(events))
+    with pytest.raises(RuntimeError, match="would not read back"):
+        _dictionary.dictionary()

@@ -781,3 +781,50 @@ def test_chain_views_behave_like_immutable_lists(ops: list[tuple[int, int]]) -> 
         assert chain.to_list() == model
         assert len(chain) == len(model)
         assert chain == Chain.of(model)
+
+
+# --- (g) the combined fold -------------------------------------------------------------
+
+
+def _reference(events: Sequence[SessionEvent], view: SessionView) -> SessionView:
+    """What ``project`` must give: each projection's own handler fold, and the settings."""
+    settings: dict[str, Any] = dict(view.settings)
+    for event in events:
+        if isinstance(event, SessionDeleted):
+            settings = {}
+        elif isinstance(event, SettingsChanged):
+            if event.reset:
+                settings.pop(event.key, None)
+            else:
+                settings[event.key] = event.value
+    last = events[-1] if events else None
+    return SessionView(
+        last.session_id if last else view.session_id,
+        last.seq if last else view.seq,
+        history.project(events, view.history),
+        turns.project(events, view.turns),
+        queue.project(events, view.queue),
+        settings,
+    )
+
+
+@settings(max_examples=80)
+@given(ops=st.lists(OPS, max_size=30), data=st.data())
+def test_project_folds_as_the_handler_tables_do(
+    ops: list[tuple[Any, ...]], data: st.DataObject
+) -> None:
+    """``project`` folds history and turns in one pass of its own: it must agree with the
+    projections' handler tables from any view, and leave that view as it was."""
+    events = build_log(ops)
+    cut = data.draw(st.integers(0, len(events)), label="cut")
+    start = project(events[:cut])
+    before = project(events[:cut])
+    got = project(events[cut:], start)
+    want = _reference(events[cut:], start)
+    assert (got.session_id, got.seq) == (want.session_id, want.seq)
+    assert got.history == want.history
+    assert got.turns == want.turns
+    assert got.queue == want.queue
+    assert dict(got.settings) == dict(want.settings)
+    assert start == before  # the view folded from is untouched
+    assert project((), start) is start

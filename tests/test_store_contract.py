@@ -659,7 +659,7 @@ class TestSqliteStore(StoreContract):
             assert store.open_sessions() == ["y"]
         conn = sqlite3.connect(path)
         try:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
         finally:
             conn.close()
 
@@ -677,6 +677,165 @@ class TestSqliteStore(StoreContract):
             with pytest.raises(StoreError, match="read-only"):
                 store.mark_idle([("x", 1)])
         assert path.read_bytes() == before  # not migrated, not written
+
+    def _format_2_database(self, path: Path) -> list[SessionEvent]:
+        """A database as format 2 left it: one row per event, written the old way (with
+        ``type``, session ids in full), a session marked idle; its events."""
+        conn = sqlite3.connect(path)
+        conn.executescript(
+            "CREATE TABLE events (position INTEGER NOT NULL, session_id TEXT NOT NULL, "
+            "seq INTEGER NOT NULL, type TEXT NOT NULL, data BLOB NOT NULL, "
+            "PRIMARY KEY (session_id, seq)) WITHOUT ROWID;"
+            "CREATE UNIQUE INDEX events_position ON events (position);"
+            "CREATE TABLE idle_sessions (session_id TEXT PRIMARY KEY) WITHOUT ROWID;"
+            "INSERT INTO idle_sessions VALUES ('b');"
+            "PRAGMA user_version=2;"
+        )
+        events = [*one_of_every_event("a"), *batch("b", 1, 3), *batch("会话", 1, 2)]
+        with conn:
+            conn.executemany(
+                "INSERT INTO events VALUES (?, ?, ?, ?, ?)",
+                [
+                    (n, e.session_id, e.seq, codec.event_tag(e), codec.encode(e))
+                    for n, e in enumerate(events, 1)
+                ],
+            )
+        conn.close()
+        return events
+
+    def test_a_format_2_database_moves_to_format_3_as_it_is(self, tmp_path: Path) -> None:
+        """Its rows keep their bytes (format 1), now in ``log``; new batches are format-2
+        rows after them; reads, positions and idle marks go on across both."""
+        path = tmp_path / "v2.db"
+        old = self._format_2_database(path)
+        with SqliteEventStore(path, read_only=True) as reader:  # read as it is
+            assert [r.event for r in reader.read_all()] == old
+        with SqliteEventStore(path) as store:
+            assert [r.event for r in store.read_all()] == old
+            assert store.sessions() == ["a", "b", "会话"]
+            assert store.open_sessions() == ["a", "会话"]
+            assert store.count() == len(old) and store.count("a") == 20
+            new = batch("b", 4, 3)
+            assert store.append("b", new, 3, open_work=False) == 6
+            assert store.read("b") == [*batch("b", 1, 3), *new]
+            assert store.read("b", 4) == new[1:]
+            recorded = store.read_all(len(old) - 1)
+            assert [r.position for r in recorded] == list(range(len(old), len(old) + 4))
+            assert [r.event for r in recorded] == [old[-1], *new]
+        conn = sqlite3.connect(path)
+        try:
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+            kinds = dict(conn.execute("SELECT name, type FROM sqlite_master"))
+            assert kinds["events"] == "view" and kinds["log"] == "table"
+            rows = conn.execute("SELECT seq, data FROM events WHERE session_id = 'b'").fetchall()
+            assert [seq for seq, _ in rows] == [1, 2, 3, 6]  # three old rows, one new
+            assert [data for _, data in rows[:3]] == [codec.encode(e) for e in old[20:23]]
+            assert rows[3][1][0] == codec.ROW_FORMAT
+        finally:
+            conn.close()
+        with SqliteEventStore(path, read_only=True) as reader:
+            assert reader.read("b") == [*batch("b", 1, 3), *new]
+
+    def _rows(self, path: Path, session_id: str) -> list[tuple[int, bytes]]:
+        conn = sqlite3.connect(path)
+        try:
+            return conn.execute(
+                "SELECT seq, data FROM events WHERE session_id = ? ORDER BY seq", (session_id,)
+            ).fetchall()
+        finally:
+            conn.close()
+
+    def _depths(self, path: Path, session_id: str) -> list[int]:
+        return [codec.row_header(data)[0] for _, data in self._rows(path, session_id)]  # type: ignore[index]
+
+    def test_a_batch_is_one_row_that_continues_its_group(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(codec, "GROUP_ROWS", 3)
+        path = tmp_path / "events.db"
+        events: list[SessionEvent] = []
+        with SqliteEventStore(path) as store:
+            for size in (2, 1, 3, 1, 2):
+                more = batch("s", len(events) + 1, size)
+                store.append("s", more, len(events))
+                events += more
+            store.append("t", batch("t", 1, 1), 0)  # another session: its own group
+        assert [seq for seq, _ in self._rows(path, "s")] == [2, 3, 6, 7, 9]
+        assert self._depths(path, "s") == [0, 1, 2, 0, 1]
+        assert self._depths(path, "t") == [0]
+        with SqliteEventStore(path) as store:
+            # A store that did not write the row before starts a new group.
+            store.append("s", batch("s", 10, 1), 9)
+            store.append("s", batch("s", 11, 1), 10)
+            events += batch("s", 10, 2)
+            assert self._depths(path, "s") == [0, 1, 2, 0, 1, 0, 1]
+            assert store.read("s") == events
+            for after in range(-1, len(events) + 2):  # from inside any row and group
+                assert store.read("s", after) == events[max(after, 0) :]
+            everything = store.read_all()
+            for after in range(len(everything) + 1):
+                for limit in (None, 1, 2, 5):
+                    stop = None if limit is None else after + limit
+                    assert store.read_all(after, limit) == everything[after:stop]
+
+    def test_another_writer_between_two_appends_starts_a_new_group(self, tmp_path: Path) -> None:
+        path = tmp_path / "events.db"
+        with SqliteEventStore(path) as first, SqliteEventStore(path) as second:
+            first.append("s", batch("s", 1, 1), 0)
+            first.append("s", batch("s", 2, 1), 1)
+            second.append("s", batch("s", 3, 1), 2)
+            first.append("s", batch("s", 4, 1), 3)
+            first.append("s", batch("s", 5, 1), 4)
+            assert self._depths(path, "s") == [0, 1, 0, 0, 1]
+            assert first.read("s") == second.read("s") == batch("s", 1, 5)
+
+    def _corrupt_row(self, path: Path, seq: int) -> None:
+        conn = sqlite3.connect(path)
+        try:
+            with conn:
+                (data,) = conn.execute("SELECT data FROM log WHERE seq = ?", (seq,)).fetchone()
+                conn.execute(
+                    "UPDATE log SET data = ? WHERE seq = ?", (data[:-3] + b"\xff\xff\xff", seq)
+                )
+        finally:
+            conn.close()
+
+    def test_a_corrupt_row_costs_the_rest_of_its_group_and_no_more(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(codec, "GROUP_ROWS", 4)
+        path = tmp_path / "events.db"
+        with SqliteEventStore(path) as store:
+            for n in range(8):
+                store.append("s", batch("s", n + 1, 1), n)  # rows 1-4 and 5-8: two groups
+            self._corrupt_row(path, 2)
+            with pytest.raises(CorruptEvent) as info:
+                store.read("s")
+            assert (info.value.session_id, info.value.seq) == ("s", 2)
+            seen: list[CorruptEvent] = []
+            assert store.read("s", on_corrupt=seen.append) == [
+                *batch("s", 1, 1),
+                *batch("s", 5, 4),
+            ]
+            assert [c.seq for c in seen] == [2, 3, 4]
+            assert "does not inflate" in seen[0].reason or "cut short" in seen[0].reason
+            assert all("which was not read" in c.reason for c in seen[1:])
+            assert store.read("s", 4) == batch("s", 5, 4)  # past the damaged group
+            seen.clear()
+            assert store.read("s", 2, on_corrupt=seen.append) == batch("s", 5, 4)
+            assert [c.seq for c in seen] == [3, 4]  # the damaged row itself is not asked for
+            with pytest.raises(CorruptEvent):
+                store.read_all()
+            assert [r.position for r in store.read_all(4)] == [5, 6, 7, 8]
+
+    def test_rows_inserted_by_hand_in_format_1_are_read_with_the_others(
+        self, tmp_path: Path, store: EventStore
+    ) -> None:
+        store.append("s", batch("s", 1, 2), 0)
+        self._raw_insert(tmp_path / "events.db", "s", 3, codec.encode(queued("s", 3)))
+        assert store.append("s", batch("s", 4, 2), 3) == 5
+        assert store.read("s") == [*batch("s", 1, 2), queued("s", 3), *batch("s", 4, 2)]
+        assert [r.position for r in store.read_all()] == [1, 2, 3, 4, 5]
 
     def test_read_only_sees_what_a_writer_appends(self, tmp_path: Path) -> None:
         path = tmp_path / "events.db"
@@ -809,25 +968,49 @@ class TestSqliteStore(StoreContract):
     def test_failure_mid_batch_rolls_back_the_whole_batch(
         self, tmp_path: Path, store: EventStore
     ) -> None:
+        """The batch's row is written, then the idle mark of the same transaction fails:
+        nothing of the batch stays."""
         store.append("s", batch("s", 1, 1), 0)
         conn = sqlite3.connect(tmp_path / "events.db")
         try:
             conn.execute(
-                "CREATE TRIGGER refuse_third BEFORE INSERT ON events WHEN NEW.seq = 4 "
+                "CREATE TRIGGER refuse_mark BEFORE INSERT ON idle_sessions "
+                "BEGIN SELECT RAISE(ABORT, 'refused by test trigger'); END"
+            )
+            conn.commit()
+            before = snapshot(store)
+            with pytest.raises(StoreError, match="refused by test trigger"):
+                store.append("s", batch("s", 2, 4), 1, open_work=False)
+            assert snapshot(store) == before
+            assert store.open_sessions() == ["s"]
+            conn.execute("DROP TRIGGER refuse_mark")
+            conn.commit()
+        finally:
+            conn.close()
+        # No transaction was left open: the same batch now goes through.
+        assert store.append("s", batch("s", 2, 4), 1, open_work=False) == 5
+        assert [r.position for r in store.read_all()] == [1, 2, 3, 4, 5]
+        assert store.open_sessions() == []
+
+    def test_a_refused_row_writes_nothing(self, tmp_path: Path, store: EventStore) -> None:
+        store.append("s", batch("s", 1, 1), 0)
+        conn = sqlite3.connect(tmp_path / "events.db")
+        try:
+            conn.execute(
+                "CREATE TRIGGER refuse_row BEFORE INSERT ON log WHEN NEW.seq = 5 "
                 "BEGIN SELECT RAISE(ABORT, 'refused by test trigger'); END"
             )
             conn.commit()
             before = snapshot(store)
             with pytest.raises(StoreError):
-                store.append("s", batch("s", 2, 4), 1)  # seqs 2, 3 insert; 4 aborts
+                store.append("s", batch("s", 2, 4), 1)
             assert snapshot(store) == before
-            conn.execute("DROP TRIGGER refuse_third")
+            conn.execute("DROP TRIGGER refuse_row")
             conn.commit()
         finally:
             conn.close()
-        # No transaction was left open: the same batch now goes through.
         assert store.append("s", batch("s", 2, 4), 1) == 5
-        assert [r.position for r in store.read_all()] == [1, 2, 3, 4, 5]
+        assert store.read("s") == batch("s", 1, 5)
 
     def test_append_to_a_locked_database_raises_store_error(self, tmp_path: Path) -> None:
         """Another writer holding the write lock past ``timeout_s`` is a StoreError.

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from typing import Any
 
+from aalis_agent.events import codec
 from aalis_agent.events.codec import restamp
 from aalis_agent.events.errors import ConcurrencyConflict, InvalidBatch
 from aalis_agent.events.schema import ChatMessage, InputQueued, MessageSaved, SessionEvent
@@ -276,9 +277,33 @@ class TwoConnectionStoreMachine(StoreMachine):
         super().teardown()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
+    @rule(which=st.integers(min_value=0, max_value=1))
+    def reopen(self, which: int) -> None:
+        """A connection is closed and opened again, as after a restart: it has forgotten
+        the rows it wrote, so its next batch starts a new group."""
+        path = self.sqls[which].path
+        self.sqls[which].close()
+        self.sqls[which] = SqliteEventStore(path)
+
+
+class SmallGroupStoreMachine(TwoConnectionStoreMachine):
+    """As above, with groups of at most two rows: reads from inside a group, groups that
+    end and start again, all the more often."""
+
+    def __init__(self) -> None:
+        self.group_rows = codec.GROUP_ROWS
+        codec.GROUP_ROWS = 2
+        super().__init__()
+
+    def teardown(self) -> None:
+        codec.GROUP_ROWS = self.group_rows
+        super().teardown()
+
 
 FAST = settings(max_examples=60, stateful_step_count=30, deadline=None)
 StoreMachine.TestCase.settings = FAST
 TwoConnectionStoreMachine.TestCase.settings = FAST
+SmallGroupStoreMachine.TestCase.settings = FAST
 TestStoreMachine = StoreMachine.TestCase
 TestTwoConnectionStoreMachine = TwoConnectionStoreMachine.TestCase
+TestSmallGroupStoreMachine = SmallGroupStoreMachine.TestCase
