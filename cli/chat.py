@@ -28,7 +28,8 @@ from typing import IO, Any, TextIO
 from aalis_agent.actors.commands import COMMANDS, handle_command
 from aalis_agent.actors.runtime import Runtime, SubmitHandle
 from aalis_agent.actors.scheduler import Where
-from aalis_agent.events import Input, Sender, SqliteEventStore
+from aalis_agent.events import Input, Sender
+from aalis_agent.events.open import open_store
 from aalis_agent.request.texts import ZH, Texts
 from aalis_agent.services import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, Services
 from aalis_agent.services.builtin_tools import builtin_tools
@@ -218,7 +219,7 @@ def run_chat(
         services.llm = model
     elif not services.models.providers:
         services.llm = default_model()
-    store = SqliteEventStore(db_path)
+    store = open_store(db_path)
     runtime = Runtime(store, services)
     texts = services.texts_for("cli")  # the chat's platform
     lock = threading.Lock()

@@ -17,7 +17,8 @@ from typing import Any, TextIO
 
 from aalis_agent.actors.runtime import Runtime
 from aalis_agent.cli.replay import render_state, replay_session, run_replay
-from aalis_agent.events import Input, Sender, SequentialIds, SqliteEventStore, ToolCall
+from aalis_agent.events import EventStore, Input, Sender, SequentialIds, ToolCall
+from aalis_agent.events.open import open_store
 from aalis_agent.services import (
     ChatRequest,
     ScriptedModel,
@@ -77,7 +78,7 @@ def run_demo(db_path: str, out: TextIO | None = None) -> int:
         return "已设好提醒"
 
     script = _Script()
-    store = SqliteEventStore(db_path)
+    store = open_store(db_path)
     session_id = _free_session_id(store)
     model = ScriptedModel(script, model_id="scripted", provider_id="demo")
     services = Services(
@@ -166,7 +167,7 @@ def run_demo(db_path: str, out: TextIO | None = None) -> int:
     return 0
 
 
-def _free_session_id(store: SqliteEventStore) -> str:
+def _free_session_id(store: EventStore) -> str:
     existing = set(store.sessions())
     if DEMO_SESSION not in existing:
         return DEMO_SESSION

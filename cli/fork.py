@@ -65,7 +65,6 @@ from aalis_agent.events import (
     SequentialIds,
     SessionEvent,
     SettingsChanged,
-    SqliteEventStore,
     TokenUsage,
     ToolCall,
     ToolFinished,
@@ -76,6 +75,7 @@ from aalis_agent.events import (
     UsageRecorded,
     to_builtins,
 )
+from aalis_agent.events.open import is_postgres_url, open_store
 from aalis_agent.projections import project
 from aalis_agent.request.texts import ZH
 from aalis_agent.scenarios.result import message_json
@@ -177,9 +177,9 @@ def run_fork(args: argparse.Namespace, out: TextIO | None = None) -> int:
         raise ReplayError(f"--timeout must be more than 0, got {args.timeout}")
     sets = parse_sets(args.set_values or [])
     model_choice = _model_choice(args)
-    if not Path(args.db).is_file():
+    if not is_postgres_url(args.db) and not Path(args.db).is_file():
         raise ReplayError(f"no event database at {args.db!r}")
-    store = SqliteEventStore(args.db, read_only=True)  # the original is only read
+    store = open_store(args.db, read_only=True)  # the original is only read
     try:
         session_id = _session(store, args.session, args.db)
         events = _read(store, session_id)
@@ -258,7 +258,7 @@ def _config_model(path: str, wanted: str | None) -> tuple[ChatModel, Any]:
     return found[0], fc
 
 
-def _session(store: SqliteEventStore, session: str | None, db: str) -> str:
+def _session(store: EventStore, session: str | None, db: str) -> str:
     sessions = store.sessions()
     if session is None:
         if len(sessions) == 1:

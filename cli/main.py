@@ -13,10 +13,15 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
-from aalis_agent.events import AgentError, ConfigError, ReplayError, SqliteEventStore, StoreError
+from aalis_agent.events import AgentError, ConfigError, ReplayError, StoreError
+from aalis_agent.events.open import is_postgres_url, open_store
+from aalis_agent.events.sqlite import SqliteEventStore
+
+if TYPE_CHECKING:
+    from aalis_agent.events.postgres import PostgresEventStore
 from aalis_agent.services.logging_setup import LOGGER_NAME, BoundLogger, stdlib_processors
 from aalis_agent.services.secrets import redact
 
@@ -47,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     demo.add_argument(
-        "--db", default=DEFAULT_DEMO_DB, help=f"SQLite event database (default: {DEFAULT_DEMO_DB})"
+        "--db",
+        default=DEFAULT_DEMO_DB,
+        help=f"SQLite event database or postgresql:// URL (default: {DEFAULT_DEMO_DB})",
     )
     demo.add_argument(
         "-v", "--verbose", action="store_true", help="show the scheduler's debug log lines"
@@ -78,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not offer the built-in tools (current_time, calculate) to the model",
     )
-    chat.add_argument("--db", default="aalis-chat.db", help="SQLite event database")
+    chat.add_argument(
+        "--db", default="aalis-chat.db", help="SQLite event database or postgresql:// URL"
+    )
     chat.add_argument("--session", default="cli:console", help="session id (default: cli:console)")
     chat.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:11434/v1")
     chat.add_argument("--model", help="model id on that server")
@@ -133,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
             "decode are reported with session and seq and skipped; the exit status is 1 then."
         ),
     )
-    replay.add_argument("db", metavar="DB", help="SQLite event database")
+    replay.add_argument("db", metavar="DB", help="SQLite event database or postgresql:// URL")
     replay.add_argument("--session", metavar="ID", help="only this session (default: all)")
     replay.add_argument(
         "--at", metavar="SEQ", type=int, help="show the projected state as of this seq"
@@ -155,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     scenario.add_argument("file", metavar="FILE", help="scenario file (TOML)")
     scenario.add_argument(
-        "--db", metavar="PATH", help="write the log to this SQLite file (default: in memory)"
+        "--db",
+        metavar="PATH",
+        help="write the log to this SQLite file or postgresql:// URL (default: in memory)",
     )
     scenario.add_argument("--json", action="store_true", help="print one JSON document")
     scenario.add_argument(
@@ -194,10 +205,12 @@ def _limit(text: str) -> int | str:
     return int(text)
 
 
-def _open_existing(path: str) -> SqliteEventStore:
-    if not Path(path).is_file():
+def _open_existing(path: str) -> SqliteEventStore | PostgresEventStore:
+    """The event database to read (replay only reads): a SQLite file that must exist, or
+    a ``postgresql://`` URL."""
+    if not is_postgres_url(path) and not Path(path).is_file():
         raise ReplayError(f"no event database at {path!r}")
-    return SqliteEventStore(path, read_only=True)  # replay only reads
+    return open_store(path, read_only=True)
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:

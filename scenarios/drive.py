@@ -27,10 +27,10 @@ from aalis_agent.events import (
     ModelCallStarted,
     ModelRef,
     SequentialIds,
-    SqliteEventStore,
     TurnSettings,
 )
 from aalis_agent.events.errors import ScenarioError, ToolError
+from aalis_agent.events.open import open_store
 from aalis_agent.scenarios.load import load_scenario
 from aalis_agent.scenarios.result import CallRecord, InputRecord, ScenarioResult, StepRecord
 from aalis_agent.scenarios.spec import (
@@ -832,7 +832,7 @@ def run_scenario(
     if db is None:
         store = InMemoryEventStore()
     else:
-        store = SqliteEventStore(str(db))
+        store = open_store(str(db))
         taken = sorted(set(store.sessions()) & {s.id for s in sc.sessions})
         if taken:
             store.close()

@@ -1,0 +1,44 @@
+"""``open_store``: the event store a target names, a SQLite file or a PostgreSQL URL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aalis_agent.events.errors import StoreError
+from aalis_agent.events.sqlite import SqliteEventStore
+
+if TYPE_CHECKING:
+    from aalis_agent.events.postgres import PostgresEventStore
+
+__all__ = ["is_postgres_url", "open_store"]
+
+_SCHEMES = ("postgresql://", "postgres://")
+
+
+def is_postgres_url(target: str | Path) -> bool:
+    """Whether ``target`` is a PostgreSQL URL (``postgresql://`` or ``postgres://``)."""
+    return isinstance(target, str) and target.lower().startswith(_SCHEMES)
+
+
+def open_store(
+    target: str | Path, *, read_only: bool = False
+) -> SqliteEventStore | PostgresEventStore:
+    """The event store at ``target``: a :class:`PostgresEventStore` for a
+    ``postgresql://`` URL, else a :class:`SqliteEventStore` for a file path (or
+    ``":memory:"``). ``read_only`` opens it for reading only (as ``replay`` does): nothing
+    is created and writes are refused.
+
+    The PostgreSQL store needs psycopg (``pip install 'aalis-agent[postgres]'``); without
+    it a URL is refused with :class:`StoreError`.
+    """
+    if is_postgres_url(target):
+        try:
+            from aalis_agent.events.postgres import PostgresEventStore
+        except ImportError as exc:
+            raise StoreError(
+                f"a PostgreSQL event database needs psycopg and psycopg_pool "
+                f"(pip install 'aalis-agent[postgres]'): {exc}"
+            ) from None
+        return PostgresEventStore(str(target), read_only=read_only)
+    return SqliteEventStore(target, read_only=read_only)

@@ -1,0 +1,390 @@
+"""``PostgresEventStore``: session logs in a PostgreSQL database, for several processes or
+machines sharing one log.
+
+Layout (created on first use, in the connection's ``search_path`` schema):
+
+* ``aalis_head`` holds one row: the last global ``position`` handed out, and the layout's
+  ``format``. Every append updates it, so appends take their positions one after the
+  other and commit in that order: positions have no gaps, and a reader never sees a
+  position before every smaller one is visible.
+* ``aalis_sessions (sid, name, last_seq, idle)``: one row per session that has events.
+  ``name`` is the session id in UTF-8 (``bytea``: an id may hold any character, NUL
+  included, and sorts by code point). ``last_seq`` is the concurrency check: an append
+  updates the row only where it still holds the seq the writer expected, under the
+  row's lock. ``idle`` is the writer's word on unfinished work (see ``open_sessions``).
+* ``aalis_log (sid, seq, position, data)``: one row per appended batch, keyed by
+  ``(sid, seq)``; ``seq`` and ``position`` are those of the batch's last event, ``data``
+  the events in row format 2 (see :mod:`aalis_agent.events.codec`), each row starting its
+  own group: it reads without the rows before it. A row in format 1 (one event encoded
+  whole), or one continuing a group (copied from a SQLite file), is read too.
+
+An append is one call of the function ``aalis_append``, hence one statement and one
+transaction: the session row, the head and the log row change together or not at all.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from contextlib import suppress
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+from aalis_agent.events.codec import RowReader, pack_row, row_header
+from aalis_agent.events.errors import ConcurrencyConflict, CorruptEvent, StoreError
+from aalis_agent.events.schema import SessionEvent
+from aalis_agent.events.store import (
+    CorruptHandler,
+    Recorded,
+    check_batch,
+    check_limit,
+    encode_batch,
+)
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+__all__ = ["PG_FORMAT", "PostgresEventStore", "redact_url", "session_key"]
+
+PG_FORMAT = 1
+"""The layout's format, in ``aalis_head.format``."""
+_SCHEMA_LOCK = 0x6161_6C69_7300  # advisory lock key: one process creates the tables
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS aalis_head ("
+    " id boolean PRIMARY KEY DEFAULT true CHECK (id),"
+    " position bigint NOT NULL, format integer NOT NULL)",
+    f"INSERT INTO aalis_head (id, position, format) VALUES (true, 0, {PG_FORMAT}) "
+    "ON CONFLICT (id) DO NOTHING",
+    "CREATE TABLE IF NOT EXISTS aalis_sessions ("
+    " sid bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
+    " name bytea NOT NULL UNIQUE,"
+    " last_seq bigint NOT NULL CHECK (last_seq > 0),"
+    " idle boolean NOT NULL DEFAULT false)",
+    "CREATE TABLE IF NOT EXISTS aalis_log ("
+    " sid bigint NOT NULL, seq bigint NOT NULL,"
+    " position bigint NOT NULL UNIQUE, data bytea NOT NULL,"
+    " PRIMARY KEY (sid, seq))",
+    # Returns the batch's last position, or -1 - (the session's last seq) when the log
+    # is not at p_expected (nothing written). Each statement of a function sees what
+    # committed before it, so the seq reported on a conflict is the winner's.
+    """CREATE OR REPLACE FUNCTION aalis_append(
+        p_name bytea, p_expected bigint, p_count integer, p_idle boolean, p_data bytea)
+    RETURNS bigint LANGUAGE plpgsql AS $$
+    DECLARE
+        v_sid bigint;
+        v_position bigint;
+        v_last bigint := p_expected + p_count;
+    BEGIN
+        IF p_expected = 0 THEN
+            INSERT INTO aalis_sessions (name, last_seq, idle) VALUES (p_name, v_last, p_idle)
+                ON CONFLICT (name) DO NOTHING RETURNING sid INTO v_sid;
+        ELSE
+            UPDATE aalis_sessions SET last_seq = v_last, idle = p_idle
+                WHERE name = p_name AND last_seq = p_expected RETURNING sid INTO v_sid;
+        END IF;
+        IF v_sid IS NULL THEN
+            RETURN -1 - coalesce(
+                (SELECT last_seq FROM aalis_sessions WHERE name = p_name), 0);
+        END IF;
+        UPDATE aalis_head SET position = position + p_count
+            RETURNING position INTO v_position;
+        INSERT INTO aalis_log (sid, seq, position, data)
+            VALUES (v_sid, v_last, v_position, p_data);
+        RETURN v_position;
+    END $$""",
+)
+_TABLES = ("aalis_head", "aalis_sessions", "aalis_log")
+_APPEND = "SELECT aalis_append(%s, %s, %s, %s, %s)"
+_SID = "SELECT sid FROM aalis_sessions WHERE name = %s"
+_LAST_SEQ = "SELECT last_seq FROM aalis_sessions WHERE name = %s"
+_ROWS = (
+    "SELECT l.seq, l.data FROM aalis_log l JOIN aalis_sessions s ON s.sid = l.sid "
+    "WHERE s.name = %s AND l.seq > %s ORDER BY l.seq"
+)
+_GROUP_BEFORE = (
+    "SELECT seq, data FROM aalis_log WHERE sid = %s AND seq <= %s ORDER BY seq DESC LIMIT %s"
+)
+_ALL = (
+    "SELECT l.position, l.sid, s.name, l.seq, l.data FROM aalis_log l "
+    "JOIN aalis_sessions s ON s.sid = l.sid "
+    "WHERE l.position > %s ORDER BY l.position LIMIT %s"
+)
+_MARK_IDLE = "UPDATE aalis_sessions SET idle = true WHERE name = %s AND last_seq = %s AND %s > 0"
+
+Row = tuple[int, bytes]  # (seq, data)
+
+
+def redact_url(url: str) -> str:
+    """``url`` (a URL or a conninfo string) with its password, if any, masked."""
+    if not url.startswith(("postgresql://", "postgres://")):
+        return re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<postgresql url>"
+    if parts.password is not None:
+        user, host = parts.netloc.rsplit("@", 1)
+        parts = parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}")
+    query = re.sub(r"(password=)[^&]*", r"\1***", parts.query)
+    return urlunsplit(parts._replace(query=query))
+
+
+def _name(session_id: str) -> bytes:
+    # surrogatepass: an id no event can carry still looks up (and finds nothing).
+    return session_id.encode("utf-8", "surrogatepass")
+
+
+def session_key(session_id: str) -> bytes:
+    """How a session id is stored (``aalis_sessions.name``, ``aalis_leases.session``):
+    its UTF-8 bytes."""
+    return _name(session_id)
+
+
+class PostgresEventStore:
+    """Session logs in a PostgreSQL database, through a pool of connections; safe to
+    share between threads, and between processes and machines writing the same log
+    (the seq check refuses a stale append with :class:`ConcurrencyConflict`)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        read_only: bool = False,
+        min_size: int = 1,
+        max_size: int = 8,
+        timeout_s: float = 30.0,
+    ) -> None:
+        """Connect to the database at ``url`` (a libpq URL or conninfo string) and create
+        the tables when they are missing.
+
+        ``read_only`` creates nothing and refuses writes (its sessions run with
+        ``default_transaction_read_only``); the tables must exist. ``min_size`` and
+        ``max_size`` bound the pool; ``timeout_s`` is how long a call waits for a
+        connection (and the first connection is waited for).
+        """
+        self.url = url
+        self.path = redact_url(url)  # what messages name, as SqliteEventStore's path
+        self.read_only = read_only
+        self._timeout_s = timeout_s
+        self._closed = False
+        try:
+            with psycopg.connect(url, autocommit=True, connect_timeout=int(timeout_s)) as conn:
+                self._configure(conn)
+                if read_only:
+                    self._check_schema(conn)
+                else:
+                    self._ensure_schema(conn)
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot open event database {self.path!r}: {exc}") from None
+        self._pool: ConnectionPool[psycopg.Connection[tuple[Any, ...]]] = ConnectionPool(
+            url,
+            min_size=min_size,
+            max_size=max_size,
+            kwargs={"autocommit": True},
+            configure=self._configure,
+            timeout=timeout_s,
+            name="aalis-events",
+            open=False,
+        )
+        try:
+            self._pool.open(wait=True, timeout=timeout_s)
+        except PoolTimeout as exc:
+            self._pool.close()
+            raise StoreError(f"cannot open event database {self.path!r}: {exc}") from None
+
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        if self.read_only:
+            conn.execute("SET default_transaction_read_only = on")
+
+    def _check_schema(self, conn: psycopg.Connection[Any]) -> None:
+        found = {
+            row[0]
+            for row in conn.execute(
+                "SELECT c.relname FROM pg_class c "
+                "WHERE c.relname = ANY(%s) AND pg_table_is_visible(c.oid)",
+                (list(_TABLES),),
+            )
+        }
+        if not found:
+            raise StoreError(f"{self.path!r} holds no event table")
+        if found != set(_TABLES):
+            missing = ", ".join(sorted(set(_TABLES) - found))
+            raise StoreError(f"{self.path!r}: event tables missing: {missing}")
+        row = conn.execute("SELECT format FROM aalis_head").fetchone()
+        if row is None or row[0] != PG_FORMAT:
+            version = None if row is None else row[0]
+            raise StoreError(f"{self.path!r}: event table format {version} is not {PG_FORMAT}")
+
+    def _ensure_schema(self, conn: psycopg.Connection[Any]) -> None:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+            for sql in _SCHEMA:
+                conn.execute(sql)
+        self._check_schema(conn)
+
+    def _refuse_if_read_only(self) -> None:
+        if self.read_only:
+            raise StoreError(f"{self.path!r} is opened read-only: nothing can be written")
+
+    def _fail(self, doing: str, exc: Exception) -> StoreError:
+        text = str(exc).strip() or type(exc).__name__
+        return StoreError(f"{self.path!r}: {doing} failed: {text}")
+
+    # --- writing ---------------------------------------------------------------------
+
+    def append(
+        self,
+        session_id: str,
+        events: Sequence[SessionEvent],
+        expected_seq: int,
+        *,
+        open_work: bool | None = None,
+    ) -> int:
+        self._refuse_if_read_only()
+        check_batch(session_id, events, expected_seq)
+        name = _name(session_id)
+        if not events:
+            actual = self.last_seq(session_id)
+            if actual != expected_seq:
+                raise ConcurrencyConflict(session_id, expected_seq, actual)
+            return actual
+        n = len(events)
+        last = expected_seq + n
+        parts = [blob for _, blob in encode_batch(events, keyless=True)]
+        data, _ = pack_row(session_id, parts, last, None)
+        try:
+            with self._pool.connection() as conn:
+                row = conn.execute(
+                    _APPEND, (name, expected_seq, n, open_work is False, data)
+                ).fetchone()
+        except (psycopg.Error, PoolTimeout) as exc:
+            raise self._fail("append", exc) from None
+        assert row is not None
+        position = int(row[0])
+        if position < 0:
+            raise ConcurrencyConflict(session_id, expected_seq, -1 - position)
+        return last
+
+    def mark_idle(self, sessions: Sequence[tuple[str, int]]) -> int:
+        self._refuse_if_read_only()
+        marked = 0
+        # In name order, so two callers never wait on each other's rows crosswise.
+        ordered = sorted(sessions, key=lambda pair: _name(pair[0]))
+        try:
+            with self._pool.connection() as conn, conn.transaction():
+                for session_id, seq in ordered:
+                    cursor = conn.execute(_MARK_IDLE, (_name(session_id), seq, seq))
+                    marked += max(cursor.rowcount, 0)
+        except (psycopg.Error, PoolTimeout) as exc:
+            raise self._fail("marking idle", exc) from None
+        return marked
+
+    # --- reading ---------------------------------------------------------------------
+
+    def _query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        try:
+            with self._pool.connection() as conn:
+                return conn.execute(sql, params).fetchall()
+        except (psycopg.Error, PoolTimeout) as exc:
+            raise self._fail("reading", exc) from None
+
+    def read(
+        self, session_id: str, after_seq: int = 0, *, on_corrupt: CorruptHandler | None = None
+    ) -> list[SessionEvent]:
+        rows: list[Row] = [
+            (seq, bytes(data)) for seq, data in self._query(_ROWS, (_name(session_id), after_seq))
+        ]
+        if rows and (header := row_header(rows[0][1])) is not None and header[0]:
+            rows[:0] = self._group_before(session_id, rows[0][0], header)
+        out: list[SessionEvent] = []
+        reader = RowReader(session_id)
+        for seq, data in rows:
+            try:
+                if seq <= after_seq:  # an earlier row of the first one's group
+                    reader.read(seq, data, events=False)
+                    continue
+                events = reader.read(seq, data)
+            except CorruptEvent as exc:
+                if seq <= after_seq:
+                    continue  # the row that needs it will say so
+                if on_corrupt is None:
+                    raise
+                on_corrupt(exc)
+                continue
+            if events[0].seq <= after_seq:  # the row holds events from before too
+                events = [e for e in events if e.seq > after_seq]
+            out += events
+        return out
+
+    def _group_before(
+        self, session_id: str, seq: int, header: tuple[int, int, int], sid: int | None = None
+    ) -> list[Row]:
+        """The rows before a row that continues a group (one copied from a SQLite file;
+        this store writes none), oldest first."""
+        depth, count, _ = header
+        if sid is None:
+            found = self._query(_SID, (_name(session_id),))
+            if not found:
+                return []
+            sid = int(found[0][0])
+        rows = [
+            (int(s), bytes(d)) for s, d in self._query(_GROUP_BEFORE, (sid, seq - count, depth))
+        ]
+        rows.reverse()
+        return rows
+
+    def read_all(self, after_position: int = 0, limit: int | None = None) -> list[Recorded]:
+        check_limit(limit)
+        after_position = max(after_position, 0)
+        # Each row holds at least one event past after_position: ``limit`` rows suffice.
+        rows = self._query(_ALL, (after_position, limit))
+        readers: dict[int, tuple[RowReader, int]] = {}  # sid -> reader, last seq read
+        out: list[Recorded] = []
+        for position, sid, name, seq, raw in rows:
+            data = bytes(raw)
+            state = readers.get(sid)
+            if state is None:
+                state = (RowReader(bytes(name).decode("utf-8", "surrogatepass")), -1)
+            reader, last = state
+            header = row_header(data)
+            if header is not None and header[0] and last != seq - header[1]:
+                for earlier_seq, earlier in self._group_before(reader.session_id, seq, header, sid):
+                    with suppress(CorruptEvent):  # the row that needs it will say so
+                        reader.read(earlier_seq, earlier, events=False)
+            readers[sid] = (reader, seq)
+            for event in reader.read(seq, data):
+                at = position - (seq - event.seq)
+                if at > after_position:
+                    out.append(Recorded(at, event))
+        return out if limit is None else out[:limit]
+
+    def last_seq(self, session_id: str) -> int:
+        rows = self._query(_LAST_SEQ, (_name(session_id),))
+        return int(rows[0][0]) if rows else 0
+
+    def sessions(self) -> list[str]:
+        rows = self._query("SELECT name FROM aalis_sessions ORDER BY name")
+        return [bytes(r[0]).decode("utf-8", "surrogatepass") for r in rows]
+
+    def open_sessions(self) -> list[str]:
+        rows = self._query("SELECT name FROM aalis_sessions WHERE NOT idle ORDER BY name")
+        return [bytes(r[0]).decode("utf-8", "surrogatepass") for r in rows]
+
+    def count(self, session_id: str | None = None) -> int:
+        """How many events the store holds (for one session, or all): a log holds seqs
+        1 to its last, so this is the last seq, summed over sessions."""
+        if session_id is not None:
+            return self.last_seq(session_id)
+        rows = self._query("SELECT coalesce(sum(last_seq), 0) FROM aalis_sessions")
+        return int(rows[0][0])
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._pool.close()
+
+    def __enter__(self) -> PostgresEventStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
