@@ -1,0 +1,245 @@
+"""Runtime shards placed on Ray (extra ``ray``): each shard is a Ray actor hosting an
+embedded :class:`~aalis_agent.actors.runtime.Runtime` over the shared PostgreSQL log.
+
+    client = ShardedRuntime(url, shards=4, services=make_services)   # ray.init() first
+    handle = client.submit("qq:group:1", Input(id="", content="你好"))
+    outcome = handle.result(timeout=60)            # or: outcome = await handle
+
+- Placement: a session belongs to shard ``shard_of(session_id, shards)`` (a stable hash);
+  the client routes by it, and each shard's ownership (:class:`ShardOwnership` over
+  :class:`PostgresLeases`, owner ``shard-<n>``) refuses any other session, so only one
+  shard ever runs a session.
+- Failure: Ray restarts a shard whose process died (``max_restarts``). The new
+  incarnation takes its shard's leases at once (same owner name; the old process is
+  gone, and a zombie would be fenced by the store's sequence check) and
+  ``Runtime.recover()`` resumes its sessions from the log: a cut turn is recorded, its
+  inputs that no model call carried run again, queued inputs run.
+- Handles: ``submit`` returns once the input is durably accepted (as ``Runtime.submit``);
+  ``result`` waits for the input's outcome, and when the shard died meanwhile it asks the
+  restarted shard, which reads the outcome from the log. Submitting is never retried
+  by the client (an error means the input may or may not have been accepted: look it up
+  with :meth:`ShardedRuntime.outcome`).
+
+``services`` is a picklable callable building the shard's :class:`Services` (a model,
+tools, gateway), called in the shard's process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from aalis_agent.actors.messages import InputOutcome
+from aalis_agent.actors.runtime import Runtime, SubmitHandle
+from aalis_agent.events import (
+    Input,
+    InputJoined,
+    InputReleased,
+    InputRequeued,
+    SessionEvent,
+    TurnRecorded,
+)
+from aalis_agent.events.postgres import PostgresEventStore
+from aalis_agent.scale.leases import PostgresLeases
+from aalis_agent.scale.ownership import ShardOwnership, shard_of
+from aalis_agent.services import Services
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+__all__ = ["RayHandle", "RuntimeShard", "ShardedRuntime", "logged_outcome"]
+
+_RETRYABLE = (RayActorError, ActorUnavailableError)
+
+
+def logged_outcome(events: Sequence[SessionEvent], input_id: str) -> InputOutcome | None:
+    """How ``input_id`` ended, read from its session's log: the record of the last turn
+    it joined (an input requeued by recovery waits for its next turn), or its release;
+    None while it waits or runs. (The reply text is not looked up.)"""
+    turn: str | None = None
+    for e in events:
+        if isinstance(e, InputJoined) and e.input_id == input_id:
+            turn = e.turn_id
+        elif isinstance(e, InputRequeued) and e.input_id == input_id:
+            turn = None
+        elif isinstance(e, InputReleased) and e.input_id == input_id:
+            return InputOutcome(input_id, None, "released", e.reason)
+        elif isinstance(e, TurnRecorded) and turn is not None and e.turn_id == turn:
+            return InputOutcome(input_id, turn, e.outcome, e.reason)
+    return None
+
+
+class RuntimeShard:
+    """One shard: a Runtime over the shared log, owning the sessions hashed to it. Made a
+    Ray actor by :class:`ShardedRuntime` (threaded: ``max_concurrency`` calls at once)."""
+
+    def __init__(
+        self,
+        index: int,
+        shards: int,
+        url: str,
+        services: Callable[[], Services],
+        *,
+        ttl_s: float = 15.0,
+        runtime_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.index = index
+        self.store = PostgresEventStore(url)
+        self.leases = PostgresLeases(self.store, owner=f"shard-{index}", ttl_s=ttl_s)
+        ownership = ShardOwnership(self.leases, index, shards)
+        self.runtime = Runtime(
+            self.store, services(), ownership=ownership, **(runtime_options or {})
+        )
+        self._handles: dict[str, SubmitHandle] = {}
+        self.recovered = self.runtime.recover()
+
+    def info(self) -> dict[str, Any]:
+        """The shard's index, process id and the sessions it recovered when it started."""
+        import os
+
+        return {"index": self.index, "pid": os.getpid(), "recovered": self.recovered}
+
+    def submit(self, session_id: str, inp: Input) -> tuple[str, str]:
+        """``Runtime.submit``: (input id, where), once the input is durably accepted."""
+        handle = self.runtime.submit(session_id, inp)
+        self._handles[handle.input_id] = handle
+        return handle.input_id, handle.where
+
+    def outcome(self, session_id: str, input_id: str, timeout: float) -> InputOutcome | None:
+        """The input's outcome, waiting up to ``timeout`` (None on timeout): from its
+        handle when this incarnation accepted it, else from the log."""
+        handle = self._handles.get(input_id)
+        if handle is not None:
+            try:
+                result = handle.result(timeout)
+            except TimeoutError:
+                return None
+            self._handles.pop(input_id, None)
+            return result
+        deadline = time.monotonic() + timeout
+        while True:
+            found = logged_outcome(self.store.read(session_id), input_id)
+            if found is not None or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.05)
+
+    def wait_idle(self, timeout: float) -> bool:
+        return self.runtime.wait_idle(timeout)
+
+    def shutdown(self) -> None:
+        self.runtime.shutdown(timeout=30)
+        self.leases.close()
+        self.store.close()
+
+
+@dataclass
+class RayHandle:
+    """An accepted input on a shard: ``where`` it went, and its outcome by ``result()``
+    (or ``await handle``)."""
+
+    client: ShardedRuntime
+    session_id: str
+    input_id: str
+    where: str
+
+    def result(self, timeout: float | None = 60.0) -> InputOutcome:
+        return self.client.outcome(self.session_id, self.input_id, timeout)
+
+    async def aresult(self, timeout: float | None = 60.0) -> InputOutcome:
+        return await self.client.aoutcome(self.session_id, self.input_id, timeout)
+
+    def __await__(self) -> Generator[Any, None, InputOutcome]:
+        return self.aresult().__await__()
+
+
+class ShardedRuntime:
+    """Starts ``shards`` :class:`RuntimeShard` actors on the connected Ray cluster and
+    routes each session to its shard."""
+
+    def __init__(
+        self,
+        url: str,
+        shards: int,
+        services: Callable[[], Services],
+        *,
+        ttl_s: float = 15.0,
+        max_restarts: int = -1,
+        num_cpus: float = 0.5,
+        max_concurrency: int = 64,
+        runtime_options: dict[str, Any] | None = None,
+    ) -> None:
+        shard_class: Any = ray.remote(RuntimeShard)
+        remote = shard_class.options(
+            max_restarts=max_restarts,
+            max_task_retries=0,  # a submit is never run twice by Ray
+            max_concurrency=max_concurrency,
+            num_cpus=num_cpus,
+        )
+        self.shards = shards
+        self.actors: list[Any] = [
+            remote.remote(i, shards, url, services, ttl_s=ttl_s, runtime_options=runtime_options)
+            for i in range(shards)
+        ]
+
+    def shard(self, session_id: str) -> Any:
+        """The Ray actor that runs ``session_id``."""
+        return self.actors[shard_of(session_id, self.shards)]
+
+    def info(self) -> list[dict[str, Any]]:
+        return list(ray.get([a.info.remote() for a in self.actors]))
+
+    def submit(self, session_id: str, inp: Input) -> RayHandle:
+        """Hand the input to its session's shard; returns once it is durably accepted."""
+        input_id, where = ray.get(self.shard(session_id).submit.remote(session_id, inp))
+        return RayHandle(self, session_id, input_id, where)
+
+    async def asubmit(self, session_id: str, inp: Input) -> RayHandle:
+        input_id, where = await self.shard(session_id).submit.remote(session_id, inp)
+        return RayHandle(self, session_id, input_id, where)
+
+    def outcome(self, session_id: str, input_id: str, timeout: float | None = 60.0) -> InputOutcome:
+        """How the input ended; a shard that dies meanwhile is asked again once Ray has
+        restarted it. TimeoutError after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 3600.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                ref = self.shard(session_id).outcome.remote(session_id, input_id, min(left, 5.0))
+                found = ray.get(ref)
+            except _RETRYABLE:
+                found = None
+                time.sleep(0.2)  # the shard is restarting
+            if found is not None:
+                return found  # type: ignore[no-any-return]
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"input {input_id!r} of {session_id!r}: no outcome yet")
+
+    async def aoutcome(
+        self, session_id: str, input_id: str, timeout: float | None = 60.0
+    ) -> InputOutcome:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 3600.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                ref = self.shard(session_id).outcome.remote(session_id, input_id, min(left, 5.0))
+                found = await ref
+            except _RETRYABLE:
+                found = None
+                await asyncio.sleep(0.2)
+            if found is not None:
+                return found  # type: ignore[no-any-return]
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"input {input_id!r} of {session_id!r}: no outcome yet")
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        return all(ray.get([a.wait_idle.remote(timeout) for a in self.actors]))
+
+    def shutdown(self) -> None:
+        """Shut every shard's runtime down (releasing its leases), then the actors."""
+        for actor in self.actors:
+            with contextlib.suppress(Exception):  # a dead shard's leases expire by themselves
+                ray.get(actor.shutdown.remote(), timeout=60)
+            ray.kill(actor, no_restart=True)

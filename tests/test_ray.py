@@ -1,0 +1,176 @@
+"""Runtime shards on Ray (``scale/ray_shards.py``): a local Ray cluster started by the test
+(``ray start --head`` and two worker nodes, each its own raylet and worker processes,
+over 127.0.0.1)
+and a real, throwaway PostgreSQL cluster (``tests/pg.py``) holding the shared log.
+
+Sessions are routed to shards by a stable hash; a shard killed mid-turn is restarted by
+Ray, recovers its sessions from the log, and every acknowledged input ends exactly once.
+Skipped, saying why, only when Ray is not installed or its cluster does not start here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("psycopg", reason="psycopg is not installed (pip install -e .[postgres])")
+pytest.importorskip("ray", reason="Ray is not installed (pip install 'aalis-agent[ray]')")
+
+import ray
+from aalis_agent.events import Input, TurnRecorded
+from aalis_agent.events.postgres import PostgresEventStore
+from aalis_agent.scale.ownership import shard_of
+from aalis_agent.services import ScriptedModel, ScriptedReply, Services
+
+from tests.faults import audit_log
+from tests.pg import pg_cluster, pg_url  # noqa: F401 -- the fixtures
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def slow_services() -> Services:
+    """Called in each shard's process: a model whose reply streams for ~0.6 s, so a kill
+    lands inside a turn."""
+
+    def reply(request: object, n: int) -> ScriptedReply:
+        return ScriptedReply(text=f"答复{n}", chunks=4, chunk_delay_s=0.15)
+
+    return Services(llm=ScriptedModel(reply))
+
+
+def _ray(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    ray_cli = Path(sys.executable).parent / "ray"
+    return subprocess.run(
+        [str(ray_cli), "start", *args], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def _stop_processes_under(folder: str) -> None:
+    """SIGKILL the Ray processes whose command line names ``folder`` (this cluster's
+    temp dir): never another cluster's."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if folder in cmdline and int(proc.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                os.kill(int(proc.name), signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A local Ray cluster on loopback: ``ray start --head`` plus two worker nodes
+    (``ray start --address``), one CPU each; stopped (its processes only) at the end."""
+    from tests.pg import free_port
+
+    folder = tempfile.mkdtemp(prefix="aalis-ray-")  # short: Ray's socket paths have a limit
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([*path, str(ROOT)]),  # shards import tests.test_ray
+        "RAY_USAGE_STATS_ENABLED": "0",
+        # A throwaway cluster on loopback: no token, whatever ~/.ray/auth_token holds.
+        "RAY_AUTH_MODE": "disabled",
+    }
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats"]
+    try:
+        head = _ray(
+            "--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={folder}",
+            *common, env=env,
+        )  # fmt: skip
+        if head.returncode != 0:
+            pytest.skip(f"the Ray head does not start here: {head.stderr[-1500:]}")
+        for _ in range(2):
+            # Its own temp dir too: never /tmp/ray, which another cluster may be using.
+            node = _ray(f"--address={address}", f"--temp-dir={folder}", *common, env=env)
+            if node.returncode != 0:
+                pytest.skip(f"a Ray worker node does not start here: {node.stderr[-1500:]}")
+        keys = ("PYTHONPATH", "RAY_AUTH_MODE")
+        saved = {k: os.environ.get(k) for k in keys}
+        os.environ.update({k: env[k] for k in keys})
+        try:
+            ray.init(address=address, logging_level="WARNING")
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        yield address
+    finally:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        _stop_processes_under(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_shard_killed_mid_turn_is_restarted_and_nothing_is_lost_or_run_twice(
+    ray_cluster: str,
+    pg_url: str,  # noqa: F811
+) -> None:
+    from aalis_agent.scale.ray_shards import ShardedRuntime
+
+    assert len(ray.nodes()) == 3
+    client = ShardedRuntime(pg_url, 2, slow_services, ttl_s=5.0, num_cpus=0.5)
+    try:
+        before = client.info()
+        sessions = [f"room-{i}" for i in range(6)]
+        assert {shard_of(s, 2) for s in sessions} == {0, 1}
+        handles = [
+            client.submit(s, Input(id=f"{s}-{n}", content=f"消息{n}"))
+            for n in range(3)
+            for s in sessions
+        ]
+        time.sleep(0.3)  # the first turns are streaming their replies
+        victim = shard_of(sessions[0], 2)
+        ray.kill(client.actors[victim], no_restart=False)  # its process dies mid-turn
+        outcomes = [h.result(timeout=120) for h in handles]  # across the restart
+        assert [o.input_id for o in outcomes] == [h.input_id for h in handles]
+        assert {o.outcome for o in outcomes} <= {"replied", "aborted"}, outcomes
+        after = client.info()
+        assert after[victim]["pid"] != before[victim]["pid"]  # restarted by Ray
+        victims = sorted(s for s in sessions if shard_of(s, 2) == victim)
+        assert set(after[victim]["recovered"]) <= set(victims)
+        assert after[victim]["recovered"], after  # it found cut turns in the log
+
+        async def more() -> list[str]:  # the async variant, after the restart
+            handles = [
+                await client.asubmit(s, Input(id=f"{s}-a", content="再来")) for s in sessions
+            ]
+            return [(await h).outcome for h in handles]
+
+        assert asyncio.run(more()) == ["replied"] * len(sessions)
+        assert client.wait_idle(60)
+        outcomes_seen: Counter[str] = Counter()
+        with PostgresEventStore(pg_url, read_only=True) as store:
+            for s in sessions:
+                events = store.read(s)
+                acked = [f"{s}-{n}" for n in range(3)] + [f"{s}-a"]
+                report = audit_log(events, acked=acked)
+                assert not any(report.values()), (s, report)
+                for e in events:
+                    if isinstance(e, TurnRecorded):
+                        outcomes_seen[f"{e.outcome}/{e.reason}" if e.reason else e.outcome] += 1
+        print(f"\nray: turns {dict(outcomes_seen)}; restarted shard {victim} recovered {victims}")
+        assert any(k.endswith("/crash") for k in outcomes_seen), outcomes_seen
+    finally:
+        client.shutdown()
