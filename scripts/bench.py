@@ -811,6 +811,9 @@ ALL = (
     "many_sessions",
     "first_token",
     "inspector_100k",
+    "stored_bytes_per_turn",
+    "pg_turn",
+    "shards",
 )
 
 
@@ -884,6 +887,18 @@ def main(argv: list[str] | None = None) -> int:
                 from bench_inspector import bench_inspector_100k
 
                 bench_inspector_100k(tmp, emit)
+            elif name == "stored_bytes_per_turn":
+                from bench_store import bench_stored_bytes_per_turn
+
+                bench_stored_bytes_per_turn(tmp, emit)
+            elif name == "pg_turn":  # starts a throwaway PostgreSQL cluster
+                from bench_pg import bench_pg_turn
+
+                bench_pg_turn(tmp, emit)
+            elif name == "shards":  # starts a local Ray cluster and PostgreSQL
+                from bench_scale import bench_shards
+
+                bench_shards(tmp, emit)
         if big is not None:
             big.close()
     return 0
