@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import typing
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -538,3 +539,17 @@ def test_the_row_dictionary_is_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_dictionary, "EVENTS", tuple(events))
     with pytest.raises(RuntimeError, match="would not read back"):
         _dictionary.dictionary()
+
+
+@pytest.mark.parametrize("strategy", [zlib.Z_DEFAULT_STRATEGY, zlib.Z_FIXED, zlib.Z_FILTERED])
+def test_how_a_row_was_compressed_is_not_the_format(
+    strategy: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader inflates rows packed with any strategy or hash size (the golden file of
+    store format 3 was written with zlib's defaults)."""
+    monkeypatch.setattr(codec, "_STRATEGY", strategy)
+    monkeypatch.setattr(codec, "_MEM_LEVEL", 8 if strategy == zlib.Z_DEFAULT_STRATEGY else 1)
+    events = _stamped([InputQueued(input_id=f"in-{n}", at=n) for n in range(5)])
+    rows = _pack([events[:3], events[3:]])
+    reader = codec.RowReader(ROW_SESSION)
+    assert [e for seq, row in rows for e in reader.read(seq, row)] == events
