@@ -106,6 +106,7 @@ class Quarantined:
 
 @dataclass
 class _Entry:
+    actor: SessionActor
     ref: pykka.ActorRef[Any]
     generation: int
     owned: bool = False  # holds one acquisition of the runtime's ownership
@@ -210,7 +211,7 @@ class Runtime:
         try:
             view = self._load(session_id)
             host: SessionHost = self  # the narrow protocol the actor sees
-            ref = SessionActor.start(
+            actor = SessionActor.launch(
                 host=host,
                 session_id=session_id,
                 view=view,
@@ -224,7 +225,7 @@ class Runtime:
             raise
         if entry is not None:  # a dead actor's acquisition: the new one holds its own
             self._release(session_id, entry.owned)
-        entry = _Entry(ref, view.queue.generation, self.ownership is not None)
+        entry = _Entry(actor, actor.actor_ref, view.queue.generation, self.ownership is not None)
         self._generations.setdefault(session_id, view.queue.generation)
         self._entries[session_id] = entry
         return entry
@@ -337,9 +338,8 @@ class Runtime:
             with self._lock:
                 entry = self._entry(session_id)
                 generation = arrived_in if arrived_in is not None else entry.generation
-                future = entry.ref.ask(Submit(inp, generation, done), block=False)
-            try:
-                where = future.get(timeout=self.ask_timeout_s)
+            try:  # on this thread, under the actor's lock: no hop to its mailbox
+                where = entry.actor.call(Submit(inp, generation, done), self.ask_timeout_s)
             except pykka.ActorDeadError:
                 self._forget(session_id, entry.ref)  # stopped under us: try a fresh one
                 if attempt == 2:

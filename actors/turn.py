@@ -237,7 +237,7 @@ class TurnRunner(ToolBatch, ReplyStep):
         events, self._drafts = tuple(self._drafts), []
         answer: tuple[list[Input], list[ChatMessage], bool] | None = self.actor.ask(
             InsertionPoint(self.turn_id, events, started)
-        )  # type: ignore[assignment]
+        )
         if answer is None:
             raise NotRecorded(self.turn_id)
         joined, messages, recorded = answer

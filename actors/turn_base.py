@@ -8,9 +8,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-import pykka
 import structlog
 from aalis_agent.actors.budget import BudgetLog
 from aalis_agent.actors.history_cache import HistoryCache, PreparedHistory
@@ -99,6 +98,15 @@ class FirstCall:
     messages: tuple[ChatMessage, ...]
 
 
+class ActorPort(Protocol):
+    """How a runner reaches its session actor: ``ask`` waits for the answer, ``tell``
+    does not need one (both are handled under the actor's lock, SessionActor.call)."""
+
+    def ask(self, message: Any) -> Any: ...
+
+    def tell(self, message: Any) -> None: ...
+
+
 @dataclass
 class _Call:
     """What one streamed model call returned."""
@@ -117,7 +125,7 @@ class TurnBase:
     def __init__(
         self,
         *,
-        actor: pykka.ActorRef[Any],
+        actor: ActorPort,
         session_id: str,
         opened: TurnOpened,
         inputs: list[Input],
