@@ -126,6 +126,11 @@ class _State:
         self.turn = list(req.turn)
         self.dropped = 0
         self.result = TrimResult(messages=[])
+        # Head, turn and tool definitions are only changed by steps 2 to 5: until then
+        # their tokens are counted once (``touched`` turns the recount on).
+        self.touched = False
+        self.head_tokens = self.tokens(self.head)
+        self.fixed = self.head_tokens + self.tokens(self.turn) + req.tool_tokens
         # Prefix sums of the history's tokens: dropping from the front is a subtraction.
         if req.history_prefix is not None and len(req.history_prefix) == len(self.history) + 1:
             self.prefix: Sequence[int] = req.history_prefix
@@ -143,6 +148,8 @@ class _State:
         return self.prefix[-1] - self.prefix[self.dropped]
 
     def total(self) -> int:
+        if not self.touched:
+            return self.fixed + self.history_tokens()
         return (
             self.tokens(self.head)
             + self.history_tokens()
@@ -401,7 +408,7 @@ def trim(req: TrimRequest, counter: TokenCounter) -> TrimResult:
     count_before = len(req.head) + len(req.history) + len(req.turn)
     budget = req.budget
     unit = -(-budget // 4)
-    head_tokens = state.tokens(state.head)
+    head_tokens = state.head_tokens
     allowance = budget - head_tokens - unit
     history_tokens = state.prefix[-1]
     # Step 1: always, looking only at head and history (TRIM-P).
@@ -413,6 +420,7 @@ def trim(req: TrimRequest, counter: TokenCounter) -> TrimResult:
     result.cut = state.dropped
     if state.over():
         result.steps.append(2)
+        state.touched = True  # steps 2 to 5 change the head and the turn
         if not _step2(state) and state.over():
             result.steps.append(3)
             most = len(state.history) if state.turn else max(len(state.history) - 1, 0)
