@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import msgspec
@@ -39,15 +39,18 @@ __all__ = [
     "CONTEXT_BYTES",
     "GROUP_ROWS",
     "ROW_FORMAT",
+    "RowChain",
     "RowContext",
     "RowReader",
     "checked_input",
     "clean_text",
     "decode",
     "decode_json",
+    "decode_rows",
     "encode",
     "encode_json",
     "encode_keyless",
+    "encode_rows",
     "event_tag",
     "pack_row",
     "restamp",
@@ -190,6 +193,7 @@ _MEM_LEVEL = 4
 _STRATEGY = zlib.Z_FIXED
 _STATIC = dictionary()
 _setattr = msgspec.structs.force_setattr
+_replace = msgspec.structs.replace
 _rows_decoder: msgspec.msgpack.Decoder[list[SessionEvent]] = msgspec.msgpack.Decoder(
     list[SessionEvent]
 )
@@ -264,6 +268,38 @@ def _group_rows() -> int:
     return max(1, min(GROUP_ROWS, 256))  # a row says its place in one byte
 
 
+def encode_rows(events: Iterable[Event]) -> bytes:
+    """The plaintext of a format-2 row holding ``events``: a MessagePack array of the
+    events keyless, in one call (the same bytes as the array header, then
+    :func:`encode_keyless` of each event)."""
+    return _encoder.encode([_replace(e, session_id="", seq=0) for e in events])
+
+
+def decode_rows(body: bytes) -> list[SessionEvent]:
+    """The events of a format-2 row's plaintext as a reader decodes them, still keyless
+    (``session_id`` empty, ``seq`` 0); raises msgspec's ``DecodeError`` or
+    ``ValidationError`` when they do not decode."""
+    return _rows_decoder.decode(body)
+
+
+def _deflate(zdict: bytes | memoryview, body: bytes) -> bytes:
+    """``body`` as a raw DEFLATE stream against ``zdict``, inflated once more before it is
+    returned, as a reader inflates it: it must give back exactly ``body``, end where the
+    stream ends and leave nothing over."""
+    deflate = zlib.compressobj(_LEVEL, zlib.DEFLATED, _WBITS, _MEM_LEVEL, _STRATEGY, zdict)
+    packed = deflate.compress(body) + deflate.flush()
+    inflate = zlib.decompressobj(_WBITS, zdict=zdict)
+    if inflate.decompress(packed) != body or not inflate.eof or inflate.unused_data:
+        raise ValueError("the packed row does not inflate back")  # zlib itself failed
+    return packed
+
+
+def _row(depth: int, count: int, packed: bytes) -> bytes:
+    if count < 0x80:
+        return bytes((_MARK, depth, count)) + packed
+    return bytes((_MARK, depth)) + _varint(count) + packed
+
+
 def pack_row(
     session_id: str, parts: Sequence[bytes], last_seq: int, after: RowContext | None
 ) -> tuple[bytes, RowContext]:
@@ -283,13 +319,78 @@ def pack_row(
     else:
         depth, zdict = after.depth + 1, after.zdict
     body = _array_header(len(parts)) + b"".join(parts)
-    deflate = zlib.compressobj(_LEVEL, zlib.DEFLATED, _WBITS, _MEM_LEVEL, _STRATEGY, zdict)
-    packed = deflate.compress(body) + deflate.flush()
-    inflate = zlib.decompressobj(_WBITS, zdict=zdict)
-    if inflate.decompress(packed) != body or not inflate.eof:
-        raise ValueError("the packed row does not inflate back")  # zlib itself failed
-    row = bytes((_MARK, depth)) + _varint(len(parts)) + packed
+    row = _row(depth, len(parts), _deflate(zdict, body))
     return row, RowContext(last_seq, depth, _next_zdict(head, zdict, body))
+
+
+class RowChain:
+    """A writer's memory of the last row it stored for one session, to continue that
+    row's group: the row's ``seq`` and ``depth``, and the dictionary the group's next row
+    is compressed against (the session's fixed bytes, then the last
+    :data:`CONTEXT_BYTES` of the group's plaintext; what :class:`RowReader` rebuilds).
+
+    The dictionary lives in one buffer allocated with the chain and rewritten in place as
+    rows are stored, so a writer that keeps chains for many sessions allocates nothing
+    lasting per row. :meth:`pack` changes nothing and may run outside the writer's lock;
+    :meth:`advance` records a row once it is stored. A :meth:`pack` that overlaps an
+    :meth:`advance` of the same chain reads ``seq`` first (``advance`` writes it last), so
+    it can only pack against a newer row than the one it meant to follow, that is after
+    another append of the session was stored: the writer's sequence check then refuses
+    the row it packed.
+    """
+
+    __slots__ = ("_buf", "_head", "_used", "depth", "seq")
+
+    def __init__(self, session_id: str) -> None:
+        head = _head(session_id)
+        self._head = len(head)
+        self._buf = bytearray(len(head) + CONTEXT_BYTES)
+        self._buf[: len(head)] = head
+        self._used = 0  # bytes of the group's plaintext kept after the head
+        self.seq = -1  # no row yet: the next one starts a group
+        self.depth = 0
+
+    def pack(self, body: bytes, count: int, last_seq: int) -> tuple[bytes, int]:
+        """The row holding ``body`` (:func:`encode_rows` of ``count`` events, the last one
+        ``last_seq``) and its depth: continuing the group of the chain's last row when
+        that row is the one just before and its group has room, else starting one."""
+        seq = self.seq  # first: see the class docstring
+        depth = self.depth + 1
+        if seq != last_seq - count or depth >= _group_rows():
+            return self.pack_first(body, count), 0
+        zdict = bytes(self.dictionary(True))  # a copy: advance() may rewrite the buffer
+        return _row(depth, count, _deflate(zdict, body)), depth
+
+    def pack_first(self, body: bytes, count: int) -> bytes:
+        """The row holding ``body`` as the first of a group."""
+        return _row(0, count, _deflate(self.dictionary(False), body))
+
+    def dictionary(self, continued: bool) -> memoryview:
+        """The dictionary of the next row: of one continuing the chain's group
+        (``continued``), or of one starting a group (the session's fixed bytes, which
+        never change). A view of the buffer, which :meth:`advance` rewrites."""
+        return memoryview(self._buf)[: self._head + self._used if continued else self._head]
+
+    def advance(self, last_seq: int, depth: int, body: bytes) -> None:
+        """Record the row :meth:`pack` gave for ``body`` as stored: the chain now ends with
+        it. The buffer keeps its size (a copy within it, never a new one)."""
+        buf, head, size = self._buf, self._head, CONTEXT_BYTES
+        used = self._used if depth else 0
+        n = len(body)
+        if n >= size:
+            buf[head:] = memoryview(body)[n - size :]
+            used = size
+        elif used + n <= size:
+            buf[head + used : head + used + n] = body
+            used += n
+        else:  # keep the end of what was there, then the row
+            keep = size - n
+            buf[head : head + keep] = buf[head + used - keep : head + used]
+            buf[head + keep :] = body
+            used = size
+        self._used = used
+        self.depth = depth
+        self.seq = last_seq  # last: see the class docstring
 
 
 class RowReader:

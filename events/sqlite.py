@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from aalis_agent.events.codec import RowContext, RowReader, pack_row, row_header
+from aalis_agent.events.codec import RowChain, RowReader, row_header
 from aalis_agent.events.errors import ConcurrencyConflict, CorruptEvent, StoreError
 from aalis_agent.events.ownership import acquire_writer, release_writer
 from aalis_agent.events.schema import SessionEvent
@@ -45,7 +45,7 @@ from aalis_agent.events.store import (
     Recorded,
     check_batch,
     check_limit,
-    encode_batch,
+    encode_row,
 )
 
 __all__ = ["STORE_FORMAT", "SqliteEventStore"]
@@ -168,6 +168,7 @@ class SqliteEventStore:
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open event database {self.path!r}: {exc}") from None
         self._conn = conn
+        self._cursor = conn.cursor()  # the writes' statements, under the lock
         self._lock = threading.Lock()
         self._exclusive = exclusive
         # Last seq per session and last position, exact while no other connection writes.
@@ -179,7 +180,7 @@ class SqliteEventStore:
         self._sids: dict[str, int] = {}
         self._names: dict[int, str] = {}
         # The last row this store wrote per session, for the next row to continue.
-        self._contexts: OrderedDict[str, RowContext] = OrderedDict()
+        self._contexts: OrderedDict[str, RowChain] = OrderedDict()
         self._has_idle_table = True
         self._old_layout = False  # a format-1 or -2 file opened read-only
         try:
@@ -276,17 +277,23 @@ class SqliteEventStore:
         idle = open_work is False
         n = len(events)
         last = expected_seq + n
-        parts = [blob for _, blob in encode_batch(events, keyless=True)]
-        # Packed before the lock, continuing the last row this store wrote for the
-        # session; checked again under the lock, where another writer shows.
-        after = self._contexts.get(session_id)
-        if after is not None and after.seq != expected_seq:
-            after = None
-        packed = pack_row(session_id, parts, last, after) if parts else None
+        contexts = self._contexts
+        chain: RowChain | None = None
+        row = body = b""
+        depth = 0
+        if n:
+            body = encode_row(events)
+            # Packed before the lock, continuing the last row this store wrote for the
+            # session; checked again under the lock, where another writer shows.
+            chain = contexts.get(session_id)
+            if chain is None:
+                chain = RowChain(session_id)
+            row, depth = chain.pack(body, n, last)
         with self._lock:
             conn = self._conn
+            cursor = self._cursor
             try:
-                conn.execute("BEGIN IMMEDIATE")
+                cursor.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError as exc:
                 raise StoreError(f"{self.path!r}: cannot start a write: {exc}") from None
             new_sid: int | None = None
@@ -302,22 +309,19 @@ class SqliteEventStore:
                 position = self._position_cache
                 if position is None:
                     position = conn.execute("SELECT max(position) FROM log").fetchone()[0] or 0
-                if packed is not None:
-                    if after is not None and self._contexts.get(session_id) is not after:
-                        packed = pack_row(session_id, parts, last, None)  # start a group
+                if chain is not None:
+                    if depth and (
+                        contexts.get(session_id) is not chain or chain.seq != expected_seq
+                    ):
+                        row, depth = chain.pack_first(body, n), 0  # start a group
                     if sid is None:
-                        cursor = conn.execute(
-                            "INSERT INTO sessions (name) VALUES (?)", (session_id,)
-                        )
+                        cursor.execute("INSERT INTO sessions (name) VALUES (?)", (session_id,))
                         assert cursor.lastrowid is not None
                         sid = new_sid = cursor.lastrowid
-                    conn.execute(_INSERT, (sid, last, position + n, packed[0]))
+                    cursor.execute(_INSERT, (sid, last, position + n, row))
                     if self._idle_cache.get(session_id) is not idle:
-                        if idle:
-                            conn.execute(_MARK_IDLE, (session_id,))
-                        else:
-                            conn.execute(_UNMARK_IDLE, (session_id,))
-                conn.execute("COMMIT")
+                        cursor.execute(_MARK_IDLE if idle else _UNMARK_IDLE, (session_id,))
+                cursor.execute("COMMIT")
             except BaseException as exc:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
@@ -336,10 +340,10 @@ class SqliteEventStore:
             if new_sid is not None:
                 self._sids[session_id] = new_sid
                 self._names[new_sid] = session_id
-            if packed is not None:
+            if chain is not None:
                 self._idle_cache[session_id] = idle
-                contexts = self._contexts
-                contexts[session_id] = packed[1]
+                chain.advance(last, depth, body)
+                contexts[session_id] = chain
                 contexts.move_to_end(session_id)
                 if len(contexts) > _CONTEXTS:
                     contexts.popitem(last=False)
@@ -354,7 +358,7 @@ class SqliteEventStore:
         """
         if self._exclusive and self._data_version is not None:
             return  # no other connection can write
-        version = self._conn.execute("PRAGMA data_version").fetchone()[0]
+        version = self._cursor.execute("PRAGMA data_version").fetchone()[0]
         if version != self._data_version:
             self._forget_cache()
             self._data_version = version

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
-from aalis_agent.events.codec import decode, encode, encode_keyless
+from aalis_agent.events.codec import decode, decode_rows, encode, encode_keyless, encode_rows
 from aalis_agent.events.errors import ConcurrencyConflict, CorruptEvent, InvalidBatch
 from aalis_agent.events.schema import Event, SessionEvent
 
@@ -25,6 +25,7 @@ __all__ = [
     "check_batch",
     "check_limit",
     "encode_batch",
+    "encode_row",
 ]
 
 CorruptHandler = Callable[[CorruptEvent], None]
@@ -122,6 +123,33 @@ def encode_batch(
             raise InvalidBatch(f"{where}: the row would not read back: {exc.reason}") from None
         out.append((event, data))
     return out
+
+
+_ROW_ERRORS = (
+    msgspec.EncodeError,
+    msgspec.DecodeError,  # ValidationError is one
+    OverflowError,
+    TypeError,
+    ValueError,
+)
+
+
+def encode_row(events: Sequence[SessionEvent]) -> bytes:
+    """The plaintext of the format-2 row holding ``events`` (:func:`codec.encode_rows
+    <aalis_agent.events.codec.encode_rows>`), checked as :func:`encode_batch` checks a
+    batch, with one encode and one decode for the whole row: it is decoded back as a
+    reader decodes it and must give as many events. A batch that fails is refused with
+    the :class:`InvalidBatch` of :func:`encode_batch` naming the event at fault (found by
+    encoding the events one by one, which only a refused batch pays for)."""
+    try:
+        body = encode_rows(events)
+        if len(decode_rows(body)) == len(events):
+            return body
+    except _ROW_ERRORS:
+        pass
+    encode_batch(events, keyless=True)  # raises, naming the event
+    first = events[0]  # not empty: an empty batch encodes and reads back
+    raise InvalidBatch(f"session {first.session_id!r} seq {first.seq}: the row would not read back")
 
 
 def check_limit(limit: int | None) -> None:

@@ -1,0 +1,142 @@
+"""The append fast path: a row's plaintext encoded and checked in one call
+(``store.encode_row``) and rows packed by a writer's in-place ``codec.RowChain`` give the
+same bytes, the same refusals and the same rows as the event-by-event path they replace
+(``encode_batch``, ``encode_keyless`` and ``pack_row``), which readers rebuild on their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from aalis_agent.events import InputQueued, InvalidBatch, SqliteEventStore, codec
+from aalis_agent.events.errors import ConcurrencyConflict
+from aalis_agent.events.schema import ChatMessage, MessageSaved, SessionEvent
+from aalis_agent.events.store import encode_batch, encode_row
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+SESSION = "qq:group:会话"
+
+
+def _events(sizes: Sequence[int], text: str = "你好") -> list[list[SessionEvent]]:
+    """Batches of ``sizes`` events, seqs following on from 1."""
+    batches: list[list[SessionEvent]] = []
+    seq = 0
+    for size in sizes:
+        batch: list[SessionEvent] = []
+        for _ in range(size):
+            seq += 1
+            batch.append(
+                MessageSaved(
+                    session_id=SESSION,
+                    seq=seq,
+                    at=seq,
+                    message=ChatMessage(id=f"m{seq}", role="user", content=f"{text} {seq}"),
+                )
+            )
+        batches.append(batch)
+    return batches
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 140), min_size=1, max_size=40),
+    text=st.sampled_from(["你好", "x" * 3000, "a long line " * 40]),
+)
+def test_a_chain_packs_the_rows_pack_row_packs(sizes: list[int], text: str) -> None:
+    """Byte for byte, across group ends, rows larger than the context and counts that
+    take more than one header byte; and a reader reads them back."""
+    chain = codec.RowChain(SESSION)
+    after: codec.RowContext | None = None
+    rows: list[tuple[int, bytes]] = []
+    for batch in _events(sizes, text):
+        last = batch[-1].seq
+        body = encode_row(batch)
+        assert body == codec._array_header(len(batch)) + b"".join(
+            codec.encode_keyless(e) for e in batch
+        )
+        old, after = codec.pack_row(SESSION, [codec.encode_keyless(e) for e in batch], last, after)
+        row, depth = chain.pack(body, len(batch), last)
+        assert row == old
+        assert codec.row_header(row)[0] == depth == after.depth  # type: ignore[index]
+        assert bytes(chain.dictionary(False)) == codec._head(SESSION)
+        chain.advance(last, depth, body)
+        assert bytes(chain.dictionary(True)) == after.zdict
+        rows.append((last, row))
+    reader = codec.RowReader(SESSION)
+    assert [e for seq, row in rows for e in reader.read(seq, row)] == [
+        e for batch in _events(sizes, text) for e in batch
+    ]
+
+
+def test_a_chain_starts_a_group_when_the_row_before_is_not_its_last() -> None:
+    first, second = _events([2, 3])
+    chain = codec.RowChain(SESSION)
+    body = encode_row(first)
+    _, depth = chain.pack(body, 2, 2)
+    chain.advance(2, depth, body)
+    body = encode_row(second)
+    assert chain.pack(body, 3, 5)[1] == 1  # follows seq 2
+    assert chain.pack(body, 3, 6)[1] == 0  # a gap: a new group
+    parts = [codec.encode_keyless(e) for e in second]
+    assert chain.pack_first(body, 3) == codec.pack_row(SESSION, parts, 5, None)[0]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"message": ChatMessage(id="m", role="user", content=None)},  # type: ignore[arg-type]
+        {"message": ChatMessage(id="m", role="user", content="x", reasoning=2**70)},  # type: ignore[arg-type]
+    ],
+    ids=["wrong-type", "too-big"],
+)
+def test_encode_row_refuses_what_encode_batch_refuses(bad: dict[str, object]) -> None:
+    good = _events([2])[0]
+    broken = MessageSaved(session_id=SESSION, seq=3, at=3, **bad)  # type: ignore[arg-type]
+    batch = [*good, broken]
+    with pytest.raises(InvalidBatch) as old:
+        encode_batch(batch, keyless=True)
+    with pytest.raises(InvalidBatch) as new:
+        encode_row(batch)
+    assert str(new.value) == str(old.value)
+    assert f"session {SESSION!r} seq 3 (MessageSaved)" in str(new.value)
+
+
+def test_a_refused_or_conflicting_append_writes_nothing_and_the_next_continues(
+    tmp_path: Path,
+) -> None:
+    store = SqliteEventStore(tmp_path / "x.db")
+    first, second = _events([2, 2])
+    assert store.append(SESSION, first, 0) == 2
+    bad = [*second[:1], MessageSaved(session_id=SESSION, seq=4, at=4, message=None)]  # type: ignore[arg-type]
+    with pytest.raises(InvalidBatch):
+        store.append(SESSION, bad, 2)
+    with pytest.raises(ConcurrencyConflict):  # a writer a row behind
+        store.append(SESSION, [codec.restamp(e, seq=e.seq - 1) for e in second], 1)
+    assert store.append(SESSION, second, 2) == 4
+    rows = store._conn.execute("SELECT data FROM log ORDER BY seq").fetchall()
+    # The conflict made the store forget what it remembered: the next row starts a group.
+    assert [codec.row_header(r[0])[0] for r in rows] == [0, 0]  # type: ignore[index]
+    assert store._contexts[SESSION].seq == 4
+    store.close()
+    again = SqliteEventStore(tmp_path / "x.db", read_only=True)
+    assert again.read(SESSION) == first + second
+    again.close()
+
+
+def test_a_store_keeps_one_chain_per_session_and_rewrites_it_in_place(tmp_path: Path) -> None:
+    """Appends to a session reuse its chain's buffer (no new dictionary per row), up to
+    the store's bound on sessions remembered."""
+    store = SqliteEventStore(tmp_path / "x.db")
+    last = 0
+    for n in range(40):  # past a group's end
+        event = InputQueued(session_id="s", seq=last + 1, input_id=f"in-{n}")
+        last = store.append("s", [event], last)
+        if n == 0:
+            chain = store._contexts["s"]
+            buffer = chain._buf
+    assert store._contexts["s"] is chain and chain._buf is buffer
+    assert chain.seq == 40 and chain.depth == 40 - codec.GROUP_ROWS - 1
+    store.close()
