@@ -17,6 +17,8 @@ __all__ = ["Chain"]
 
 T = TypeVar("T")
 
+_new = object.__new__
+
 
 class Chain(Sequence[T], Generic[T]):
     """An immutable view of a prefix of a shared, append-only list."""
@@ -35,10 +37,26 @@ class Chain(Sequence[T], Generic[T]):
     def append(self, item: T) -> Chain[T]:
         """A chain one item longer; this one is unchanged."""
         items = self._items
-        if len(items) != self._n:
-            items = items[: self._n]
+        n = self._n
+        if len(items) != n:
+            items = items[:n]
         items.append(item)
-        return Chain(items, self._n + 1)
+        chain: Chain[T] = _new(Chain)  # as Chain(items, n + 1), without calling __init__
+        chain._items = items
+        chain._n = n + 1
+        return chain
+
+    def list_to_extend(self) -> list[T]:
+        """The list to append this chain's successors to: the shared list itself when this
+        is its newest view (appending then leaves every existing view as it was), else a
+        new copy of this chain's items. ``Chain(list)`` then views the result whole."""
+        items = self._items
+        return items if len(items) == self._n else items[: self._n]
+
+    def views_whole(self, items: list[T]) -> bool:
+        """Whether this chain is the view of all of ``items`` (that very list), as
+        ``Chain(items)`` would be: a fold that extended nothing can keep this chain."""
+        return self._items is items and self._n == len(items)
 
     def __len__(self) -> int:
         return self._n

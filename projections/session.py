@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 from aalis_agent.events.schema import (
@@ -15,15 +15,14 @@ from aalis_agent.events.schema import (
     TurnOpened,
 )
 from aalis_agent.projections import history, queue, turns
-from aalis_agent.projections._dispatch import EVENT_TYPES, Handler, keep
+from aalis_agent.projections._dispatch import EVENT_TYPES, keep
 from aalis_agent.projections.chain import Chain
 from aalis_agent.projections.history import COMPACTION_KIND, HistoryState
-from aalis_agent.projections.queue import QueueState
+from aalis_agent.projections.queue import QueueState, RunningTurn, Waiting, _without
 from aalis_agent.projections.turns import TurnLog, TurnsState
+from msgspec.structs import replace
 
 __all__ = ["SessionView", "evolve", "project"]
-
-T = TypeVar("T")
 
 _NO_SETTINGS: Mapping[str, Any] = MappingProxyType({})
 
@@ -51,132 +50,452 @@ def _settings(current: Mapping[str, Any], event: SessionEvent) -> Mapping[str, A
     return MappingProxyType(updated)
 
 
-def evolve(view: SessionView, event: SessionEvent) -> SessionView:
-    """Fold one event into every projection."""
-    return project((event,), view)
-
-
-# What ``project`` does for each event type to the history and the turns, read off those
-# projections' own handler tables: a pair of handlers without a step here fails at import.
-_KEEP, _OPENED, _TURN_EVENT, _MESSAGE, _RECORDED, _MARKER, _CLEARED, _DELETED = range(8)
-_STEPS: dict[tuple[Callable[..., Any], Callable[..., Any]], int] = {
-    (keep, keep): _KEEP,
-    (keep, turns._on_opened): _OPENED,
-    (keep, turns._on_turn_event): _TURN_EVENT,
-    (history._on_message, turns._on_message): _MESSAGE,
-    (keep, turns._on_recorded): _RECORDED,
-    (history._on_stop_marker, turns._on_turn_event): _MARKER,
-    (history._on_cleared, keep): _CLEARED,
-    (history._on_deleted, keep): _DELETED,
+# What ``project`` does for each event type, read off the projections' own handler
+# tables: a combination of handlers without a step here fails at import. The queue
+# handlers listed are inlined in ``project`` (``_on_joined`` for its usual case only);
+# any other queue handler (``_CALLED``) is called on the queue state as it stands.
+(
+    _MESSAGE,
+    _TURN_EVENT,
+    _CALL_STARTED,
+    _CALL_ENDED,
+    _RECEIVED,
+    _OPENED,
+    _RECORDED,
+    _KEEP,
+    _STOP,
+    _MARKER,
+    _CLEARED,
+    _DELETED,
+    _SETTINGS,
+    _JOINED,
+    _QUEUE_CALL,
+    _TURN_EVENT_QUEUE_CALL,
+) = range(16)
+_CALLED = object()
+_STEPS: dict[tuple[object, object, object, bool], int] = {
+    (history._on_message, turns._on_message, queue._on_message, False): _MESSAGE,
+    (keep, turns._on_turn_event, keep, False): _TURN_EVENT,
+    (keep, turns._on_turn_event, queue._on_call_started, False): _CALL_STARTED,
+    (keep, turns._on_turn_event, queue._on_call_ended, False): _CALL_ENDED,
+    (keep, keep, queue._on_received, False): _RECEIVED,
+    (keep, turns._on_opened, queue._on_opened, False): _OPENED,
+    (keep, turns._on_recorded, queue._on_recorded, False): _RECORDED,
+    (keep, keep, keep, False): _KEEP,
+    (keep, turns._on_turn_event, queue._on_stop, False): _STOP,
+    (history._on_stop_marker, turns._on_turn_event, keep, False): _MARKER,
+    (history._on_cleared, keep, keep, False): _CLEARED,
+    (history._on_deleted, keep, queue._on_deleted, True): _DELETED,
+    (keep, keep, keep, True): _SETTINGS,
+    (keep, turns._on_turn_event, queue._on_joined, False): _JOINED,
+    (keep, keep, _CALLED, False): _QUEUE_CALL,
+    (keep, turns._on_turn_event, _CALLED, False): _TURN_EVENT_QUEUE_CALL,
 }
-_PLANS: dict[type, tuple[int, Handler[QueueState] | None, bool]] = {
-    kind: (
-        _STEPS[history.HANDLERS[kind], turns.HANDLERS[kind]],
-        None if queue.HANDLERS[kind] is keep else queue.HANDLERS[kind],
+_NAMED: frozenset[object] = frozenset(q for _, _, q, _ in _STEPS)
+_CODES: dict[type, int] = {
+    kind: _STEPS[
+        history.HANDLERS[kind],
+        turns.HANDLERS[kind],
+        queue.HANDLERS[kind] if queue.HANDLERS[kind] in _NAMED else _CALLED,
         kind is SettingsChanged or kind is SessionDeleted,
-    )
+    ]
     for kind in EVENT_TYPES
 }
+_NO_CARRIED: frozenset[str] = frozenset()
 
 
-def _own_list(chain: Chain[T]) -> list[T]:
-    """The list to extend ``chain`` in: its own, shared, when ``chain`` is the newest view
-    of it (appending then leaves every older view as it was), else a copy."""
-    items = chain._items
-    return items if len(items) == chain._n else items[: chain._n]
+# --- one event: ``evolve`` -------------------------------------------------------------
+# The common steps fold their event inline, as the handlers of their combination would;
+# the rest call the handlers that do something for their type. Either way only what the
+# event changes is rebuilt: the other states are the view's own.
+
+_Evolver = Callable[[SessionView, Any], SessionView]
+
+
+def _evolve_by_handlers(kind: type) -> _Evolver:
+    """A fold of one event of ``kind`` through the handlers that do something for it."""
+    fh = None if history.HANDLERS[kind] is keep else history.HANDLERS[kind]
+    ft = None if turns.HANDLERS[kind] is keep else turns.HANDLERS[kind]
+    fq = None if queue.HANDLERS[kind] is keep else queue.HANDLERS[kind]
+    fs = _settings if kind is SettingsChanged or kind is SessionDeleted else None
+
+    def evolve_by_handlers(view: SessionView, event: SessionEvent) -> SessionView:
+        return SessionView(
+            event.session_id,
+            event.seq,
+            view.history if fh is None else fh(view.history, event),
+            view.turns if ft is None else ft(view.turns, event),
+            view.queue if fq is None else fq(view.queue, event),
+            view.settings if fs is None else fs(view.settings, event),
+        )
+
+    return evolve_by_handlers
+
+
+_INLINE_IN_EVOLVE = frozenset(
+    {_MESSAGE, _TURN_EVENT, _CALL_STARTED, _CALL_ENDED, _RECEIVED, _OPENED, _RECORDED, _KEEP}
+)
+# Per event type: its step when ``evolve`` folds it inline, else a fold by handlers.
+_EVOLVE: dict[type, int | _Evolver] = {
+    kind: code if code in _INLINE_IN_EVOLVE else _evolve_by_handlers(kind)
+    for kind, code in _CODES.items()
+}
+
+
+def evolve(view: SessionView, event: SessionEvent) -> SessionView:
+    """Fold one event into every projection.
+
+    The same as ``project((event,), view)``, made for one event at a time (as a decision
+    adds them): only the states the event changes are rebuilt, and a chain it extends is
+    appended to as ``Chain.append`` does; the others are the view's own. The common steps
+    are folded inline, as their handlers would; the rest through their handlers.
+    """
+    step = _EVOLVE[type(event)]
+    hist = view.history
+    turns_state = view.turns
+    q = view.queue
+    if step == _MESSAGE:
+        message = event.message  # type: ignore[union-attr]
+        kind = message.kind
+        if kind is None or kind not in CONTROL_KINDS:
+            hist = HistoryState(hist.messages.append(message), hist.active_from)
+        elif kind == COMPACTION_KIND:
+            hist = HistoryState(hist.messages, len(hist.messages))
+        meta = message.meta
+        m_turn = meta.turn_id
+        if m_turn is not None:
+            current = turns_state.current
+            if current is not None and current.opened.turn_id == m_turn:
+                log = TurnLog(current.opened, current.events.append(event))
+                turns_state = TurnsState(turns_state.finished, log)
+            running = q.running
+            if running is not None and running.turn_id == m_turn:
+                input_id = meta.input_id
+                if input_id is not None and input_id not in running.carried:
+                    running = replace(running, carried=running.carried | {input_id})
+                if meta.turn_record is not None and message.role == "assistant":
+                    running = replace(running, reply_saved=True)
+                if running is not q.running:
+                    q = replace(q, running=running)
+        if q.to_archive:
+            input_id = meta.input_id
+            if input_id is not None:
+                q = replace(q, to_archive=_without(q.to_archive, input_id))
+    elif step in (_TURN_EVENT, _CALL_STARTED, _CALL_ENDED):
+        turn_id = event.turn_id  # type: ignore[union-attr]
+        current = turns_state.current
+        if current is not None and current.opened.turn_id == turn_id:
+            log = TurnLog(current.opened, current.events.append(event))
+            turns_state = TurnsState(turns_state.finished, log)
+        if step != _TURN_EVENT:
+            running = q.running
+            if running is not None and running.turn_id == turn_id:
+                if step == _CALL_STARTED:
+                    joined, carried = running.joined, running.carried
+                    if not (len(joined) == 1 == len(carried) and joined[0].input.id in carried):
+                        q = queue._on_call_started(q, event)  # type: ignore[arg-type]
+                    # else the usual turn: its one input is carried already
+                elif event.status == "ok" and not event.tool_calls:  # type: ignore[union-attr]
+                    q = replace(q, running=replace(running, final_call_returned=True))
+    elif step == _RECEIVED:
+        waiting = Waiting(event.input, event.seq, event.generation)  # type: ignore[union-attr]
+        q = replace(q, arrived=(*q.arrived, waiting))
+    elif step == _OPENED:
+        finished = turns_state.finished
+        if turns_state.current is not None:  # cut off without a record: keep what is known
+            finished = finished.append(turns_state.current)
+        turns_state = TurnsState(finished, TurnLog(event))  # type: ignore[arg-type]
+        q = replace(q, running=RunningTurn(event.turn_id, event.source))  # type: ignore[union-attr]
+    elif step == _RECORDED:
+        turn_id = event.turn_id  # type: ignore[union-attr]
+        current = turns_state.current
+        if current is not None and current.opened.turn_id == turn_id:
+            log = TurnLog(current.opened, current.events, event)  # type: ignore[arg-type]
+            turns_state = TurnsState(turns_state.finished.append(log))
+        running = q.running
+        if running is not None and running.turn_id == turn_id:
+            q = replace(q, running=None)
+    elif step != _KEEP:
+        return step(view, event)  # type: ignore[operator]
+    return SessionView(event.session_id, event.seq, hist, turns_state, q, view.settings)
+
+
+# --- many events: ``project`` ----------------------------------------------------------
+
+_QueueFields = tuple[
+    int,
+    tuple[Waiting, ...],
+    tuple[Waiting, ...],
+    tuple[Waiting, ...],
+    tuple[Waiting, ...],
+    RunningTurn | None,
+    str | None,
+    str | None,
+    bool,
+    bool,
+    tuple[Waiting, ...],
+    frozenset[str],
+    bool,
+]
+
+
+def _queue_fields(q: QueueState) -> _QueueFields:
+    """The queue's fields as ``project`` holds them: its own, then the running turn's
+    (no turn id when none runs)."""
+    r = q.running
+    if r is None:
+        return (
+            q.generation,
+            q.arrived,
+            q.queued,
+            q.pending,
+            q.to_archive,
+            None,
+            None,
+            None,
+            False,
+            False,
+            (),
+            _NO_CARRIED,
+            False,
+        )
+    return (
+        q.generation,
+        q.arrived,
+        q.queued,
+        q.pending,
+        q.to_archive,
+        r,
+        r.turn_id,
+        r.source,
+        r.stop_requested,
+        r.final_call_returned,
+        r.joined,
+        r.carried,
+        r.reply_saved,
+    )
 
 
 def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> SessionView:
     """Fold a whole log (or the rest of one, from ``view``).
 
     The result is what folding each projection's handlers gives (``history.project``,
-    ``turns.project``, ``queue.project`` and the settings), but the history and the turns
-    are folded here in one pass over plain lists, wrapped in their ``Chain`` views once
-    at the end: a long replay then builds no state per event that it throws away. As
-    ``Chain.append`` does, a list shared with ``view`` is extended in place only while
-    ``view`` holds its newest items, and copied first otherwise.
+    ``turns.project``, ``queue.project`` and the settings), but the history, the turns
+    and the queue are folded here in one pass over plain lists and local variables,
+    wrapped in their states once at the end: a long replay then builds no state per
+    event that it throws away. The queue's rarer events (and an input joining other than
+    from ``arrived``) go through its own handlers, on the queue state as it stands then.
+    As ``Chain.append`` does, a list shared with ``view`` is extended in place only
+    while ``view`` holds its newest items, and copied first otherwise.
     """
     if view is None:
         view = SessionView()
-    plans = _PLANS
+    codes = _CODES
     control_kinds = CONTROL_KINDS
-    q, settings = view.queue, view.settings
+    settings = view.settings
     # The history's messages, the finished turns and the current turn's events, as lists.
-    h_start = view.history.messages
-    h_list = _own_list(h_start)
+    hist = view.history
+    h_start = hist.messages
+    h_list = h_start.list_to_extend()
     h_append = h_list.append
-    h_from = view.history.active_from
-    f_start = view.turns.finished
-    f_list = _own_list(f_start)
-    current = view.turns.current
+    h_from = hist.active_from
+    turns_state = view.turns
+    f_start = turns_state.finished
+    f_list = f_start.list_to_extend()
+    current = turns_state.current
     c_opened: TurnOpened | None = None
     c_id: str | None = None
     c_list: list[SessionEvent] = []
     if current is not None:
         c_opened = current.opened
         c_id = c_opened.turn_id
-        c_list = _own_list(current.events)
+        c_list = current.events.list_to_extend()
     c_append = c_list.append
+    # The queue, field by field; ``q_obj`` (``r_obj``) is the state (running turn) these
+    # hold while it is known, and None once a field changed.
+    q_obj: QueueState | None = view.queue
+    (
+        generation,
+        arrived,
+        queued,
+        pending,
+        to_archive,
+        r_obj,
+        r_id,
+        r_source,
+        r_stop,
+        r_final,
+        r_joined,
+        r_carried,
+        r_reply,
+    ) = _queue_fields(view.queue)
     event: SessionEvent | None = None
     for event in events:
-        step, fq, sc = plans[type(event)]
-        if step == _TURN_EVENT:
-            if event.turn_id == c_id:  # type: ignore[union-attr]
-                c_append(event)
-        elif step == _MESSAGE:
+        code = codes[type(event)]
+        if code == _MESSAGE:
             message = event.message  # type: ignore[union-attr]
             kind = message.kind
             if kind is None or kind not in control_kinds:
                 h_append(message)
             elif kind == COMPACTION_KIND:
                 h_from = len(h_list)
-            if c_id is not None and message.meta.turn_id == c_id:
+            meta = message.meta
+            m_turn = meta.turn_id
+            if m_turn is not None:
+                if m_turn == c_id:
+                    c_append(event)
+                if m_turn == r_id:
+                    input_id = meta.input_id
+                    if input_id is not None and input_id not in r_carried:
+                        r_carried = r_carried | {input_id}
+                        r_obj = q_obj = None
+                    if meta.turn_record is not None and message.role == "assistant":
+                        r_reply = True
+                        r_obj = q_obj = None
+            if to_archive:
+                input_id = meta.input_id
+                if input_id is not None:
+                    to_archive = _without(to_archive, input_id)
+                    q_obj = None
+        elif code == _TURN_EVENT:
+            if event.turn_id == c_id:  # type: ignore[union-attr]
                 c_append(event)
-        elif step:
-            if step == _OPENED:
-                if c_opened is not None:  # cut off without a record: keep what is known
-                    f_list.append(TurnLog(c_opened, Chain(c_list)))
-                c_opened = event  # type: ignore[assignment]
-                c_id = event.turn_id  # type: ignore[union-attr]
+        elif code == _CALL_STARTED:
+            turn_id = event.turn_id  # type: ignore[union-attr]
+            if turn_id == c_id:
+                c_append(event)
+            if (
+                r_id is not None
+                and turn_id == r_id
+                and not (len(r_joined) == 1 == len(r_carried) and r_joined[0].input.id in r_carried)
+            ):  # else the usual turn: its one input is carried already
+                carried = frozenset([w.input.id for w in r_joined])
+                if carried != r_carried:
+                    r_carried = carried
+                    r_obj = q_obj = None
+        elif code == _CALL_ENDED:
+            turn_id = event.turn_id  # type: ignore[union-attr]
+            if turn_id == c_id:
+                c_append(event)
+            if (
+                r_id is not None
+                and turn_id == r_id
+                and event.status == "ok"  # type: ignore[union-attr]
+                and not event.tool_calls  # type: ignore[union-attr]
+            ):
+                r_final = True
+                r_obj = q_obj = None
+        elif code == _RECEIVED:
+            arrived = (*arrived, Waiting(event.input, event.seq, event.generation))  # type: ignore[union-attr]
+            q_obj = None
+        elif code == _OPENED:
+            if c_opened is not None:  # cut off without a record: keep what is known
+                f_list.append(TurnLog(c_opened, Chain(c_list)))
+            c_opened = event  # type: ignore[assignment]
+            c_id = r_id = event.turn_id  # type: ignore[union-attr]
+            c_list = []
+            c_append = c_list.append
+            r_source = event.source  # type: ignore[union-attr]
+            r_stop = r_final = r_reply = False
+            r_joined, r_carried = (), _NO_CARRIED
+            r_obj = q_obj = None
+        elif code == _RECORDED:
+            turn_id = event.turn_id  # type: ignore[union-attr]
+            if c_opened is not None and turn_id == c_id:
+                f_list.append(TurnLog(c_opened, Chain(c_list), event))  # type: ignore[arg-type]
+                c_opened = c_id = None
                 c_list = []
                 c_append = c_list.append
-            elif step == _RECORDED:
-                if c_opened is not None and event.turn_id == c_id:  # type: ignore[union-attr]
-                    f_list.append(TurnLog(c_opened, Chain(c_list), event))  # type: ignore[arg-type]
-                    c_opened = c_id = None
-                    c_list = []
-                    c_append = c_list.append
-            elif step == _MARKER:
-                h_append(event.message)  # type: ignore[union-attr]
-                if event.turn_id == c_id:  # type: ignore[union-attr]
-                    c_append(event)
-            elif step == _DELETED or (
-                not event.kinds or "context" in event.kinds  # type: ignore[union-attr]
-            ):
-                h_list, h_from = [], 0
-                h_append = h_list.append
-        if fq is not None:
-            q = fq(q, event)
-        if sc:
+            if r_id is not None and turn_id == r_id:
+                r_id = r_obj = q_obj = None
+        elif code == _KEEP:
+            pass
+        elif code >= _JOINED:  # the queue's own handler, unless an input joins as usual
+            if code != _QUEUE_CALL and event.turn_id == c_id:  # type: ignore[union-attr]
+                c_append(event)
+            if code == _JOINED and r_id is not None and event.turn_id == r_id:  # type: ignore[union-attr]
+                input_id = event.input_id  # type: ignore[union-attr]
+                for w in arrived:  # the usual case: received, then joined in the same batch
+                    if w.input.id == input_id:
+                        if w.held_for is not None or w.front:
+                            w = replace(w, held_for=None, front=False)
+                        r_joined = (*r_joined, w)
+                        # (w is the only one when it arrived alone)
+                        arrived = () if len(arrived) == 1 else _without(arrived, input_id)
+                        r_obj = q_obj = None
+                        break
+                else:
+                    code = _QUEUE_CALL
+            else:
+                code = _QUEUE_CALL
+            if code == _QUEUE_CALL:
+                if q_obj is None:
+                    if r_id is not None and r_obj is None:
+                        r_obj = RunningTurn(
+                            r_id, r_source, r_stop, r_final, r_joined, r_carried, r_reply
+                        )
+                    q_obj = QueueState(generation, arrived, queued, pending, r_obj, to_archive)
+                q_obj = queue.HANDLERS[type(event)](q_obj, event)
+                (
+                    generation,
+                    arrived,
+                    queued,
+                    pending,
+                    to_archive,
+                    r_obj,
+                    r_id,
+                    r_source,
+                    r_stop,
+                    r_final,
+                    r_joined,
+                    r_carried,
+                    r_reply,
+                ) = _queue_fields(q_obj)
+        elif code == _STOP:
+            turn_id = event.turn_id  # type: ignore[union-attr]
+            if turn_id == c_id:
+                c_append(event)
+            if r_id is not None and turn_id == r_id:
+                r_stop = True
+                r_obj = q_obj = None
+        elif code == _MARKER:
+            h_append(event.message)  # type: ignore[union-attr]
+            if event.turn_id == c_id:  # type: ignore[union-attr]
+                c_append(event)
+        elif code == _SETTINGS:
             settings = _settings(settings, event)
+        elif code == _DELETED or (
+            not event.kinds or "context" in event.kinds  # type: ignore[union-attr]
+        ):  # _DELETED, or _CLEARED of the context
+            h_list, h_from = [], 0
+            h_append = h_list.append
+            if code == _DELETED:
+                generation = event.generation  # type: ignore[union-attr]
+                q_obj = None
+                settings = _settings(settings, event)
     if event is None:
         return view
-    hist = view.history
-    if h_list is not h_start._items or len(h_list) != h_start._n or h_from != hist.active_from:
+    if h_from != hist.active_from or not h_start.views_whole(h_list):
         hist = HistoryState(Chain(h_list), h_from)
-    turns_state = view.turns
+    opened_before = current.opened if current is not None else None
     if (
-        c_opened is not (current.opened if current is not None else None)
-        or len(f_list) != f_start._n
-        or (current is not None and len(c_list) != current.events._n)
+        c_opened is not opened_before
+        or len(f_list) != len(f_start)
+        or (current is not None and len(c_list) != len(current.events))
     ):
-        finished = Chain(f_list) if len(f_list) != f_start._n else f_start
+        finished = Chain(f_list) if len(f_list) != len(f_start) else f_start
         if c_opened is None:
             turns_state = TurnsState(finished, None)
         elif (
-            current is not None and c_opened is current.opened and len(c_list) == current.events._n
+            current is not None and c_opened is opened_before and len(c_list) == len(current.events)
         ):
             turns_state = TurnsState(finished, current)
         else:
             turns_state = TurnsState(finished, TurnLog(c_opened, Chain(c_list)))
-    return SessionView(event.session_id, event.seq, hist, turns_state, q, settings)
+    if q_obj is None:
+        if r_id is None:
+            r_obj = None
+        elif r_obj is None:
+            r_obj = RunningTurn(r_id, r_source, r_stop, r_final, r_joined, r_carried, r_reply)
+        q_obj = QueueState(generation, arrived, queued, pending, r_obj, to_archive)
+    return SessionView(event.session_id, event.seq, hist, turns_state, q_obj, settings)
