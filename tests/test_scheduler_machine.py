@@ -967,13 +967,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Shutdown (SCH6): every session's queued and pending inputs are released, and
         archived once its running turn has settled; a turn in a tool stops once that
         call returns. The shutdown runs on a thread; once it has asked the turns in a
-        tool to stop, the tool lets its calls through. Then a new runtime on the same
-        store finds nothing to recover."""
+        tool to stop and released the inputs waiting behind them, the tool lets its calls
+        through (else a turn ending first would open the next one from the queue, which
+        the shutdown would then stop: the order the shadow does not take). Then a new
+        runtime on the same store finds nothing to recover."""
         in_tool: list[tuple[str, int]] = []
+        behind: list[tuple[str, str]] = []  # inputs waiting behind a turn in the tool
         for sid, s in self.shadow.items():
             turn = s.running
-            if turn is not None and turn.phase == "tool" and turn.stop is None:
-                in_tool.append((sid, turn.key))
+            if turn is not None and turn.phase == "tool":
+                behind += [(sid, i.id) for i in s.waiting()]
+                if turn.stop is None:
+                    in_tool.append((sid, turn.key))
             turn = s.release("shutdown", None)  # shutdown names nobody
             if turn is not None and turn.phase == "tool":
                 s.tool_returned()
@@ -996,6 +1001,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 isinstance(e, StopRequested) and e.turn_id == turn_id for e in self.store.read(sid)
             ):
                 assert time.monotonic() < deadline, "shutdown did not stop the turn"
+                time.sleep(0.0005)
+        for sid, input_id in behind:
+            while not any(
+                isinstance(e, InputReleased) and e.input_id == input_id
+                for e in self.store.read(sid)
+            ):
+                assert time.monotonic() < deadline, "shutdown did not release the queue"
                 time.sleep(0.0005)
         with self.tool.opened():
             thread.join(15)
