@@ -756,7 +756,7 @@ def bench_many_sessions(tmp: Path) -> None:
         target="ratio >= 1",
     )
 
-    def passivate_all() -> float:
+    def passivate_all() -> tuple[float, int]:
         runtime.wait_idle(60)
         runtime.passivate_idle(0)
         deadline = time.monotonic() + 60
@@ -764,13 +764,16 @@ def bench_many_sessions(tmp: Path) -> None:
             time.sleep(0.05)
         gc.collect()
         time.sleep(0.3)  # the stopped actors' threads finish
-        return _rss_mb()
+        return _rss_mb(), sys.getallocatedblocks()
 
-    rss = [passivate_all()]
-    for cycle in range(3):
-        for session in sessions:
-            runtime.submit(session, Input(id="", content=f"again {cycle}")).result(120)
-        rss.append(passivate_all())
+    rss, blocks = [], []
+    for cycle in range(4):
+        if cycle:
+            for session in sessions:
+                runtime.submit(session, Input(id="", content=f"again {cycle}")).result(120)
+        mb, live = passivate_all()
+        rss.append(mb)
+        blocks.append(live)
     runtime.shutdown(timeout=60)
     store.close()
     emit(
@@ -780,8 +783,13 @@ def bench_many_sessions(tmp: Path) -> None:
         sessions=len(sessions),
         after_cycles=[round(r, 1) for r in rss[1:]],
         growth_per_cycle_kib_per_session=round((rss[-1] - rss[0]) / 3 * 1024 / len(sessions), 2),
+        live_blocks_after=blocks,
+        live_block_growth_per_cycle_per_session=round(
+            (blocks[-1] - blocks[0]) / 3 / len(sessions), 2
+        ),
         threads_after=threading.active_count(),
-        note="each cycle revives every session for one turn, then passivates it",
+        note="each cycle revives every session for one turn, then passivates it; live "
+        "blocks are the Python objects still allocated (RSS keeps the allocator's peak)",
     )
 
 
