@@ -413,7 +413,14 @@ class SessionActor(pykka.ThreadingActor):
         raise error from exc
 
     def _effects(self, before: SessionView, events: list[SessionEvent]) -> None:
-        known = self._known_inputs(before, events)
+        known: dict[str, Input] | None = None
+
+        def lookup(input_id: str) -> Input | None:
+            nonlocal known  # built on first use: most commits move no input
+            if known is None:
+                known = self._known_inputs(before, events)
+            return known.get(input_id)
+
         opened: TurnOpened | None = None
         queue_changed = False
         sid = self.session_id
@@ -422,11 +429,11 @@ class SessionActor(pykka.ThreadingActor):
                 case InputHeld() | InputQueued():
                     queue_changed = True
                     where = "待插入" if isinstance(event, InputHeld) else "排队"
-                    inp = known.get(event.input_id)
+                    inp = lookup(event.input_id)
                     log.debug(logs.handed_on(where, inp.gateway_seq if inp else None, sid))
                 case InputJoined():
                     queue_changed = True
-                    inp = known.get(event.input_id)
+                    inp = lookup(event.input_id)
                     if inp is not None:
                         self._turn_inputs.setdefault(event.turn_id, []).append(inp)
                     where = "开轮" if event.entry == "opened" else "插入"
@@ -434,7 +441,7 @@ class SessionActor(pykka.ThreadingActor):
                     log.debug(logs.handed_on(where, seq, sid, event.turn_id))
                 case InputRequeued():
                     queue_changed = True
-                    inp = known.get(event.input_id)
+                    inp = lookup(event.input_id)
                     log.warning(
                         "input put back at the head of the queue: its turn was cut before "
                         "a model call carried it",
@@ -445,7 +452,7 @@ class SessionActor(pykka.ThreadingActor):
                     )
                 case InputReleased():
                     queue_changed = True
-                    inp = known.get(event.input_id)
+                    inp = lookup(event.input_id)
                     log.debug(logs.handed_on("放掉", inp.gateway_seq if inp else None, sid))
                     self._resolve(
                         event.input_id, InputOutcome(event.input_id, None, "released", event.reason)
