@@ -249,15 +249,16 @@ class Runtime:
                 entry.ref.stop(block=False)
 
     def _ask(self, session_id: str, message: Any) -> Any:
+        """Have the session handle ``message`` on this thread (``SessionActor.call``)."""
         for attempt in (1, 2):
             with self._lock:
-                ref = self._entry(session_id).ref
+                entry = self._entry(session_id)
             try:
-                return ref.ask(message, block=False).get(timeout=self.ask_timeout_s)
+                return entry.actor.call(message, self.ask_timeout_s)
             except pykka.ActorDeadError:
                 # It stopped (passivated, or fenced after a failed write) under us: the
                 # next actor is rebuilt from the log.
-                self._forget(session_id, ref)
+                self._forget(session_id, entry.ref)
                 if attempt == 2:
                     raise
         raise AssertionError("unreachable")
@@ -403,29 +404,25 @@ class Runtime:
             entries = list(self._entries.items())
         self._janitor_stop.set()
         try:
-            futures = []
-            for _, e in entries:
-                with contextlib.suppress(Exception):
-                    futures.append(e.ref.ask(Release("shutdown"), block=False))
-            for f in futures:
+            for _, e in entries:  # each on this thread: a release does not wait for turns
                 try:
-                    f.get(timeout=self.ask_timeout_s)
+                    e.actor.call(Release("shutdown"), self.ask_timeout_s)
                 except pykka.ActorDeadError:
                     pass
                 except Exception:  # a failed write: that session is already fenced
                     log.warning("a session could not release its inputs at shutdown")
             self.wait_idle(timeout)
         finally:
-            # Always stop every actor (their threads would keep the process alive).
+            # Always stop every actor (a mailbox thread would keep the process alive).
             with self._lock:
-                refs = [e.ref for e in self._entries.values()]
-                refs += [e.ref for _, e in entries]
+                actors = [e.actor for e in self._entries.values()]
+                actors += [e.actor for _, e in entries]
                 # Those gone from _entries meanwhile were released as they left.
                 owned = [s for s, e in self._entries.items() if e.owned]
                 self._entries.clear()
-            for ref in refs:
+            for actor in actors:
                 with contextlib.suppress(Exception):
-                    ref.stop(block=True, timeout=self.ask_timeout_s)
+                    actor.shut(timeout=self.ask_timeout_s)
             for session_id in owned:
                 self._release(session_id, True)
             if self._janitor is not None:
@@ -445,11 +442,10 @@ class Runtime:
         """The session's projected state (its actor's, or folded from the log)."""
         with self._lock:
             entry = self._entries.get(session_id)
-            future = entry.ref.ask(GetView(), block=False) if entry else None
-        if future is None:
+        if entry is None:
             return self._load(session_id)
         try:
-            return future.get(timeout=self.ask_timeout_s)  # type: ignore[no-any-return]
+            return entry.actor.call(GetView(), self.ask_timeout_s)  # type: ignore[no-any-return]
         except (pykka.ActorDeadError, SessionFailed):
             return self._load(session_id)  # it stopped: the log is the truth
 
@@ -522,11 +518,11 @@ class Runtime:
                     continue
             # Runners report their end by message: let every actor handle it.
             with self._lock:
-                refs = [e.ref for e in self._entries.values()]
+                actors = [e.actor for e in self._entries.values()]
             busy = False
-            for ref in refs:
+            for actor in actors:
                 try:
-                    busy |= not ref.ask(Ping(), timeout=self.ask_timeout_s)
+                    busy |= not actor.call(Ping(), self.ask_timeout_s)
                 except (pykka.ActorDeadError, SessionFailed):
                     continue
             with self._runners_idle:
@@ -564,21 +560,17 @@ class Runtime:
 
     def passivate_idle(self, idle_s: float | None = None) -> int:
         """Ask every actor idle for ``idle_s`` (default: the runtime's) to stop, and let
-        the idle turn threads exit; returns how many actors stopped."""
+        the idle turn threads exit; returns how many actors stopped. Each is asked on
+        this thread (no mailbox thread starts for it), once the message it handles now
+        is done."""
         idle = self.idle_s if idle_s is None else idle_s
         with self._lock:
-            refs = [e.ref for e in self._entries.values()]
-        futures = []
-        for ref in refs:
-            try:
-                futures.append(ref.ask(Passivate(idle), block=False))
-            except pykka.ActorDeadError:
-                continue
+            actors = [e.actor for e in self._entries.values()]
         stopped = 0
-        for f in futures:
+        for actor in actors:
             try:
-                stopped += bool(f.get(timeout=self.ask_timeout_s))
-            except pykka.ActorDeadError:
+                stopped += bool(actor.call(Passivate(idle), self.ask_timeout_s))
+            except (pykka.ActorDeadError, pykka.Timeout, SessionFailed):
                 continue
         self.workers.release_idle()  # idle turn threads go with the idle sessions
         return stopped

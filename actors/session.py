@@ -11,11 +11,18 @@ it, and so does :meth:`SessionActor.call`: the runtime's ``submit`` and the sess
 turn runner hand their messages over on their own threads, with the same one-at-a-time
 guarantee and no thread hop (a hop between Python threads costs about 0.1 ms each way,
 more than the rest of a short turn's bookkeeping).
+
+The mailbox thread itself starts only when a message is put in the mailbox (a ``tell`` or
+an ``ask`` through the actor's ref): ``launch`` runs ``on_start`` on the launching thread,
+and a session reached only through :meth:`SessionActor.call` (submits, its turn's
+reports, views, pings, passivation) never has a thread of its own. Starting one costs
+about 0.35 ms and a stack; a thousand live sessions would otherwise hold a thousand.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue as queue_module
 import sys
 import threading
 import time
@@ -127,6 +134,20 @@ class _Direct:
         self._actor.call(message)
 
 
+class _Mailbox(queue_module.Queue[Any]):
+    """A session's inbox: the first message put in it starts the mailbox thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_first_put: Callable[[], None] | None = None
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        super().put(item, block, timeout)
+        start = self.on_first_put
+        if start is not None:
+            start()
+
+
 class SessionActor(pykka.ThreadingActor):
     """One session: decides, appends, then acts. Built from its log (``view``)."""
 
@@ -170,15 +191,107 @@ class SessionActor(pykka.ThreadingActor):
         self._holder: int | None = None  # the thread handling a message now
         self._ready = threading.Event()  # on_start has run: calls may be handled
         self._closed = False  # passivated or stopped: calls are refused (ActorDeadError)
+        # The mailbox thread: None until a message is put in the mailbox; False once the
+        # actor stopped without one (it never starts then).
+        self._thread: threading.Thread | bool | None = None
+        self._thread_lock = threading.Lock()
+        self._stop_pending = False  # stop() while handling a call: stops when it ends
+
+    @staticmethod
+    def _create_actor_inbox() -> _Mailbox:
+        return _Mailbox()
 
     @classmethod
     def launch(cls, **kwargs: Any) -> SessionActor:
         """Start an actor as ``pykka.Actor.start`` does, and return the actor itself: its
-        :meth:`call` is how the runtime and the turn runners reach it without a hop."""
+        :meth:`call` is how the runtime and the turn runners reach it without a hop.
+
+        ``on_start`` (recovery) runs here, on the launching thread; the mailbox thread
+        starts with the first message put in the mailbox."""
         actor = cls(**kwargs)
         pykka.ActorRegistry.register(actor.actor_ref)
-        actor._start_actor_loop()
+        mailbox = actor.actor_inbox
+        assert isinstance(mailbox, _Mailbox)
+        mailbox.on_first_put = actor._start_mailbox
+        actor._actor_loop_setup()  # on_start; a failure there stops the actor (pykka)
+        if actor.actor_stopped.is_set():
+            actor._stop_pending = False
+            actor._stop_without_thread()
+        else:
+            actor._stop_if_pending()
         return actor
+
+    def _start_actor_loop(self) -> None:
+        raise TypeError("a SessionActor is started with SessionActor.launch")
+
+    def _start_mailbox(self) -> None:
+        """The first message was put in the mailbox: start the thread that handles it."""
+        with self._thread_lock:
+            if self._thread is not None:
+                return  # running already, or stopped without one
+            mailbox = self.actor_inbox
+            assert isinstance(mailbox, _Mailbox)
+            mailbox.on_first_put = None
+            thread = threading.Thread(target=self._mailbox_loop, name=f"session {self.session_id}")
+            thread.daemon = self.use_daemon_thread
+            self._thread = thread
+            thread.start()
+
+    def _mailbox_loop(self) -> None:
+        self._actor_loop_running()
+        self._actor_loop_teardown()
+
+    def stop(self) -> None:
+        """Stop the actor once the message being handled is done (as ``pykka.Actor.stop``
+        does through the mailbox). Without a mailbox thread, the call handling the
+        message stops it as it returns."""
+        with self._thread_lock:
+            thread = self._thread
+        if isinstance(thread, threading.Thread):
+            super().stop()
+        elif thread is None:
+            self._stop_pending = True
+
+    def _stop_if_pending(self) -> None:
+        """After a message handled on a caller's thread: a stop it asked for happens now,
+        outside the lock (``on_stop`` takes it)."""
+        if self._stop_pending:
+            self._stop_pending = False
+            with self._thread_lock:
+                threaded = isinstance(self._thread, threading.Thread)
+            if threaded:
+                super().stop()
+            else:
+                self._stop_without_thread()
+
+    def _stop_without_thread(self) -> None:
+        """Stop an actor whose mailbox thread never started: no thread starts after this,
+        and a message that slipped into the mailbox is answered with ActorDeadError."""
+        with self._thread_lock:
+            if self._thread is None:
+                self._thread = False
+                mailbox = self.actor_inbox
+                assert isinstance(mailbox, _Mailbox)
+                mailbox.on_first_put = None
+            elif isinstance(self._thread, threading.Thread):
+                super().stop()  # a message started the thread meanwhile: it stops there
+                return
+        if not self.actor_stopped.is_set():
+            self._stop()
+        self._actor_loop_teardown()
+
+    def shut(self, timeout: float | None = None) -> None:
+        """Stop the actor from outside and wait for it (``ActorRef.stop(block=True)``),
+        without starting a mailbox thread for it when it has none."""
+        with self._thread_lock:
+            threaded = isinstance(self._thread, threading.Thread)
+        if threaded:
+            self.actor_ref.stop(block=True, timeout=timeout)
+            return
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise pykka.Timeout(f"session {self.session_id}: busy for {timeout} s")
+        self._lock.release()
+        self._stop_without_thread()
 
     def call(self, message: Any, timeout: float | None = None) -> Any:
         """Handle ``message`` on the calling thread, under the lock the mailbox thread
@@ -188,6 +301,8 @@ class SessionActor(pykka.ThreadingActor):
         ``pykka.Timeout`` when the actor is not free within ``timeout`` seconds."""
         me = threading.get_ident()
         if self._holder == me:
+            if isinstance(message, GetView):
+                return self.view  # a read from a callback: the durable view it runs on
             raise RuntimeError(
                 f"session {self.session_id}: a callback run while the session handles a "
                 "message called into the same session (it would wait for itself); hand "
@@ -205,6 +320,8 @@ class SessionActor(pykka.ThreadingActor):
         finally:
             self._holder = None
             self._lock.release()
+            if self._stop_pending:
+                self._stop_if_pending()
 
     # --- lifecycle -------------------------------------------------------------------
 

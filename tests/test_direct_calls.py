@@ -2,7 +2,8 @@
 calling thread, under the lock its mailbox thread takes (SessionActor.call): the same
 one-at-a-time guarantee as an ask, without the thread hops. These tests pin what that
 path must keep: where the work runs, what a callback calling back into its own session
-gets, and a submit racing the actor's passivation."""
+gets, a submit racing the actor's passivation, and the mailbox thread that starts only
+when a message is put in the mailbox."""
 
 from __future__ import annotations
 
@@ -13,8 +14,17 @@ from typing import Any
 
 import pykka
 import pytest
+from aalis_agent.actors.messages import Submit
 from aalis_agent.actors.runtime import Runtime
-from aalis_agent.events import FixedClock, InMemoryEventStore, Input, InputReceived, SequentialIds
+from aalis_agent.actors.session import SessionActor
+from aalis_agent.events import (
+    FixedClock,
+    InMemoryEventStore,
+    Input,
+    InputReceived,
+    SequentialIds,
+    TurnRecorded,
+)
 from aalis_agent.services import ScriptedModel, ScriptedReply, Services
 
 SID = "user:direct"
@@ -81,7 +91,8 @@ def test_a_submit_racing_passivation_goes_to_a_fresh_actor(runtime: Runtime) -> 
     call = old.call
 
     def watched(message: Any, timeout: float | None = None) -> Any:
-        reached.set()
+        if isinstance(message, Submit):  # passivation calls in too, on its own thread
+            reached.set()
         try:
             return call(message, timeout)
         except BaseException as exc:
@@ -111,3 +122,91 @@ def test_a_submit_racing_passivation_goes_to_a_fresh_actor(runtime: Runtime) -> 
     assert runtime._entries[SID].actor is not old
     contents = [e.input.content for e in runtime.store.read(SID) if isinstance(e, InputReceived)]
     assert contents == ["一", "二"]  # written once, by the fresh actor
+
+
+def _mailbox_threads(session_id: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"session {session_id}"]
+
+
+def test_a_session_reached_only_by_calls_never_starts_a_mailbox_thread(
+    runtime: Runtime,
+) -> None:
+    for text in ("一", "二"):
+        assert runtime.submit(SID, Input(id="", content=text)).result(10).outcome == "replied"
+    actor = runtime._entries[SID].actor
+    assert len(runtime.view(SID).history.messages) == 4
+    assert runtime.wait_idle(10)
+    runtime.set_setting(SID, "maxToolIterations", 3)
+    assert runtime.stop(SID) is None  # nothing running
+    assert actor._thread is None and _mailbox_threads(SID) == []
+    assert runtime.passivate_idle(0) == 1
+    # Stopped the way pykka stops an actor, with no thread ever started for it.
+    assert actor.actor_stopped.is_set() and actor._closed
+    assert actor._thread is False and _mailbox_threads(SID) == []
+    assert pykka.ActorRegistry.get_by_urn(actor.actor_urn) is None
+    with pytest.raises(pykka.ActorDeadError):
+        actor.actor_ref.tell("anything")
+    # The next submit rebuilds the session from its log.
+    assert runtime.submit(SID, Input(id="", content="三")).result(10).outcome == "replied"
+    assert runtime._entries[SID].actor is not actor
+
+
+def test_a_told_message_starts_the_mailbox_thread_and_shutdown_ends_it() -> None:
+    services = Services(llm=ScriptedModel(lambda request, n: ScriptedReply(text=f"好{n}")))
+    rt = Runtime(InMemoryEventStore(), services, FixedClock(), SequentialIds(), janitor=False)
+    try:
+        assert rt.submit(SID, Input(id="", content="一")).result(10).outcome == "replied"
+        assert _mailbox_threads(SID) == []
+        generation = rt.delete(SID, timeout=10)  # told, with a future: the mailbox handles it
+        assert generation == 1
+        threads = _mailbox_threads(SID)
+        assert len(threads) == 1 and threads[0].is_alive()
+        assert rt.submit(SID, Input(id="", content="二")).result(10).outcome == "replied"
+    finally:
+        rt.shutdown(timeout=10)
+    threads[0].join(10)
+    assert not threads[0].is_alive() and _mailbox_threads(SID) == []
+
+
+def test_registry_stop_all_stops_an_actor_that_has_no_thread() -> None:
+    services = Services(llm=ScriptedModel(lambda request, n: ScriptedReply(text="好")))
+    rt = Runtime(InMemoryEventStore(), services, FixedClock(), SequentialIds(), janitor=False)
+    assert rt.submit(SID, Input(id="", content="一")).result(10).outcome == "replied"
+    actor = rt._entries[SID].actor
+    assert rt.wait_idle(10)
+    pykka.ActorRegistry.stop_all(block=True, timeout=10)  # as tests and hosts clean up
+    assert actor.actor_stopped.is_set() and actor._closed
+    for thread in _mailbox_threads(SID):
+        thread.join(10)
+        assert not thread.is_alive()
+    rt.shutdown(timeout=10)
+
+
+def test_recovery_runs_on_the_launching_thread_before_launch_returns() -> None:
+    """A turn cut by a crash is recorded by ``on_start``, which runs in ``launch``: by
+    the time ``recover`` returns, the cut record is in the log."""
+    store = InMemoryEventStore()
+    hang = threading.Event()
+    services = Services(
+        llm=ScriptedModel(lambda request, n: (hang.wait(10), ScriptedReply(text="好"))[1])
+    )
+    first = Runtime(store, services, FixedClock(), SequentialIds(), janitor=False)
+    first.submit(SID, Input(id="", content="一"))
+    deadline = time.monotonic() + 10
+    while not any(type(e).__name__ == "ModelCallStarted" for e in store.read(SID)):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    # The "crash": this runtime is abandoned mid-call; a new one recovers the log.
+    second = Runtime(
+        store, Services(llm=ScriptedModel()), FixedClock(), SequentialIds(), janitor=False
+    )
+    try:
+        assert second.recover() == [SID]
+        records = [e for e in store.read(SID) if isinstance(e, TurnRecorded)]
+        assert [r.outcome for r in records] == ["aborted"]  # recorded as cut
+        assert isinstance(second._entries[SID].actor, SessionActor)
+        assert _mailbox_threads(SID) == []
+    finally:
+        hang.set()
+        second.shutdown(timeout=10)
+        first.shutdown(timeout=10)
