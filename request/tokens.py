@@ -92,6 +92,13 @@ class _Cached:
             cache[text] = n
         return n
 
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._cache = {}
+
 
 class EstimateCounter:
     """The fallback counter, used when no encoding loads."""
@@ -104,6 +111,15 @@ class EstimateCounter:
     @property
     def encodes(self) -> int:
         return self._cached.encodes
+
+    @property
+    def cached_texts(self) -> int:
+        """How many texts the bounded cache holds now."""
+        return len(self._cached)
+
+    def cache_clear(self) -> None:
+        """Drop the cached counts (as ``functools.lru_cache`` does)."""
+        self._cached.clear()
 
     def count(self, text: str) -> int:
         return self._cached.count(text)
@@ -124,6 +140,15 @@ class TiktokenCounter:
     @property
     def encodes(self) -> int:
         return self._cached.encodes
+
+    @property
+    def cached_texts(self) -> int:
+        """How many texts the bounded cache holds now."""
+        return len(self._cached)
+
+    def cache_clear(self) -> None:
+        """Drop the cached counts (as ``functools.lru_cache`` does)."""
+        self._cached.clear()
 
     def count(self, text: str) -> int:
         return self._cached.count(text)

