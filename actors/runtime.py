@@ -5,12 +5,15 @@
     outcome = handle.result(timeout=60)      # when that input's turn has ended
 
 Sessions come up on their first input (rebuilt from their log) and are passivated when
-idle, so threads stay bounded by active sessions, not by all sessions (ES4).
+idle, so threads stay bounded by active sessions, not by all sessions (ES4). With
+``max_live_sessions``, memory is bounded too: past that many live sessions, the least
+recently used idle ones are passivated as new ones come up.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -128,8 +131,20 @@ class Runtime:
         hooks: Hooks | None = None,
         max_turn_threads: int = 512,
         ownership: SessionOwnership | None = None,
+        max_live_sessions: int | None = None,
     ) -> None:
+        if max_live_sessions is not None and (
+            isinstance(max_live_sessions, bool)
+            or not isinstance(max_live_sessions, int)
+            or max_live_sessions < 1
+        ):
+            raise ValueError(
+                f"max_live_sessions must be a positive int or None, not {max_live_sessions!r}"
+            )
         self.store = store
+        # Past this many live sessions, the least recently used idle ones are passivated
+        # as new ones come up (None: only the janitor passivates, after idle_s).
+        self.max_live_sessions = max_live_sessions
         # Several runtimes over one shared log (aalis_agent.scale): a session's actor
         # starts only once this runtime owns the session, and gives it back when it stops.
         self.ownership = ownership
@@ -203,6 +218,8 @@ class Runtime:
         """
         entry = self._entries.get(session_id)
         if entry is not None and entry.ref.is_alive():
+            if self.max_live_sessions is not None:  # most recently used last
+                self._entries[session_id] = self._entries.pop(session_id)
             return entry
         if self._closed:
             raise RuntimeClosed("the runtime is shut down")
@@ -346,8 +363,35 @@ class Runtime:
                 if attempt == 2:
                     raise
                 continue
+            if self.max_live_sessions is not None and len(self._entries) > self.max_live_sessions:
+                self._shed(session_id)
             return SubmitHandle(inp.id, where, done)
         raise AssertionError("unreachable")
+
+    def _shed(self, keep: str) -> int:
+        """Over ``max_live_sessions``: passivate idle sessions, least recently used first,
+        until back at the cap (sessions with work stay: the cap is exceeded while more
+        than that many have work). Returns how many were passivated."""
+        cap = self.max_live_sessions
+        assert cap is not None
+        with self._lock:
+            excess = len(self._entries) - cap
+            # A few more than the excess, in case some have work: a submit never scans
+            # every live session.
+            candidates = [
+                e.actor
+                for s, e in itertools.islice(self._entries.items(), 2 * excess + 8)
+                if s != keep
+            ]
+        stopped = 0
+        for actor in candidates:
+            if stopped >= excess:
+                break
+            try:  # one busy handling a message now has work: passed over at once
+                stopped += bool(actor.call(Passivate(0.0), timeout=0))
+            except (pykka.ActorDeadError, pykka.Timeout, SessionFailed, RuntimeError):
+                continue  # gone already, busy, fenced, or this thread is inside it
+        return stopped
 
     # --- stopping --------------------------------------------------------------------
 

@@ -593,7 +593,7 @@ def bench_turns(tmp: Path) -> None:
     )
 
 
-def _tool_turn_runtime(store: SqliteEventStore) -> Any:
+def _tool_turn_runtime(store: SqliteEventStore, max_live_sessions: int | None = None) -> Any:
     """The side-by-side workload's runtime: an instant scripted model that answers each
     user message with one tool call, then (after the tool) with a new reply text."""
     from aalis_agent.actors.runtime import Runtime
@@ -609,7 +609,7 @@ def _tool_turn_runtime(store: SqliteEventStore) -> Any:
         llm=ScriptedModel(reply, context_length=1_000_000, keep_requests=0),
         tools=ToolRegistry([Tool("echo", lambda args, ctx: "好")]),
     )
-    return Runtime(store, services, janitor=False)
+    return Runtime(store, services, janitor=False, max_live_sessions=max_live_sessions)
 
 
 def _db_bytes(store: SqliteEventStore, path: Path) -> tuple[int, int]:
@@ -712,14 +712,17 @@ def bench_many_sessions(tmp: Path) -> None:
     threads (each runs a session's turns one after another), beside one session's turns
     run sequentially in the same run: throughput ratio (target >= 1), latency p50/p99.
     Then memory: RSS once every session is passivated, and after three cycles of reviving
-    each session for one more turn and passivating it again (no growth expected)."""
+    each session for one more turn and passivating it again (no growth expected). The
+    runtime keeps at most 256 sessions live (``max_live_sessions``), as a host of
+    thousands of sessions would: memory is bounded by the live ones, not by all."""
     from concurrent.futures import ThreadPoolExecutor
 
     from aalis_agent.request.tokens import default_counter
 
     _quiet_logs()
     store = SqliteEventStore(tmp / "many.db")
-    runtime = _tool_turn_runtime(store)
+    live_cap = 256
+    runtime = _tool_turn_runtime(store, max_live_sessions=live_cap)
     runtime.submit("warm-up", Input(id="", content=USER_TEXT)).result(60)
     t0 = time.perf_counter()
     for n in range(200):
@@ -755,6 +758,7 @@ def bench_many_sessions(tmp: Path) -> None:
         ratio=round(rate / sequential, 3),
         p50_ms=round(latencies[len(latencies) // 2] * 1000, 3),
         p99_ms=round(latencies[int(len(latencies) * 0.99)] * 1000, 3),
+        max_live_sessions=live_cap,
         target="ratio >= 1",
     )
 
@@ -800,6 +804,7 @@ def bench_many_sessions(tmp: Path) -> None:
             (blocks[-1] - blocks[0]) / 3 / len(sessions), 2
         ),
         token_cache_texts=cached,
+        max_live_sessions=live_cap,
         threads_after=threading.active_count(),
         note="each cycle revives every session for one turn, then passivates it; live "
         "blocks are the Python objects still allocated, counted with the bounded token "

@@ -23,9 +23,17 @@ from aalis_agent.events import (
     Input,
     InputReceived,
     SequentialIds,
+    ToolCall,
     TurnRecorded,
 )
-from aalis_agent.services import ScriptedModel, ScriptedReply, Services
+from aalis_agent.services import (
+    ChatRequest,
+    ScriptedModel,
+    ScriptedReply,
+    Services,
+    Tool,
+    ToolRegistry,
+)
 
 SID = "user:direct"
 
@@ -210,3 +218,74 @@ def test_recovery_runs_on_the_launching_thread_before_launch_returns() -> None:
         hang.set()
         second.shutdown(timeout=10)
         first.shutdown(timeout=10)
+
+
+def _capped(cap: int, model: ScriptedModel | None = None, tools: tuple[Tool, ...] = ()) -> Runtime:
+    services = Services(
+        llm=model or ScriptedModel(lambda request, n: ScriptedReply(text="好")),
+        tools=ToolRegistry(list(tools)),
+    )
+    return Runtime(
+        InMemoryEventStore(),
+        services,
+        FixedClock(),
+        SequentialIds(),
+        janitor=False,
+        max_live_sessions=cap,
+    )
+
+
+def test_past_max_live_sessions_the_least_recently_used_idle_ones_passivate() -> None:
+    rt = _capped(3)
+    try:
+        for i in range(10):
+            assert rt.submit(f"s{i}", Input(id="", content="一")).result(10).outcome == "replied"
+            rt.wait_idle(10)
+            assert len(rt.active_sessions()) <= 3
+        assert rt.active_sessions() == ["s7", "s8", "s9"]
+        # s7 used again is the most recent: the next newcomer passivates s8 instead.
+        assert rt.submit("s7", Input(id="", content="二")).result(10).outcome == "replied"
+        rt.wait_idle(10)
+        assert rt.submit("s10", Input(id="", content="一")).result(10).outcome == "replied"
+        assert rt.active_sessions() == ["s10", "s7", "s9"]
+        # A passivated session comes back from its log, history whole.
+        assert rt.submit("s0", Input(id="", content="二")).result(10).outcome == "replied"
+        assert len(rt.view("s0").history.messages) == 4
+    finally:
+        rt.shutdown(timeout=10)
+
+
+def test_a_session_with_work_is_never_passivated_to_keep_the_cap() -> None:
+    release, entered = threading.Event(), threading.Event()
+
+    def reply(request: ChatRequest, n: int) -> ScriptedReply:
+        if request.messages[-1].content.endswith("忙"):  # the busy session's first call
+            return ScriptedReply(tool_calls=(ToolCall(id="c1", name="hold", arguments="{}"),))
+        return ScriptedReply(text="好")
+
+    def hold(args: Any, ctx: Any) -> str:
+        entered.set()
+        release.wait(10)  # the busy session's turn is still running
+        return "ok"
+
+    rt = _capped(1, ScriptedModel(reply), (Tool("hold", hold),))
+    try:
+        busy = rt.submit("busy", Input(id="", content="忙"))
+        assert entered.wait(10)
+        for i in range(3):
+            assert rt.submit(f"s{i}", Input(id="", content="一")).result(10).outcome == "replied"
+            assert "busy" in rt.active_sessions()
+        release.set()
+        assert busy.result(10).outcome == "replied"
+        assert [e.input.content for e in rt.store.read("busy") if isinstance(e, InputReceived)] == [
+            "忙"
+        ]
+    finally:
+        release.set()
+        rt.shutdown(timeout=10)
+
+
+@pytest.mark.parametrize("cap", [0, -1, 2.5, True, "3"])
+def test_max_live_sessions_must_be_a_positive_int(cap: Any) -> None:
+    with pytest.raises(ValueError, match="max_live_sessions"):
+        Runtime(InMemoryEventStore(), janitor=False, max_live_sessions=cap)
