@@ -73,8 +73,15 @@ CONTROL_KINDS: frozenset[str] = frozenset({"turn-record", "compaction", "notice"
 """Message kinds that are event markers: never sent to the model, never counted as history."""
 
 
-class _Value(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Base of value objects nested in events."""
+class _Value(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
+    """Base of value objects nested in events.
+
+    Values and events are plain data that never refer back to themselves, so they are
+    not tracked by the cyclic garbage collector (msgspec's ``gc=False``): replaying a
+    log allocates several per event, and tracked, they made the collector traverse the
+    same new events again and again (about a seventh of a replay's instructions). An
+    object put in a ``dict`` or ``Any`` field must not refer back to the event holding
+    it, or the two are never freed."""
 
 
 # --- value objects -------------------------------------------------------------------
@@ -253,14 +260,16 @@ class TokenUsage(_Value, frozen=True, rename="camel"):
 # --- events --------------------------------------------------------------------------
 
 
-class Event(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type"):
+class Event(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type", gc=False
+):
     """Base of every logged event.
 
     Code that decides builds an event with its own fields only, e.g.
     ``InputQueued(input_id="in-1")``; the batch it is added to stamps ``session_id``,
     ``seq`` and ``at`` (see :class:`aalis_agent.events.Batch`). A stored event always has
     all three: the store refuses a batch whose events do not name its session and follow
-    on without gaps.
+    on without gaps. Not tracked by the cyclic garbage collector (see :class:`_Value`).
     """
 
     session_id: str = ""
