@@ -297,11 +297,7 @@ class Runtime:
         """Called by an actor passivating itself: nothing may be on its way to it."""
         with self._lock:
             entry = self._entries.get(session_id)
-            if (
-                entry is None
-                or entry.ref.actor_urn != actor.actor_urn
-                or not actor.actor_inbox.empty()
-            ):
+            if entry is None or entry.ref.actor_urn != actor.actor_urn or not actor.mailbox_idle():
                 return False
             del self._entries[session_id]
         self._release(session_id, entry.owned)
@@ -364,7 +360,10 @@ class Runtime:
                     raise
                 continue
             if self.max_live_sessions is not None and len(self._entries) > self.max_live_sessions:
-                self._shed(session_id)
+                try:  # the input is accepted: nothing here may fail the submit
+                    self._shed(session_id)
+                except Exception:
+                    log.exception("passivating sessions over max_live_sessions failed")
             return SubmitHandle(inp.id, where, done)
         raise AssertionError("unreachable")
 
@@ -376,6 +375,8 @@ class Runtime:
         assert cap is not None
         with self._lock:
             excess = len(self._entries) - cap
+            if excess <= 0:
+                return 0  # others passivated meanwhile
             # A few more than the excess, in case some have work: a submit never scans
             # every live session.
             candidates = [

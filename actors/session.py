@@ -21,6 +21,7 @@ about 0.35 ms and a stack; a thousand live sessions would otherwise hold a thous
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue as queue_module
 import sys
@@ -28,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar, NoReturn, cast
 
 import pykka
 import structlog
@@ -196,6 +197,10 @@ class SessionActor(pykka.ThreadingActor):
         self._thread: threading.Thread | bool | None = None
         self._thread_lock = threading.Lock()
         self._stop_pending = False  # stop() while handling a call: stops when it ends
+        self.fresh = True  # no message handled yet: the one it was started for is coming
+        # One item per call waiting for the lock (deque appends and pops are atomic):
+        # passivation is refused while anyone waits to use the session.
+        self._callers: collections.deque[None] = collections.deque()
 
     @staticmethod
     def _create_actor_inbox() -> _Mailbox:
@@ -308,9 +313,15 @@ class SessionActor(pykka.ThreadingActor):
                 "message called into the same session (it would wait for itself); hand "
                 "the call to another thread"
             )
-        if not self._ready.wait(timeout) or not self._lock.acquire(
-            timeout=-1 if timeout is None else timeout
-        ):
+        callers = self._callers
+        callers.append(None)
+        try:
+            acquired = self._ready.wait(timeout) and self._lock.acquire(
+                timeout=-1 if timeout is None else timeout
+            )
+        finally:
+            callers.pop()
+        if not acquired:
             raise pykka.Timeout(f"session {self.session_id}: busy for {timeout} s")
         try:
             if self._closed or self.actor_stopped.is_set():
@@ -717,14 +728,26 @@ class SessionActor(pykka.ThreadingActor):
     # --- messages --------------------------------------------------------------------
 
     def on_receive(self, message: Any) -> Any:
-        with self._lock:
-            self._holder = threading.get_ident()
-            try:
-                return self._receive(message)
-            finally:
-                self._holder = None
+        try:
+            with self._lock:
+                self._holder = threading.get_ident()
+                try:
+                    return self._receive(message)
+                finally:
+                    self._holder = None
+        finally:
+            cast(_Mailbox, self.actor_inbox).task_done()  # see mailbox_idle
+
+    def mailbox_idle(self) -> bool:
+        """No message waits in the mailbox or is in the mailbox thread's hands (taken
+        out, waiting for the lock that a call on another thread holds). Passivation is
+        refused otherwise: that message would be handled by an actor already replaced."""
+        mailbox = self.actor_inbox
+        assert isinstance(mailbox, _Mailbox)
+        return mailbox.unfinished_tasks == 0
 
     def _receive(self, message: Any) -> Any:
+        self.fresh = False
         if self._failed is not None:
             # Fenced after a failed write: nothing more happens here. Asks get the error;
             # told messages with a future get it there.
@@ -978,7 +1001,10 @@ class SessionActor(pykka.ThreadingActor):
             and not self._deferred
             and not self._waiters
         )
-        if not idle or time.monotonic() - self._last_activity < msg.idle_s:
+        quiet = time.monotonic() - self._last_activity
+        if not idle or quiet < msg.idle_s or self._callers or (self.fresh and quiet < 1.0):
+            # Someone waits to use it, or it was just started and its first message is
+            # on its way: a passivation now would make that caller start another.
             return False
         if not self.host.unregister_if_idle(self.session_id, self):
             return False

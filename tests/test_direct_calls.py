@@ -14,7 +14,7 @@ from typing import Any
 
 import pykka
 import pytest
-from aalis_agent.actors.messages import Submit
+from aalis_agent.actors.messages import Passivate, Submit
 from aalis_agent.actors.runtime import Runtime
 from aalis_agent.actors.session import SessionActor
 from aalis_agent.events import (
@@ -289,3 +289,54 @@ def test_a_session_with_work_is_never_passivated_to_keep_the_cap() -> None:
 def test_max_live_sessions_must_be_a_positive_int(cap: Any) -> None:
     with pytest.raises(ValueError, match="max_live_sessions"):
         Runtime(InMemoryEventStore(), janitor=False, max_live_sessions=cap)
+
+
+def _hold(actor: SessionActor) -> None:
+    """Take the actor's lock as a message being handled does (white box)."""
+    assert actor._lock.acquire(timeout=10)
+
+
+def test_passivation_is_refused_while_a_caller_waits_for_the_session(runtime: Runtime) -> None:
+    assert runtime.submit(SID, Input(id="", content="一")).result(10).outcome == "replied"
+    assert runtime.wait_idle(10)
+    actor = runtime._entries[SID].actor
+    _hold(actor)  # as if a message were being handled
+    viewer = threading.Thread(target=lambda: runtime.view(SID))
+    viewer.start()
+    deadline = time.monotonic() + 10
+    while not actor._callers:  # the view waits for the lock
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    try:
+        assert actor._on_passivate(Passivate(0)) is False
+    finally:
+        actor._lock.release()
+    viewer.join(10)
+    assert runtime.passivate_idle(0) == 1  # nobody waits now
+
+
+def test_passivation_is_refused_while_the_mailbox_thread_holds_a_message(
+    runtime: Runtime,
+) -> None:
+    """A told message taken out of the mailbox, waiting for the lock a call holds, is not
+    in the mailbox any more: the actor must still not passivate under it (it would be
+    handled by an actor already replaced, a second writer of the log)."""
+    assert runtime.submit(SID, Input(id="", content="一")).result(10).outcome == "replied"
+    assert runtime.wait_idle(10)
+    actor = runtime._entries[SID].actor
+    _hold(actor)
+    clearing = threading.Thread(target=lambda: runtime.clear(SID, timeout=10))
+    clearing.start()
+    deadline = time.monotonic() + 10
+    while not (_mailbox_threads(SID) and actor.actor_inbox.empty()):
+        assert time.monotonic() < deadline  # the mailbox thread took the Clear
+        time.sleep(0.001)
+    try:
+        assert not actor.mailbox_idle()
+        assert actor._on_passivate(Passivate(0)) is False
+    finally:
+        actor._lock.release()
+    clearing.join(10)
+    assert actor.mailbox_idle()
+    assert runtime.passivate_idle(0) == 1
+    assert len(runtime.view(SID).history.messages) == 0  # cleared, by the one actor
