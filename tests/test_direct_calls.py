@@ -7,6 +7,7 @@ when a message is put in the mailbox."""
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -340,3 +341,73 @@ def test_passivation_is_refused_while_the_mailbox_thread_holds_a_message(
     assert actor.mailbox_idle()
     assert runtime.passivate_idle(0) == 1
     assert len(runtime.view(SID).history.messages) == 0  # cleared, by the one actor
+
+
+def test_submits_passivation_and_told_messages_racing_keep_one_writer_per_session(
+    tmp_path: Any,
+) -> None:
+    """A short stress run: submitting threads, and another passivating, viewing,
+    deleting and clearing at random, over a few sessions and a small live cap. Every
+    submit is accepted and resolves, no session is fenced by a second writer, every log
+    reads back, and no mailbox thread outlives the runtime."""
+    from aalis_agent.events import SqliteEventStore
+    from aalis_agent.projections import project
+    from structlog.testing import capture_logs
+
+    store = SqliteEventStore(tmp_path / "stress.db")
+    services = Services(llm=ScriptedModel(lambda request, n: ScriptedReply(text=f"好{n}")))
+    rt = Runtime(store, services, janitor=False, max_live_sessions=4)
+    stop = time.monotonic() + 3.0
+    handles: list[Any] = []
+    errors: list[BaseException] = []
+    guard = threading.Lock()
+
+    def submitter(k: int) -> None:
+        rnd = random.Random(k)
+        while time.monotonic() < stop:
+            try:
+                handle = rt.submit(f"s{rnd.randrange(12)}", Input(id="", content=str(k)))
+            except BaseException as exc:
+                errors.append(exc)
+                return
+            with guard:
+                handles.append(handle)
+
+    def chaos() -> None:
+        rnd = random.Random(99)
+        while time.monotonic() < stop:
+            session = f"s{rnd.randrange(12)}"
+            op = rnd.random()
+            try:
+                if op < 0.5:
+                    rt.passivate_idle(0)
+                elif op < 0.7:
+                    rt.view(session)
+                elif op < 0.8:
+                    rt.delete(session, timeout=10)
+                else:
+                    rt.clear(session, timeout=10)
+            except BaseException as exc:
+                errors.append(exc)
+                return
+            time.sleep(0.001)
+
+    with capture_logs() as logs:
+        threads = [threading.Thread(target=submitter, args=(k,)) for k in range(4)]
+        threads.append(threading.Thread(target=chaos))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        outcomes = [h.result(30).outcome for h in handles]
+        rt.shutdown(timeout=30)
+    assert errors == []
+    assert len(outcomes) > 50 and set(outcomes) <= {"replied", "aborted", "released"}
+    assert not [e for e in logs if e["log_level"] == "error"], logs[:3]
+    for session in store.sessions():
+        project(store.read(session))  # reads back whole
+    store.close()
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("session ") for t in threading.enumerate()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
