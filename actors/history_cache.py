@@ -17,6 +17,7 @@ to be taken out of what was already prepared.
 from __future__ import annotations
 
 import threading
+from array import array
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, tzinfo
@@ -103,7 +104,9 @@ class _Grouper:
         # such a history is rendered again for every request.
         self.now_dependent = False
         self.out: list[ChatMessage] = []  # as sent (rendered)
-        self.prefix: list[int] = [0]
+        # Machine integers: a request's snapshot of them is one copy of memory, not a
+        # walk over as many int objects as the history has messages.
+        self.prefix = array("q", (0,))
         self.ids: dict[str, int] = {}  # id -> how many of ``out`` carry it
         self.version = 0  # odd while changing (see ``_Ids``)
 
@@ -260,6 +263,6 @@ class HistoryCache:
         return PreparedHistory(
             messages=messages,
             active=len(self._active),
-            prefix=tuple(grouper.prefix),
+            prefix=grouper.prefix[:],
             _ids=_Ids(messages, grouper, grouper.version),
         )

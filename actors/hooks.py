@@ -152,6 +152,10 @@ class Hooks:
         """Whether any middleware is on ``key``."""
         return bool(self._running.get(key))
 
+    def has_contributions(self) -> bool:
+        """Whether any ``agent:prompt`` contribution is registered."""
+        return bool(self._contributions)
+
     def quiet(self, *keys: str) -> bool:
         """Whether no middleware is on any of ``keys`` and no contribution is registered:
         then nothing outside the runtime runs between a turn's open and its first call."""

@@ -76,6 +76,8 @@ def add_contributions(
     dry_run: bool,
 ) -> None:
     """FLOW6: build the ``agent:prompt`` contributions and place their blocks."""
+    if not hooks.has_contributions():
+        return  # nothing to build: the request is not assembled for them
     view = ContributionView(
         session_id=session_id,
         user_id=user_id,
@@ -109,15 +111,19 @@ def trim_call(
     protected: frozenset[str] = frozenset(),
     snapshot: bool = False,
     texts: Texts | None = None,
+    history_at: int | None = None,
 ) -> TrimmedCall:
     """FLOW9 for a turn's call and a ``token:request`` snapshot alike: the budget from the
     model and the plugin config, the list split into head, history and turn, the five-step
     trim (TRIM). ``snapshot`` puts the continuation hint at the end (no inputs). When the
     history part is the prepared history unchanged, its token prefix sums are reused.
-    ``texts``: the locale of what the trim adds (default: the runtime's)."""
+    ``texts``: the locale of what the trim adds (default: the runtime's).
+    ``history_at``: where ``messages`` holds the prepared history unchanged, when the
+    caller knows it (``prompt.assemble_at`` built the list and no hook saw it); the
+    history is then not compared message by message."""
     config = services.config
     budget = trim_budget(llm.context_length, llm.max_output_tokens, config.trim_threshold_ratio)
-    head, hist, rest = split_parts(messages, history.ids, history.messages)
+    head, hist, rest = split_parts(messages, history.ids, history.messages, at=history_at)
     prefix = history.prefix if hist is history.messages else None
     counter = default_counter()
     tool_tokens = tool_definition_tokens(counter, tools)
@@ -132,6 +138,7 @@ def trim_call(
             tool_tokens=tool_tokens,
             snapshot=snapshot,
             history_prefix=prefix,
+            whole=messages,
             texts=texts or services.texts,
         ),
         counter,

@@ -13,7 +13,7 @@ from aalis_agent.actors.request import add_contributions, base_prompt, call_usag
 from aalis_agent.events import TokenUsage
 from aalis_agent.projections import turns
 from aalis_agent.request.prompt import (
-    assemble,
+    assemble_at,
     volatile_for,
 )
 
@@ -62,11 +62,13 @@ def token_request(runtime: Runtime, session_id: str, platform: str | None = None
         trigger_type=None,
         dry_run=True,
     )
-    messages = assemble(prompt)
+    messages, at = assemble_at(prompt)
     tools = [t.definition() for t in services.tools.available(settings.tool_groups)]
     llm = services.models.resolve(settings.model, warn=False).model
     # The same trim and the same accounting as a turn's call (actors/request.py).
-    call = trim_call(services, llm, messages, tools, history, snapshot=True, texts=texts)
+    call = trim_call(
+        services, llm, messages, tools, history, snapshot=True, texts=texts, history_at=at
+    )
     return call_usage(
         llm,
         call,

@@ -51,7 +51,7 @@ from aalis_agent.request.limits import (
 from aalis_agent.request.pairing import unique_call_ids
 from aalis_agent.request.prompt import (
     TurnPrompt,
-    assemble,
+    assemble_at,
     instruction_block,
     is_instruction,
     render_input,
@@ -255,16 +255,21 @@ class TurnRunner(ToolBatch, ReplyStep):
         return True
 
     def _llm_before(self, prompt: TurnPrompt, tool_defs: list[dict[str, Any]]) -> LlmBefore:
-        """FLOW7: assemble the request and run ``agent:llm:before`` over it."""
+        """FLOW7: assemble the request and run ``agent:llm:before`` over it. Unless a
+        middleware may have changed the list, the trim is told where its history is."""
+        messages, at = assemble_at(prompt)
+        hooked = self.hooks.has_middleware("agent:llm:before")
+        self._history_at = None if hooked else at
         before = LlmBefore(
-            messages=assemble(prompt),
+            messages=messages,
             tools=list(tool_defs),
             session_id=self.session_id,
             user_id=self._user_id(),
             platform=self.opened.platform,
             trigger_type=self._trigger(),
         )
-        self.hooks.run("agent:llm:before", before, lambda c: c)
+        if hooked:
+            self.hooks.run("agent:llm:before", before, lambda c: c)
         return before
 
     def _model_call(
@@ -389,6 +394,8 @@ class TurnRunner(ToolBatch, ReplyStep):
             # The final call: inserts are over from now on (SCH2), so the actor hears at once.
             self.actor.tell(CallEnded(self.turn_id, index, "ok", 0))
         self._usage(prompt, sent, before.tools, call)  # FLOW11
+        if not self.hooks.has_middleware("agent:llm:after"):
+            return call  # no one to see a copy of the request
         after = LlmAfter(
             response={
                 "content": call.text,

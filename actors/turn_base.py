@@ -163,6 +163,8 @@ class TurnBase:
         self._call_refused = False  # the last insertion point refused the call's start
         self._protected: set[str] = set()  # this turn's inputs and instruction block (TRIM-N)
         self.trimmed = False
+        # Where the last assembled request holds the history, while no hook saw the list.
+        self._history_at: int | None = None
         self.last_trim: TrimResult | None = None
         self._persona: str | None = None
         self._history_cache = history_cache
@@ -318,6 +320,7 @@ class TurnBase:
             self._history,
             protected=frozenset(self._protected),
             texts=self.texts,
+            history_at=self._history_at,
         )
         self._last_call = trimmed
         result, budget = trimmed.result, trimmed.budget

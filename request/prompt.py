@@ -27,6 +27,7 @@ __all__ = [
     "Block",
     "TurnPrompt",
     "assemble",
+    "assemble_at",
     "instruction_block",
     "is_instruction",
     "render_history",
@@ -142,6 +143,14 @@ class TurnPrompt:
 
 def assemble(prompt: TurnPrompt) -> list[ChatMessage]:
     """The message list of one request: head, history, then the turn (INS4 placement)."""
+    return assemble_at(prompt)[0]
+
+
+def assemble_at(prompt: TurnPrompt) -> tuple[list[ChatMessage], int]:
+    """:func:`assemble`, and where in the list the history starts (the head's length).
+
+    The list is built in one pass over the history: with a long history, each copy of it
+    is most of a request's preparation."""
     head = [ChatMessage(id="system", role="system", content=prompt.system)]
     # A contribution already present by injector key (added to the turn's messages along
     # the way) is not materialised again; archived history carries no injector keys.
@@ -169,13 +178,15 @@ def assemble(prompt: TurnPrompt) -> list[ChatMessage]:
             turn += inputs[:-1] + hints + inputs[-1:]
         else:
             turn += hints + inputs
-    return head + list(prompt.history) + turn + list(prompt.tail)
+    return [*head, *prompt.history, *turn, *prompt.tail], len(head)
 
 
 def split_parts(
     messages: Sequence[ChatMessage],
     history_ids: Container[str],
     history: Sequence[ChatMessage] | None = None,
+    *,
+    at: int | None = None,
 ) -> tuple[list[ChatMessage], Sequence[ChatMessage], list[ChatMessage]]:
     """Head (system messages before anything else, history's own excluded), history (the
     history's messages that follow) and the turn (the rest), for trimming (TRIM).
@@ -186,7 +197,14 @@ def split_parts(
 
     ``history``, the history as assembled (its ids are ``history_ids``): when the list
     holds it unchanged right after the head, the history part is that very object and
-    only the head and the turn are walked."""
+    only the head and the turn are walked.
+
+    ``at``: where the list holds ``history``, when the caller knows it holds it unchanged
+    (the list as :func:`assemble_at` built it, seen by no hook); not checked, so the
+    history is not walked at all."""
+    if history is not None and at is not None:
+        n = len(history)
+        return list(messages[:at]), history, list(messages[at + n :])
     head: list[ChatMessage] = []
     hist: list[ChatMessage] = []
     rest: list[ChatMessage] = []

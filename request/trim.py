@@ -82,6 +82,9 @@ class TrimRequest:
     snapshot: bool = False
     # The history's token prefix sums (len(history) + 1 items), when already known.
     history_prefix: Sequence[int] | None = None
+    # The list ``head``, ``history`` and ``turn`` were split from (their concatenation),
+    # when there is one: returned as it is when the trim changes nothing, not copied.
+    whole: list[ChatMessage] | None = None
     # The language of the texts a trim adds (truncation suffix, collapsed tool calls,
     # continuation hint).
     texts: Texts = ZH
@@ -122,7 +125,7 @@ class _State:
         self.req = req
         self.counter = counter
         self.head = list(req.head)
-        self.history = list(req.history)
+        self.history = req.history  # read, never changed: dropping moves ``dropped``
         self.turn = list(req.turn)
         self.dropped = 0
         self.result = TrimResult(messages=[])
@@ -434,7 +437,12 @@ def trim(req: TrimRequest, counter: TokenCounter) -> TrimResult:
                 if state.over():
                     result.steps.append(5)
                     _step5(state)
-    messages = state.head + state.history[state.dropped :] + state.turn
+    if req.whole is not None and not state.touched and not state.dropped:
+        messages = req.whole  # nothing changed (the common case): no copy of the history
+    elif state.dropped:
+        messages = [*state.head, *state.history[state.dropped :], *state.turn]
+    else:
+        messages = [*state.head, *state.history, *state.turn]
     result.messages = messages
     result.history_dropped = state.dropped
     result.tokens_after = state.total()

@@ -518,7 +518,7 @@ def bench_history_prep(tmp: Path) -> None:
 def bench_turns(tmp: Path) -> None:
     """Tokens encoded per turn as history grows, and the whole orchestration cost of a turn
     (a user message, one tool call, a final reply) on the instant scripted model with the
-    durable SQLite log, for 10, 100 and 1,000 history messages."""
+    durable SQLite log, at 10, 100 and 1,000 turns of history (about 4 messages each)."""
     from aalis_agent.actors.runtime import Runtime
     from aalis_agent.events import ToolCall
     from aalis_agent.request.tokens import default_counter
@@ -546,33 +546,35 @@ def bench_turns(tmp: Path) -> None:
     runtime = Runtime(store, services, janitor=False)
     counter = default_counter()
     encoded: list[int] = []
-    overhead: dict[int, float] = {}
-    commits: dict[int, float] = {}
-    turns_done = 0
-    for target in (10, 100, 1000):
-        # Grow the session to ``target`` history messages (4 per turn), then time turns.
-        while len(runtime.view("s").history.messages) < target:
-            runtime.submit("s", Input(id="", content=f"growth {turns_done}: {USER_TEXT}")).result(
-                60
-            )
-            turns_done += 1
-            if turns_done % 25 == 0:
+    # One session per history size, grown to that many turns (4 history messages each);
+    # their turns are then timed in alternation, so the machine's drift during the run
+    # falls on every size alike.
+    sizes = (10, 100, 1000)
+    done = dict.fromkeys(sizes, 0)
+
+    def turn(size: int) -> None:
+        text = f"growth {done[size]}: {USER_TEXT}"
+        runtime.submit(f"s{size}", Input(id="", content=text)).result(60)
+        done[size] += 1
+
+    for size in sizes:
+        while done[size] < size:
+            turn(size)
+            if done[size] % 25 == 0:
                 before = counter.encodes
-                text = f"growth {turns_done}: {USER_TEXT}"
-                runtime.submit("s", Input(id="", content=text)).result(60)
-                turns_done += 1
+                turn(size)
                 encoded.append(counter.encodes - before)
-        samples = []
-        appends_before = CountingStore.appends
-        for _ in range(20):
+    messages = {size: len(runtime.view(f"s{size}").history.messages) for size in sizes}
+    samples: dict[int, list[float]] = {size: [] for size in sizes}
+    appends = 0
+    for _ in range(30):
+        for size in sizes:
+            appends_before = CountingStore.appends
             t0 = time.perf_counter()
-            runtime.submit("s", Input(id="", content=f"growth {turns_done}: {USER_TEXT}")).result(
-                60
-            )
-            turns_done += 1
-            samples.append(time.perf_counter() - t0)
-        overhead[target] = statistics.median(samples)
-        commits[target] = (CountingStore.appends - appends_before) / 20
+            turn(size)
+            samples[size].append(time.perf_counter() - t0)
+            if size == sizes[-1]:
+                appends += CountingStore.appends - appends_before
     runtime.shutdown(timeout=60)
     store.close()
     emit(
@@ -582,11 +584,28 @@ def bench_turns(tmp: Path) -> None:
         samples=encoded,
         note="texts newly encoded by one turn as the history grows; flat means only new ones",
     )
-    for target, seconds in overhead.items():
-        emit("turn_overhead_ms", seconds * 1000, "ms", history=target, calls=2, tool_calls=1)
+    overhead = {size: statistics.median(samples[size]) for size in sizes}
+    for size in sizes:
+        emit(
+            "turn_overhead_ms",
+            overhead[size] * 1000,
+            "ms",
+            history_turns=size,
+            history_messages=messages[size],
+            calls=2,
+            tool_calls=1,
+        )
+    emit(
+        "turn_overhead_ratio",
+        overhead[sizes[-1]] / overhead[sizes[0]],
+        "x",
+        note=f"median turn at {sizes[-1]} turns of history over the median at {sizes[0]}, "
+        "timed in alternation",
+        target="<= 1.2",
+    )
     emit(
         "commits_per_tool_turn",
-        commits[1000],
+        appends / 30,
         "commits",
         note="durable appends a tool turn waits on (open with its archive and first call; "
         "the tool's start; its result with the next call; the reply with the turn's end)",
