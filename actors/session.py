@@ -601,7 +601,7 @@ class SessionActor(pykka.ThreadingActor):
                     self._turn_ended(event)
                 case _:
                     pass
-        if queue_changed:
+        if queue_changed and self.services.bus.wants("agent:queue"):
             self.services.bus.publish("agent:queue", self._queue_payload())
         if opened is not None:
             self._start_turn(opened)

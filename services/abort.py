@@ -17,10 +17,13 @@ class AbortSignal:
     :meth:`wait` wakes at once when the signal is set.
     """
 
-    __slots__ = ("_callbacks", "_event", "_lock", "by", "reason")
+    __slots__ = ("_aborted", "_callbacks", "_event", "_lock", "by", "reason")
 
     def __init__(self) -> None:
-        self._event = threading.Event()
+        # ``aborted`` is read many times a turn: a plain flag, set once under the lock.
+        # The event for :meth:`wait` is made only when someone waits.
+        self._aborted = False
+        self._event: threading.Event | None = None
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
         self.by: str | None = None
@@ -29,11 +32,13 @@ class AbortSignal:
     def abort(self, reason: str = "stop", by: str | None = None) -> None:
         """Set the signal (the first reason wins) and run the registered callbacks."""
         with self._lock:
-            if self._event.is_set():
+            if self._aborted:
                 return
             self.reason = reason
             self.by = by
-            self._event.set()
+            self._aborted = True
+            if self._event is not None:
+                self._event.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn()
@@ -41,19 +46,25 @@ class AbortSignal:
     def add_callback(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` when the signal is set (at once if it is already)."""
         with self._lock:
-            if not self._event.is_set():
+            if not self._aborted:
                 self._callbacks.append(fn)
                 return
         fn()
 
     @property
     def aborted(self) -> bool:
-        return self._event.is_set()
+        return self._aborted
 
     def wait(self, timeout: float | None = None) -> bool:
         """Sleep up to ``timeout`` seconds, waking early when aborted; True if aborted."""
-        return self._event.wait(timeout)
+        with self._lock:
+            if self._aborted:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
 
     def raise_if_aborted(self) -> None:
-        if self._event.is_set():
+        if self._aborted:
             raise Aborted(self.reason or "stop")

@@ -41,6 +41,8 @@ class EventBus:
         return bool(subs.get(topic) or subs.get("*"))
 
     def publish(self, topic: str, payload: Any) -> None:
+        if not self.wants(topic):
+            return  # no one listens (read without the lock, as ``wants`` is)
         with self._lock:
             subs = [*self._subs.get(topic, ()), *self._subs.get("*", ())]
         for fn in subs:
