@@ -286,12 +286,23 @@ def decode_rows(body: bytes) -> list[SessionEvent]:
     return _rows_decoder.decode(body)
 
 
-def _deflate(zdict: bytes | memoryview, body: bytes) -> bytes:
-    """``body`` as a raw DEFLATE stream against ``zdict``, inflated once more before it is
-    returned, as a reader inflates it: it must give back exactly ``body``, end where the
-    stream ends and leave nothing over."""
-    deflate = zlib.compressobj(_LEVEL, zlib.DEFLATED, _DEFLATE_WBITS, _MEM_LEVEL, _STRATEGY, zdict)
-    packed = deflate.compress(body) + deflate.flush()
+def _new_deflate(zdict: bytes | memoryview) -> zlib._Compress:
+    return zlib.compressobj(_LEVEL, zlib.DEFLATED, _DEFLATE_WBITS, _MEM_LEVEL, _STRATEGY, zdict)
+
+
+# An empty final block (fixed codes: the header bits 1, 01, then the end-of-block code),
+# after a sync flush has left the stream on a byte boundary.
+_LAST_BLOCK = b"\x03\x00"
+
+
+def _deflate_on(deflate: zlib._Compress, zdict: bytes | memoryview, body: bytes) -> bytes:
+    """``body`` as a raw DEFLATE stream of its own, from ``deflate``: a compressor whose
+    window ends as ``zdict`` does (made with it, or one that went on from the row before),
+    which keeps going for the next row. The blocks it writes end with a sync flush, then
+    an empty final block closes the stream. Inflated once more against ``zdict``, as a
+    reader inflates it: it must give back exactly ``body``, end where the stream ends and
+    leave nothing over."""
+    packed = deflate.compress(body) + deflate.flush(zlib.Z_SYNC_FLUSH) + _LAST_BLOCK
     inflate = zlib.decompressobj(_WBITS, zdict=zdict)
     if inflate.decompress(packed) != body or not inflate.eof or inflate.unused_data:
         raise ValueError("the packed row does not inflate back")  # zlib itself failed
@@ -323,7 +334,7 @@ def pack_row(
     else:
         depth, zdict = after.depth + 1, after.zdict
     body = _array_header(len(parts)) + b"".join(parts)
-    row = _row(depth, len(parts), _deflate(zdict, body))
+    row = _row(depth, len(parts), _deflate_on(_new_deflate(zdict), zdict, body))
     return row, RowContext(last_seq, depth, _next_zdict(head, zdict, body))
 
 
@@ -335,15 +346,25 @@ class RowChain:
 
     The dictionary lives in one buffer allocated with the chain and rewritten in place as
     rows are stored, so a writer that keeps chains for many sessions allocates nothing
-    lasting per row. :meth:`pack` changes nothing and may run outside the writer's lock;
-    :meth:`advance` records a row once it is stored. A :meth:`pack` that overlaps an
-    :meth:`advance` of the same chain reads ``seq`` first (``advance`` writes it last), so
-    it can only pack against a newer row than the one it meant to follow, that is after
-    another append of the session was stored: the writer's sequence check then refuses
-    the row it packed.
+    lasting per row.
+
+    The chain may also keep the compressor that wrote its last row (see :meth:`advance`):
+    its window already ends as the next row's dictionary does (the compressor reaches
+    back 4 KiB, the dictionary's last 4 KiB are the group's latest plaintext), so the next
+    row goes on from it instead of a new compressor taking in the whole dictionary, which
+    is most of the work of packing a row. About 30 KiB each: a writer keeps a few, for
+    the sessions it wrote last (:meth:`drop_compressor`).
+
+    :meth:`pack` changes nothing the chain's readers see and may run outside the
+    writer's lock (it takes the kept compressor, which no other :meth:`pack` can then
+    use); :meth:`advance` records a row once it is stored. A :meth:`pack` that overlaps
+    an :meth:`advance` of the same chain reads ``seq`` first (``advance`` writes it last),
+    so it can only pack against a newer row than the one it meant to follow, that is
+    after another append of the session was stored: the writer's sequence check then
+    refuses the row it packed.
     """
 
-    __slots__ = ("_buf", "_head", "_used", "depth", "seq")
+    __slots__ = ("_buf", "_deflate", "_deflate_seq", "_head", "_used", "depth", "seq")
 
     def __init__(self, session_id: str) -> None:
         head = _head(session_id)
@@ -353,21 +374,29 @@ class RowChain:
         self._used = 0  # bytes of the group's plaintext kept after the head
         self.seq = -1  # no row yet: the next one starts a group
         self.depth = 0
+        self._deflate: zlib._Compress | None = None  # it wrote row ``_deflate_seq``
+        self._deflate_seq = -1
 
-    def pack(self, body: bytes, count: int, last_seq: int) -> tuple[bytes, int]:
+    def pack(self, body: bytes, count: int, last_seq: int) -> tuple[bytes, int, zlib._Compress]:
         """The row holding ``body`` (:func:`encode_rows` of ``count`` events, the last one
-        ``last_seq``) and its depth: continuing the group of the chain's last row when
-        that row is the one just before and its group has room, else starting one."""
+        ``last_seq``), its depth, and the compressor to hand to :meth:`advance` once the
+        row is stored: continuing the group of the chain's last row when that row is the
+        one just before and its group has room, else starting one."""
         seq = self.seq  # first: see the class docstring
         depth = self.depth + 1
         if seq != last_seq - count or depth >= _group_rows():
-            return self.pack_first(body, count), 0
+            row, deflate = self.pack_first(body, count)
+            return row, 0, deflate
         zdict = bytes(self.dictionary(True))  # a copy: advance() may rewrite the buffer
-        return _row(depth, count, _deflate(zdict, body)), depth
+        kept, self._deflate = self._deflate, None  # taken: no other pack can use it
+        deflate = kept if kept is not None and self._deflate_seq == seq else _new_deflate(zdict)
+        return _row(depth, count, _deflate_on(deflate, zdict, body)), depth, deflate
 
-    def pack_first(self, body: bytes, count: int) -> bytes:
-        """The row holding ``body`` as the first of a group."""
-        return _row(0, count, _deflate(self.dictionary(False), body))
+    def pack_first(self, body: bytes, count: int) -> tuple[bytes, zlib._Compress]:
+        """The row holding ``body`` as the first of a group, and its compressor."""
+        zdict = self.dictionary(False)
+        deflate = _new_deflate(zdict)
+        return _row(0, count, _deflate_on(deflate, zdict, body)), deflate
 
     def dictionary(self, continued: bool) -> memoryview:
         """The dictionary of the next row: of one continuing the chain's group
@@ -375,9 +404,12 @@ class RowChain:
         never change). A view of the buffer, which :meth:`advance` rewrites."""
         return memoryview(self._buf)[: self._head + self._used if continued else self._head]
 
-    def advance(self, last_seq: int, depth: int, body: bytes) -> None:
+    def advance(
+        self, last_seq: int, depth: int, body: bytes, deflate: zlib._Compress | None = None
+    ) -> None:
         """Record the row :meth:`pack` gave for ``body`` as stored: the chain now ends with
-        it. The buffer keeps its size (a copy within it, never a new one)."""
+        it, and keeps ``deflate`` (the compressor :meth:`pack` gave with it) for the next
+        row. The buffer keeps its size (a copy within it, never a new one)."""
         buf, head, size = self._buf, self._head, CONTEXT_BYTES
         used = self._used if depth else 0
         n = len(body)
@@ -394,7 +426,12 @@ class RowChain:
             used = size
         self._used = used
         self.depth = depth
+        self._deflate, self._deflate_seq = deflate, last_seq
         self.seq = last_seq  # last: see the class docstring
+
+    def drop_compressor(self) -> None:
+        """Let the kept compressor go (its memory); the next row makes a new one."""
+        self._deflate = None
 
 
 class RowReader:

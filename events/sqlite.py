@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
@@ -54,6 +55,7 @@ STORE_FORMAT = 3
 """``PRAGMA user_version`` of a database this code creates."""
 _OLD_FORMATS = (1, 2)  # one row per event in ``events``; 1 has no ``idle_sessions``
 _CONTEXTS = 1024  # sessions whose last row this store remembers, to continue its group
+_COMPRESSORS = 64  # of those, the last written, whose chain keeps its row's compressor
 
 _SCHEMA = (
     "CREATE TABLE sessions (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE)",
@@ -181,6 +183,7 @@ class SqliteEventStore:
         self._names: dict[int, str] = {}
         # The last row this store wrote per session, for the next row to continue.
         self._contexts: OrderedDict[str, RowChain] = OrderedDict()
+        self._compressing: OrderedDict[str, RowChain] = OrderedDict()  # keep a compressor
         self._has_idle_table = True
         self._old_layout = False  # a format-1 or -2 file opened read-only
         try:
@@ -281,6 +284,7 @@ class SqliteEventStore:
         chain: RowChain | None = None
         row = body = b""
         depth = 0
+        deflate: zlib._Compress | None = None
         if n:
             body = encode_row(events)
             # Packed before the lock, continuing the last row this store wrote for the
@@ -288,7 +292,7 @@ class SqliteEventStore:
             chain = contexts.get(session_id)
             if chain is None:
                 chain = RowChain(session_id)
-            row, depth = chain.pack(body, n, last)
+            row, depth, deflate = chain.pack(body, n, last)
         with self._lock:
             conn = self._conn
             cursor = self._cursor
@@ -313,7 +317,7 @@ class SqliteEventStore:
                     if depth and (
                         contexts.get(session_id) is not chain or chain.seq != expected_seq
                     ):
-                        row, depth = chain.pack_first(body, n), 0  # start a group
+                        (row, deflate), depth = chain.pack_first(body, n), 0  # a new group
                     if sid is None:
                         cursor.execute("INSERT INTO sessions (name) VALUES (?)", (session_id,))
                         assert cursor.lastrowid is not None
@@ -342,11 +346,17 @@ class SqliteEventStore:
                 self._names[new_sid] = session_id
             if chain is not None:
                 self._idle_cache[session_id] = idle
-                chain.advance(last, depth, body)
+                chain.advance(last, depth, body, deflate)
                 contexts[session_id] = chain
                 contexts.move_to_end(session_id)
                 if len(contexts) > _CONTEXTS:
                     contexts.popitem(last=False)
+                # Only the sessions written last keep their compressor (about 30 KiB).
+                compressing = self._compressing
+                compressing[session_id] = chain
+                compressing.move_to_end(session_id)
+                if len(compressing) > _COMPRESSORS:
+                    compressing.popitem(last=False)[1].drop_compressor()
         return last
 
     def _refresh_cache(self) -> None:
@@ -368,6 +378,7 @@ class SqliteEventStore:
         self._idle_cache.clear()
         self._position_cache = None
         self._contexts.clear()
+        self._compressing.clear()
 
     def mark_idle(self, sessions: Sequence[tuple[str, int]]) -> int:
         self._refuse_if_read_only()

@@ -44,30 +44,39 @@ def _events(sizes: Sequence[int], text: str = "你好") -> list[list[SessionEven
 @given(
     sizes=st.lists(st.integers(1, 140), min_size=1, max_size=40),
     text=st.sampled_from(["你好", "x" * 3000, "a long line " * 40]),
+    drops=st.lists(st.booleans(), min_size=40, max_size=40),
 )
-def test_a_chain_packs_the_rows_pack_row_packs(sizes: list[int], text: str) -> None:
-    """Byte for byte, across group ends, rows larger than the context and counts that
-    take more than one header byte; and a reader reads them back."""
+def test_a_chain_packs_the_rows_pack_row_packs(
+    sizes: list[int], text: str, drops: list[bool]
+) -> None:
+    """The rows pack_row packs, as a reader reads them, across group ends, rows larger
+    than the context and counts that take more than one header byte: each row going on
+    from the compressor the chain kept from the row before, or (``drops``) from a new
+    one. A row that starts a group is the same bytes either way."""
     chain = codec.RowChain(SESSION)
     after: codec.RowContext | None = None
     rows: list[tuple[int, bytes]] = []
-    for batch in _events(sizes, text):
+    for batch, drop in zip(_events(sizes, text), drops, strict=False):
         last = batch[-1].seq
         body = encode_row(batch)
         assert body == codec._array_header(len(batch)) + b"".join(
             codec.encode_keyless(e) for e in batch
         )
         old, after = codec.pack_row(SESSION, [codec.encode_keyless(e) for e in batch], last, after)
-        row, depth = chain.pack(body, len(batch), last)
-        assert row == old
+        if drop:
+            chain.drop_compressor()
+        row, depth, deflate = chain.pack(body, len(batch), last)
+        assert codec.row_header(row) == codec.row_header(old)
         assert codec.row_header(row)[0] == depth == after.depth  # type: ignore[index]
+        if depth == 0:
+            assert row == old
         assert bytes(chain.dictionary(False)) == codec._head(SESSION)
-        chain.advance(last, depth, body)
+        chain.advance(last, depth, body, deflate)
         assert bytes(chain.dictionary(True)) == after.zdict
         rows.append((last, row))
     reader = codec.RowReader(SESSION)
     assert [e for seq, row in rows for e in reader.read(seq, row)] == [
-        e for batch in _events(sizes, text) for e in batch
+        e for batch in _events(sizes, text)[: len(rows)] for e in batch
     ]
 
 
@@ -75,13 +84,36 @@ def test_a_chain_starts_a_group_when_the_row_before_is_not_its_last() -> None:
     first, second = _events([2, 3])
     chain = codec.RowChain(SESSION)
     body = encode_row(first)
-    _, depth = chain.pack(body, 2, 2)
-    chain.advance(2, depth, body)
+    _, depth, deflate = chain.pack(body, 2, 2)
+    chain.advance(2, depth, body, deflate)
     body = encode_row(second)
     assert chain.pack(body, 3, 5)[1] == 1  # follows seq 2
     assert chain.pack(body, 3, 6)[1] == 0  # a gap: a new group
     parts = [codec.encode_keyless(e) for e in second]
-    assert chain.pack_first(body, 3) == codec.pack_row(SESSION, parts, 5, None)[0]
+    assert chain.pack_first(body, 3)[0] == codec.pack_row(SESSION, parts, 5, None)[0]
+
+
+def test_a_kept_compressor_is_used_once_and_only_for_the_row_it_wrote() -> None:
+    """``pack`` takes the compressor the chain kept (a second pack of the same row makes
+    its own), and one kept for another row is not used: every row reads back."""
+    first, second, third = _events([2, 3, 1])
+    chain = codec.RowChain(SESSION)
+    body = encode_row(first)
+    row1, depth, deflate = chain.pack(body, 2, 2)
+    chain.advance(2, depth, body, deflate)
+    body2 = encode_row(second)
+    row2, _, kept = chain.pack(body2, 3, 5)
+    assert kept is deflate  # went on from the row before
+    again, _, other = chain.pack(body2, 3, 5)  # the kept one is taken: a new compressor
+    assert other is not deflate
+    chain.advance(5, 1, body2, None)  # stored without a compressor to keep
+    body3 = encode_row(third)
+    row3, _, fresh = chain.pack(body3, 1, 6)
+    assert fresh is not kept and fresh is not other
+    for candidate in (row2, again):
+        reader = codec.RowReader(SESSION)
+        read = [*reader.read(2, row1), *reader.read(5, candidate), *reader.read(6, row3)]
+        assert read == [*first, *second, *third]
 
 
 @pytest.mark.parametrize(
