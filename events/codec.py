@@ -389,7 +389,12 @@ class RowChain:
             return row, 0, deflate
         zdict = bytes(self.dictionary(True))  # a copy: advance() may rewrite the buffer
         kept, self._deflate = self._deflate, None  # taken: no other pack can use it
-        deflate = kept if kept is not None and self._deflate_seq == seq else _new_deflate(zdict)
+        if kept is not None and self._deflate_seq == seq:
+            try:
+                return _row(depth, count, _deflate_on(kept, zdict, body)), depth, kept
+            except ValueError:
+                pass  # raced with an advance (its row is then refused): start afresh
+        deflate = _new_deflate(zdict)
         return _row(depth, count, _deflate_on(deflate, zdict, body)), depth, deflate
 
     def pack_first(self, body: bytes, count: int) -> tuple[bytes, zlib._Compress]:
@@ -426,7 +431,8 @@ class RowChain:
             used = size
         self._used = used
         self.depth = depth
-        self._deflate, self._deflate_seq = deflate, last_seq
+        self._deflate_seq = last_seq  # before the compressor: a pack that sees this one
+        self._deflate = deflate  # sees the row it wrote
         self.seq = last_seq  # last: see the class docstring
 
     def drop_compressor(self) -> None:

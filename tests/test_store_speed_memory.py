@@ -6,6 +6,7 @@ same bytes, the same refusals and the same rows as the event-by-event path they 
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -172,3 +173,21 @@ def test_a_store_keeps_one_chain_per_session_and_rewrites_it_in_place(tmp_path: 
     assert store._contexts["s"] is chain and chain._buf is buffer
     assert chain.seq == 40 and chain.depth == 40 - codec.GROUP_ROWS - 1
     store.close()
+
+
+def test_a_kept_compressor_out_of_step_with_the_dictionary_is_not_trusted() -> None:
+    """A compressor whose window no longer ends as the dictionary does (a pack racing
+    an advance of the same chain) would write a row no reader can inflate: the pack
+    notices when it inflates the row back, and packs it afresh."""
+    first, second = _events([2, 3])
+    chain = codec.RowChain(SESSION)
+    body = encode_row(first)
+    row1, depth, deflate = chain.pack(body, 2, 2)
+    chain.advance(2, depth, body, deflate)
+    deflate.compress(b"\x93" + b"bytes the reader never saw " * 40)
+    deflate.flush(zlib.Z_SYNC_FLUSH)
+    body2 = encode_row(second)
+    row2, depth2, used = chain.pack(body2, 3, 5)
+    assert depth2 == 1 and used is not deflate
+    reader = codec.RowReader(SESSION)
+    assert [*reader.read(2, row1), *reader.read(5, row2)] == [*first, *second]
