@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,7 @@ from aalis_agent.projections.history import HistoryState
 from aalis_agent.request.prompt import (
     Block,
     TurnPrompt,
-    assemble,
+    assemble_at,
     render_history,
     split_parts,
     system_prompt,
@@ -84,7 +85,7 @@ def add_contributions(
         platform=platform,
         trigger_type=trigger_type,
         dry_run=dry_run,
-        messages=tuple(assemble(prompt)),
+        messages=assemble_at(prompt)[0],
     )
     for built in hooks.build_contributions(view, services.config.prompt_build_timeout_ms):
         c = built.contribution
@@ -104,7 +105,7 @@ class TrimmedCall:
 def trim_call(
     services: Services,
     llm: ChatModel,
-    messages: list[ChatMessage],
+    messages: Sequence[ChatMessage],
     tools: list[dict[str, Any]],
     history: PreparedHistory,
     *,

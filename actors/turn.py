@@ -14,6 +14,7 @@ reply (``agent:reply:before``, with format retries), saved and sent; ``agent:tur
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import pykka
@@ -254,23 +255,28 @@ class TurnRunner(ToolBatch, ReplyStep):
             self.inputs.append(inp)
         return True
 
-    def _llm_before(self, prompt: TurnPrompt, tool_defs: list[dict[str, Any]]) -> LlmBefore:
-        """FLOW7: assemble the request and run ``agent:llm:before`` over it. Unless a
-        middleware may have changed the list, the trim is told where its history is."""
+    def _llm_before(
+        self, prompt: TurnPrompt, tool_defs: list[dict[str, Any]]
+    ) -> tuple[Sequence[ChatMessage], list[dict[str, Any]]]:
+        """FLOW7: assemble the request and run ``agent:llm:before`` over it; returns its
+        messages and tools. With no middleware on the hook, the messages are the tuple
+        the request will carry (nothing can change it) and the trim is told where its
+        history is; a middleware gets them as a list of its own to change."""
         messages, at = assemble_at(prompt)
-        hooked = self.hooks.has_middleware("agent:llm:before")
-        self._history_at = None if hooked else at
+        if not self.hooks.has_middleware("agent:llm:before"):
+            self._history_at = at
+            return messages, list(tool_defs)
+        self._history_at = None
         before = LlmBefore(
-            messages=messages,
+            messages=list(messages),
             tools=list(tool_defs),
             session_id=self.session_id,
             user_id=self._user_id(),
             platform=self.opened.platform,
             trigger_type=self._trigger(),
         )
-        if hooked:
-            self.hooks.run("agent:llm:before", before, lambda c: c)
-        return before
+        self.hooks.run("agent:llm:before", before, lambda c: c)
+        return before.messages, before.tools
 
     def _model_call(
         self, prompt: TurnPrompt, tool_defs: list[dict[str, Any]], *, retry: bool = False
@@ -281,7 +287,7 @@ class TurnRunner(ToolBatch, ReplyStep):
         the streamed call; ``agent:llm:after``."""
         services = self.services
         settings = self.opened.settings
-        before = self._llm_before(prompt, tool_defs)
+        messages, tools = self._llm_before(prompt, tool_defs)
         self._call_index += 1
         index = self._call_index
         info = services.sessions.info(self.session_id)
@@ -304,7 +310,7 @@ class TurnRunner(ToolBatch, ReplyStep):
             return call
         elif self.opened.source is None and not retry:
             while self._take_inserts(prompt, started):
-                before = self._llm_before(prompt, tool_defs)
+                messages, tools = self._llm_before(prompt, tool_defs)
             if self._call_refused:
                 call.aborted = True  # a stop came first: the call was never started
                 return call
@@ -319,10 +325,10 @@ class TurnRunner(ToolBatch, ReplyStep):
         reasoning: list[str] = []
         call_ids: dict[int, str] = {}
         try:
-            sent = self._trim(prompt, before.messages, before.tools, index)
+            sent = self._trim(prompt, messages, tools, index)
             request = ChatRequest(
                 messages=tuple(sent),
-                tools=tuple(before.tools),
+                tools=tuple(tools),
                 model=started.model,
                 think=LlmService.think_for(model, settings.think),  # SET2
                 session_id=self.session_id,
@@ -393,7 +399,7 @@ class TurnRunner(ToolBatch, ReplyStep):
         else:
             # The final call: inserts are over from now on (SCH2), so the actor hears at once.
             self.actor.tell(CallEnded(self.turn_id, index, "ok", 0))
-        self._usage(prompt, sent, before.tools, call)  # FLOW11
+        self._usage(prompt, sent, tools, call)  # FLOW11
         if not self.hooks.has_middleware("agent:llm:after"):
             return call  # no one to see a copy of the request
         after = LlmAfter(

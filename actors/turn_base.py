@@ -6,7 +6,7 @@ call's trim and ``token:usage`` (through actors/request.py, as ``token:request``
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -276,7 +276,7 @@ class TurnBase:
     def _usage(
         self,
         prompt: TurnPrompt,
-        sent: list[ChatMessage],
+        sent: Sequence[ChatMessage],
         tools: list[dict[str, Any]],
         call: _Call,
     ) -> None:
@@ -306,10 +306,10 @@ class TurnBase:
     def _trim(
         self,
         prompt: TurnPrompt,
-        messages: list[ChatMessage],
+        messages: Sequence[ChatMessage],
         tools: list[dict[str, Any]],
         index: int,
-    ) -> list[ChatMessage]:
+    ) -> Sequence[ChatMessage]:
         """FLOW9: trim the assembled list to the budget (TRIM); keep the trace."""
         services = self.services
         trimmed = trim_call(

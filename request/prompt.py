@@ -143,14 +143,22 @@ class TurnPrompt:
 
 def assemble(prompt: TurnPrompt) -> list[ChatMessage]:
     """The message list of one request: head, history, then the turn (INS4 placement)."""
-    return assemble_at(prompt)[0]
+    head, turn = _around_history(prompt)
+    return [*head, *prompt.history, *turn, *prompt.tail]
 
 
-def assemble_at(prompt: TurnPrompt) -> tuple[list[ChatMessage], int]:
-    """:func:`assemble`, and where in the list the history starts (the head's length).
+def assemble_at(prompt: TurnPrompt) -> tuple[tuple[ChatMessage, ...], int]:
+    """:func:`assemble` as a tuple (what a request carries), and where in it the history
+    starts (the head's length).
 
-    The list is built in one pass over the history: with a long history, each copy of it
-    is most of a request's preparation."""
+    Built in one pass over the history: with a long history, each copy of it is most of
+    a request's preparation."""
+    head, turn = _around_history(prompt)
+    return (*head, *prompt.history, *turn, *prompt.tail), len(head)
+
+
+def _around_history(prompt: TurnPrompt) -> tuple[list[ChatMessage], list[ChatMessage]]:
+    """The head (before the history) and the turn (after it, before ``tail``)."""
     head = [ChatMessage(id="system", role="system", content=prompt.system)]
     # A contribution already present by injector key (added to the turn's messages along
     # the way) is not materialised again; archived history carries no injector keys.
@@ -178,7 +186,7 @@ def assemble_at(prompt: TurnPrompt) -> tuple[list[ChatMessage], int]:
             turn += inputs[:-1] + hints + inputs[-1:]
         else:
             turn += hints + inputs
-    return [*head, *prompt.history, *turn, *prompt.tail], len(head)
+    return head, turn
 
 
 def split_parts(

@@ -84,7 +84,7 @@ class TrimRequest:
     history_prefix: Sequence[int] | None = None
     # The list ``head``, ``history`` and ``turn`` were split from (their concatenation),
     # when there is one: returned as it is when the trim changes nothing, not copied.
-    whole: list[ChatMessage] | None = None
+    whole: Sequence[ChatMessage] | None = None
     # The language of the texts a trim adds (truncation suffix, collapsed tool calls,
     # continuation hint).
     texts: Texts = ZH
@@ -102,7 +102,7 @@ class TrimAction:
 
 @dataclass
 class TrimResult:
-    messages: list[ChatMessage]
+    messages: Sequence[ChatMessage]
     trace: list[TrimAction] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     cut: int = 0  # history messages dropped by step 1
