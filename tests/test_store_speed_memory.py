@@ -191,3 +191,28 @@ def test_a_kept_compressor_out_of_step_with_the_dictionary_is_not_trusted() -> N
     assert depth2 == 1 and used is not deflate
     reader = codec.RowReader(SESSION)
     assert [*reader.read(2, row1), *reader.read(5, row2)] == [*first, *second]
+
+
+def test_only_the_sessions_written_last_keep_a_compressor(tmp_path: Path) -> None:
+    """A kept compressor is about 30 KiB: a store writing to many sessions keeps one for
+    the 64 it wrote last, and the others' rows still read back."""
+    from aalis_agent.events import sqlite as sqlite_store
+
+    store = SqliteEventStore(tmp_path / "many.db")
+    names = [f"s{i}" for i in range(sqlite_store._COMPRESSORS + 6)]
+    try:
+        for _ in range(2):
+            for name in names:
+                last = store.last_seq(name)
+                event = MessageSaved(
+                    session_id=name,
+                    seq=last + 1,
+                    at=last + 1,
+                    message=ChatMessage(id=f"m{last}", role="user", content=f"{name} {last}"),
+                )
+                store.append(name, [event], last)
+        kept = [n for n in names if store._contexts[n]._deflate is not None]
+        assert kept == names[-sqlite_store._COMPRESSORS :]
+        assert all(len(store.read(n)) == 2 for n in names)
+    finally:
+        store.close()
