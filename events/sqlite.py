@@ -55,7 +55,7 @@ STORE_FORMAT = 3
 """``PRAGMA user_version`` of a database this code creates."""
 _OLD_FORMATS = (1, 2)  # one row per event in ``events``; 1 has no ``idle_sessions``
 _CONTEXTS = 1024  # sessions whose last row this store remembers, to continue its group
-_COMPRESSORS = 64  # of those, the last written, whose chain keeps its row's compressor
+_COMPRESSORS = 64  # of those with open work, the last written keep their row compressor
 
 _SCHEMA = (
     "CREATE TABLE sessions (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE)",
@@ -346,17 +346,23 @@ class SqliteEventStore:
                 self._names[new_sid] = session_id
             if chain is not None:
                 self._idle_cache[session_id] = idle
+                # A session keeps its row compressor (about 30 KiB) while it has open
+                # work: across the appends of a turn, not while it idles (an idle
+                # session's next row makes a new one). At most the last written keep it.
+                compressing = self._compressing
+                if idle:
+                    deflate = None
+                    compressing.pop(session_id, None)
                 chain.advance(last, depth, body, deflate)
                 contexts[session_id] = chain
                 contexts.move_to_end(session_id)
                 if len(contexts) > _CONTEXTS:
                     contexts.popitem(last=False)
-                # Only the sessions written last keep their compressor (about 30 KiB).
-                compressing = self._compressing
-                compressing[session_id] = chain
-                compressing.move_to_end(session_id)
-                if len(compressing) > _COMPRESSORS:
-                    compressing.popitem(last=False)[1].drop_compressor()
+                if deflate is not None:
+                    compressing[session_id] = chain
+                    compressing.move_to_end(session_id)
+                    if len(compressing) > _COMPRESSORS:
+                        compressing.popitem(last=False)[1].drop_compressor()
         return last
 
     def _refresh_cache(self) -> None:

@@ -193,26 +193,38 @@ def test_a_kept_compressor_out_of_step_with_the_dictionary_is_not_trusted() -> N
     assert [*reader.read(2, row1), *reader.read(5, row2)] == [*first, *second]
 
 
-def test_only_the_sessions_written_last_keep_a_compressor(tmp_path: Path) -> None:
-    """A kept compressor is about 30 KiB: a store writing to many sessions keeps one for
-    the 64 it wrote last, and the others' rows still read back."""
+def test_only_sessions_with_open_work_written_last_keep_a_compressor(tmp_path: Path) -> None:
+    """A kept compressor is about 30 KiB: a session keeps one while it has open work (the
+    appends of a turn), at most the 64 written last do, and an idle session keeps none
+    (memory does not grow with sessions passivated and revived); every row reads back."""
     from aalis_agent.events import sqlite as sqlite_store
 
     store = SqliteEventStore(tmp_path / "many.db")
     names = [f"s{i}" for i in range(sqlite_store._COMPRESSORS + 6)]
+
+    def append(name: str, open_work: bool | None = None) -> None:
+        last = store.last_seq(name)
+        event = MessageSaved(
+            session_id=name,
+            seq=last + 1,
+            at=last + 1,
+            message=ChatMessage(id=f"m{last}", role="user", content=f"{name} {last}"),
+        )
+        store.append(name, [event], last, open_work=open_work)
+
     try:
         for _ in range(2):
             for name in names:
-                last = store.last_seq(name)
-                event = MessageSaved(
-                    session_id=name,
-                    seq=last + 1,
-                    at=last + 1,
-                    message=ChatMessage(id=f"m{last}", role="user", content=f"{name} {last}"),
-                )
-                store.append(name, [event], last)
+                append(name, open_work=True)
         kept = [n for n in names if store._contexts[n]._deflate is not None]
         assert kept == names[-sqlite_store._COMPRESSORS :]
-        assert all(len(store.read(n)) == 2 for n in names)
+        for name in names[-3:]:
+            append(name, open_work=False)  # the turn ended: the session idles
+        kept = [n for n in names if store._contexts[n]._deflate is not None]
+        assert kept == names[-sqlite_store._COMPRESSORS : -3]
+        assert list(store._compressing) == kept
+        append(names[-1], open_work=True)  # its next turn makes a new one
+        assert store._contexts[names[-1]]._deflate is not None
+        assert [len(store.read(n)) for n in names] == [2] * (len(names) - 3) + [3, 3, 4]
     finally:
         store.close()
