@@ -26,6 +26,7 @@ import pykka
 import structlog
 from aalis_agent.actors.budget import BudgetLog
 from aalis_agent.actors.fields import FieldView, session_fields
+from aalis_agent.actors.gate import Gate
 from aalis_agent.actors.hooks import Hooks
 from aalis_agent.actors.host import SessionHost
 from aalis_agent.actors.messages import (
@@ -132,6 +133,7 @@ class Runtime:
         max_turn_threads: int = 512,
         ownership: SessionOwnership | None = None,
         max_live_sessions: int | None = None,
+        gate_wait_s: float | None = 0.05,
     ) -> None:
         if max_live_sessions is not None and (
             isinstance(max_live_sessions, bool)
@@ -155,7 +157,11 @@ class Runtime:
         # Turns run on reused daemon threads; at most ``max_turn_threads`` at once (later
         # turns wait for a thread). A tool that waits on another session's turn needs one
         # more thread than there are such waits.
-        self.workers = Workers(limit=max_turn_threads)
+        # A turn's own steps, and submits, run one at a time: the threads of concurrent
+        # turns then stop handing the GIL to each other at every native call. A step
+        # waits at most gate_wait_s for the gate, then goes on (None: no gate; see
+        # aalis_agent.actors.gate).
+        self.workers = Workers(limit=max_turn_threads, gate=Gate(gate_wait_s))
         self._archive_warned = False
         self.services = services or Services()
         self.clock = clock or SystemClock()
@@ -333,6 +339,10 @@ class Runtime:
         An input without an id gets one. The handle resolves when the input's turn has
         ended (SCH4) or when the input is released (SCH6, DEL1-DEL2).
         """
+        with self.workers.gate.held():
+            return self._submit(session_id, inp)
+
+    def _submit(self, session_id: str, inp: Input) -> SubmitHandle:
         inp = checked_input(inp)  # a wrong type is refused here, naming the field
         if not inp.id:
             inp = msgspec.structs.replace(inp, id=self.ids.new("in"))

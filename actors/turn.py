@@ -334,43 +334,44 @@ class TurnRunner(ToolBatch, ReplyStep):
                 session_id=self.session_id,
                 purpose=purpose,
             )
-            for chunk in model.chat_stream(request, self.abort):
-                if self.abort.aborted:
-                    break
-                if chunk.content_delta:
-                    text.append(chunk.content_delta)
-                    services.bus.publish(
-                        "outbound:stream",
-                        {
-                            "sessionId": self.session_id,
-                            "turnId": self.turn_id,
-                            "contentDelta": chunk.content_delta,
-                        },
-                    )
-                if chunk.reasoning_delta:
-                    reasoning.append(chunk.reasoning_delta)
-                progress = chunk.tool_call_progress
-                if progress is not None:
-                    # FLOW10: the callId announced while the call is generated is the one
-                    # it executes and is stored with.
-                    call_ids.setdefault(progress.index, progress.call_id)
-                    services.bus.publish(
-                        "outbound:stream",
-                        {
-                            "sessionId": self.session_id,
-                            "turnId": self.turn_id,
-                            "toolCallProgress": {
-                                "index": progress.index,
-                                "name": progress.name,
-                                "callId": progress.call_id,
-                                "charsAccumulated": progress.chars_accumulated,
+            with self._outside():  # the model is waited on with the gate open
+                for chunk in model.chat_stream(request, self.abort):
+                    if self.abort.aborted:
+                        break
+                    if chunk.content_delta:
+                        text.append(chunk.content_delta)
+                        services.bus.publish(
+                            "outbound:stream",
+                            {
+                                "sessionId": self.session_id,
+                                "turnId": self.turn_id,
+                                "contentDelta": chunk.content_delta,
                             },
-                        },
-                    )
-                if chunk.tool_calls:
-                    call.tool_calls.extend(chunk.tool_calls)
-                if chunk.usage is not None:
-                    call.usage = chunk.usage
+                        )
+                    if chunk.reasoning_delta:
+                        reasoning.append(chunk.reasoning_delta)
+                    progress = chunk.tool_call_progress
+                    if progress is not None:
+                        # FLOW10: the callId announced while the call is generated is the one
+                        # it executes and is stored with.
+                        call_ids.setdefault(progress.index, progress.call_id)
+                        services.bus.publish(
+                            "outbound:stream",
+                            {
+                                "sessionId": self.session_id,
+                                "turnId": self.turn_id,
+                                "toolCallProgress": {
+                                    "index": progress.index,
+                                    "name": progress.name,
+                                    "callId": progress.call_id,
+                                    "charsAccumulated": progress.chars_accumulated,
+                                },
+                            },
+                        )
+                    if chunk.tool_calls:
+                        call.tool_calls.extend(chunk.tool_calls)
+                    if chunk.usage is not None:
+                        call.usage = chunk.usage
         except Exception as exc:
             self.actor.tell(CallEnded(self.turn_id, index, "error", 0, redact(str(exc))[:200]))
             raise

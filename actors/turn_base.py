@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -187,6 +188,13 @@ class TurnBase:
             return
         name = f"turn:{self.session_id}:{self.turn_id}"
         threading.Thread(target=self._main, name=name, daemon=True).start()
+
+    def _outside(self) -> AbstractContextManager[None]:
+        """Open the runtime's gate around a wait on the outside (the model, a tool): other
+        turns' steps run meanwhile (see :mod:`aalis_agent.actors.gate`)."""
+        if self._workers is None:
+            return nullcontext()
+        return self._workers.gate.released()
 
     @property
     def model(self) -> ChatModel:

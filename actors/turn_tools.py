@@ -175,13 +175,14 @@ class ToolBatch(TurnBase):
                 holder["error"] = self.texts("tool.not_found", name=c.name)
                 return
             try:
-                value = tool.handler(c.args, c.tool_call_context)
-                if inspect.isawaitable(value):
-                    # An async handler runs on the shared tool loop thread; a stop
-                    # cancels it (SCH6).
-                    value = run_awaitable(
-                        value, default_loop_thread().loop, abort=c.tool_call_context.abort
-                    )
+                with self._outside():  # the tool is waited on with the gate open
+                    value = tool.handler(c.args, c.tool_call_context)
+                    if inspect.isawaitable(value):
+                        # An async handler runs on the shared tool loop thread; a stop
+                        # cancels it (SCH6).
+                        value = run_awaitable(
+                            value, default_loop_thread().loop, abort=c.tool_call_context.abort
+                        )
                 holder["result"] = value
             except Exception as exc:
                 holder["error"] = redact(f"{type(exc).__name__}: {exc}")

@@ -5,7 +5,8 @@ thread per turn costs more than the rest of a short turn's bookkeeping. Workers 
 threads, so a turn stuck in a model call never keeps the process from exiting (the
 standard library's ``ThreadPoolExecutor`` joins its threads at exit); at most ``limit``
 run at once (later turns wait their turn, in order); a worker idle for ``idle_s`` seconds
-exits, so a runtime whose sessions went idle holds no threads.
+exits, so a runtime whose sessions went idle holds no threads. A task runs behind the
+workers' :class:`~aalis_agent.actors.gate.Gate` (none unless one is given).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 from collections.abc import Callable
 
 import structlog
+from aalis_agent.actors.gate import Gate
 
 __all__ = ["Workers"]
 
@@ -24,10 +26,13 @@ log = structlog.get_logger("aalis.runtime")
 class Workers:
     """A bounded set of reusable daemon threads (see the module docstring)."""
 
-    def __init__(self, limit: int = 512, idle_s: float = 10.0, name: str = "turn") -> None:
+    def __init__(
+        self, limit: int = 512, idle_s: float = 10.0, name: str = "turn", gate: Gate | None = None
+    ) -> None:
         if limit < 1:
             raise ValueError(f"Workers: limit must be at least 1, got {limit}")
         self.limit = limit
+        self.gate = gate if gate is not None else Gate(None)
         self.idle_s = idle_s
         self._name = name
         self._cond = threading.Condition()
@@ -85,7 +90,8 @@ class Workers:
                         return
                 task = self._tasks.popleft()
             try:
-                task()
+                with self.gate.held():
+                    task()
             except BaseException:  # a task reports its own failures; never lose the worker
                 log.exception("a turn's thread failed outside its turn")
             finally:

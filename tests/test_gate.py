@@ -1,0 +1,207 @@
+"""The runtime's gate (actors/gate.py): a turn's own steps and submits run one at a time,
+the model and tools are waited on with it open, and no thread ever waits for it longer
+than ``wait_s`` (so a step blocked where the gate is closed cannot stall the others)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pykka
+import pytest
+from aalis_agent.actors.gate import Gate
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import FixedClock, InMemoryEventStore, Input, SequentialIds, ToolCall
+from aalis_agent.services import (
+    ScriptedModel,
+    ScriptedReply,
+    Services,
+    Tool,
+    ToolRegistry,
+)
+
+
+def _in_thread(fn: Any) -> threading.Thread:
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_an_off_gate_is_never_held() -> None:
+    gate = Gate(None)
+    with gate.held():
+        assert gate.holder() is None
+        with gate.released():
+            assert gate.holder() is None
+    assert gate.waited_out == 0
+
+
+def test_the_gate_is_reentrant_and_released_only_by_the_outermost_exit() -> None:
+    gate = Gate(5.0)
+    me = threading.get_ident()
+    with gate.held():
+        with gate.held():
+            assert gate.holder() == me
+        assert gate.holder() == me
+    assert gate.holder() is None
+
+
+def test_released_lets_another_thread_in_and_takes_the_gate_back_as_deep_as_it_was() -> None:
+    gate = Gate(5.0)
+    me = threading.get_ident()
+    entered, leave = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with gate.held():
+            entered.set()
+            leave.wait(5)
+
+    with gate.held(), gate.held():
+        with gate.released():
+            thread = _in_thread(other)
+            assert entered.wait(5)  # it got in while this thread waited outside
+            assert gate.holder() == thread.ident
+            leave.set()
+        # Taken back on the way out of released(), twice deep: one exit keeps it.
+        assert gate.holder() == me
+        thread.join(5)
+    assert gate.holder() is None
+    assert gate.waited_out == 0
+
+
+def test_a_wait_runs_out_and_the_step_goes_on_without_the_gate() -> None:
+    gate = Gate(0.05)
+    holding, leave = threading.Event(), threading.Event()
+
+    def blocked_holder() -> None:
+        with gate.held():
+            holding.set()
+            leave.wait(10)
+
+    holder = _in_thread(blocked_holder)
+    assert holding.wait(5)
+    ran = False
+    with gate.held():
+        ran = True
+        assert gate.holder() == holder.ident  # went on beside the holder
+    assert ran and gate.waited_out == 1
+    assert gate.holder() == holder.ident  # leaving did not open someone else's gate
+    leave.set()
+    holder.join(5)
+    assert gate.holder() is None
+
+
+def test_a_step_that_cannot_take_the_gate_back_does_not_open_it_for_the_taker() -> None:
+    gate = Gate(0.05)
+    taken, leave = threading.Event(), threading.Event()
+
+    def taker() -> None:
+        with gate.held():
+            taken.set()
+            leave.wait(10)
+
+    with gate.held():
+        with gate.released():
+            thread = _in_thread(taker)
+            assert taken.wait(5)
+        assert gate.waited_out == 1  # it went on without the gate
+        with gate.held():  # nested steps behave as ungated too, and leave it closed
+            pass
+        assert gate.holder() == thread.ident
+    assert gate.holder() == thread.ident
+    leave.set()
+    thread.join(5)
+    assert gate.holder() is None
+
+
+@pytest.mark.parametrize("bad", [-1, True, "0.05", float("nan")])
+def test_a_bad_wait_is_refused_by_name(bad: Any) -> None:
+    with pytest.raises(ValueError, match="wait_s"):
+        Gate(bad)
+
+
+def _runtime(model: ScriptedModel, tools: ToolRegistry | None = None, **kw: Any) -> Runtime:
+    services = Services(llm=model, tools=tools or ToolRegistry())
+    return Runtime(
+        InMemoryEventStore(), services, FixedClock(step_ms=5), SequentialIds(), janitor=False, **kw
+    )
+
+
+@pytest.fixture
+def seen() -> Iterator[dict[str, list[bool]]]:
+    yield {}
+    pykka.ActorRegistry.stop_all()
+
+
+@pytest.mark.parametrize("wait_s", [0.05, None])
+def test_a_turns_steps_hold_the_gate_and_the_model_and_tools_run_with_it_open(
+    wait_s: float | None, seen: dict[str, list[bool]]
+) -> None:
+    runtime: Runtime
+
+    def held_here() -> bool:
+        return runtime.workers.gate.holder() == threading.get_ident()
+
+    def note(where: str) -> None:
+        seen.setdefault(where, []).append(held_here())
+        assert runtime.workers.gate.holder() in (None, threading.get_ident())
+
+    def reply(request: object, n: int) -> ScriptedReply:
+        note("model")
+        if n == 1:
+            return ScriptedReply(tool_calls=(ToolCall(id="c1", name="look", arguments="{}"),))
+        return ScriptedReply(text="好")
+
+    def look(args: dict[str, Any], ctx: object) -> str:
+        note("tool")
+        return "看到了"
+
+    def before(ctx: Any, next_: Any) -> Any:
+        note("llm:before")
+        return next_()
+
+    def input_before(ctx: Any, next_: Any) -> Any:
+        note("input:before")
+        return next_()
+
+    runtime = _runtime(ScriptedModel(reply), ToolRegistry([Tool("look", look)]), gate_wait_s=wait_s)
+    runtime.hooks.use("agent:llm:before", before)
+    runtime.hooks.use("agent:input:before", input_before)
+    try:
+        assert runtime.submit("s", Input(id="", content="看看")).result(10).outcome == "replied"
+    finally:
+        runtime.shutdown(timeout=10)
+    gated = wait_s is not None
+    assert seen["input:before"] == [gated]  # the submit's step
+    assert seen["llm:before"] == [gated, gated]  # the turn's steps, one per call
+    assert seen["model"] == [False, False]
+    assert seen["tool"] == [False]
+
+
+def test_a_step_blocked_behind_a_closed_gate_delays_other_sessions_only_briefly(
+    seen: dict[str, list[bool]],
+) -> None:
+    """A middleware of one session waits, holding the gate, until another session's
+    turn has replied: that turn goes on once its wait for the gate runs out."""
+    other_done = threading.Event()
+    runtime = _runtime(ScriptedModel(lambda request, n: ScriptedReply(text="好")), gate_wait_s=0.05)
+    blocking = threading.Event()
+
+    def wait_for_other(ctx: Any, next_: Any) -> Any:
+        if ctx.session_id == "a":
+            blocking.set()
+            seen.setdefault("other replied first", []).append(other_done.wait(20))
+        return next_()
+
+    runtime.hooks.use("agent:turn:before", wait_for_other)
+    try:
+        first = runtime.submit("a", Input(id="", content="一"))
+        assert blocking.wait(10)
+        assert runtime.submit("b", Input(id="", content="二")).result(10).outcome == "replied"
+        other_done.set()
+        assert first.result(10).outcome == "replied"
+    finally:
+        runtime.shutdown(timeout=10)
+    assert seen["other replied first"] == [True]
+    assert runtime.workers.gate.waited_out >= 1
