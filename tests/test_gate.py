@@ -22,10 +22,20 @@ from aalis_agent.services import (
 )
 
 
-def _in_thread(fn: Any) -> threading.Thread:
-    thread = threading.Thread(target=fn, daemon=True)
+def _hold_in_thread(gate: Gate) -> tuple[threading.Thread, threading.Event]:
+    """A thread that takes the gate and keeps it until the returned event is set;
+    returns once it holds it."""
+    holding, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with gate.held():
+            holding.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=hold, daemon=True)
     thread.start()
-    return thread
+    assert holding.wait(5)
+    return thread, leave
 
 
 def test_an_off_gate_is_never_held() -> None:
@@ -50,17 +60,9 @@ def test_the_gate_is_reentrant_and_released_only_by_the_outermost_exit() -> None
 def test_released_lets_another_thread_in_and_takes_the_gate_back_as_deep_as_it_was() -> None:
     gate = Gate(5.0)
     me = threading.get_ident()
-    entered, leave = threading.Event(), threading.Event()
-
-    def other() -> None:
-        with gate.held():
-            entered.set()
-            leave.wait(5)
-
     with gate.held(), gate.held():
         with gate.released():
-            thread = _in_thread(other)
-            assert entered.wait(5)  # it got in while this thread waited outside
+            thread, leave = _hold_in_thread(gate)  # it gets in while this one is outside
             assert gate.holder() == thread.ident
             leave.set()
         # Taken back on the way out of released(), twice deep: one exit keeps it.
@@ -72,15 +74,7 @@ def test_released_lets_another_thread_in_and_takes_the_gate_back_as_deep_as_it_w
 
 def test_a_wait_runs_out_and_the_step_goes_on_without_the_gate() -> None:
     gate = Gate(0.05)
-    holding, leave = threading.Event(), threading.Event()
-
-    def blocked_holder() -> None:
-        with gate.held():
-            holding.set()
-            leave.wait(10)
-
-    holder = _in_thread(blocked_holder)
-    assert holding.wait(5)
+    holder, leave = _hold_in_thread(gate)
     ran = False
     with gate.held():
         ran = True
@@ -94,17 +88,9 @@ def test_a_wait_runs_out_and_the_step_goes_on_without_the_gate() -> None:
 
 def test_a_step_that_cannot_take_the_gate_back_does_not_open_it_for_the_taker() -> None:
     gate = Gate(0.05)
-    taken, leave = threading.Event(), threading.Event()
-
-    def taker() -> None:
-        with gate.held():
-            taken.set()
-            leave.wait(10)
-
     with gate.held():
         with gate.released():
-            thread = _in_thread(taker)
-            assert taken.wait(5)
+            thread, leave = _hold_in_thread(gate)
         assert gate.waited_out == 1  # it went on without the gate
         with gate.held():  # nested steps behave as ungated too, and leave it closed
             pass
