@@ -47,6 +47,7 @@ class Submit:
     input: Input
     generation: int
     done: Future[InputOutcome] = field(compare=False)
+    here: bool = False  # a turn it opens is left for the caller to run (``Runtime.run``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,7 @@ class Stop:
     platform: str | None = None
     user_id: str | None = None
     reason: str = "stop"
+    turn_id: str | None = None  # only this turn, if it still runs
 
 
 @dataclass(frozen=True, slots=True)

@@ -175,6 +175,8 @@ class SessionActor(pykka.ThreadingActor):
         self._turn_inputs: dict[str, list[Input]] = {}
         self._replies: dict[str, str] = {}  # turn id -> the reply text saved (and sent)
         self._runner: TurnRunner | None = None
+        self._start_here: str | None = None  # the input whose submitter runs its turn
+        self._held: TurnRunner | None = None  # that turn, not started, until taken
         self._abort: AbortSignal | None = None
         self._call_ended: CallEnded | None = None  # written with the next commit
         self._first_calls: dict[str, FirstCall] = {}  # recorded at open, by turn
@@ -606,6 +608,12 @@ class SessionActor(pykka.ThreadingActor):
         if opened is not None:
             self._start_turn(opened)
 
+    def take_held(self) -> TurnRunner | None:
+        """The turn a submit asked to run itself (``Submit.here``) and opened, not started:
+        the caller must now run or start it."""
+        held, self._held = self._held, None
+        return held
+
     def _queue_payload(self) -> dict[str, Any]:
         return {
             "sessionId": self.session_id,
@@ -681,6 +689,9 @@ class SessionActor(pykka.ThreadingActor):
             first_call=self._first_calls.pop(opened.turn_id, None),
         )
         self.host.runner_started(self._runner)
+        here = self._start_here
+        if here is not None and any(inp.id == here for inp in inputs):
+            self._held = self._runner  # the submitting thread runs it (Runtime.run)
         self.services.bus.publish(
             "turn:opened",
             {
@@ -690,7 +701,8 @@ class SessionActor(pykka.ThreadingActor):
                 "source": opened.source,
             },
         )
-        self._runner.start()
+        if self._held is not self._runner:
+            self._runner.start()
 
     # --- who may stop, and how the marker names them ---------------------------------
 
@@ -786,12 +798,18 @@ class SessionActor(pykka.ThreadingActor):
             return "deferred"
         self._waiters[msg.input.id] = msg.done
         step = self._step()
+        self._start_here = msg.input.id if msg.here else None
         try:
             where = decide_submit(step, msg.input, msg.generation, self._open_context())
             self._commit(step, refusable=True)
         except BaseException:
             self._waiters.pop(msg.input.id, None)
+            held, self._held = self._held, None
+            if held is not None:  # opened, then failed: its caller will not run it
+                held.start_once()
             raise
+        finally:
+            self._start_here = None
         return where
 
     def _on_insertion(
@@ -907,6 +925,8 @@ class SessionActor(pykka.ThreadingActor):
             self._finish_winding_down()
 
     def _on_stop(self, msg: Stop) -> str | None:
+        if msg.turn_id is not None and not self._running(msg.turn_id):
+            return None  # that turn is over
         step = self._step()
         turn = decide_stop(step, by=self._stop_name(msg.platform, msg.user_id), reason=msg.reason)
         self._commit(step)

@@ -173,6 +173,8 @@ class TurnBase:
         self._last_call: TrimmedCall | None = None  # the last call, as trimmed
         self._budget_log = budget_log
         self._workers = workers
+        self._claim_lock = threading.Lock()  # a held turn runs once (run_once/start_once)
+        self._claimed = False
         self._started_ms = 0  # when the runner began (the turn's duration counts from it)
         self._settled = False  # the turn's end was committed with its reply
         self._first_call = first_call
@@ -188,6 +190,25 @@ class TurnBase:
             return
         name = f"turn:{self.session_id}:{self.turn_id}"
         threading.Thread(target=self._main, name=name, daemon=True).start()
+
+    def run_once(self) -> None:
+        """Run the turn on this thread (as a worker would), unless it has been run or
+        started already (:meth:`start_once`): a held turn (``Runtime.run``)."""
+        if self._claim():
+            if self._workers is not None:
+                self._workers.run_here(self._main)
+            else:
+                self._main()
+
+    def start_once(self) -> None:
+        """:meth:`start`, unless the turn has been run or started already."""
+        if self._claim():
+            self.start()
+
+    def _claim(self) -> bool:
+        with self._claim_lock:
+            claimed, self._claimed = self._claimed, True
+        return not claimed
 
     def _outside(self) -> AbstractContextManager[None]:
         """Open the runtime's gate around a wait on the outside (the model, a tool): other

@@ -7,6 +7,9 @@ standard library's ``ThreadPoolExecutor`` joins its threads at exit); at most ``
 run at once (later turns wait their turn, in order); a worker idle for ``idle_s`` seconds
 exits, so a runtime whose sessions went idle holds no threads. A task runs behind the
 workers' :class:`~aalis_agent.actors.gate.Gate` (none unless one is given).
+
+A thread that would only wait for a task's outcome may run the task itself instead
+(:meth:`Workers.run_here`, for ``Runtime.run``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Workers:
         self._idle = 0
         self._started = 0
         self._retire = 0  # idle workers asked to exit now
+        self._local = threading.local()  # ``busy``: this thread is running a task
 
     def submit(self, task: Callable[[], None]) -> None:
         """Run ``task`` on a worker: an idle one, a new one under the limit, or the first
@@ -62,6 +66,15 @@ class Workers:
             with self._cond:
                 self._threads -= 1
             raise
+
+    def run_here(self, task: Callable[[], None]) -> None:
+        """Run ``task`` (never given to :meth:`submit`) on the calling thread, as a worker
+        would; or submit it, on a thread already running a task or holding the gate,
+        where it would run inside another step."""
+        if getattr(self._local, "busy", False) or self.gate.holder() == threading.get_ident():
+            self.submit(task)
+            return
+        self._run(task)
 
     @property
     def threads(self) -> int:
@@ -89,10 +102,16 @@ class Workers:
                         self._threads -= 1
                         return
                 task = self._tasks.popleft()
-            try:
-                with self.gate.held():
-                    task()
-            except BaseException:  # a task reports its own failures; never lose the worker
-                log.exception("a turn's thread failed outside its turn")
-            finally:
-                del task  # an idle worker holds nothing of the turn it ran (its session's state)
+            self._run(task)
+            del task  # an idle worker holds nothing of the turn it ran (its session's state)
+
+    def _run(self, task: Callable[[], None]) -> None:
+        local = self._local
+        local.busy = True
+        try:
+            with self.gate.held():
+                task()
+        except BaseException:  # a task reports its own failures; never lose the worker
+            log.exception("a turn's thread failed outside its turn")
+        finally:
+            local.busy = False

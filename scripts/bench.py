@@ -554,7 +554,7 @@ def bench_turns(tmp: Path) -> None:
 
     def turn(size: int) -> None:
         text = f"growth {done[size]}: {USER_TEXT}"
-        runtime.submit(f"s{size}", Input(id="", content=text)).result(60)
+        runtime.run(f"s{size}", Input(id="", content=text))
         done[size] += 1
 
     for size in sizes:
@@ -643,17 +643,18 @@ def _db_bytes(store: SqliteEventStore, path: Path) -> tuple[int, int]:
 def bench_turns_workload(tmp: Path, turns: int) -> None:
     """The side-by-side workload (see scripts/peers): one session, ``turns`` turns of a
     user message, one tool call, the tool and a reply, on the durable SQLite log; p50 per
-    turn, the last 10 turns over the first 10, and the bytes stored per turn."""
+    turn, the last 10 turns over the first 10, and the bytes stored per turn. Each turn is
+    driven with ``Runtime.run`` (the synchronous call: the turn runs on this thread)."""
     _quiet_logs()
     path = tmp / f"workload-{turns}.db"
     store = SqliteEventStore(path)
     runtime = _tool_turn_runtime(store)
     # One turn in another session first: loading the encoding is not a turn's cost.
-    runtime.submit("warm-up", Input(id="", content=USER_TEXT)).result(60)
+    runtime.run("warm-up", Input(id="", content=USER_TEXT))
     samples: list[float] = []
     for n in range(turns):
         t0 = time.perf_counter()
-        runtime.submit("s", Input(id="", content=f"{n}: {USER_TEXT}")).result(60)
+        runtime.run("s", Input(id="", content=f"{n}: {USER_TEXT}"))
         samples.append(time.perf_counter() - t0)
     runtime.shutdown(timeout=60)
     size, payload = _db_bytes(store, path)
@@ -664,6 +665,7 @@ def bench_turns_workload(tmp: Path, turns: int) -> None:
         statistics.median(samples) * 1000,
         "ms",
         peer="aalis-agent",
+        via="Runtime.run",
         turns=turns,
         p50_ms=round(statistics.median(samples) * 1000, 3),
         last10_over_first10=round(statistics.mean(last) / statistics.mean(first), 3),
@@ -675,17 +677,17 @@ def bench_turns_workload(tmp: Path, turns: int) -> None:
 def bench_floor(tmp: Path) -> None:
     """The unavoidable work of one tool turn at 10 history messages: its rows written raw
     in two commits (msgpack encoding included) and its two request lists built, beside
-    the whole turn through the runtime, for the ratio (target <= 4)."""
+    the whole turn through the runtime (``Runtime.run``), for the ratio (target <= 4)."""
     _quiet_logs()
     path = tmp / "floor-turns.db"
     store = SqliteEventStore(path)
     runtime = _tool_turn_runtime(store)
     for n in range(3):  # 12 history messages before the measured turns
-        runtime.submit("s", Input(id="", content=f"{n}: {USER_TEXT}")).result(60)
+        runtime.run("s", Input(id="", content=f"{n}: {USER_TEXT}"))
     samples: list[float] = []
     for n in range(3, 43):
         t0 = time.perf_counter()
-        runtime.submit("s", Input(id="", content=f"{n}: {USER_TEXT}")).result(60)
+        runtime.run("s", Input(id="", content=f"{n}: {USER_TEXT}"))
         samples.append(time.perf_counter() - t0)
     runtime.shutdown(timeout=60)
     events = store.read("s")
@@ -726,13 +728,15 @@ def bench_floor(tmp: Path) -> None:
         best_over_best=round(min(samples) / floor, 2),
         rows=len(rows),
         history=len(history),
+        via="Runtime.run",
         target="<= 4",
     )
 
 
 def bench_many_sessions(tmp: Path) -> None:
     """The side-by-side workload spread over 1,000 sessions × 5 turns, driven from 4
-    threads (each runs a session's turns one after another), beside one session's turns
+    threads (each runs a session's turns one after another, with ``Runtime.run``: no
+    worker threads), beside one session's turns
     run sequentially in the same run, once before and once after (the machine's speed
     drifts): throughput over their mean (target >= 1), latency p50/p99.
     Then memory: RSS once every session is passivated, and after three cycles of reviving
@@ -747,12 +751,12 @@ def bench_many_sessions(tmp: Path) -> None:
     store = SqliteEventStore(tmp / "many.db")
     live_cap = 256
     runtime = _tool_turn_runtime(store, max_live_sessions=live_cap)
-    runtime.submit("warm-up", Input(id="", content=USER_TEXT)).result(60)
+    runtime.run("warm-up", Input(id="", content=USER_TEXT))
 
     def one_session(session: str) -> float:
         t0 = time.perf_counter()
         for n in range(200):
-            runtime.submit(session, Input(id="", content=f"{n}: {USER_TEXT}")).result(60)
+            runtime.run(session, Input(id="", content=f"{n}: {USER_TEXT}"))
         return 200 / (time.perf_counter() - t0)
 
     before = one_session("alone")
@@ -764,7 +768,7 @@ def bench_many_sessions(tmp: Path) -> None:
         mine = []
         for n in range(5):
             t = time.perf_counter()
-            runtime.submit(session, Input(id="", content=f"{n}: {USER_TEXT}")).result(120)
+            runtime.run(session, Input(id="", content=f"{n}: {USER_TEXT}"))
             mine.append(time.perf_counter() - t)
         with lock:
             latencies.extend(mine)
@@ -784,6 +788,7 @@ def bench_many_sessions(tmp: Path) -> None:
         sessions=len(sessions),
         turns=len(latencies),
         threads=4,
+        via="Runtime.run",
         one_session_sequential=round(sequential, 1),
         sequential_before_after=[round(before, 1), round(after, 1)],
         ratio=round(rate / sequential, 3),
