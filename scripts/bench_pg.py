@@ -79,7 +79,7 @@ def _run_turns(store: EventStore, turns: int) -> tuple[list[float], list[float]]
 
     timed = _Timed(store)
     services = Services(
-        llm=ScriptedModel(reply, context_length=1_000_000),
+        llm=ScriptedModel(reply, context_length=1_000_000, keep_requests=0),
         tools=ToolRegistry([Tool("echo", lambda args, ctx: "好")]),
     )
     runtime = Runtime(timed, services, janitor=False)  # type: ignore[arg-type]

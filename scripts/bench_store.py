@@ -69,7 +69,7 @@ def bench_stored_bytes_per_turn(tmp: Path, emit: Emit, turns: int = TURNS) -> No
     path = tmp / "stored.db"
     store = SqliteEventStore(path)
     services = Services(
-        llm=ScriptedModel(reply, context_length=1_000_000),
+        llm=ScriptedModel(reply, context_length=1_000_000, keep_requests=0),
         tools=ToolRegistry([Tool("echo", lambda args, ctx: "好")]),
     )
     runtime = Runtime(store, services, janitor=False)
