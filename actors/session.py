@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import queue as queue_module
 import sys
 import threading
@@ -99,12 +100,14 @@ from aalis_agent.projections import SessionView, project, queue, turns
 from aalis_agent.projections.turns import turn_participants
 from aalis_agent.request.tokens import default_counter
 from aalis_agent.services import AbortSignal, OutboundMessage, Services
+from aalis_agent.services.logging_setup import dropped
 from aalis_agent.services.models import entry_id
 from aalis_agent.services.settings import venue_of
 
 __all__ = ["SessionActor"]
 
-log = structlog.get_logger("aalis.agent")
+_LOG = "aalis.agent"
+log = structlog.get_logger(_LOG)
 
 _TOLD = (AppendEvents, CallEnded, Settled, Delete, Clear)
 """Messages sent with ``tell``: a failure handling one must not stop the actor."""
@@ -560,15 +563,17 @@ class SessionActor(pykka.ThreadingActor):
                     queue_changed = True
                     where = "待插入" if isinstance(event, InputHeld) else "排队"
                     inp = lookup(event.input_id)
-                    log.debug(logs.handed_on(where, inp.gateway_seq if inp else None, sid))
+                    if not dropped(_LOG, logging.DEBUG):
+                        log.debug(logs.handed_on(where, inp.gateway_seq if inp else None, sid))
                 case InputJoined():
                     queue_changed = True
                     inp = lookup(event.input_id)
                     if inp is not None:
                         self._turn_inputs.setdefault(event.turn_id, []).append(inp)
-                    where = "开轮" if event.entry == "opened" else "插入"
-                    seq = inp.gateway_seq if inp else None
-                    log.debug(logs.handed_on(where, seq, sid, event.turn_id))
+                    if not dropped(_LOG, logging.DEBUG):
+                        where = "开轮" if event.entry == "opened" else "插入"
+                        seq = inp.gateway_seq if inp else None
+                        log.debug(logs.handed_on(where, seq, sid, event.turn_id))
                 case InputRequeued():
                     queue_changed = True
                     inp = lookup(event.input_id)
@@ -583,7 +588,8 @@ class SessionActor(pykka.ThreadingActor):
                 case InputReleased():
                     queue_changed = True
                     inp = lookup(event.input_id)
-                    log.debug(logs.handed_on("放掉", inp.gateway_seq if inp else None, sid))
+                    if not dropped(_LOG, logging.DEBUG):
+                        log.debug(logs.handed_on("放掉", inp.gateway_seq if inp else None, sid))
                     self._resolve(
                         event.input_id, InputOutcome(event.input_id, None, "released", event.reason)
                     )
@@ -646,16 +652,17 @@ class SessionActor(pykka.ThreadingActor):
             self._resolve(
                 inp.id, InputOutcome(inp.id, event.turn_id, event.outcome, event.reason, reply)
             )
-        log.info(
-            logs.turn_ended(
-                event.turn_id,
-                self.session_id,
-                event.outcome,
-                event.reason,
-                event.duration_ms,
-                [i.gateway_seq for i in inputs],
+        if not dropped(_LOG, logging.INFO):
+            log.info(
+                logs.turn_ended(
+                    event.turn_id,
+                    self.session_id,
+                    event.outcome,
+                    event.reason,
+                    event.duration_ms,
+                    [i.gateway_seq for i in inputs],
+                )
             )
-        )
         self.services.bus.publish(
             "turn:ended",
             {

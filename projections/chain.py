@@ -10,6 +10,7 @@ One fold at a time may extend a given chain (projections are folded by one actor
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar, overload
 
@@ -81,9 +82,8 @@ class Chain(Sequence[T], Generic[T]):
         return self._items[index]
 
     def __iter__(self) -> Iterator[T]:
-        items = self._items
-        for i in range(self._n):
-            yield items[i]
+        # In C, and stopping at this view's end even if the shared list grows meanwhile.
+        return itertools.islice(self._items, self._n)
 
     def extends(self, other: Chain[T]) -> bool:
         """Whether ``other`` is a prefix of this chain (one shared list, no longer than

@@ -153,7 +153,8 @@ class TiktokenCounter:
         self._cached.clear()
 
     def count(self, text: str) -> int:
-        return self._cached.count(text)
+        hit = self._cached._cache.get(text)  # the common case, without a call
+        return hit if hit is not None else self._cached.count(text)
 
 
 _default: TokenCounter | None = None
@@ -163,6 +164,8 @@ _default_lock = threading.Lock()
 def default_counter() -> TokenCounter:
     """The process-wide counter: tiktoken offline if it loads, else the estimator."""
     global _default
+    if _default is not None:  # made once: no lock to read it
+        return _default
     with _default_lock:
         if _default is None:
             try:

@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 from aalis_agent.events.secrets import redact_processor
 
-__all__ = ["LOGGER_NAME", "BoundLogger", "install", "stdlib_processors"]
+__all__ = ["LOGGER_NAME", "BoundLogger", "dropped", "install", "stdlib_processors"]
 
 LOGGER_NAME = "aalis"
 """The parent of every logger the library uses."""
@@ -93,9 +93,40 @@ def install() -> None:
     if not any(isinstance(h, logging.NullHandler) for h in logger.handlers):
         logger.addHandler(logging.NullHandler())
     if not structlog.is_configured():
+        global _factory
+        factory = structlog.stdlib.LoggerFactory()
         structlog.configure(
             processors=stdlib_processors(),
-            logger_factory=structlog.stdlib.LoggerFactory(),
+            logger_factory=factory,
             wrapper_class=BoundLogger,
             cache_logger_on_first_use=False,  # structlog.testing.capture_logs still works
         )
+        _factory = factory
+
+
+_factory: Any = None  # the logger factory install() configured
+_stdlib: dict[str, logging.Logger] = {}
+
+
+def dropped(name: str, level: int) -> bool:
+    """Whether a line at ``level`` from the library's logger ``name`` would be dropped
+    unseen, so that its message need not even be built (a few turn lines cost about 2%
+    of a turn otherwise): structlog still routes as :func:`install` set it (its stdlib
+    logger factory, :func:`filter_by_level` as the first processor, a standard wrapper),
+    and stdlib logging has that level off for ``name``. Any other configuration
+    (``capture_logs``, an application's own) is never second-guessed: False."""
+    if _factory is None:
+        return False
+    config = structlog.get_config()
+    processors = config["processors"]  # capture_logs changes this very list in place
+    if not processors or processors[0] is not filter_by_level:
+        return False
+    if config["logger_factory"] is not _factory:
+        return False
+    wrapper = config["wrapper_class"]
+    if wrapper is not BoundLogger and getattr(wrapper, "__module__", "") != "structlog._native":
+        return False  # an application's own wrapper may see lines before the processors
+    logger = _stdlib.get(name)
+    if logger is None:
+        logger = _stdlib[name] = logging.getLogger(name)
+    return not logger.isEnabledFor(level)

@@ -34,9 +34,16 @@ class StaticSessions:
 
     def __init__(self, sessions: Mapping[str, SessionInfo] | None = None) -> None:
         self._sessions = dict(sessions or {})
+        self._last = SessionInfo("")  # the last unknown session's (asked several times a turn)
 
     def add(self, info: SessionInfo) -> None:
         self._sessions[info.session_id] = info
 
     def info(self, session_id: str) -> SessionInfo:
-        return self._sessions.get(session_id) or SessionInfo(session_id)
+        found = self._sessions.get(session_id)
+        if found is not None:
+            return found
+        last = self._last
+        if last.session_id != session_id:
+            last = self._last = SessionInfo(session_id)
+        return last
