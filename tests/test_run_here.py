@@ -127,6 +127,8 @@ def test_ctrl_c_while_run_runs_the_turn_stops_it_then_raises() -> None:
         return "ok"
 
     runtime = _runtime(tool, store)
+    # Python's own handler (an earlier test's library may have installed another).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             runtime.run("s", Input(id="", content="long"))
@@ -139,4 +141,29 @@ def test_ctrl_c_while_run_runs_the_turn_stops_it_then_raises() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         assert runtime.run("s", Input(id="", content="again")).outcome == "replied"
     finally:
+        signal.signal(signal.SIGINT, before)
+        runtime.shutdown(timeout=10)
+
+
+@pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread(), reason="needs the main thread"
+)
+def test_ctrl_c_goes_to_the_callers_own_handler_once_the_turn_ended() -> None:
+    heard: list[int] = []
+    ended: list[bool] = []
+
+    def tool(args: Any, ctx: Any) -> str:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert ctx.abort.wait(10)
+        ended.append(not heard)  # the handler has not run yet
+        return "ok"
+
+    runtime = _runtime(tool)
+    before = signal.signal(signal.SIGINT, lambda signum, frame: heard.append(signum))
+    try:
+        outcome = runtime.run("s", Input(id="", content="long"))
+        assert outcome.outcome == "aborted"
+        assert heard == [signal.SIGINT] and ended == [True]
+    finally:
+        signal.signal(signal.SIGINT, before)
         runtime.shutdown(timeout=10)
