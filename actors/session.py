@@ -152,6 +152,22 @@ class _Mailbox(queue_module.Queue[Any]):
             start()
 
 
+_WITH_EFFECTS = frozenset(
+    {
+        InputHeld,
+        InputQueued,
+        InputJoined,
+        InputRequeued,
+        InputReleased,
+        TurnOpened,
+        MessageSaved,
+        StopRequested,
+        TurnRecorded,
+    }
+)
+"""The event types :meth:`SessionActor._effects` acts on (its ``match`` cases)."""
+
+
 class SessionActor(pykka.ThreadingActor):
     """One session: decides, appends, then acts. Built from its log (``view``)."""
 
@@ -558,6 +574,8 @@ class SessionActor(pykka.ThreadingActor):
         queue_changed = False
         sid = self.session_id
         for event in events:
+            if type(event) not in _WITH_EFFECTS:
+                continue  # most of a turn's events (usage, tools, calls): nothing to do
             match event:
                 case InputHeld() | InputQueued():
                     queue_changed = True
