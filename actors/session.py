@@ -337,7 +337,8 @@ class SessionActor(pykka.ThreadingActor):
         callers = self._callers
         callers.append(None)
         try:
-            acquired = self._ready.wait(timeout) and self._lock.acquire(
+            ready = self._ready  # set once recovered: read it without its lock first
+            acquired = (ready.is_set() or ready.wait(timeout)) and self._lock.acquire(
                 timeout=-1 if timeout is None else timeout
             )
         finally:

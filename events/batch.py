@@ -49,8 +49,10 @@ class Batch:
         (``InputQueued(input_id=...)``), so a misspelled field is a type error."""
         at = self._clock.now_ms() if self._clock is not None else self._now
         assert at is not None
-        stamped = replace(event, session_id=self.session_id, seq=self.last_seq + 1, at=at)
-        self.events.append(stamped)
+        events = self.events
+        seq = self.expected_seq + len(events) + 1  # last_seq + 1, without the call
+        stamped = replace(event, session_id=self.session_id, seq=seq, at=at)
+        events.append(stamped)
         return stamped
 
     def __len__(self) -> int:
