@@ -6,6 +6,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 from aalis_agent.events import Input, ModelCallStarted, SessionEvent, TurnOutcome
 from aalis_agent.events.schema import ReleaseReason
 from aalis_agent.services.outbound import OutboundMessage
@@ -40,13 +41,12 @@ class InputOutcome:
     reply: str | None = None  # the text the turn replied with (saved, then sent)
 
 
-@dataclass(frozen=True, slots=True)
-class Submit:
+class Submit(msgspec.Struct, frozen=True):
     """An input with the session generation it arrived in; ``done`` resolves at its end."""
 
     input: Input
     generation: int
-    done: Future[InputOutcome] = field(compare=False)
+    done: Future[InputOutcome]
     here: bool = False  # a turn it opens is left for the caller to run (``Runtime.run``)
 
 
@@ -92,8 +92,7 @@ class Clear:
     done: Future[None] = field(compare=False)
 
 
-@dataclass(frozen=True, slots=True)
-class AppendEvents:
+class AppendEvents(msgspec.Struct, frozen=True):
     """Facts a turn runner reports, as typed events the actor stamps and logs."""
 
     turn_id: str
@@ -104,8 +103,7 @@ class AppendEvents:
     settle: Settled | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class InsertionPoint:
+class InsertionPoint(msgspec.Struct, frozen=True):
     """A runner asks which pending inputs join its turn now (FLOW8), committing its
     queued facts in the same batch. Answered with the joined inputs, or None when the
     turn is no longer recorded (stopped by deletion, or not running)."""
@@ -115,8 +113,7 @@ class InsertionPoint:
     started: ModelCallStarted | None = None  # committed instead when none joins
 
 
-@dataclass(frozen=True, slots=True)
-class CallEnded:
+class CallEnded(msgspec.Struct, frozen=True):
     """A model call of the running turn returned, threw or was abandoned."""
 
     turn_id: str
@@ -126,8 +123,7 @@ class CallEnded:
     error: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Settled:
+class Settled(msgspec.Struct, frozen=True):
     """The runner finished its turn: its last facts, recorded with the turn's record in
     one batch, and a message (an error notice, or the reply) to send once that batch is
     durable."""

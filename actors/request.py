@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from aalis_agent.actors.history_cache import HistoryCache, PreparedHistory
 from aalis_agent.actors.hooks import ContributionView, Hooks
 from aalis_agent.events import ChatMessage, TokenUsage, TurnSettings
@@ -92,8 +92,7 @@ def add_contributions(
         prompt.blocks.extend(Block(c.anchor, c.injector, text) for text in built.blocks)
 
 
-@dataclass(frozen=True, slots=True)
-class TrimmedCall:
+class TrimmedCall(msgspec.Struct, frozen=True):
     """A request trimmed to its budget (FLOW9): the result with its trace, the budget,
     and what the tool definitions cost (counted once per call)."""
 

@@ -112,8 +112,7 @@ class Step:
         return self.batch.events
 
 
-@dataclass(frozen=True)
-class OpenContext:
+class OpenContext(msgspec.Struct, frozen=True):
     """What opening a turn needs from outside the log (SCH5), read once at open."""
 
     settings_for: Callable[[Input], TurnSettings]

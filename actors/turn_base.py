@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
 import structlog
 from aalis_agent.actors.budget import BudgetLog
 from aalis_agent.actors.history_cache import HistoryCache, PreparedHistory
@@ -88,8 +89,7 @@ def deliver(services: Services, message: OutboundMessage) -> None:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class FirstCall:
+class FirstCall(msgspec.Struct, frozen=True):
     """A turn's first model call, its start recorded in the commit that opened the turn
     (with the inputs' archived messages): the runner makes it without an insertion
     point."""
