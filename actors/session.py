@@ -493,8 +493,13 @@ class SessionActor(pykka.ThreadingActor):
         and records the first call's start: one commit and one round trip fewer per turn.
         Its runner then makes that call at once (it has no insertion point: nothing can
         be pending yet)."""
-        opened = next((e for e in step.events if isinstance(e, TurnOpened)), None)
-        if opened is None or not self.host.hooks.quiet("agent:turn:before", "agent:llm:before"):
+        for event in step.events:  # a loop, not a generator: most commits open no turn
+            if type(event) is TurnOpened:
+                opened = event
+                break
+        else:
+            return
+        if not self.host.hooks.quiet("agent:turn:before", "agent:llm:before"):
             return
         try:
             model = self.services.models.resolve(opened.settings.model).model
