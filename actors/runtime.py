@@ -358,13 +358,17 @@ class Runtime:
         Called where it cannot run a turn (inside a turn, a middleware or a callback),
         the turn goes to a worker as with ``submit``.
         """
-        with self.workers.gate.held():
+        gate = self.workers.gate
+        inside = gate.holder() == threading.get_ident()  # called from a step
+        # One stay behind the gate for the submit and the turn: leaving it between them
+        # would wake a waiting thread for nothing.
+        with gate.held():
             handle, held = self._submit(session_id, inp, here=True)
-        if held is not None:
-            try:
-                self._run_here(session_id, held)
-            finally:
-                held.start_once()  # only when it did not run here (an interrupt)
+            if held is not None:
+                try:
+                    self._run_here(session_id, held, gated=not inside)
+                finally:
+                    held.start_once()  # only when it did not run here (an interrupt)
         return handle.result()
 
     def _submit(
@@ -407,7 +411,7 @@ class Runtime:
             return SubmitHandle(inp.id, where, done), held
         raise AssertionError("unreachable")
 
-    def _run_here(self, session_id: str, runner: TurnRunner) -> None:
+    def _run_here(self, session_id: str, runner: TurnRunner, *, gated: bool) -> None:
         """Run a turn held for :meth:`run` on this thread.
 
         On the main thread, where Python raises ``KeyboardInterrupt``, a Ctrl-C while the
@@ -415,14 +419,14 @@ class Runtime:
         (a ``stop``, from another thread), and the interrupt is raised once the turn has
         ended, as a wait would have raised it."""
         if threading.current_thread() is not threading.main_thread():
-            runner.run_once()
+            runner.run_once(gated=gated)
             return
         try:  # _signal: signal's own functions convert to enums, 15 us a turn
             previous = _signal.getsignal(_SIGINT)
         except ValueError:  # not the main interpreter
             previous = None
         if previous is None:  # no Python handler to stand in for
-            runner.run_once()
+            runner.run_once(gated=gated)
             return
         interrupted: list[Any] = []
 
@@ -434,7 +438,7 @@ class Runtime:
 
         _signal.signal(_SIGINT, on_interrupt)
         try:
-            runner.run_once()
+            runner.run_once(gated=gated)
         finally:
             _signal.signal(_SIGINT, previous)
         if interrupted:

@@ -334,7 +334,7 @@ class TurnRunner(ToolBatch, ReplyStep):
                 session_id=self.session_id,
                 purpose=purpose,
             )
-            with self._outside():  # the model is waited on with the gate open
+            with self._outside(("model", started.model)):  # waited on with the gate open
                 for chunk in model.chat_stream(request, self.abort):
                     if self.abort.aborted:
                         break

@@ -6,7 +6,7 @@ call's trim and ``token:usage`` (through actors/request.py, as ``token:request``
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -191,12 +191,13 @@ class TurnBase:
         name = f"turn:{self.session_id}:{self.turn_id}"
         threading.Thread(target=self._main, name=name, daemon=True).start()
 
-    def run_once(self) -> None:
+    def run_once(self, *, gated: bool = False) -> None:
         """Run the turn on this thread (as a worker would), unless it has been run or
-        started already (:meth:`start_once`): a held turn (``Runtime.run``)."""
+        started already (:meth:`start_once`): a held turn (``Runtime.run``). ``gated``:
+        the caller took the gate for this turn (see :meth:`Workers.run_here`)."""
         if self._claim():
             if self._workers is not None:
-                self._workers.run_here(self._main)
+                self._workers.run_here(self._main, gated=gated)
             else:
                 self._main()
 
@@ -210,12 +211,13 @@ class TurnBase:
             claimed, self._claimed = self._claimed, True
         return not claimed
 
-    def _outside(self) -> AbstractContextManager[None]:
+    def _outside(self, key: Hashable) -> AbstractContextManager[None]:
         """Open the runtime's gate around a wait on the outside (the model, a tool): other
-        turns' steps run meanwhile (see :mod:`aalis_agent.actors.gate`)."""
+        turns' steps run meanwhile, unless ``key``'s last calls were all quick (see
+        :mod:`aalis_agent.actors.gate`)."""
         if self._workers is None:
             return nullcontext()
-        return self._workers.gate.released()
+        return self._workers.gate.released(key)
 
     @property
     def model(self) -> ChatModel:

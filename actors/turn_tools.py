@@ -175,7 +175,7 @@ class ToolBatch(TurnBase):
                 holder["error"] = self.texts("tool.not_found", name=c.name)
                 return
             try:
-                with self._outside():  # the tool is waited on with the gate open
+                with self._outside(("tool", tc.name)):  # waited on with the gate open
                     value = tool.handler(c.args, c.tool_call_context)
                     if inspect.isawaitable(value):
                         # An async handler runs on the shared tool loop thread; a stop

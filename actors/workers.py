@@ -67,11 +67,14 @@ class Workers:
                 self._threads -= 1
             raise
 
-    def run_here(self, task: Callable[[], None]) -> None:
+    def run_here(self, task: Callable[[], None], *, gated: bool = False) -> None:
         """Run ``task`` (never given to :meth:`submit`) on the calling thread, as a worker
         would; or submit it, on a thread already running a task or holding the gate,
-        where it would run inside another step."""
-        if getattr(self._local, "busy", False) or self.gate.holder() == threading.get_ident():
+        where it would run inside another step. ``gated``: the caller holds the gate
+        for this task itself (it took it for the task, not inside a step)."""
+        if getattr(self._local, "busy", False) or (
+            not gated and self.gate.holder() == threading.get_ident()
+        ):
             self.submit(task)
             return
         self._run(task)

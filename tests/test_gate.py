@@ -105,6 +105,64 @@ def test_a_step_that_cannot_take_the_gate_back_does_not_open_it_for_the_taker() 
 def test_a_bad_wait_is_refused_by_name(bad: Any) -> None:
     with pytest.raises(ValueError, match="wait_s"):
         Gate(bad)
+    with pytest.raises(ValueError, match="handoff_s"):
+        Gate(0.05, handoff_s=bad)
+    with pytest.raises(ValueError, match="quick_s"):
+        Gate(0.05, quick_s=bad)
+
+
+def test_an_outside_call_that_was_quick_three_times_keeps_the_gate_until_one_is_slow() -> None:
+    gate = Gate(5.0, quick_s=0.05)
+    me = threading.get_ident()
+    seen: list[int | None] = []
+
+    def call(key: str, seconds: float = 0.0) -> None:
+        with gate.held(), gate.released(key):
+            seen.append(gate.holder())
+            if seconds:
+                threading.Event().wait(seconds)
+
+    for _ in range(4):
+        call("tool")
+    assert seen == [None, None, None, me]  # opened while its speed was unknown, then kept
+    assert gate.kept == 1
+    call("model")  # each key on its own
+    assert seen[-1] is None
+    call("tool", 0.1)  # kept, but slow: opened again for the next three
+    assert seen[-1] == me
+    for _ in range(4):
+        call("tool")
+    assert seen[-4:] == [None, None, None, me]
+    with gate.released():  # no key: always opened
+        assert gate.holder() is None
+
+
+def test_a_thread_leaving_the_gate_hands_it_to_a_starved_waiter_before_it_comes_back() -> None:
+    """Once another thread has waited longer than ``handoff_s``, the thread leaving the
+    gate cannot take it straight back (as it otherwise may: the gate is sticky): the
+    waiter gets in first."""
+    gate = Gate(5.0, handoff_s=0.02)
+    order: list[str] = []
+    waiting = threading.Event()
+
+    def waiter() -> None:
+        waiting.set()
+        with gate.held():
+            order.append("waiter")
+            threading.Event().wait(0.05)
+
+    with gate.held():
+        thread = threading.Thread(target=waiter, daemon=True)
+        thread.start()
+        assert waiting.wait(5)
+        threading.Event().wait(0.1)  # the waiter starves
+    with gate.held():  # straight back
+        order.append("leaver")
+    thread.join(5)
+    assert order == ["waiter", "leaver"]
+    # Handed twice: the leaver, back at once, then starved as long behind the waiter.
+    assert gate.handoffs == 2 and gate.waited_out == 0
+    assert gate.holder() is None
 
 
 def _runtime(model: ScriptedModel, tools: ToolRegistry | None = None, **kw: Any) -> Runtime:
@@ -161,7 +219,7 @@ def test_a_turns_steps_hold_the_gate_and_the_model_and_tools_run_with_it_open(
     gated = wait_s is not None
     assert seen["input:before"] == [gated]  # the submit's step
     assert seen["llm:before"] == [gated, gated]  # the turn's steps, one per call
-    assert seen["model"] == [False, False]
+    assert seen["model"] == [False, False]  # not yet known to be quick: opened
     assert seen["tool"] == [False]
 
 

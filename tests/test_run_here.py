@@ -167,3 +167,32 @@ def test_ctrl_c_goes_to_the_callers_own_handler_once_the_turn_ended() -> None:
     finally:
         signal.signal(signal.SIGINT, before)
         runtime.shutdown(timeout=10)
+
+
+def test_run_from_a_submits_middleware_hands_its_turn_to_a_worker() -> None:
+    """A middleware of a submit runs inside that submit's step (the gate held by this
+    thread, no task of a worker's): a ``run`` there cannot run its turn here."""
+    runtime: Runtime
+    inner: list[Any] = []
+    threads: dict[str, int] = {}
+
+    def tool(args: Any, ctx: Any) -> str:
+        threads.setdefault(ctx.session_id, threading.get_ident())
+        return "ok"
+
+    def input_before(ctx: Any, next_: Any) -> Any:
+        if ctx.metadata["sessionId"] == "outer" and not inner:
+            assert runtime.workers.gate.holder() == threading.get_ident()
+            inner.append(runtime.run("inner", Input(id="", content="from a middleware")))
+        return next_()
+
+    runtime = _runtime(tool)
+    runtime.hooks.use("agent:input:before", input_before)
+    try:
+        outcome = runtime.run("outer", Input(id="", content="go"))
+        assert outcome.outcome == "replied"
+        assert [o.outcome for o in inner] == ["replied"]
+        assert threads["outer"] == threading.get_ident()
+        assert threads["inner"] != threading.get_ident()
+    finally:
+        runtime.shutdown(timeout=10)
