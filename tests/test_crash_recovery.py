@@ -7,6 +7,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,10 @@ def test_sigkill_mid_turn_loses_nothing_and_runs_nothing_twice(tmp_path: Path) -
     )
     acked: list[tuple[str, str]] = []
     assert worker.stdout is not None
+    # A worker that hangs without a word would block the read below for good: killed
+    # after 120 s, its output ends and the count of acknowledgements fails the test.
+    watchdog = threading.Timer(120, worker.kill)
+    watchdog.start()
     try:
         for line in worker.stdout:
             if line.startswith("ACK "):
@@ -103,6 +108,7 @@ def test_sigkill_mid_turn_loses_nothing_and_runs_nothing_twice(tmp_path: Path) -
             if len(acked) >= 40:
                 break
     finally:
+        watchdog.cancel()
         worker.send_signal(signal.SIGKILL)
         worker.wait(timeout=30)
         worker.stdout.close()
