@@ -59,6 +59,7 @@ from aalis_agent.request.prompt import (
     volatile_for,
 )
 from aalis_agent.services import (
+    ChatModel,
     ChatRequest,
     OutboundMessage,
 )
@@ -278,6 +279,32 @@ class TurnRunner(ToolBatch, ReplyStep):
         self.hooks.run("agent:llm:before", before, lambda c: c)
         return before.messages, before.tools
 
+    def _call_event(
+        self,
+        phase: str,
+        index: int,
+        model: ChatModel,
+        entry: str,
+        status: str | None = None,
+        *,
+        error: str | None = None,
+        output_tokens: int | None = None,
+    ) -> None:
+        """Publish ``llm:call`` (services/bus_events.py: :class:`ModelCall`)."""
+        payload: dict[str, Any] = {
+            "phase": phase,
+            "sessionId": self.session_id,
+            "turnId": self.turn_id,
+            "index": index,
+            "model": model.id,
+            "entry": entry,
+        }
+        if phase == "end":
+            payload["status"] = status
+            payload["error"] = error
+            payload["outputTokens"] = output_tokens
+        self.services.bus.publish("llm:call", payload)
+
     def _model_call(
         self, prompt: TurnPrompt, tool_defs: list[dict[str, Any]], *, retry: bool = False
     ) -> _Call:
@@ -324,6 +351,8 @@ class TurnRunner(ToolBatch, ReplyStep):
         text: list[str] = []
         reasoning: list[str] = []
         call_ids: dict[int, str] = {}
+        announced = False  # llm:call "start" published: an "end" follows
+        entry = started.model or entry_id(model)
         try:
             sent = self._trim(prompt, messages, tools, index)
             request = ChatRequest(
@@ -334,6 +363,9 @@ class TurnRunner(ToolBatch, ReplyStep):
                 session_id=self.session_id,
                 purpose=purpose,
             )
+            if services.bus.wants("llm:call"):
+                announced = True
+                self._call_event("start", index, model, entry)
             with self._outside(("model", started.model)):  # waited on with the gate open
                 for chunk in model.chat_stream(request, self.abort):
                     if self.abort.aborted:
@@ -374,11 +406,26 @@ class TurnRunner(ToolBatch, ReplyStep):
                         call.usage = chunk.usage
         except Exception as exc:
             self.actor.tell(CallEnded(self.turn_id, index, "error", 0, redact(str(exc))[:200]))
+            if announced:
+                error = redact(f"{type(exc).__name__}: {exc}")[:200]
+                self._call_event("end", index, model, entry, "error", error=error)
             raise
         if self.abort.aborted:
             self.actor.tell(CallEnded(self.turn_id, index, "aborted"))
+            if announced:
+                self._call_event("end", index, model, entry, "aborted")
             call.aborted = True
             return call
+        if announced:
+            usage = call.usage
+            self._call_event(
+                "end",
+                index,
+                model,
+                entry,
+                "ok",
+                output_tokens=usage.completion_tokens if usage is not None else None,
+            )
         # Two calls of one message with one id are told apart before anything is stored,
         # so each is answered exactly once in every later request.
         call.tool_calls = unique_call_ids(

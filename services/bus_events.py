@@ -30,6 +30,14 @@ Topics, their fields, and when they fire:
     ``phase`` ``"start"`` (its ``ToolStarted`` is durable, the handler is about to run)
     or ``"end"`` (its result is recorded), ``session_id``, ``turn_id``, ``call_id``,
     ``name``, ``error`` (the error the model gets, at ``"end"``; None on success).
+``llm:call`` -> :class:`ModelCall`
+    ``phase`` ``"start"`` (the call's start is durable and its request, trimmed, is about
+    to be sent) or ``"end"`` (the provider's stream ended, or failed, or the call was
+    stopped), ``session_id``, ``turn_id``, ``index`` (the call's number in its turn),
+    ``model`` (the model's id as the request names it), ``entry`` (``provider/model``);
+    at ``"end"``: ``status`` (``"ok"``, ``"error"``, ``"aborted"``), ``error`` (for
+    ``"error"``, redacted), ``output_tokens`` (the provider's count, when it gave one).
+    A call stopped before its request went out has no ``llm:call`` at all.
 ``outbound:message`` -> :class:`MessageSent`
     ``session_id``, ``turn_id``, ``content``, ``kind`` (``"reply"``, ``"error"`` or
     ``"system"``), ``platform``, ``host_notice``, ``reply_to``. Fires once the message is
@@ -75,6 +83,7 @@ __all__ = [
     "TOPICS",
     "BusEvent",
     "MessageSent",
+    "ModelCall",
     "QueueChanged",
     "QueueItem",
     "StreamDelta",
@@ -178,6 +187,21 @@ class ToolExecution(BusEvent, frozen=True):
     error: str | None = None
 
 
+class ModelCall(BusEvent, frozen=True):
+    """``llm:call``: a model call's request goes out (``phase="start"``) or its stream
+    ends (``"end"``, with its ``status``)."""
+
+    topic: ClassVar[str] = "llm:call"
+    phase: Literal["start", "end"]
+    turn_id: str
+    index: int
+    model: str
+    entry: str
+    status: Literal["ok", "error", "aborted"] | None = None
+    error: str | None = None
+    output_tokens: int | None = None
+
+
 class MessageSent(BusEvent, frozen=True):
     """``outbound:message``: a durable reply or notice leaving a turn (no gateway)."""
 
@@ -234,6 +258,7 @@ TypedEvent: TypeAlias = (
     | ToolCallStreaming
     | StreamEnded
     | ToolExecution
+    | ModelCall
     | MessageSent
     | UsageReported
     | TrimApplied
@@ -248,6 +273,7 @@ TOPICS: Mapping[str, tuple[type[BusEvent], ...]] = {
     "outbound:stream": (StreamDelta, ToolCallStreaming),
     "outbound:stream-end": (StreamEnded,),
     "tool:execute": (ToolExecution,),
+    "llm:call": (ModelCall,),
     "outbound:message": (MessageSent,),
     "token:usage": (UsageReported,),
     "agent:trim": (TrimApplied,),

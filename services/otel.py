@@ -15,25 +15,28 @@ middleware is installed, so turns keep their fast path (``Hooks.quiet``). The sp
     ``aalis.turn.source`` (an injected turn's source), ``aalis.turn.outcome``,
     ``aalis.turn.reason``, ``aalis.turn.duration_ms``; status ERROR (the reason as its
     description) when the outcome is ``error``.
-``chat <model>`` (one per model call that returned, a child of its turn's span)
-    ``gen_ai.operation.name`` = ``chat``, ``gen_ai.request.model`` (when the runtime serves
-    one model), ``gen_ai.request.max_tokens``, ``gen_ai.usage.input_tokens`` (the
-    provider's count when it reported one, else the runtime's estimate),
-    ``aalis.call.index``, ``aalis.usage.token_budget``, ``aalis.usage.context_window``,
-    ``aalis.usage.trimmed`` and, when the call's messages were trimmed (``agent:trim``),
-    ``aalis.trim.budget`` and ``aalis.trim.steps``; an ``aalis.first_chunk`` span event when
-    the first piece of output streamed.
+``chat <model>`` (one per model call, a child of its turn's span, from its ``llm:call``
+start to its end)
+    ``gen_ai.operation.name`` = ``chat``, ``gen_ai.request.model`` and ``aalis.model``
+    (``provider/model``) of the model the call used, ``aalis.call.index``,
+    ``aalis.call.returned``; for a call that returned: ``gen_ai.request.max_tokens``,
+    ``gen_ai.usage.input_tokens`` (the provider's count when it reported one, else the
+    runtime's estimate), ``gen_ai.usage.output_tokens`` (when the provider reported it),
+    ``aalis.usage.token_budget``, ``aalis.usage.context_window``, ``aalis.usage.trimmed``
+    and, when the call's messages were trimmed (``agent:trim``), ``aalis.trim.budget`` and
+    ``aalis.trim.steps``; an ``aalis.first_chunk`` span event when the first piece of
+    output streamed. A call that failed is ERROR (the error as its description); one
+    that was stopped has ``aalis.call.returned`` false.
 ``execute_tool <name>`` (one per tool call, a child of its turn's span)
     ``gen_ai.operation.name`` = ``execute_tool``, ``gen_ai.tool.name``,
     ``gen_ai.tool.call.id``, the session and turn ids; on failure status ERROR with the
     error the model gets, ``error.type`` and an ``exception`` span event.
 
-The bus publishes no model call's start: a call starts when its turn opened or when the
-step before it ended (the previous call's ``token:usage`` or the last tool's end), and ends
-at its ``token:usage``. A call that never returned (the turn ended ``error`` or ``aborted``
-while one was due) gets a span ending with the turn, ERROR for an error; ``aalis.call.returned``
-is then false. Output token counts are not on the bus, so ``gen_ai.usage.output_tokens`` is
-not set.
+A call's span takes its times and model from ``llm:call``. A call made while no
+``llm:call`` was heard (the turn was running when ``instrument()`` began) starts when the
+step before it ended (its turn's open, the previous call's or the last tool's end) and
+ends at its ``token:usage``, with the model only when the runtime serves one; a call due
+when its turn ended ``error`` or ``aborted`` gets a span ending with the turn.
 
 Subscribers run on the publishing threads; the work here is a few dict operations and the
 span calls under one lock. Spans left open by ``uninstrument()`` are ended then, marked
@@ -50,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aalis_agent.services.bus_events import (
+    ModelCall,
     ToolExecution,
     TrimApplied,
     TurnEnded,
@@ -70,6 +74,7 @@ INSTALL_HINT = "pip install aalis-agent[otel]"
 
 TOPICS = (
     "turn:opened",
+    "llm:call",
     "turn:ended",
     "outbound:stream",
     "tool:execute",
@@ -118,6 +123,11 @@ class _Turn:
     first_chunk: int | None = None
     trim: TrimApplied | None = None
     tools: dict[str, Span] = field(default_factory=dict)
+    call_model: dict[str, Any] | None = None
+    """The running call's model (from its ``llm:call`` start)."""
+    call_end: int | None = None
+    """When the running call's stream ended (ns; its ``token:usage`` follows)."""
+    output_tokens: int | None = None
 
 
 class _Tracer:
@@ -145,6 +155,8 @@ class _Tracer:
                 return
             if isinstance(event, TurnStarted):
                 self._opened(event, now)
+            elif isinstance(event, ModelCall):
+                self._model_call(event, now)
             elif isinstance(event, UsageReported):
                 self._usage(event, now)
             elif isinstance(event, ToolExecution):
@@ -214,6 +226,25 @@ class _Tracer:
 
     # --- model calls -------------------------------------------------------------------
 
+    def _model_call(self, event: ModelCall, now: int) -> None:
+        turn = self.turns.get((event.session_id, event.turn_id))
+        if turn is None:
+            return
+        if event.phase == "start":
+            turn.mark = now
+            turn.call_due = True
+            turn.first_chunk = None
+            turn.call_model = {"gen_ai.request.model": event.model, "aalis.model": event.entry}
+            turn.call_end = turn.output_tokens = None
+            return
+        if event.status == "ok":  # its span ends with this, once token:usage has come
+            turn.call_end = now
+            turn.output_tokens = event.output_tokens
+            return
+        failed = event.status == "error"
+        self._call(turn, now, returned=False, error=(event.error or "error") if failed else None)
+        turn.call_due = False
+
     def _usage(self, event: UsageReported, now: int) -> None:
         if event.turn_id is None:  # Runtime.token_request: no call was made
             return
@@ -243,18 +274,26 @@ class _Tracer:
         extra: dict[str, Any] | None = None,
     ) -> None:
         turn.calls += 1
+        model_attributes, turn.call_model = turn.call_model, None
+        end, turn.call_end = turn.call_end, None
+        output, turn.output_tokens = turn.output_tokens, None
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": "chat",
             **turn.attributes,
+            **(model_attributes or {}),
             "aalis.call.index": turn.calls,
             "aalis.call.returned": returned,
             **(extra or {}),
         }
+        if output is not None and returned:
+            attributes["gen_ai.usage.output_tokens"] = output
+        if end is not None:
+            now = max(end, turn.mark)
         trim, turn.trim = turn.trim, None
         if trim is not None:
             attributes["aalis.trim.budget"] = trim.budget
             attributes["aalis.trim.steps"] = list(trim.steps)
-        model = turn.attributes.get("gen_ai.request.model")
+        model = attributes.get("gen_ai.request.model")
         span = self.tracer.start_span(
             f"chat {model}" if model else "chat",
             context=turn.context,

@@ -145,7 +145,8 @@ def test_a_turn_with_a_tool_call(envs: list[Env]) -> None:
         assert child.attributes["aalis.session_id"] == SID
         assert child.attributes["aalis.turn_id"] == turn_id
         assert turn.start_time <= child.start_time <= child.end_time <= turn.end_time
-    for index, (call, tokens) in enumerate(zip(calls, (120, 150), strict=True), 1):
+    usage = ((120, 9), (150, 4))
+    for index, (call, (tokens, output)) in enumerate(zip(calls, usage, strict=True), 1):
         assert call.kind is SpanKind.CLIENT
         assert call.attributes["gen_ai.operation.name"] == "chat"
         assert call.attributes["gen_ai.request.model"] == "m1"
@@ -154,11 +155,12 @@ def test_a_turn_with_a_tool_call(envs: list[Env]) -> None:
         assert call.attributes["gen_ai.request.max_tokens"] == 4096
         assert call.attributes["aalis.call.index"] == index
         assert call.attributes["aalis.call.returned"] is True
-        assert "gen_ai.usage.output_tokens" not in call.attributes  # not on the bus
+        assert call.attributes["gen_ai.usage.output_tokens"] == output
         assert call.status.status_code is StatusCode.UNSET
-    # The tool loop in order: call 1, the tool, call 2 (which starts as the tool ends).
-    assert calls[0].end_time <= tool.start_time <= tool.end_time == calls[1].start_time
-    assert calls[0].start_time == turn.start_time
+    # The tool loop in order: call 1, the tool, call 2; each call from its request going
+    # out (llm:call) to its stream's end.
+    assert turn.start_time <= calls[0].start_time <= calls[0].end_time <= tool.start_time
+    assert tool.end_time <= calls[1].start_time <= calls[1].end_time
     assert tool.attributes["gen_ai.operation.name"] == "execute_tool"
     assert tool.attributes["gen_ai.tool.name"] == "echo"
     assert tool.attributes["gen_ai.tool.call.id"] == "c1"
@@ -227,6 +229,8 @@ def test_a_failed_model_call_is_an_error_on_the_call_and_the_turn(envs: list[Env
     assert call.status.status_code is StatusCode.ERROR
     assert call.attributes["aalis.call.returned"] is False
     assert call.attributes["error.type"] == "ConnectionError"
+    assert call.status.description == "ConnectionError: connection refused"
+    assert call.attributes["gen_ai.request.model"] == "m1"
     assert "gen_ai.usage.input_tokens" not in call.attributes
 
 
@@ -333,3 +337,23 @@ def test_the_module_imports_without_opentelemetry() -> None:
         otel = importlib.import_module(name)  # importing needs no opentelemetry
         with pytest.raises(ImportError, match=r"pip install aalis-agent\[otel\]"):
             otel.instrument(mock.Mock())
+
+
+def test_each_call_names_the_model_it_used_when_several_are_served(envs: list[Env]) -> None:
+    """With two models served, the turn span names none (the bus cannot say which a
+    session uses before a call), but each call span names its own, from ``llm:call``."""
+    from aalis_agent.actors.commands import set_setting
+    from aalis_agent.services import LlmService, Provider
+
+    first = ScriptedModel([ScriptedReply(text="一")], model_id="a", provider_id="p")
+    second = ScriptedModel([ScriptedReply(text="二")], model_id="b", provider_id="p")
+    env = make(envs, LlmService([Provider("p", [first, second])]))
+    assert env.say("你好").outcome == "replied"
+    set_setting(env.runtime, SID, "llm", "p/b")
+    assert env.say("再来").outcome == "replied"
+    spans = env.spans(turns=2)
+    calls = sorted((s for s in spans if s.name.startswith("chat")), key=lambda s: s.start_time)
+    assert [c.name for c in calls] == ["chat a", "chat b"]
+    assert [c.attributes["aalis.model"] for c in calls] == ["p/a", "p/b"]
+    for turn in (s for s in spans if s.name == "aalis.turn"):
+        assert "gen_ai.request.model" not in turn.attributes

@@ -23,6 +23,7 @@ from aalis_agent.services.bus import EventBus
 from aalis_agent.services.bus_events import (
     TOPICS,
     MessageSent,
+    ModelCall,
     QueueChanged,
     StreamDelta,
     StreamEnded,
@@ -137,6 +138,18 @@ def test_a_turn_with_a_tool_an_insert_and_a_stop_converts_every_event() -> None:
         ("start", "call-1", "slow", None),
         ("end", "call-1", "slow", None),
     ]
+    calls = [e for e in typed if isinstance(e, ModelCall)]
+    # Each call's request going out, then its end: the tool call, the reply (the insert
+    # joined it), and the stopped turn's call.
+    assert [(c.phase, c.index, c.status, c.error) for c in calls] == [
+        ("start", 1, None, None),
+        ("end", 1, "ok", None),
+        ("start", 2, None, None),
+        ("end", 2, "ok", None),
+        ("start", 1, None, None),
+        ("end", 1, "aborted", None),
+    ]
+    assert {(c.model, c.entry) for c in calls} == {(model.id, f"{model.provider_id}/{model.id}")}
     replies = [e for e in typed if isinstance(e, MessageSent)]
     assert [(r.kind, r.content) for r in replies] == [("reply", "查好了")]
     ended = [e for e in typed if isinstance(e, TurnEnded)]
