@@ -5,6 +5,7 @@ call's trim and ``token:usage`` (through actors/request.py, as ``token:request``
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -52,11 +53,13 @@ from aalis_agent.services import (
     Services,
 )
 from aalis_agent.services.llm import ChatModel, Usage
+from aalis_agent.services.logging_setup import dropped
 from aalis_agent.services.outbound import OutboundKind
 
 __all__ = ["FirstCall", "NotRecorded", "TurnBase", "deliver"]
 
-log = structlog.get_logger("aalis.turn")
+_LOG = "aalis.turn"
+log = structlog.get_logger(_LOG)
 
 
 class NotRecorded(Exception):
@@ -331,8 +334,8 @@ class TurnBase:
             services.bus.publish("token:usage", wire(usage))
         if self._budget_log is not None:
             line = self._budget_log.observe(usage)
-            if line is not None:
-                log.info(line)
+            if line is not None and not dropped(_LOG, logging.INFO):
+                log.info(line)  # a session's first, then every 10th or on a new level
 
     def _trim(
         self,

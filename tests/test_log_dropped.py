@@ -61,3 +61,5 @@ def test_a_turns_lines_still_reach_capture_logs(aalis_level: logging.Logger) -> 
     lines = [(e["log_level"], e["event"]) for e in logs]
     assert any(level == "debug" and "开轮" in line for level, line in lines), lines  # handed on
     assert any(level == "info" and "回合结束" in line for level, line in lines), lines  # ended
+    # ACC4: the session's first budget line.
+    assert any(level == "info" and line.startswith("[token-usage:") for level, line in lines)
