@@ -225,7 +225,7 @@ class _Released:
             if time.perf_counter() - self._since < gate.quick_s:
                 if len(quick) >= _KEYS and key not in quick:
                     quick.clear()
-                quick[key] = quick.get(key, 0) + 1
+                quick[key] = min(quick.get(key, 0) + 1, _QUICK_CALLS)
             else:
                 quick.pop(key, None)
         depth = self._depth
