@@ -100,11 +100,19 @@ def test_run_inside_a_tool_hands_the_other_sessions_turn_to_a_worker() -> None:
         return "ok"
 
     runtime = _runtime(tool)
+    # The outer turn runs here; the inner one cannot (this thread is in a turn).
+    _outer_here_inner_on_a_worker(runtime, inner, threads)
+
+
+def _outer_here_inner_on_a_worker(
+    runtime: Runtime, inner: list[Any], threads: dict[str, int]
+) -> None:
+    """Run session ``outer`` here, whose turn runs ``inner`` (its outcome appended to
+    ``inner``); the outer turn ran on this thread, the inner one on another."""
     try:
         outcome = runtime.run("outer", Input(id="", content="go"))
         assert outcome.outcome == "replied"
         assert [o.outcome for o in inner] == ["replied"]
-        # The outer turn ran here; the inner one could not (this thread was in a turn).
         assert threads["outer"] == threading.get_ident()
         assert threads["inner"] != threading.get_ident()
     finally:
@@ -188,11 +196,4 @@ def test_run_from_a_submits_middleware_hands_its_turn_to_a_worker() -> None:
 
     runtime = _runtime(tool)
     runtime.hooks.use("agent:input:before", input_before)
-    try:
-        outcome = runtime.run("outer", Input(id="", content="go"))
-        assert outcome.outcome == "replied"
-        assert [o.outcome for o in inner] == ["replied"]
-        assert threads["outer"] == threading.get_ident()
-        assert threads["inner"] != threading.get_ident()
-    finally:
-        runtime.shutdown(timeout=10)
+    _outer_here_inner_on_a_worker(runtime, inner, threads)
