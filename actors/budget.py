@@ -1,11 +1,18 @@
 """ACC4: the throttled budget log the runtime keeps (per session: how many usages and the
 last ratio bucket), a line when the bucket changes or every tenth usage. Stateful, so it
 lives with the actors that own it; the line's format is
-:func:`aalis_agent.request.usage.budget_line`."""
+:func:`aalis_agent.request.usage.budget_line`.
+
+The state is kept for the sessions that used the model last, up to ``max_sessions``
+(65,536 by default, a few MiB): a host that sees sessions come and go for weeks does not
+keep one entry for every session it ever served. A session whose entry was let go starts
+over as a first time (its next usage prints a line), as every session does after a
+restart."""
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from aalis_agent.events import TokenUsage
@@ -22,23 +29,40 @@ class _SessionState:
 
 class BudgetLog:
     """ACC4: per session ``{count, lastRatioBucket}``; a line when the bucket changes (the
-    first time included) or every 10th usage."""
+    first time included) or every 10th usage. At most ``max_sessions`` sessions are
+    remembered, the least recently seen let go first."""
 
-    def __init__(self, every: int = 10) -> None:
+    def __init__(self, every: int = 10, *, max_sessions: int = 65_536) -> None:
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+            raise ValueError(f"BudgetLog: max_sessions must be an int >= 1, not {max_sessions!r}")
         self._every = every
-        self._state: dict[str, _SessionState] = {}
+        self._max = max_sessions
+        self._state: OrderedDict[str, _SessionState] = OrderedDict()
         self._lock = threading.Lock()
 
-    def observe(self, usage: TokenUsage) -> str | None:
-        with self._lock:
-            return self._observe(usage)
+    def __len__(self) -> int:
+        """How many sessions are remembered now."""
+        return len(self._state)
 
-    def _observe(self, usage: TokenUsage) -> str | None:
-        state = self._state.setdefault(usage.session_id, _SessionState())
+    def observe(self, usage: TokenUsage, *, line: bool = True) -> str | None:
+        """Count ``usage``; its line when one is due. ``line=False`` counts it only (the
+        line would not be seen): the throttle moves on just the same."""
+        with self._lock:
+            return self._observe(usage, line)
+
+    def _observe(self, usage: TokenUsage, line: bool) -> str | None:
+        states = self._state
+        state = states.get(usage.session_id)
+        if state is None:
+            state = states[usage.session_id] = _SessionState()
+            if len(states) > self._max:
+                states.popitem(last=False)
+        else:
+            states.move_to_end(usage.session_id)
         state.count += 1
         level, _ = bucket(usage.usage_ratio)
         changed = state.last_bucket != level
         state.last_bucket = level
-        if changed or state.count % self._every == 0:
+        if (changed or state.count % self._every == 0) and line:
             return budget_line(usage)
         return None

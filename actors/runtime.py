@@ -311,6 +311,10 @@ class Runtime:
             if entry is None or entry.ref.actor_urn != actor.actor_urn or not actor.mailbox_idle():
                 return False
             del self._entries[session_id]
+            # DEL2: the generation lives on in the log; kept here only while a deletion
+            # has raised it past the log's (an input arriving now then reads the log's).
+            if self._generations.get(session_id) == actor.view.queue.generation:
+                del self._generations[session_id]
         self._release(session_id, entry.owned)
         return True
 
@@ -381,6 +385,9 @@ class Runtime:
             inp = msgspec.structs.replace(inp, timestamp=self.clock.now_ms())
         with self._lock:  # the generation when the input arrives (DEL2)
             arrived_in = self._generations.get(session_id)
+            if arrived_in is None:  # not live: its log's, read now (the submit would)
+                self._entry(session_id)
+                arrived_in = self._generations[session_id]
         inp = self.hooks.preprocess(inp)
         ctx = InputBefore(message=inp, metadata={"sessionId": session_id})
         ran, _ = self.hooks.run("agent:input:before", ctx, lambda c: c)

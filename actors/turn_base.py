@@ -333,8 +333,8 @@ class TurnBase:
         if services.bus.wants("token:usage"):
             services.bus.publish("token:usage", wire(usage))
         if self._budget_log is not None:
-            line = self._budget_log.observe(usage)
-            if line is not None and not dropped(_LOG, logging.INFO):
+            line = self._budget_log.observe(usage, line=not dropped(_LOG, logging.INFO))
+            if line is not None:
                 log.info(line)  # a session's first, then every 10th or on a new level
 
     def _trim(

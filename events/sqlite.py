@@ -27,6 +27,7 @@ transaction commits. A batch is one transaction.
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 import threading
 import zlib
@@ -56,6 +57,17 @@ STORE_FORMAT = 3
 _OLD_FORMATS = (1, 2)  # one row per event in ``events``; 1 has no ``idle_sessions``
 _CONTEXTS = 1024  # sessions whose last row this store remembers, to continue its group
 _COMPRESSORS = 64  # of those with open work, the last written keep their row compressor
+_SESSIONS = 16_384  # sessions whose number, last seq and idle mark are kept in memory
+
+
+def _room(cache: dict[Any, Any]) -> None:
+    """Make room in a per-session cache that is full: the older half goes (what is let
+    go is read again from the database when it is next needed). A host that serves new
+    sessions for weeks keeps no entry for every session it ever wrote."""
+    if len(cache) >= _SESSIONS:
+        for key in list(itertools.islice(cache, len(cache) // 2 or 1)):
+            del cache[key]
+
 
 _SCHEMA = (
     "CREATE TABLE sessions (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE)",
@@ -307,6 +319,7 @@ class SqliteEventStore:
                 actual = self._seq_cache.get(session_id)
                 if actual is None:
                     actual = self._last_seq_unlocked(session_id)
+                    _room(self._seq_cache)
                     self._seq_cache[session_id] = actual
                 if actual != expected_seq:
                     raise ConcurrencyConflict(session_id, expected_seq, actual)
@@ -342,9 +355,13 @@ class SqliteEventStore:
             self._seq_cache[session_id] = last
             self._position_cache = position + n
             if new_sid is not None:
+                _room(self._sids)
                 self._sids[session_id] = new_sid
+                _room(self._names)
                 self._names[new_sid] = session_id
             if chain is not None:
+                if session_id not in self._idle_cache:
+                    _room(self._idle_cache)
                 self._idle_cache[session_id] = idle
                 # A session keeps its row compressor (about 30 KiB) while it has open
                 # work: across the appends of a turn, not while it idles (an idle
@@ -422,7 +439,10 @@ class SqliteEventStore:
                 "SELECT id FROM sessions WHERE name = ?", (session_id,)
             ).fetchone()
             if row is not None:
-                sid = self._sids[session_id] = row[0]
+                sid = row[0]
+                _room(self._sids)
+                self._sids[session_id] = sid
+                _room(self._names)
                 self._names[sid] = session_id
         return sid
 
@@ -430,10 +450,16 @@ class SqliteEventStore:
         """The session id numbered ``sid`` (every number in ``log`` has one)."""
         name = self._names.get(sid)
         if name is None:
-            for number, known in self._conn.execute("SELECT id, name FROM sessions"):
-                self._names[number] = known
-                self._sids[known] = number
-            name = self._names[sid]
+            # This one and the next few (a reader in log order meets numbers about in
+            # the order they were given), not the whole table.
+            names = self._names
+            _room(names)
+            for number, known in self._conn.execute(
+                "SELECT id, name FROM sessions WHERE id >= ? ORDER BY id LIMIT ?",
+                (sid, min(4096, _SESSIONS // 4)),
+            ):
+                names[number] = known
+            name = names[sid]
         return name
 
     def _rows_unlocked(self, session_id: str, after_seq: int) -> list[Row]:

@@ -432,6 +432,69 @@ def test_inputs_of_an_older_generation_are_dropped(rig: Rig) -> None:  # DEL2
     assert not rig.of(MessageSaved) and not rig.of(TurnOpened)
 
 
+@pytest.mark.parametrize("how", ["passivated", "never loaded"])
+def test_an_input_arriving_before_a_deletion_of_a_session_not_live_is_dropped(
+    rig: Rig, how: str
+) -> None:  # DEL2
+    # The generation an input arrives in is the log's when no actor is live: read then,
+    # not when the input is handed on after a deletion in between.
+    rig.submit("第一句")
+    rig.model.answer("好")
+    rig.settle()
+    runtime = rig.runtime
+    if how == "passivated":
+        assert runtime.passivate_idle(0) == 1
+        assert SID not in runtime._generations  # nothing of it kept in memory
+    else:
+        runtime.shutdown(timeout=10)
+        runtime = Runtime(rig.store, runtime.services, FixedClock(), SequentialIds(), janitor=False)
+    deleted: list[int] = []
+
+    def delete_first(ctx: Any, next_: Any) -> Any:
+        remove()
+        deleted.append(runtime.delete(SID, timeout=10))
+        return next_()
+
+    remove = runtime.hooks.use("agent:input:before", delete_first)
+    try:
+        handle = runtime.submit(SID, Input(id="late", content="删除前到达"))
+        assert deleted == [1]
+        assert handle.where == "released"
+        assert handle.result(5).outcome == "released"
+        released = [(e.input_id, e.reason) for e in rig.of(InputReleased)]
+        assert released[-1] == ("late", "stale-generation")
+    finally:
+        if runtime is not rig.runtime:
+            runtime.shutdown(timeout=10)
+
+
+def test_a_passivated_session_leaves_no_generation_behind() -> None:  # DEL2, ES4
+    # Sessions come and go: the runtime keeps a generation only for live sessions (and
+    # for one whose deletion has not reached its log yet).
+    model = ScriptedModel(lambda request, n: ScriptedReply(text=f"好{n}"))
+    runtime = Runtime(
+        InMemoryEventStore(),
+        Services(llm=model),
+        FixedClock(),
+        SequentialIds(),
+        janitor=False,
+        max_live_sessions=3,
+    )
+    try:
+        for n in range(20):
+            runtime.run(f"s{n}", Input(id="", content="你好"))
+        assert len(runtime._entries) <= 3
+        assert set(runtime._generations) == set(runtime._entries)
+        runtime.delete("s0", timeout=10)  # revived, deleted: generation 1 in its log
+        assert runtime.passivate_idle(0) >= 1
+        assert not runtime._generations
+        # Back from its log, with the generation the deletion left.
+        assert runtime.run("s0", Input(id="", content="又来了")).outcome == "replied"
+        assert runtime._generations == {"s0": 1}
+    finally:
+        runtime.shutdown(timeout=10)
+
+
 def test_stop_command_permissions(rig: Rig) -> None:  # CMD3
     assert rig.runtime.stop_command(SID, "qq", "a") == NO_RUNNING_TURN
     rig.submit("一", **human("a"))

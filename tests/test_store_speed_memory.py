@@ -228,3 +228,52 @@ def test_only_sessions_with_open_work_written_last_keep_a_compressor(tmp_path: P
         assert [len(store.read(n)) for n in names] == [2] * (len(names) - 3) + [3, 3, 4]
     finally:
         store.close()
+
+
+def test_a_store_keeps_bounded_memory_of_the_sessions_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host that serves new sessions for weeks: the store's per-session numbers, last
+    seqs and idle marks are kept for a bounded number of sessions; what it let go is read
+    again from the database, so appends still continue (and a stale one still
+    conflicts), idle marks still land and readers in log order still name every row."""
+    from aalis_agent.events import sqlite as sqlite_store
+
+    monkeypatch.setattr(sqlite_store, "_SESSIONS", 8)
+    path = tmp_path / "many.db"
+    store = SqliteEventStore(path)
+    names = [f"s{i}" for i in range(40)]
+
+    def append(name: str, open_work: bool) -> None:
+        last = store.last_seq(name)
+        event = MessageSaved(
+            session_id=name,
+            seq=last + 1,
+            at=last + 1,
+            message=ChatMessage(id=f"m{last}", role="user", content=f"{name} {last}"),
+        )
+        store.append(name, [event], last, open_work=open_work)
+
+    try:
+        for open_work in (True, False):  # a turn's open, then its end (idle)
+            for name in names:
+                append(name, open_work)
+                for cache in (store._seq_cache, store._idle_cache, store._sids, store._names):
+                    assert len(cache) <= 8
+            assert store.open_sessions() == (sorted(names) if open_work else [])
+        stale = MessageSaved(
+            session_id="s0", seq=2, at=2, message=ChatMessage(id="x", role="user", content="x")
+        )
+        with pytest.raises(ConcurrencyConflict):
+            store.append("s0", [stale], 1)  # s0 holds 2 events: its seq was read back
+        assert [len(store.read(n)) for n in names] == [2] * len(names)
+        assert [(r.event.session_id, r.event.seq) for r in store.read_all()] == [
+            (n, seq) for seq in (1, 2) for n in names
+        ]
+    finally:
+        store.close()
+    reader = SqliteEventStore(path, read_only=True)  # a reader with nothing cached
+    try:
+        assert len(reader.read_all()) == 80
+    finally:
+        reader.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pykka
 import pytest
 from aalis_agent.actors.budget import BudgetLog
@@ -104,6 +105,25 @@ def test_budget_log_prints_on_bucket_change_and_every_tenth() -> None:  # ACC4
     assert log.observe(low) is not None  # falling back is a change too
     other = BudgetLog()
     assert other.observe(payload(1000)) is not None  # per session, first time included
+
+
+def test_budget_log_counts_unseen_lines_and_forgets_the_least_recent_sessions() -> None:
+    # ACC4's throttle moves on when its line would not be seen (nothing is built then).
+    log = BudgetLog()
+    assert log.observe(payload(1000), line=False) is None  # the first time, not built
+    assert [log.observe(payload(1000)) for _ in range(8)] == [None] * 8
+    assert log.observe(payload(1000)) is not None  # the 10th usage
+    # Bounded: the least recently seen session is let go and starts over as a first time.
+    bounded = BudgetLog(max_sessions=2)
+    a, b, c = (msgspec.structs.replace(payload(1000), session_id=s) for s in "abc")
+    assert all(bounded.observe(u) is not None for u in (a, b))
+    assert bounded.observe(a) is None  # a is now the most recent; b the least
+    assert bounded.observe(c) is not None and len(bounded) == 2  # b let go
+    assert bounded.observe(a) is None  # a kept its state
+    assert bounded.observe(b) is not None  # b starts over
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="max_sessions"):
+            BudgetLog(max_sessions=bad)
 
 
 def test_usage_after_every_call_including_format_retries() -> None:  # FLOW11, ACC1, ACC2
