@@ -64,7 +64,7 @@ from aalis_agent.events import (
     TokenUsage,
     UuidIds,
 )
-from aalis_agent.events.codec import checked_input
+from aalis_agent.events.codec import checked_input, checked_session_id
 from aalis_agent.projections import SessionView, project, queue, turns
 from aalis_agent.request.usage import wire
 from aalis_agent.services import Services
@@ -234,6 +234,7 @@ class Runtime:
             return entry
         if self._closed:
             raise RuntimeClosed("the runtime is shut down")
+        checked_session_id(session_id)  # before anything is read or written for it
         if self.ownership is not None:  # before the log is read: SessionOwnedElsewhere
             self.ownership.acquire(session_id)
         try:
@@ -251,6 +252,9 @@ class Runtime:
         except BaseException:
             self._release(session_id, self.ownership is not None)
             raise
+        if actor.failure is not None:  # its recovery could not be written: it stopped
+            self._release(session_id, self.ownership is not None)
+            raise actor.failure
         if entry is not None:  # a dead actor's acquisition: the new one holds its own
             self._release(session_id, entry.owned)
         entry = _Entry(actor, actor.actor_ref, view.queue.generation, self.ownership is not None)
@@ -378,6 +382,9 @@ class Runtime:
     def _submit(
         self, session_id: str, inp: Input, *, here: bool = False
     ) -> tuple[SubmitHandle, TurnRunner | None]:
+        if self._closed:
+            raise RuntimeClosed("the runtime is shut down")
+        checked_session_id(session_id)
         inp = checked_input(inp)  # a wrong type is refused here, naming the field
         if not inp.id:
             inp = msgspec.structs.replace(inp, id=self.ids.new("in"))

@@ -88,6 +88,7 @@ from aalis_agent.events import (
     MessageMeta,
     MessageSaved,
     ModelCallStarted,
+    RuntimeClosed,
     SessionDeleted,
     SessionEvent,
     SessionFailed,
@@ -247,6 +248,11 @@ class SessionActor(pykka.ThreadingActor):
             actor._stop_if_pending()
         return actor
 
+    @property
+    def failure(self) -> SessionFailed | None:
+        """The failed write that stopped this actor (see :meth:`_fence`), if one did."""
+        return self._failed
+
     def _start_actor_loop(self) -> None:
         raise TypeError("a SessionActor is started with SessionActor.launch")
 
@@ -385,6 +391,31 @@ class SessionActor(pykka.ThreadingActor):
             self._closed = True
             if self._abort is not None:
                 self._abort.abort("shutdown")
+            # Nobody may wait forever on a stopped actor (a turn cut by a shutdown whose
+            # wait ran out, an input accepted while it stopped): what it accepted is in
+            # its log and runs when the session is next started.
+            self._fail_waiting(
+                RuntimeClosed(
+                    f"session {self.session_id!r} stopped here (the runtime shut down, or "
+                    "the session moved to another owner) before the turn ended; what it "
+                    "accepted is in its log and runs when the session is next started"
+                )
+            )
+
+    def _fail_waiting(self, error: BaseException) -> None:
+        """Answer everyone still waiting on this actor with ``error``."""
+        waiters, self._waiters = self._waiters, {}
+        for future in waiters.values():
+            if not future.done():
+                future.set_exception(error)
+        winding, self._winding_down = self._winding_down, []
+        for _kind, done, _kinds in winding:
+            if not done.done():
+                done.set_exception(error)
+        deferred, self._deferred = self._deferred, []
+        for submit in deferred:
+            if not submit.done.done():
+                submit.done.set_exception(error)
 
     # --- plumbing --------------------------------------------------------------------
 
@@ -551,18 +582,7 @@ class SessionActor(pykka.ThreadingActor):
         )
         if self._abort is not None:
             self._abort.abort("store")
-        waiters, self._waiters = self._waiters, {}
-        for future in waiters.values():
-            if not future.done():
-                future.set_exception(error)
-        winding, self._winding_down = self._winding_down, []
-        for _kind, done, _kinds in winding:
-            if not done.done():
-                done.set_exception(error)
-        deferred, self._deferred = self._deferred, []
-        for submit in deferred:
-            if not submit.done.done():
-                submit.done.set_exception(error)
+        self._fail_waiting(error)
         self.host.session_failed(self.session_id, self)
         self.stop()
         raise error from exc

@@ -386,7 +386,8 @@ class TurnRunner(ToolBatch, ReplyStep):
                     if progress is not None:
                         # FLOW10: the callId announced while the call is generated is the one
                         # it executes and is stored with.
-                        call_ids.setdefault(progress.index, progress.call_id)
+                        # Cleaned as the stored id is (a lone surrogate cannot be stored).
+                        call_id = call_ids.setdefault(progress.index, clean_text(progress.call_id))
                         services.bus.publish(
                             "outbound:stream",
                             {
@@ -395,7 +396,7 @@ class TurnRunner(ToolBatch, ReplyStep):
                                 "toolCallProgress": {
                                     "index": progress.index,
                                     "name": progress.name,
-                                    "callId": progress.call_id,
+                                    "callId": call_id,
                                     "charsAccumulated": progress.chars_accumulated,
                                 },
                             },
@@ -427,10 +428,16 @@ class TurnRunner(ToolBatch, ReplyStep):
                 output_tokens=usage.completion_tokens if usage is not None else None,
             )
         # Two calls of one message with one id are told apart before anything is stored,
-        # so each is answered exactly once in every later request.
+        # so each is answered exactly once in every later request. A call's id and name
+        # are cleaned as its text is (a lone surrogate cannot be stored); its arguments
+        # when its tool starts.
         call.tool_calls = unique_call_ids(
             [
-                ToolCall(id=call_ids.get(i, tc.id) or tc.id, name=tc.name, arguments=tc.arguments)
+                ToolCall(
+                    id=clean_text(call_ids.get(i, tc.id) or tc.id),
+                    name=clean_text(tc.name),
+                    arguments=tc.arguments,
+                )
                 for i, tc in enumerate(call.tool_calls)
             ]
         )

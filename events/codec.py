@@ -43,6 +43,7 @@ __all__ = [
     "RowContext",
     "RowReader",
     "checked_input",
+    "checked_session_id",
     "clean_text",
     "decode",
     "decode_json",
@@ -110,6 +111,20 @@ def checked_input(inp: Input) -> Input:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def checked_session_id(session_id: object) -> str:
+    """``session_id`` when a log can be named by it, else :class:`InvalidInput` naming
+    what is wrong: it must be a ``str`` (``5`` and ``"5"`` would file into one log) of
+    valid Unicode (a lone surrogate cannot be stored; unlike text, a name is not
+    repaired: two ids would become one)."""
+    if type(session_id) is not str and not isinstance(session_id, str):
+        raise InvalidInput(f"session id must be a str, got {type(session_id).__name__}")
+    if _SURROGATE.search(session_id) is not None:
+        raise InvalidInput(
+            f"session id {session_id!r} is not valid Unicode (it holds a lone surrogate)"
+        )
+    return session_id
 
 
 def clean_text(s: str) -> str:

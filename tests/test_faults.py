@@ -572,3 +572,29 @@ def test_a_full_disk_fails_writes_and_sessions_run_again_once_space_returns(
         pykka.ActorRegistry.stop_all(block=True, timeout=5)
         rig.inner.close()
     assert not findings, "\n  ".join([f"{len(findings)} findings:", *findings])
+
+
+def test_while_writes_fail_every_submit_is_refused_with_the_sessions_failure(
+    tmp_path: Path,
+) -> None:
+    """A session fenced by a failed write is rebuilt from its log at its next use; while
+    writes still fail, that rebuild's own recovery write fails too. Each submit then gets
+    the session's failure (``SessionFailed``, naming the session and the cause), never an
+    error about a stopped actor; once the disk has room the session answers again."""
+    from aalis_agent.events import SessionFailed
+    from aalis_agent.services import ScriptedModel
+
+    store = FailingStore(SqliteEventStore(tmp_path / "full.db"))
+    runtime = Runtime(store, Services(llm=ScriptedModel()), janitor=False)
+    try:
+        assert runtime.run("s", Input(id="", content="暖场")).outcome == "replied"
+        store.arm(store.appends + 2, until_healed=True)  # full from the next turn's 2nd write
+        with pytest.raises(SessionFailed, match="'s' stopped: a write to its log failed"):
+            runtime.run("s", Input(id="", content="写不下"))
+        for n in range(5):
+            with pytest.raises(SessionFailed, match="injected write failure"):
+                runtime.submit("s", Input(id="", content=f"还是满的 {n}"))
+        store.heal()
+        assert runtime.run("s", Input(id="", content="有空间了")).outcome == "replied"
+    finally:
+        runtime.shutdown(timeout=10)

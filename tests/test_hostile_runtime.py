@@ -9,6 +9,8 @@ the runtime writes decodes back equal (a property over generated inputs and resu
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,10 +24,12 @@ from aalis_agent.events import (
     InputReceived,
     InvalidInput,
     MessageSaved,
+    RuntimeClosed,
     Sender,
     SequentialIds,
     ToolCall,
     ToolFinished,
+    ToolStarted,
     decode,
     encode,
 )
@@ -85,6 +89,33 @@ def test_submit_refuses_what_is_not_an_input(runtime: Runtime) -> None:
         runtime.submit(SID, {"content": "hi"})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("session_id", "problem"),
+    [
+        (5, "session id must be a str, got int"),
+        (None, "session id must be a str, got NoneType"),
+        (b"s", "session id must be a str, got bytes"),
+        (["s"], "session id must be a str, got list"),
+        ("a\ud800b", "not valid Unicode"),
+    ],
+)
+def test_a_session_id_that_cannot_name_a_log_is_refused_before_anything_runs(
+    session_id: Any, problem: str
+) -> None:
+    # 5 and "5" would file into one log; a lone surrogate cannot be stored. Refused at
+    # once, naming it: no model call, nothing written, no session quarantined.
+    model = ScriptedModel()
+    rt = _runtime(model)
+    try:
+        for call in (rt.submit, rt.run):
+            with pytest.raises(InvalidInput, match=problem):
+                call(session_id, Input(id="", content="你好"))
+        assert model.requests == [] and rt.store.read_all() == [] and rt.quarantined() == []
+        assert rt.run("5", Input(id="", content="你好")).outcome == "replied"  # "5" is fine
+    finally:
+        rt.shutdown(timeout=10)
+
+
 def test_lone_surrogates_in_an_input_are_cleaned_before_they_are_stored(
     runtime: Runtime,
 ) -> None:
@@ -126,6 +157,63 @@ def test_a_surrogate_pair_split_across_stream_chunks_is_saved_and_sent_whole() -
         assert replies == ["好的 😀 再见 \ufffd"] and sent == replies
     finally:
         rt.shutdown(timeout=10)
+
+
+@pytest.mark.parametrize("where", ["id", "name"])
+def test_a_lone_surrogate_in_a_tool_calls_id_or_name_is_cleaned_not_fatal(where: str) -> None:
+    # The model's call id and tool name are stored with the tool's start: cleaned as its
+    # text and arguments are, so the session goes on and the call is answered.
+    call = {"id": "c1", "name": "echo", "arguments": "{}"}
+    call[where] = {"id": "c\ud800", "name": "ec\udc00ho"}[where]
+    ran: list[str] = []
+
+    def reply(request: ChatRequest, n: int) -> ScriptedReply:
+        if not any(m.role == "tool" for m in request.messages):
+            return ScriptedReply(tool_calls=(ToolCall(**call),))
+        return ScriptedReply(text="好了")
+
+    tools = ToolRegistry([Tool("echo", lambda a, c: ran.append("echo") or "r")])
+    rt = _runtime(ScriptedModel(reply), tools)
+    try:
+        assert rt.submit(SID, Input(id="", content="嗨")).result(10).outcome == "replied"
+        [started] = [e for e in rt.store.read(SID) if isinstance(e, ToolStarted)]
+        assert (started.call_id, started.name) == (
+            ("c\ufffd", "echo") if where == "id" else ("c1", "ec\ufffdho")
+        )
+        assert ran == (["echo"] if where == "id" else [])  # no tool by the cleaned name
+    finally:
+        rt.shutdown(timeout=10)
+
+
+def test_a_shutdown_leaves_nobody_waiting_forever() -> None:
+    # A turn whose tool outlives the shutdown's wait, and an input after it: neither
+    # caller waits forever. The first hears that the session stopped (its input stays in
+    # the log), the second is refused at once.
+    release = threading.Event()
+
+    def stubborn(args: Any, ctx: Any) -> str:
+        release.wait(10)  # does not watch the stop
+        return "迟了"
+
+    def reply(request: ChatRequest, n: int) -> ScriptedReply:
+        if not any(m.role == "tool" for m in request.messages):
+            return ScriptedReply(tool_calls=(ToolCall(id="c1", name="stubborn", arguments="{}"),))
+        return ScriptedReply(text="好")
+
+    rt = _runtime(ScriptedModel(reply), ToolRegistry([Tool("stubborn", stubborn)]))
+    try:
+        handle = rt.submit(SID, Input(id="", content="慢慢来"))
+        deadline = time.monotonic() + 5
+        while not any(isinstance(e, ToolStarted) for e in rt.store.read(SID)):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        rt.shutdown(timeout=0.2)  # the tool still runs: the wait runs out
+        with pytest.raises(RuntimeClosed, match="stopped here"):
+            handle.result(5)
+        with pytest.raises(RuntimeClosed, match="shut down"):
+            rt.run(SID, Input(id="", content="还在吗"))
+    finally:
+        release.set()
 
 
 async def _async_tool(args: Any, ctx: Any) -> str:
