@@ -32,10 +32,10 @@ import sqlite3
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import quote
 
 from aalis_agent.events.codec import RowChain, RowReader, row_header
@@ -58,6 +58,39 @@ _OLD_FORMATS = (1, 2)  # one row per event in ``events``; 1 has no ``idle_sessio
 _CONTEXTS = 1024  # sessions whose last row this store remembers, to continue its group
 _COMPRESSORS = 64  # of those with open work, the last written keep their row compressor
 _SESSIONS = 16_384  # sessions whose number, last seq and idle mark are kept in memory
+
+
+def _lenient_text(value: bytes) -> str:
+    return value.decode("utf-8", "surrogateescape")
+
+
+def _name(value: object) -> str:
+    """A session name as read: text (one stored as a blob by a hand edit is decoded)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "surrogateescape")
+    return value if isinstance(value, str) else str(value)
+
+
+_R = TypeVar("_R")
+_P = ParamSpec("_P")
+
+
+def _reads(
+    method: Callable[Concatenate[SqliteEventStore, _P], _R],
+) -> Callable[Concatenate[SqliteEventStore, _P], _R]:
+    """A reading method whose SQLite errors (a damaged file, a lost disk) are raised as
+    :class:`StoreError` naming the database, as a write's are."""
+
+    def reading(self: SqliteEventStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path!r}: cannot read the event database: {exc}") from None
+
+    reading.__name__ = method.__name__
+    reading.__qualname__ = method.__qualname__
+    reading.__doc__ = method.__doc__
+    return reading
 
 
 def _room(cache: dict[Any, Any]) -> None:
@@ -181,6 +214,9 @@ class SqliteEventStore:
             )
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open event database {self.path!r}: {exc}") from None
+        # A text value that is not UTF-8 (a hand edit, a damaged page) reads as text with
+        # its bad bytes escaped, so the row it is in is reported as corrupt, not the read.
+        conn.text_factory = _lenient_text
         self._conn = conn
         self._cursor = conn.cursor()  # the writes' statements, under the lock
         self._lock = threading.Lock()
@@ -458,8 +494,13 @@ class SqliteEventStore:
                 "SELECT id, name FROM sessions WHERE id >= ? ORDER BY id LIMIT ?",
                 (sid, min(4096, _SESSIONS // 4)),
             ):
-                names[number] = known
-            name = names[sid]
+                names[number] = _name(known)
+            name = names.get(sid)
+            if name is None:
+                raise StoreError(
+                    f"{self.path!r}: the log holds rows of session number {sid}, which its "
+                    "sessions table does not name"
+                )
         return name
 
     def _rows_unlocked(self, session_id: str, after_seq: int) -> list[Row]:
@@ -498,6 +539,7 @@ class SqliteEventStore:
         rows.reverse()
         return rows
 
+    @_reads
     def read(
         self, session_id: str, after_seq: int = 0, *, on_corrupt: CorruptHandler | None = None
     ) -> list[SessionEvent]:
@@ -524,6 +566,7 @@ class SqliteEventStore:
             out += events
         return out
 
+    @_reads
     def read_all(self, after_position: int = 0, limit: int | None = None) -> list[Recorded]:
         check_limit(limit)
         after_position = max(after_position, 0)
@@ -570,6 +613,7 @@ class SqliteEventStore:
                     out.append(Recorded(at, event))
         return out if limit is None else out[:limit]
 
+    @_reads
     def last_seq(self, session_id: str) -> int:
         with self._lock:
             return self._last_seq_unlocked(session_id)
@@ -586,14 +630,16 @@ class SqliteEventStore:
         row = self._conn.execute("SELECT max(seq) FROM log WHERE sid = ?", (sid,)).fetchone()
         return int(row[0] or 0)
 
+    @_reads
     def sessions(self) -> list[str]:
         with self._lock:
             return self._sessions_unlocked()
 
     def _sessions_unlocked(self) -> list[str]:
         sql = _OLD_SESSION_IDS if self._old_layout else _SESSION_IDS
-        return [r[0] for r in self._conn.execute(sql).fetchall()]
+        return [_name(r[0]) for r in self._conn.execute(sql).fetchall()]
 
+    @_reads
     def open_sessions(self) -> list[str]:
         with self._lock:
             names = self._sessions_unlocked()
@@ -602,6 +648,7 @@ class SqliteEventStore:
             idle = {r[0] for r in self._conn.execute("SELECT session_id FROM idle_sessions")}
         return [name for name in names if name not in idle]
 
+    @_reads
     def count(self, session_id: str | None = None) -> int:
         """How many events the store holds (for one session, or all). A log holds seqs
         1 to its last, so this is the last seq, summed over sessions."""

@@ -965,6 +965,56 @@ class TestSqliteStore(StoreContract):
         assert store.read("s", on_corrupt=seen.append) == batch("s", 1, 1) + batch("s", 3, 1)
         assert [(c.session_id, c.seq) for c in seen] == [("s", 2)]
 
+    def test_a_text_row_that_is_not_utf8_is_a_corrupt_event(
+        self, tmp_path: Path, store: EventStore
+    ) -> None:
+        """TEXT that SQLite cannot hand over as UTF-8 is that row's problem (a
+        CorruptEvent naming it), not an error of the whole read."""
+        store.append("s", batch("s", 1, 1), 0)
+        self._raw_insert(tmp_path / "events.db", "s", 2, b"x")
+        conn = sqlite3.connect(tmp_path / "events.db")
+        try:
+            with conn:
+                conn.execute("UPDATE log SET data = CAST(x'ff41fe' AS TEXT) WHERE seq = 2")
+        finally:
+            conn.close()
+        store.append("s", batch("s", 3, 1), 2)
+        seen: list[CorruptEvent] = []
+        assert store.read("s", on_corrupt=seen.append) == batch("s", 1, 1) + batch("s", 3, 1)
+        assert [(c.session_id, c.seq) for c in seen] == [("s", 2)]
+        with pytest.raises(CorruptEvent) as info:
+            store.read_all()
+        assert (info.value.session_id, info.value.seq) == ("s", 2)
+
+    def test_a_damaged_file_or_table_is_a_store_error_naming_it(self, tmp_path: Path) -> None:
+        """What SQLite refuses to read (a damaged page, rows of a session the sessions
+        table lost, a name stored as a blob) is a StoreError naming the database, never
+        a bare sqlite3 or KeyError."""
+        path = tmp_path / "events.db"
+        with SqliteEventStore(path) as store:
+            for n in range(200):  # a few pages
+                store.append(f"s{n}", batch(f"s{n}", 1, 2), 0)
+        conn = sqlite3.connect(path)
+        try:
+            with conn:
+                conn.execute("UPDATE sessions SET name = CAST('s1' AS BLOB) WHERE name = 's1'")
+                conn.execute("DELETE FROM sessions WHERE name = 's2'")
+        finally:
+            conn.close()
+        with SqliteEventStore(path) as store:
+            assert "s1" in store.sessions()  # a blob name reads as text
+            with pytest.raises(StoreError, match="session number 3, which its sessions"):
+                store.read_all()
+        with path.open("r+b") as f:  # pages past the header: garbage
+            f.seek(2 * 4096)
+            f.write(bytes(range(256)) * 32)
+        with SqliteEventStore(path, read_only=True) as store:
+            with pytest.raises(StoreError, match="events.db.*cannot read the event database"):
+                for n in range(200):
+                    store.read(f"s{n}")
+                store.read_all()
+                store.count()
+
     def test_failure_mid_batch_rolls_back_the_whole_batch(
         self, tmp_path: Path, store: EventStore
     ) -> None:
