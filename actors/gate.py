@@ -81,7 +81,10 @@ class Gate:
             handoff_s = 0.4 * (self.wait_s or 0.0)
         self.handoff_s = _seconds("handoff_s", handoff_s)
         self.quick_s = _seconds("quick_s", quick_s)
-        self._lock = threading.Lock()
+        # Used one level deep (the gate counts its own depth): an RLock only so that a
+        # thread interrupted between taking it and recording that it did can tell it
+        # holds it, and give it back (see _acquire).
+        self._lock = threading.RLock()
         self._owner: int | None = None  # the thread holding the gate
         self._depth = 0  # how many times it entered
         self._waited_out = 0
@@ -129,44 +132,62 @@ class Gate:
             return _NOTHING
         return _Released(self, key)
 
+    def _acquire(self, depth: int, wait: float | None = None) -> bool:
+        """Take the lock (waiting up to ``wait`` seconds, or not at all) and record this
+        thread as the holder, ``depth`` deep; whether it was taken. An exception raised
+        in between (a KeyboardInterrupt lands after any call) gives the lock back, so the
+        gate is never left locked with no holder."""
+        lock = self._lock
+        try:
+            taken = lock.acquire(False) if wait is None else lock.acquire(True, wait)
+            if taken:
+                self._owner, self._depth = get_ident(), depth
+                if self._handoff:  # this thread is the one it was left for, or in its place
+                    self._handoff = False
+                    self._handed.set()
+            return taken
+        except BaseException:
+            if lock._is_owned():  # type: ignore[attr-defined]
+                self._owner = None
+                lock.release()
+            raise
+
     def _take(self, depth: int) -> None:
         """Take the gate ``depth`` deep, waiting at most ``wait_s`` (the slow path)."""
-        lock = self._lock
         wait_s = self.wait_s or 0.0
         me = get_ident()
         if self._handoff:  # left for a waiter: let it land first, briefly
             self._handed.wait(min(wait_s, self.handoff_s))
-            if not self._handoff and lock.acquire(False):
-                self._owner, self._depth = me, depth
+            if not self._handoff and self._acquire(depth):
                 return
         waiting = self._waiting
         waiting[me] = time.monotonic()
         try:
-            taken = lock.acquire(True, wait_s)
+            taken = self._acquire(depth, wait_s)
         finally:
             del waiting[me]
-        if taken:
-            self._owner, self._depth = me, depth
-            if self._handoff:
-                self._handoff = False
-                self._handed.set()
-        else:
+        # Its wait ran out as the gate was left to it (or to another waiter that gave up
+        # too): nobody takes a gate left for someone else, so it takes it now.
+        if not taken and not (self._handoff and self._acquire(depth)):
             self._waited_out += 1
 
     def _leave(self) -> None:
         """Open the gate (held by this thread, at depth 0 now); to a starved waiter
-        only, if one has waited longer than ``handoff_s``."""
-        self._owner = None
-        waiting = self._waiting
-        if (
-            waiting
-            and not self._handoff
-            and time.monotonic() - min(waiting.values(), default=float("inf")) > self.handoff_s
-        ):
-            self._handed.clear()
-            self._handoff = True
-            self._handoffs += 1
-        self._lock.release()
+        only, if one has waited longer than ``handoff_s``. The lock is let go whatever
+        happens meanwhile (an interrupt included)."""
+        try:
+            self._owner = None
+            waiting = self._waiting
+            if (
+                waiting
+                and not self._handoff
+                and time.monotonic() - min(waiting.values(), default=float("inf")) > self.handoff_s
+            ):
+                self._handed.clear()
+                self._handoff = True
+                self._handoffs += 1
+        finally:
+            self._lock.release()
 
 
 class _Held:
@@ -179,12 +200,9 @@ class _Held:
         gate = self._gate
         if gate.wait_s is None:
             return
-        me = get_ident()
-        if gate._owner == me:
+        if gate._owner == get_ident():
             gate._depth += 1
-        elif not gate._handoff and gate._lock.acquire(False):
-            gate._owner, gate._depth = me, 1
-        else:
+        elif gate._handoff or not gate._acquire(1):
             gate._take(1)
 
     def __exit__(self, *exc: object) -> None:
@@ -231,10 +249,7 @@ class _Released:
         depth = self._depth
         if not depth:
             return  # kept
-        lock = gate._lock
-        if not gate._handoff and lock.acquire(False):
-            gate._owner, gate._depth = get_ident(), depth
-        else:
+        if gate._handoff or not gate._acquire(depth):
             gate._take(depth)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import structlog
 from aalis_agent.actors.gate import Gate
@@ -24,6 +25,7 @@ from aalis_agent.actors.gate import Gate
 __all__ = ["Workers"]
 
 log = structlog.get_logger("aalis.runtime")
+_NOTHING = nullcontext()  # no gate to enter
 
 
 class Workers:
@@ -77,7 +79,9 @@ class Workers:
         ):
             self.submit(task)
             return
-        self._run(task)
+        # Gated: the caller took the gate for it, or its wait ran out and it goes on
+        # without (it does not wait a second time for the same turn).
+        self._run(task, gate=not gated)
 
     @property
     def threads(self) -> int:
@@ -108,11 +112,11 @@ class Workers:
             self._run(task)
             del task  # an idle worker holds nothing of the turn it ran (its session's state)
 
-    def _run(self, task: Callable[[], None]) -> None:
+    def _run(self, task: Callable[[], None], *, gate: bool = True) -> None:
         local = self._local
         local.busy = True
         try:
-            with self.gate.held():
+            with self.gate.held() if gate else _NOTHING:
                 task()
         except BaseException:  # a task reports its own failures; never lose the worker
             log.exception("a turn's thread failed outside its turn")

@@ -4,7 +4,9 @@ than ``wait_s`` (so a step blocked where the gate is closed cannot stall the oth
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -249,3 +251,91 @@ def test_a_step_blocked_behind_a_closed_gate_delays_other_sessions_only_briefly(
         runtime.shutdown(timeout=10)
     assert seen["other replied first"] == [True]
     assert runtime.workers.gate.waited_out >= 1
+
+
+class _InterruptedLock:
+    """The gate's lock, where an interrupt lands right after the first acquire has
+    taken it (before the gate could record its holder), as a KeyboardInterrupt can."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.armed = True
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        taken = self._lock.acquire(blocking, timeout)
+        if taken and self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return taken
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def _is_owned(self) -> bool:
+        return self._lock._is_owned()  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.mark.parametrize("where", ["entering", "taking it back"])
+def test_an_interrupt_while_taking_the_gate_never_leaves_it_locked(where: str) -> None:
+    gate = Gate(5.0)  # a leaked gate would show as a 5 s wait below
+    lock = _InterruptedLock()
+    if where == "entering":
+        gate._lock = lock  # type: ignore[assignment]
+        with pytest.raises(KeyboardInterrupt), gate.held():
+            pass
+    else:
+        gate._lock = lock  # type: ignore[assignment]
+        lock.armed = False
+        with gate.held(), pytest.raises(KeyboardInterrupt), gate.released():
+            lock.armed = True  # lands as the gate is taken back
+    assert not lock.armed and gate.holder() is None
+    holder, leave = _hold_in_thread(gate)  # another thread takes it at once
+    assert gate.holder() == holder.ident and gate.waited_out == 0
+    leave.set()
+    holder.join(5)
+
+
+def test_a_gate_left_for_a_waiter_whose_wait_ran_out_is_taken_by_that_waiter() -> None:
+    """The holder keeps the GIL in one native call past the waiter's wait: the waiter's
+    acquire has timed out, but it is still listed as waiting when the holder leaves, so
+    the gate is left for it. Waking, it takes that gate instead of going on without it
+    (before, the gate stayed free and closed to all for ``handoff_s``)."""
+    gate = Gate(0.05)
+    got: dict[str, bool] = {}
+
+    def waiter() -> None:
+        with gate.held():
+            got["held"] = gate.holder() == threading.get_ident()
+
+    start = time.perf_counter()
+    sum(range(10**5))
+    per = (time.perf_counter() - start) / 10**5
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(2.0)  # the waiter is not handed the GIL while the holder runs
+    try:
+        with gate.held():
+            thread = threading.Thread(target=waiter)
+            thread.start()
+            while not gate._waiting:
+                time.sleep(0.0005)
+            sum(range(int(0.15 / per)))  # one call, holding the GIL past the waiter's wait
+        thread.join(5)
+    finally:
+        sys.setswitchinterval(interval)
+    assert gate.handoffs == 1 and got == {"held": True}
+    assert gate.waited_out == 0 and not gate._handoff and gate.holder() is None
+
+
+def test_run_waits_for_a_closed_gate_once() -> None:
+    # The submit and the turn of one run share one wait: when it runs out, the turn goes
+    # on without the gate at once instead of waiting a second time.
+    runtime = _runtime(ScriptedModel(lambda request, n: ScriptedReply(text="好")), gate_wait_s=0.05)
+    gate = runtime.workers.gate
+    holder, leave = _hold_in_thread(gate)
+    try:
+        assert runtime.run("s", Input(id="", content="你好")).outcome == "replied"
+        assert gate.waited_out == 1
+    finally:
+        leave.set()
+        holder.join(5)
+        runtime.shutdown(timeout=10)

@@ -1008,12 +1008,12 @@ class TestSqliteStore(StoreContract):
         with path.open("r+b") as f:  # pages past the header: garbage
             f.seek(2 * 4096)
             f.write(bytes(range(256)) * 32)
-        with SqliteEventStore(path, read_only=True) as store:
-            with pytest.raises(StoreError, match="events.db.*cannot read the event database"):
-                for n in range(200):
-                    store.read(f"s{n}")
-                store.read_all()
-                store.count()
+        damaged = pytest.raises(StoreError, match=r"events\.db.*cannot read the event database")
+        with SqliteEventStore(path, read_only=True) as store, damaged:
+            for n in range(200):
+                store.read(f"s{n}")
+            store.read_all()
+            store.count()
 
     def test_failure_mid_batch_rolls_back_the_whole_batch(
         self, tmp_path: Path, store: EventStore
