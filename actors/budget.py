@@ -4,7 +4,7 @@ lives with the actors that own it; the line's format is
 :func:`aalis_agent.request.usage.budget_line`.
 
 The state is kept for the sessions that used the model last, up to ``max_sessions``
-(65,536 by default, a few MiB): a host that sees sessions come and go for weeks does not
+(16,384 by default, about 4 MiB): a host that sees sessions come and go for weeks does not
 keep one entry for every session it ever served. A session whose entry was let go starts
 over as a first time (its next usage prints a line), as every session does after a
 restart."""
@@ -32,7 +32,7 @@ class BudgetLog:
     first time included) or every 10th usage. At most ``max_sessions`` sessions are
     remembered, the least recently seen let go first."""
 
-    def __init__(self, every: int = 10, *, max_sessions: int = 65_536) -> None:
+    def __init__(self, every: int = 10, *, max_sessions: int = 16_384) -> None:
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"BudgetLog: max_sessions must be an int >= 1, not {max_sessions!r}")
         self._every = every
