@@ -193,6 +193,18 @@ def test_a_kept_compressor_out_of_step_with_the_dictionary_is_not_trusted() -> N
     assert [*reader.read(2, row1), *reader.read(5, row2)] == [*first, *second]
 
 
+def _append_one(store: SqliteEventStore, name: str, open_work: bool | None) -> None:
+    """One user message appended to ``name``'s log, after its last event."""
+    last = store.last_seq(name)
+    event = MessageSaved(
+        session_id=name,
+        seq=last + 1,
+        at=last + 1,
+        message=ChatMessage(id=f"m{last}", role="user", content=f"{name} {last}"),
+    )
+    store.append(name, [event], last, open_work=open_work)
+
+
 def test_only_sessions_with_open_work_written_last_keep_a_compressor(tmp_path: Path) -> None:
     """A kept compressor is about 30 KiB: a session keeps one while it has open work (the
     appends of a turn), at most the 64 written last do, and an idle session keeps none
@@ -203,14 +215,7 @@ def test_only_sessions_with_open_work_written_last_keep_a_compressor(tmp_path: P
     names = [f"s{i}" for i in range(sqlite_store._COMPRESSORS + 6)]
 
     def append(name: str, open_work: bool | None = None) -> None:
-        last = store.last_seq(name)
-        event = MessageSaved(
-            session_id=name,
-            seq=last + 1,
-            at=last + 1,
-            message=ChatMessage(id=f"m{last}", role="user", content=f"{name} {last}"),
-        )
-        store.append(name, [event], last, open_work=open_work)
+        _append_one(store, name, open_work)
 
     try:
         for _ in range(2):
@@ -245,14 +250,7 @@ def test_a_store_keeps_bounded_memory_of_the_sessions_it_wrote(
     names = [f"s{i}" for i in range(40)]
 
     def append(name: str, open_work: bool) -> None:
-        last = store.last_seq(name)
-        event = MessageSaved(
-            session_id=name,
-            seq=last + 1,
-            at=last + 1,
-            message=ChatMessage(id=f"m{last}", role="user", content=f"{name} {last}"),
-        )
-        store.append(name, [event], last, open_work=open_work)
+        _append_one(store, name, open_work)
 
     try:
         for open_work in (True, False):  # a turn's open, then its end (idle)
