@@ -47,22 +47,22 @@ class BudgetLog:
     def observe(self, usage: TokenUsage, *, line: bool = True) -> str | None:
         """Count ``usage``; its line when one is due. ``line=False`` counts it only (the
         line would not be seen): the throttle moves on just the same."""
-        with self._lock:
-            return self._observe(usage, line)
+        due = self.due(usage)
+        return budget_line(usage) if due and line else None
 
-    def _observe(self, usage: TokenUsage, line: bool) -> str | None:
-        states = self._state
-        state = states.get(usage.session_id)
-        if state is None:
-            state = states[usage.session_id] = _SessionState()
-            if len(states) > self._max:
-                states.popitem(last=False)
-        else:
-            states.move_to_end(usage.session_id)
-        state.count += 1
-        level, _ = bucket(usage.usage_ratio)
-        changed = state.last_bucket != level
-        state.last_bucket = level
-        if (changed or state.count % self._every == 0) and line:
-            return budget_line(usage)
-        return None
+    def due(self, usage: TokenUsage) -> bool:
+        """Count ``usage``; whether its line is due (the caller builds it, if seen)."""
+        with self._lock:
+            states = self._state
+            state = states.get(usage.session_id)
+            if state is None:
+                state = states[usage.session_id] = _SessionState()
+                if len(states) > self._max:
+                    states.popitem(last=False)
+            else:
+                states.move_to_end(usage.session_id)
+            state.count += 1
+            level, _ = bucket(usage.usage_ratio)
+            changed = state.last_bucket != level
+            state.last_bucket = level
+            return changed or state.count % self._every == 0

@@ -46,7 +46,7 @@ from aalis_agent.request.prompt import (
 )
 from aalis_agent.request.texts import Texts
 from aalis_agent.request.trim import TrimResult
-from aalis_agent.request.usage import wire
+from aalis_agent.request.usage import budget_line, wire
 from aalis_agent.services import (
     AbortSignal,
     OutboundMessage,
@@ -332,10 +332,10 @@ class TurnBase:
         self._report(UsageRecorded(usage=usage))
         if services.bus.wants("token:usage"):
             services.bus.publish("token:usage", wire(usage))
-        if self._budget_log is not None:
-            line = self._budget_log.observe(usage, line=not dropped(_LOG, logging.INFO))
-            if line is not None:
-                log.info(line)  # a session's first, then every 10th or on a new level
+        # A session's first, then every 10th or on a new level; built only if seen.
+        budget = self._budget_log
+        if budget is not None and budget.due(usage) and not dropped(_LOG, logging.INFO):
+            log.info(budget_line(usage))
 
     def _trim(
         self,
