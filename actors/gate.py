@@ -156,7 +156,7 @@ class Gate:
         """Take the gate ``depth`` deep, waiting at most ``wait_s`` (the slow path)."""
         wait_s = self.wait_s or 0.0
         me = get_ident()
-        if self._handoff:  # left for a waiter: let it land first, briefly
+        if self._handoff and self._waiting:  # left for a waiter: let it land, briefly
             self._handed.wait(min(wait_s, self.handoff_s))
             if not self._handoff and self._acquire(depth):
                 return
@@ -188,6 +188,9 @@ class Gate:
                 self._handoffs += 1
         finally:
             self._lock.release()
+        if self._handoff and not self._waiting:  # the one it was left for gave up
+            self._handoff = False
+            self._handed.set()
 
 
 class _Held:

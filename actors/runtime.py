@@ -113,6 +113,41 @@ class Quarantined:
     reason: str
 
 
+class _HeldInterrupt:
+    """On the main thread, a Ctrl-C arriving inside the block (SIGINT, while Python has
+    a handler for it) is held until the block has been left, then handled as it would
+    have been. The runtime's gate is entered and left inside it: an interrupt raised as
+    the gate is entered or left (before or after its own bookkeeping) would leave it
+    held for good. ``with`` gives the list of interrupts held so far."""
+
+    __slots__ = ("_previous", "held")
+
+    def __enter__(self) -> list[Any]:
+        self.held: list[Any] = []
+        self._previous: Any = None
+        if threading.current_thread() is not threading.main_thread():
+            return self.held
+        try:  # _signal: signal's own functions convert to enums
+            previous = _signal.getsignal(_SIGINT)
+        except ValueError:  # not the main interpreter
+            return self.held
+        if callable(previous):  # a Python handler (the default raises KeyboardInterrupt)
+            self._previous = previous
+            _signal.signal(_SIGINT, self._hold)
+        return self.held
+
+    def _hold(self, signum: int, frame: Any) -> None:
+        self.held.append(frame)
+
+    def __exit__(self, *exc: object) -> None:
+        previous = self._previous
+        if previous is None:
+            return
+        _signal.signal(_SIGINT, previous)
+        if self.held:
+            previous(signal.SIGINT, self.held[0])
+
+
 @dataclass
 class _Entry:
     actor: SessionActor
@@ -275,6 +310,7 @@ class Runtime:
         Whatever it still tries to append is refused by the store's sequence check."""
         with self._lock:
             entry = self._entries.pop(session_id, None)
+            self._generations.pop(session_id, None)  # its owner's log says it (DEL2)
         if entry is not None:
             log.warning("session ownership lost: its actor stops", session=session_id)
             with contextlib.suppress(Exception):
@@ -301,6 +337,9 @@ class Runtime:
             if entry is None or entry.ref.actor_urn != ref.actor_urn:
                 return
             del self._entries[session_id]
+            # DEL2: a deletion it did not write (its write failed) did not happen; the
+            # next actor reads the generation from the log.
+            self._generations.pop(session_id, None)
         self._release(session_id, entry.owned)
 
     def session_failed(self, session_id: str, actor: SessionActor) -> None:
@@ -352,7 +391,7 @@ class Runtime:
         An input without an id gets one. The handle resolves when the input's turn has
         ended (SCH4) or when the input is released (SCH6, DEL1-DEL2).
         """
-        with self.workers.gate.held():
+        with _HeldInterrupt(), self.workers.gate.held():
             return self._submit(session_id, inp)[0]
 
     def run(self, session_id: str, inp: Input) -> InputOutcome:
@@ -370,11 +409,12 @@ class Runtime:
         inside = gate.holder() == threading.get_ident()  # called from a step
         # One stay behind the gate for the submit and the turn: leaving it between them
         # would wake a waiting thread for nothing.
-        with gate.held():
+        with _HeldInterrupt() as interrupted, gate.held():
             handle, held = self._submit(session_id, inp, here=True)
             if held is not None:
                 try:
-                    self._run_here(session_id, held, gated=not inside)
+                    if not interrupted:  # a Ctrl-C during the submit: a worker runs it
+                        self._run_here(session_id, held, gated=not inside)
                 finally:
                     held.start_once()  # only when it did not run here (an interrupt)
         return handle.result()

@@ -598,3 +598,25 @@ def test_while_writes_fail_every_submit_is_refused_with_the_sessions_failure(
         assert runtime.run("s", Input(id="", content="有空间了")).outcome == "replied"
     finally:
         runtime.shutdown(timeout=10)
+
+
+def test_a_deletion_whose_write_failed_did_not_happen(tmp_path: Path) -> None:
+    """DEL2: a deletion raises the session's generation before its write; when that
+    write fails, the deletion did not happen, and later inputs belong to the generation
+    the log still holds (they used to be dropped as stale until the process restarted)."""
+    from aalis_agent.events import SessionDeleted, SessionFailed
+    from aalis_agent.services import ScriptedModel
+
+    store = FailingStore(SqliteEventStore(tmp_path / "del.db"))
+    runtime = Runtime(store, Services(llm=ScriptedModel()), janitor=False)
+    try:
+        assert runtime.run("s", Input(id="", content="你好")).outcome == "replied"
+        store.arm(store.appends + 1)  # the deletion's write
+        with pytest.raises(SessionFailed):
+            runtime.delete("s", timeout=10)
+        assert not any(isinstance(e, SessionDeleted) for e in store.inner.read("s"))
+        for n in range(2):
+            assert runtime.run("s", Input(id="", content=f"还在 {n}")).outcome == "replied"
+            runtime.passivate_idle(0)
+    finally:
+        runtime.shutdown(timeout=10)

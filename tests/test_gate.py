@@ -339,3 +339,88 @@ def test_run_waits_for_a_closed_gate_once() -> None:
         leave.set()
         holder.join(5)
         runtime.shutdown(timeout=10)
+
+
+@pytest.mark.parametrize("call", ["submit", "run"])
+@pytest.mark.parametrize("where", ["__enter__", "__exit__", "_leave"])
+def test_a_ctrl_c_as_the_main_thread_enters_or_leaves_the_gate_never_leaves_it_held(
+    call: str, where: str
+) -> None:
+    """A Ctrl-C (SIGINT, simulated with ``_thread.interrupt_main``) arriving just as
+    ``submit`` or ``run`` enters or leaves the gate on the main thread is raised once the
+    gate is left: it used to land inside the gate's own bookkeeping and leave the gate
+    held by the main thread for good (every other thread's steps then waited it out)."""
+    import _thread
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("interrupts reach the main thread only")
+    from aalis_agent.actors import gate as gate_module
+
+    runtime = _runtime(ScriptedModel(lambda request, n: ScriptedReply(text="好")), gate_wait_s=0.05)
+    gate = runtime.workers.gate
+    code = {
+        "__enter__": gate_module._Held.__enter__,
+        "__exit__": gate_module._Held.__exit__,
+        "_leave": Gate._leave,
+    }[where].__code__
+    fired: list[bool] = []
+
+    def signal_there(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is code and not fired:
+            fired.append(True)
+            _thread.interrupt_main()  # handled at the gate's next instruction
+        return None
+
+    try:
+        sys.settrace(signal_there)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                getattr(runtime, call)("main", Input(id="", content="你好"))
+        finally:
+            sys.settrace(None)
+        assert fired and gate.holder() is None
+        other = threading.Thread(
+            target=lambda: runtime.submit("other", Input(id="", content="二")).result(10)
+        )
+        other.start()
+        other.join(10)
+        assert gate.waited_out == 0  # the gate was free for the other thread
+        assert runtime.run("main", Input(id="", content="再来")).outcome == "replied"
+    finally:
+        runtime.shutdown(timeout=10)
+
+
+def _enter_and_leave(gate: Gate) -> None:
+    with gate.held():
+        pass
+
+
+def test_a_hand_off_whose_waiter_gave_up_meanwhile_is_not_left_set() -> None:
+    """The leaving holder sees a starved waiter; while it decides (here: a slow clear of
+    the hand-off event, where the GIL passes), the waiter's wait runs out and it goes on.
+    The hand-off it was left is then withdrawn: a newcomer takes the free gate at once
+    instead of waiting ``handoff_s`` for a waiter that is gone."""
+
+    class SlowClear(threading.Event):
+        armed = True
+
+        def clear(self) -> None:
+            if self.armed:
+                self.armed = False
+                time.sleep(0.03)  # the waiter's wait runs out meanwhile
+            super().clear()
+
+    gate = Gate(0.05)
+    gate._handed = SlowClear()
+    with gate.held():
+        waiter = threading.Thread(target=_enter_and_leave, args=(gate,))
+        waiter.start()
+        while not gate._waiting:
+            time.sleep(0.0005)
+        time.sleep(0.045)  # it has waited past handoff_s, and nearly all of wait_s
+    waiter.join(5)
+    assert gate.handoffs == 1 and not gate._handoff and not gate._waiting
+    holder, leave = _hold_in_thread(gate)
+    assert gate.holder() == holder.ident and gate.waited_out <= 1
+    leave.set()
+    holder.join(5)

@@ -495,6 +495,58 @@ def test_a_passivated_session_leaves_no_generation_behind() -> None:  # DEL2, ES
         runtime.shutdown(timeout=10)
 
 
+class _HandOverLeases:
+    """Two runtimes' ownership of sessions over one log, handed from one to the other
+    by hand (as an expired lease is taken over): a stand-in for ``PostgresLeases``."""
+
+    def __init__(self, table: dict[str, str], owner: str) -> None:
+        self.table, self.owner = table, owner
+        self.lost: list[Any] = []
+
+    def acquire(self, session_id: str) -> None:
+        from aalis_agent.actors.ownership import SessionOwnedElsewhere
+
+        holder = self.table.setdefault(session_id, self.owner)
+        if holder != self.owner:
+            raise SessionOwnedElsewhere(session_id, holder)
+
+    def release(self, session_id: str) -> None:
+        if self.table.get(session_id) == self.owner:
+            del self.table[session_id]
+
+    def on_lost(self, callback: Any) -> None:
+        self.lost.append(callback)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_session_taken_over_and_deleted_elsewhere_is_not_stale_when_it_comes_back() -> None:
+    # DEL2 across owners: A loses a session, B takes it over and deletes it, then lets it
+    # go. A's inputs to it afterwards belong to the generation B's deletion left in the
+    # log (A used to keep its own, older one and drop them all as stale).
+    store, table = InMemoryEventStore(), {}
+    leases_a, leases_b = _HandOverLeases(table, "a"), _HandOverLeases(table, "b")
+
+    def runtime(leases: _HandOverLeases) -> Runtime:
+        model = ScriptedModel(lambda request, n: ScriptedReply(text=f"{leases.owner}{n}"))
+        return Runtime(store, Services(llm=model), janitor=False, ownership=leases)
+
+    a, b = runtime(leases_a), runtime(leases_b)
+    try:
+        assert a.run("s", Input(id="", content="一")).outcome == "replied"
+        table["s"] = "b"  # A's lease ran out and B took it
+        for lost in leases_a.lost:
+            lost("s")
+        assert b.delete("s", timeout=10) == 1 and b.passivate_idle(0) == 1
+        assert "s" not in table
+        outcome = a.run("s", Input(id="", content="二"))
+        assert (outcome.outcome, outcome.reason) == ("replied", None)
+    finally:
+        a.shutdown(timeout=10)
+        b.shutdown(timeout=10)
+
+
 def test_stop_command_permissions(rig: Rig) -> None:  # CMD3
     assert rig.runtime.stop_command(SID, "qq", "a") == NO_RUNNING_TURN
     rig.submit("一", **human("a"))
