@@ -4,6 +4,7 @@ than ``wait_s`` (so a step blocked where the gate is closed cannot stall the oth
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 import time
@@ -371,6 +372,8 @@ def test_a_ctrl_c_as_the_main_thread_enters_or_leaves_the_gate_never_leaves_it_h
             _thread.interrupt_main()  # handled at the gate's next instruction
         return None
 
+    # Python's own handler (a process started in the background may have SIGINT ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         sys.settrace(signal_there)
         try:
@@ -378,6 +381,7 @@ def test_a_ctrl_c_as_the_main_thread_enters_or_leaves_the_gate_never_leaves_it_h
                 getattr(runtime, call)("main", Input(id="", content="你好"))
         finally:
             sys.settrace(None)
+            signal.signal(signal.SIGINT, previous)
         assert fired and gate.holder() is None
         other = threading.Thread(
             target=lambda: runtime.submit("other", Input(id="", content="二")).result(10)
