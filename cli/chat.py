@@ -19,6 +19,7 @@ runtime.
 from __future__ import annotations
 
 import contextlib
+import shlex
 import signal
 import sys
 import threading
@@ -407,5 +408,7 @@ def run_chat(
             sink[0] = outer
             running.clear()
         release()
-    write(f"Replay: aalis-agent replay {db_path} --session {session_id}\n")
+    # Quoted for a shell: it can be pasted whatever the path or the id holds.
+    replay = shlex.join(["aalis-agent", "replay", str(db_path), "--session", session_id])
+    write(f"Replay: {replay}\n")
     return 1 if errors else 0

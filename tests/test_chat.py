@@ -337,3 +337,16 @@ def test_a_text_stream_with_a_lone_surrogate_never_reaches_the_runtime(
     with SqliteEventStore(db) as store:
         log = store.read("cli:console")
     assert [e.input.content for e in log if isinstance(e, InputReceived)] == ["好行"]
+
+
+def test_the_replay_hint_is_a_command_a_shell_reads_back(tmp_path: Path) -> None:
+    # A path with a space and a session id a shell would split: the hint quotes them.
+    import shlex
+
+    db = tmp_path / "my chats" / "chat.db"
+    db.parent.mkdir()
+    out = io.StringIO()
+    session = "qq:group 1\nsecond line"
+    assert run_chat(str(db), session, stdin=io.StringIO("你好\n"), out=out, tools=False) == 0
+    hint = out.getvalue().split("Replay: ", 1)[1].rstrip("\n")
+    assert shlex.split(hint) == ["aalis-agent", "replay", str(db), "--session", session]
