@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -683,13 +684,26 @@ def bench_floor(tmp: Path) -> None:
     the whole turn through the runtime (``Runtime.run``), for the ratio (target <= 4).
     The two are timed in alternating blocks (10 turns, then the floor 10 times; 4 of
     each, each block after one untimed run of its own), so a slow stretch of a shared
-    machine weighs on both alike and each is timed warm, as it runs back to back."""
+    machine weighs on both alike and each is timed warm, as it runs back to back.
+    Beside it, not the target's: the same rows in the four commits the turn makes
+    (persist-then-act: before each model call, before the tool, before the outcome),
+    timed the same way after each block's floors."""
     _quiet_logs()
     path = tmp / "floor-turns.db"
     store = SqliteEventStore(path)
     runtime = _tool_turn_runtime(store)
+    append = store.append
+    sizes: list[int] = []  # the events of each of a turn's commits, in order
+
+    def counted(session_id: str, batch: Any, *args: Any, **kwargs: Any) -> int:
+        sizes.append(len(batch))
+        return append(session_id, batch, *args, **kwargs)
+
+    store.append = counted  # type: ignore[method-assign]
     for n in range(4):  # 12 history messages before the turn the floor writes raw
+        sizes.clear()
         runtime.run("s", Input(id="", content=f"{n}: {USER_TEXT}"))
+    store.append = append  # type: ignore[method-assign]
     events = store.read("s")
     # One turn's rows: everything from the last user input on.
     last = max(i for i, e in enumerate(events) if isinstance(e, InputReceived))
@@ -699,22 +713,38 @@ def bench_floor(tmp: Path) -> None:
     half = len(rows) // 2
     seq = 0
 
-    def one_turn() -> None:
+    def raw_turn(cuts: Sequence[int]) -> None:
+        """The turn's rows, written raw in commits ending at ``cuts``, and its two
+        request lists."""
         nonlocal seq
         session = f"raw{seq}"
         batch = [msgspec.structs.replace(e, session_id=session) for e in rows]
         for i, e in enumerate(batch):
             batch[i] = msgspec.structs.replace(e, seq=i + 1)
-        raw.append(session, batch[:half], 0)
-        raw.append(session, batch[half:], half)
+        start = 0
+        for end in cuts:
+            raw.append(session, batch[start:end], start)
+            start = end
         for _ in range(2):  # the two calls' request lists
             request = [history[0], *history, rows[0]]
             assert request
         seq += 1
 
+    def one_turn() -> None:
+        raw_turn((half, len(rows)))
+
+    # The same rows in the commits persist-then-act needs (before the first call, before
+    # the tool, before the second call, before the outcome), as the turn cuts them.
+    cuts4 = list(itertools.accumulate(sizes))
+    assert cuts4[-1] == len(rows), (sizes, len(rows))
+
+    def one_turn_4() -> None:
+        raw_turn(cuts4)
+
     samples: list[float] = []
     floors: list[float] = []
     after_turns: list[float] = []  # the floor's first run in a block, straight after turns
+    floors4: list[float] = []
     n = 4
     for _ in range(4):
         for k in range(11):
@@ -725,6 +755,8 @@ def bench_floor(tmp: Path) -> None:
             n += 1
         after_turns.append(_timed(one_turn))
         floors += [_timed(one_turn) for _ in range(10)]
+        _timed(one_turn_4)
+        floors4 += [_timed(one_turn_4) for _ in range(10)]
     runtime.shutdown(timeout=60)
     store.close()
     raw.close()
@@ -740,11 +772,111 @@ def bench_floor(tmp: Path) -> None:
         median_over_median=round(turn / statistics.median(floors), 2),
         best_over_best=round(min(samples) / floor, 2),
         floor_after_turns_ms=round(statistics.median(after_turns) * 1000, 3),
+        # Not the target's floor: the same rows in the turn's own four commits.
+        floor_4_commits_ms=round(min(floors4) * 1000, 3),
+        over_floor_4_commits=round(turn / min(floors4), 2),
+        commits=len(sizes),
         rows=len(rows),
         history=len(history),
         via="Runtime.run",
         timed="in alternating blocks",
         target="<= 4",
+    )
+
+
+_PHASES = (
+    "submit: entry, checks, the open decided",
+    "commit 1: the input, its turn opened and archived, the first call",
+    "to model call 1: the prompt, history, trim",
+    "model call 1 to commit 2: usage, the reply taken",
+    "commit 2: the tool call and the tool's start",
+    "to the tool",
+    "the tool to commit 3: its result, the second call",
+    "commit 3: the result and the second call",
+    "to model call 2: the request, trim",
+    "model call 2 to commit 4: usage, the reply taken",
+    "commit 4: the reply and the turn's end",
+    "after commit 4: effects, the outcome returned",
+)
+
+
+def bench_turn_phases(tmp: Path) -> None:
+    """Where a tool turn's time goes, on the floor's workload (``Runtime.run``, 4 to 40
+    turns of history): the median time of each of its four commits (``append`` as the
+    store runs it) and of each stretch between them, the model call and the tool, with
+    the turn's median, the commits' sum and the rest (the runtime's own work). Each
+    stretch is timed from marks the scripted model, the tool and the store's ``append``
+    leave as the turn goes; timing adds two clock reads per mark."""
+    from aalis_agent.actors.runtime import Runtime
+    from aalis_agent.events import ToolCall
+    from aalis_agent.services import ScriptedModel, ScriptedReply, Services, Tool, ToolRegistry
+
+    _quiet_logs()
+    clock = time.perf_counter_ns
+    marks: list[tuple[str, int]] = []
+
+    def reply(request: object, n: int) -> ScriptedReply:
+        marks.append(("model", clock()))
+        if n % 2:
+            return ScriptedReply(tool_calls=(ToolCall(id=f"c{n}", name="echo", arguments="{}"),))
+        return ScriptedReply(text=f"{n}: {REPLY_TEXT}")
+
+    def tool(args: object, ctx: object) -> str:
+        marks.append(("tool", clock()))
+        return "好"
+
+    store = SqliteEventStore(tmp / "phases.db")
+    append = store.append
+
+    def timed_append(*args: Any, **kwargs: Any) -> int:
+        marks.append(("commit", clock()))
+        try:
+            return append(*args, **kwargs)
+        finally:
+            marks.append(("committed", clock()))
+
+    store.append = timed_append  # type: ignore[method-assign]
+    services = Services(
+        llm=ScriptedModel(reply, context_length=1_000_000, keep_requests=0),
+        tools=ToolRegistry([Tool("echo", tool)]),
+    )
+    runtime = Runtime(store, services, janitor=False)
+    runtime.run("warm-up", Input(id="", content=USER_TEXT))
+    expected = ["run", "commit", "committed", "model", "commit", "committed", "tool"]
+    expected += ["commit", "committed", "model", "commit", "committed", "returned"]
+    stretches: list[list[int]] = [[] for _ in _PHASES]
+    totals: list[int] = []
+    other = 0
+    for session in range(20):
+        for n in range(40):
+            marks.clear()
+            marks.append(("run", clock()))
+            runtime.run(f"s{session}", Input(id="", content=f"{n}: {USER_TEXT}"))
+            marks.append(("returned", clock()))
+            if n < 4:
+                continue  # the session's first turns: too little history
+            if [name for name, _ in marks] != expected:
+                other += 1
+                continue
+            for i, stretch in enumerate(stretches):
+                stretch.append(marks[i + 1][1] - marks[i][1])
+            totals.append(marks[-1][1] - marks[0][1])
+    runtime.shutdown(timeout=60)
+    store.close()
+    if not totals:
+        raise SystemExit(f"turn_phases: no turn had the expected shape ({other} others)")
+    medians = [statistics.median(s) / 1000 for s in stretches]
+    commits = sum(medians[i] for i in (1, 4, 7, 10))
+    emit(
+        "turn_phases",
+        statistics.median(totals) / 1000,
+        "us",
+        turns=len(totals),
+        other_shapes=other,
+        commits_us=round(commits, 1),
+        rest_us=round(sum(medians) - commits, 1),
+        phases_us={name: round(m, 1) for name, m in zip(_PHASES, medians, strict=True)},
+        note="medians of each stretch; the turn's median beside their sum",
     )
 
 
@@ -906,6 +1038,7 @@ ALL = (
     "turns",
     "turns_workload",
     "floor",
+    "turn_phases",
     "many_sessions",
     "first_token",
     "inspector_100k",
@@ -975,6 +1108,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench_turns_workload(tmp, args.turns)
             elif name == "floor":
                 bench_floor(tmp)
+            elif name == "turn_phases":
+                bench_turn_phases(tmp)
             elif name == "many_sessions":
                 bench_many_sessions(tmp)
             elif name == "first_token":
