@@ -1,7 +1,10 @@
-"""Benchmarks of the event log and its projections (run through ``scripts/bench``).
+"""Benchmarks of the runtime (run through ``scripts/bench``): the event log and its
+projections, request preparation, and whole turns through the runtime.
 
 Each benchmark prints one JSON line: ``{"bench": NAME, "value": X, "unit": U, ...}``.
-Figures are best-of-N wall-clock runs on the durable SQLite store in a temporary folder.
+Figures are wall-clock times on the durable SQLite store in a temporary folder: the
+store's own as best-of-N runs, turns as medians. A ratio is taken within one run, its
+two sides timed in alternation, as the machine's speed drifts.
 """
 
 from __future__ import annotations
