@@ -96,7 +96,9 @@ def build(db: str, side: Path, tag: str) -> tuple[SqliteEventStore, Runtime]:
         ctx.abort.wait(rng.uniform(0.001, 0.01))  # a tool that takes a moment
         return "查到了"
 
-    store = SqliteEventStore(db)
+    # A small WAL mark: the store's checkpoint thread runs every few turns, so kills
+    # land inside checkpoints too.
+    store = SqliteEventStore(db, wal_autocheckpoint=16)
     services = Services(
         llm=ScriptedModel(reply),
         tools=ToolRegistry([Tool("lookup", lookup)]),

@@ -1,0 +1,123 @@
+"""The SQLite store checkpoints its WAL on a thread of its own (events/sqlite.py): no
+append pays for a checkpoint, the WAL stays bounded, and a failing checkpoint is logged
+while the appends go on."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from aalis_agent.events import SqliteEventStore
+from aalis_agent.events.schema import ChatMessage, MessageSaved, SessionEvent
+from structlog.testing import capture_logs
+
+
+def _append(store: SqliteEventStore, session: str, n: int, size: int = 300) -> None:
+    """``n`` batches of one message each (``size`` characters of varied text)."""
+    for _ in range(n):
+        last = store.last_seq(session)
+        text = "".join(chr(0x4E00 + (last * 7 + i) % 20000) for i in range(size))
+        event: SessionEvent = MessageSaved(
+            session_id=session,
+            seq=last + 1,
+            at=last + 1,
+            message=ChatMessage(id=f"m{last}", role="user", content=text),
+        )
+        store.append(session, [event], last)
+
+
+def _wal(path: Path) -> Path:
+    return path.with_name(path.name + "-wal")
+
+
+def _autocheckpoint(path: Path, store: SqliteEventStore) -> int:
+    return int(store._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0])
+
+
+def _wait_for(predicate: object, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_the_wal_is_checkpointed_on_the_stores_thread_and_stays_bounded(tmp_path: Path) -> None:
+    path = tmp_path / "events.db"
+    store = SqliteEventStore(path, wal_autocheckpoint=40)
+    try:
+        assert _autocheckpoint(path, store) == 0  # the writer never checkpoints inline
+        for round_ in range(6):
+            _append(store, "s", 60)
+            assert _wait_for(lambda r=round_: store.checkpoints > r)
+        # Each checkpoint let the writer start the WAL over: it holds about one round.
+        assert _wal(path).stat().st_size < 120 * 4096 * 3
+        names = [t.name for t in threading.enumerate()]
+        assert names.count("aalis-wal-checkpoint") == 1
+        # What the checkpoints copied is in the database file itself.
+        other = sqlite3.connect(path)
+        try:
+            assert other.execute("SELECT count(*) FROM log").fetchone()[0] == 360
+        finally:
+            other.close()
+    finally:
+        store.close()
+    assert not _wal(path).exists()  # the last connection checkpointed and removed it
+    assert "aalis-wal-checkpoint" not in [t.name for t in threading.enumerate()]
+    with SqliteEventStore(path, read_only=True) as reader:
+        assert reader.last_seq("s") == 360
+
+
+def test_without_many_writes_no_thread_is_started(tmp_path: Path) -> None:
+    with SqliteEventStore(tmp_path / "a.db") as store:
+        _append(store, "s", 5)
+        assert store.checkpoints == 0 and store._checkpointer is not None
+        assert store._checkpointer._thread is None
+
+
+@pytest.mark.parametrize("how", ["exclusive", "inline"])
+def test_exclusive_or_inline_stores_checkpoint_as_sqlite_does(tmp_path: Path, how: str) -> None:
+    path = tmp_path / "events.db"
+    kwargs = {"exclusive": True} if how == "exclusive" else {"background_checkpoint": False}
+    with SqliteEventStore(path, wal_autocheckpoint=40, **kwargs) as store:  # type: ignore[arg-type]
+        assert _autocheckpoint(path, store) == 40 and store._checkpointer is None
+        _append(store, "s", 200)
+        assert store.checkpoints == 0
+        assert "aalis-wal-checkpoint" not in [t.name for t in threading.enumerate()]
+
+
+def test_a_failing_checkpoint_is_logged_and_the_appends_go_on(tmp_path: Path) -> None:
+    path = tmp_path / "events.db"
+    store = SqliteEventStore(path, wal_autocheckpoint=20)
+    checkpointer = store._checkpointer
+    assert checkpointer is not None
+    real_connect = sqlite3.connect
+    failures = {"left": 2}
+
+    def connect(*args: object, **kwargs: object) -> sqlite3.Connection:
+        if threading.current_thread().name == "aalis-wal-checkpoint" and failures["left"]:
+            failures["left"] -= 1
+            raise sqlite3.OperationalError("disk I/O error")
+        return real_connect(*args, **kwargs)  # type: ignore[arg-type]
+
+    try:
+        with capture_logs() as logs:
+            sqlite3.connect = connect  # type: ignore[assignment]
+            try:
+                for _ in range(8):
+                    _append(store, "s", 30)
+                    time.sleep(0.02)
+                assert _wait_for(lambda: checkpointer.failed == 2 and store.checkpoints >= 1)
+            finally:
+                sqlite3.connect = real_connect  # type: ignore[assignment]
+        failed = [e for e in logs if e["event"].startswith("WAL checkpoint failed")]
+        assert len(failed) == 2 and "disk I/O error" in failed[0]["error"]
+        assert store.last_seq("s") == 240  # every append went on
+    finally:
+        store.close()
+    with SqliteEventStore(path, read_only=True) as reader:
+        assert len(reader.read("s")) == 240
