@@ -588,15 +588,19 @@ class Runtime:
             self._closed = True
             entries = list(self._entries.items())
         self._janitor_stop.set()
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             for _, e in entries:  # each on this thread: a release does not wait for turns
+                wait = self.ask_timeout_s
+                if deadline is not None:
+                    wait = min(wait, max(deadline - time.monotonic(), 0.01))
                 try:
-                    e.actor.call(Release("shutdown"), self.ask_timeout_s)
+                    e.actor.call(Release("shutdown"), wait)
                 except pykka.ActorDeadError:
                     pass
-                except Exception:  # a failed write: that session is already fenced
+                except Exception:  # a failed write (fenced), or stuck in a store call
                     log.warning("a session could not release its inputs at shutdown")
-            self.wait_idle(timeout)
+            self.wait_idle(None if deadline is None else max(deadline - time.monotonic(), 0))
         finally:
             # Always stop every actor (a mailbox thread would keep the process alive).
             with self._lock:
@@ -706,13 +710,21 @@ class Runtime:
                 actors = [e.actor for e in self._entries.values()]
             busy = False
             for actor in actors:
+                wait = self.ask_timeout_s
+                if deadline is not None:
+                    wait = min(wait, max(deadline - time.monotonic(), 0.01))
                 try:
-                    busy |= not actor.call(Ping(), self.ask_timeout_s)
+                    busy |= not actor.call(Ping(), wait)
                 except (pykka.ActorDeadError, SessionFailed):
                     continue
+                except pykka.Timeout:  # its mailbox is stuck (a store call that hangs)
+                    busy = True
+                    break
             with self._runners_idle:
                 if not busy and not self._runners:
                     return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
 
     # --- recovery and passivation ----------------------------------------------------
 

@@ -20,14 +20,25 @@ Layout (created on first use, in the connection's ``search_path`` schema):
 
 An append is one call of the function ``aalis_append``, hence one statement and one
 transaction: the session row, the head and the log row change together or not at all.
+
+Connections fail: a server restart leaves every idle pooled connection dead, and a cut
+can come after the server committed an append but before its answer arrived. A call
+whose connection broke runs once more on a fresh one (the pool's idle connections are
+checked first). An append whose connection broke is settled before anything is said:
+the log is read on a fresh connection, and the batch counts as written when the row at
+its last seq holds its bytes; when the log still ends where the writer expected, the
+batch is written now (the seq check keeps it from landing twice); only when the server
+cannot be reached to settle it is the append a :class:`StoreError` that says its fate
+is unknown. Statements are bounded (``statement_timeout_s``) and connections send TCP
+keepalives, so a held lock or a vanished server ends in an error, not a wait forever.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -41,9 +52,10 @@ from aalis_agent.events.store import (
     check_limit,
     encode_batch,
 )
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-__all__ = ["PG_FORMAT", "PostgresEventStore", "redact_url", "session_key"]
+__all__ = ["PG_FORMAT", "PostgresEventStore", "keepalive_options", "redact_url", "session_key"]
 
 PG_FORMAT = 1
 """The layout's format, in ``aalis_head.format``."""
@@ -109,9 +121,34 @@ _ALL = (
     "JOIN aalis_sessions s ON s.sid = l.sid "
     "WHERE l.position > %s ORDER BY l.position LIMIT %s"
 )
+_SETTLE = (
+    "SELECT s.last_seq, l.data FROM aalis_sessions s "
+    "LEFT JOIN aalis_log l ON l.sid = s.sid AND l.seq = %s WHERE s.name = %s"
+)
 _MARK_IDLE = "UPDATE aalis_sessions SET idle = true WHERE name = %s AND last_seq = %s AND %s > 0"
 
 Row = tuple[int, bytes]  # (seq, data)
+T = TypeVar("T")
+
+# TCP keepalives, unless the URL sets its own: a server that vanished (no RST, no FIN)
+# is found out in about 25 s, instead of the system's two hours.
+_KEEPALIVES = {"keepalives": "1", "keepalives_idle": "10", "keepalives_interval": "5",
+               "keepalives_count": "3"}  # fmt: skip
+
+
+def keepalive_options(url: str) -> dict[str, Any]:
+    """The TCP keepalive settings a connection to ``url`` is given: ours, except those the
+    URL sets itself (``psycopg.ProgrammingError`` when ``url`` does not parse)."""
+    given = conninfo_to_dict(url)
+    return {k: v for k, v in _KEEPALIVES.items() if k not in given}
+
+
+class _Broken(Exception):
+    """The connection broke during a call (``error`` is what psycopg raised)."""
+
+    def __init__(self, error: psycopg.Error) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def redact_url(url: str) -> str:
@@ -153,6 +190,7 @@ class PostgresEventStore:
         min_size: int = 1,
         max_size: int = 8,
         timeout_s: float = 30.0,
+        statement_timeout_s: float | None = 60.0,
     ) -> None:
         """Connect to the database at ``url`` (a libpq URL or conninfo string) and create
         the tables when they are missing.
@@ -160,15 +198,28 @@ class PostgresEventStore:
         ``read_only`` creates nothing and refuses writes (its sessions run with
         ``default_transaction_read_only``); the tables must exist. ``min_size`` and
         ``max_size`` bound the pool; ``timeout_s`` is how long a call waits for a
-        connection (and the first connection is waited for).
+        connection (and the first connection is waited for). ``statement_timeout_s``
+        bounds each statement on the server (a lock held elsewhere, say); ``None`` leaves
+        the server's setting. Connections send TCP keepalives unless ``url`` sets its own.
         """
         self.url = url
         self.path = redact_url(url)  # what messages name, as SqliteEventStore's path
         self.read_only = read_only
         self._timeout_s = timeout_s
+        if statement_timeout_s is not None and not statement_timeout_s > 0:
+            raise ValueError(f"statement_timeout_s must be positive, not {statement_timeout_s!r}")
+        self._statement_ms = (
+            None if statement_timeout_s is None else max(int(statement_timeout_s * 1000), 1)
+        )
         self._closed = False
         try:
-            with psycopg.connect(url, autocommit=True, connect_timeout=int(timeout_s)) as conn:
+            options = keepalive_options(url)
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot open event database {self.path!r}: {exc}") from None
+        try:
+            with psycopg.connect(
+                url, autocommit=True, connect_timeout=int(timeout_s), **options
+            ) as conn:
                 self._configure(conn)
                 if read_only:
                     self._check_schema(conn)
@@ -180,7 +231,7 @@ class PostgresEventStore:
             url,
             min_size=min_size,
             max_size=max_size,
-            kwargs={"autocommit": True},
+            kwargs={"autocommit": True, **options},
             configure=self._configure,
             timeout=timeout_s,
             name="aalis-events",
@@ -195,6 +246,8 @@ class PostgresEventStore:
     def _configure(self, conn: psycopg.Connection[Any]) -> None:
         if self.read_only:
             conn.execute("SET default_transaction_read_only = on")
+        if self._statement_ms is not None:
+            conn.execute(f"SET statement_timeout = {self._statement_ms}")
 
     def _check_schema(self, conn: psycopg.Connection[Any]) -> None:
         found = {
@@ -226,9 +279,36 @@ class PostgresEventStore:
         if self.read_only:
             raise StoreError(f"{self.path!r} is opened read-only: nothing can be written")
 
+    @staticmethod
+    def _text(exc: BaseException) -> str:
+        return str(exc).strip() or type(exc).__name__
+
     def _fail(self, doing: str, exc: Exception) -> StoreError:
-        text = str(exc).strip() or type(exc).__name__
-        return StoreError(f"{self.path!r}: {doing} failed: {text}")
+        return StoreError(f"{self.path!r}: {doing} failed: {self._text(exc)}")
+
+    def _call(
+        self, doing: str, fn: Callable[[psycopg.Connection[Any]], T], *, retry: bool = True
+    ) -> T:
+        """``fn`` on a pooled connection. When the connection breaks (a server restart
+        or a cut; not a statement the server refused), the pool's idle connections are
+        checked and ``fn`` runs once more on a fresh one (``retry``; else, and when that
+        one breaks too, :class:`_Broken` is raised). Other failures are a StoreError."""
+        for attempt in (0, 1):
+            conn: psycopg.Connection[Any] | None = None
+            try:
+                with self._pool.connection() as conn:
+                    return fn(conn)
+            except PoolTimeout as exc:
+                raise self._fail(doing, exc) from None
+            except psycopg.Error as exc:
+                if conn is None or not conn.broken:
+                    raise self._fail(doing, exc) from None
+                if not retry:
+                    raise _Broken(exc) from None
+                if attempt:
+                    raise self._fail(doing, exc) from None
+                self._pool.check()  # a restart leaves every idle connection dead
+        raise AssertionError("unreachable")
 
     # --- writing ---------------------------------------------------------------------
 
@@ -252,41 +332,80 @@ class PostgresEventStore:
         last = expected_seq + n
         parts = [blob for _, blob in encode_batch(events, keyless=True)]
         data, _ = pack_row(session_id, parts, last, None)
+        params = (name, expected_seq, n, open_work is False, data)
         try:
-            with self._pool.connection() as conn:
-                row = conn.execute(
-                    _APPEND, (name, expected_seq, n, open_work is False, data)
-                ).fetchone()
-        except (psycopg.Error, PoolTimeout) as exc:
-            raise self._fail("append", exc) from None
+            row = self._call(
+                "append", lambda conn: conn.execute(_APPEND, params).fetchone(), retry=False
+            )
+        except _Broken as broken:
+            # It may have committed before the connection broke: settle it, then answer.
+            return self._settle(session_id, params, last, broken.error)
         assert row is not None
         position = int(row[0])
         if position < 0:
             raise ConcurrencyConflict(session_id, expected_seq, -1 - position)
         return last
 
+    def _settle(
+        self, session_id: str, params: tuple[bytes, int, int, bool, bytes], last: int,
+        error: psycopg.Error,
+    ) -> int:  # fmt: skip
+        """An append whose connection broke: find out on a fresh connection whether it
+        was written, write it when it was not, and return its last seq as ``append``
+        does (or raise ``ConcurrencyConflict`` when another writer got there first)."""
+        name, expected_seq, _, _, data = params
+
+        def settle(conn: psycopg.Connection[Any]) -> int:
+            row = conn.execute(_SETTLE, (last, name)).fetchone()
+            if row is not None and row[1] is not None and bytes(row[1]) == data:
+                return last  # it committed: only its answer was lost
+            actual = 0 if row is None else int(row[0])
+            if actual == expected_seq:
+                # Not written. Write it now: should the first attempt still commit
+                # meanwhile, the seq check turns one of the two away.
+                written = conn.execute(_APPEND, params).fetchone()
+                assert written is not None
+                if int(written[0]) >= 0:
+                    return last
+                row = conn.execute(_SETTLE, (last, name)).fetchone()
+                if row is not None and row[1] is not None and bytes(row[1]) == data:
+                    return last
+                actual = 0 if row is None else int(row[0])
+            raise ConcurrencyConflict(session_id, expected_seq, actual)
+
+        self._pool.check()  # a restart leaves every idle connection dead: drop them
+        try:
+            return self._call("append", settle, retry=False)
+        except ConcurrencyConflict:
+            raise
+        except (_Broken, StoreError) as exc:
+            later = exc.error if isinstance(exc, _Broken) else exc
+            raise StoreError(
+                f"{self.path!r}: append failed: the connection broke "
+                f"({self._text(error)}) and whether the batch of {session_id!r} up to seq "
+                f"{last} was recorded could not be settled ({self._text(later)}): read "
+                "the log to know"
+            ) from None
+
     def mark_idle(self, sessions: Sequence[tuple[str, int]]) -> int:
         self._refuse_if_read_only()
-        marked = 0
         # In name order, so two callers never wait on each other's rows crosswise.
         ordered = sorted(sessions, key=lambda pair: _name(pair[0]))
-        try:
-            with self._pool.connection() as conn, conn.transaction():
+
+        def mark(conn: psycopg.Connection[Any]) -> int:
+            marked = 0
+            with conn.transaction():  # all or none: it runs again whole when it broke
                 for session_id, seq in ordered:
                     cursor = conn.execute(_MARK_IDLE, (_name(session_id), seq, seq))
                     marked += max(cursor.rowcount, 0)
-        except (psycopg.Error, PoolTimeout) as exc:
-            raise self._fail("marking idle", exc) from None
-        return marked
+            return marked
+
+        return self._call("marking idle", mark)
 
     # --- reading ---------------------------------------------------------------------
 
     def _query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        try:
-            with self._pool.connection() as conn:
-                return conn.execute(sql, params).fetchall()
-        except (psycopg.Error, PoolTimeout) as exc:
-            raise self._fail("reading", exc) from None
+        return self._call("reading", lambda conn: conn.execute(sql, params).fetchall())
 
     def read(
         self, session_id: str, after_seq: int = 0, *, on_corrupt: CorruptHandler | None = None

@@ -45,7 +45,12 @@ from typing import Any, TypeVar
 import psycopg
 import structlog
 from aalis_agent.events.errors import StoreError
-from aalis_agent.events.postgres import PostgresEventStore, redact_url, session_key
+from aalis_agent.events.postgres import (
+    PostgresEventStore,
+    keepalive_options,
+    redact_url,
+    session_key,
+)
 from aalis_agent.scale.ownership import LostCallback, SessionOwnedElsewhere
 
 __all__ = ["PostgresLeases", "default_owner"]
@@ -129,9 +134,18 @@ class PostgresLeases:
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(
-                self.url, autocommit=True, connect_timeout=max(int(self._timeout_s), 1)
+            conn = psycopg.connect(
+                self.url,
+                autocommit=True,
+                connect_timeout=max(int(self._timeout_s), 1),
+                **keepalive_options(self.url),
             )
+            try:  # a statement that waits (a lock held elsewhere) ends within timeout_s
+                conn.execute(f"SET statement_timeout = {max(int(self._timeout_s * 1000), 1)}")
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
         return self._conn
 
     def _run(self, fn: Callable[[psycopg.Connection[Any]], T]) -> T:

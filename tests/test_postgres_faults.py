@@ -1,0 +1,306 @@
+"""The Postgres store when connections fail, on a real server: pooled connections left dead
+by a restart, an append whose answer is lost after the server committed it, a statement
+that would wait forever on a lock. Persist, then act: an append is reported written only
+when it is in the log, and reported failed only when it is not (or said to be unknown)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import pytest
+from aalis_agent.events import ConcurrencyConflict, StoreError
+from aalis_agent.events.postgres import PostgresEventStore
+from aalis_agent.events.schema import InputReceived, ToolCall, ToolStarted
+from aalis_agent.scale.leases import PostgresLeases
+
+from aalis_agent import Input, Runtime, ScriptedModel, ScriptedReply, Services, Tool, ToolRegistry
+from tests.pg import pg_cluster, pg_url  # noqa: F401 -- the fixtures
+from tests.tcp_proxy import TcpProxy
+from tests.test_store_contract import queued
+
+
+def _with_app(url: str, name: str) -> str:
+    return url + ("&" if "?" in url else "?") + f"application_name={name}"
+
+
+def _through(url: str, proxy: TcpProxy) -> str:
+    parts = urlsplit(url)
+    user = parts.netloc.rsplit("@", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}@127.0.0.1:{proxy.port}"))
+
+
+def _upstream(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    return parts.hostname, parts.port
+
+
+def _terminate(url: str, app: str) -> int:
+    """End every server process serving a connection named ``app`` (as a restart does)."""
+    with psycopg.connect(url, autocommit=True) as admin:
+        rows = admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+            (app,),
+        ).fetchall()
+    return len(rows)
+
+
+@pytest.fixture
+def proxy(pg_url: str) -> Iterator[TcpProxy]:  # noqa: F811
+    proxy = TcpProxy(_upstream(pg_url))
+    yield proxy
+    proxy.close()
+
+
+def _batch(at: int, n: int = 2, tag: str = "x") -> list[Any]:
+    return [queued("s", at + i + 1, f"{tag}{at + i}") for i in range(n)]
+
+
+# --- dead pooled connections ----------------------------------------------------------
+
+
+def test_calls_after_the_pooled_connections_died_go_through(pg_url: str) -> None:  # noqa: F811
+    url = _with_app(pg_url, "stale")
+    with PostgresEventStore(url, min_size=3, max_size=3) as store:
+        store.append("s", _batch(0), 0)
+        assert store.read("s")
+        assert _terminate(pg_url, "stale") == 3  # all of the pool's connections
+        # Each call finds a dead connection first; none of them fails for it.
+        assert [e.seq for e in store.read("s")] == [1, 2]
+        assert _terminate(pg_url, "stale") >= 1
+        assert store.append("s", _batch(2), 2) == 4
+        assert _terminate(pg_url, "stale") >= 1
+        assert store.mark_idle([("s", 4)]) == 1
+        assert _terminate(pg_url, "stale") >= 1
+        assert store.last_seq("s") == 4 and store.open_sessions() == []
+    with PostgresEventStore(pg_url, read_only=True) as reader:
+        assert [e.seq for e in reader.read("s")] == [1, 2, 3, 4]
+
+
+def test_a_statement_the_server_refuses_is_not_run_twice(pg_url: str) -> None:  # noqa: F811
+    with PostgresEventStore(pg_url) as store:
+        store.append("s", _batch(0), 0)
+        with pytest.raises(ConcurrencyConflict):
+            store.append("s", _batch(0, tag="y"), 0)
+        with pytest.raises(StoreError, match="reading failed"):
+            store._query("SELECT 1/0")
+        assert [e.seq for e in store.read("s")] == [1, 2]
+
+
+# --- an append whose answer is lost ----------------------------------------------------
+
+
+def test_an_append_committed_but_its_answer_lost_is_reported_written_once(
+    pg_url: str,  # noqa: F811
+    proxy: TcpProxy,
+) -> None:
+    with PostgresEventStore(_through(pg_url, proxy), timeout_s=5) as store:
+        store.append("s", _batch(0), 0)
+        proxy.cut_next("answer")
+        assert store.append("s", _batch(2), 2) == 4  # settled: it is in the log
+        assert proxy.cuts == 1
+        assert store.append("s", _batch(4), 4) == 6  # and the store goes on
+    with PostgresEventStore(pg_url, read_only=True) as reader:
+        assert [e.seq for e in reader.read("s")] == [1, 2, 3, 4, 5, 6]
+        assert [r.position for r in reader.read_all()] == [1, 2, 3, 4, 5, 6]
+
+
+def test_an_append_that_never_reached_the_server_is_written_once(
+    pg_url: str,  # noqa: F811
+    proxy: TcpProxy,
+) -> None:
+    with PostgresEventStore(_through(pg_url, proxy), timeout_s=5) as store:
+        store.append("s", _batch(0), 0)
+        proxy.cut_next("request")
+        assert store.append("s", _batch(2), 2) == 4
+        assert proxy.cuts == 1
+    with PostgresEventStore(pg_url, read_only=True) as reader:
+        assert [e.seq for e in reader.read("s")] == [1, 2, 3, 4]
+
+
+def test_a_lost_append_that_another_writer_beat_is_a_conflict(
+    pg_url: str,  # noqa: F811
+    proxy: TcpProxy,
+) -> None:
+    with (
+        PostgresEventStore(_through(pg_url, proxy), timeout_s=5) as store,
+        PostgresEventStore(pg_url) as other,
+    ):
+        store.append("s", _batch(0), 0)
+        proxy.cut_next("request")
+        # The other writer appends while this one's connection is being cut.
+        real_check = store._pool.check
+
+        def check() -> None:
+            other.append("s", _batch(2, tag="other"), 2)
+            real_check()
+
+        store._pool.check = check  # type: ignore[method-assign]
+        with pytest.raises(ConcurrencyConflict) as caught:
+            store.append("s", _batch(2), 2)
+        assert caught.value.actual_seq == 4
+    with PostgresEventStore(pg_url, read_only=True) as reader:
+        ids = [e.input_id for e in reader.read("s")]
+        assert ids == ["in-1x0", "in-2x1", "in-3other2", "in-4other3"]
+
+
+def test_when_it_cannot_be_settled_the_error_says_the_fate_is_unknown(
+    pg_url: str,  # noqa: F811
+    proxy: TcpProxy,
+) -> None:
+    store = PostgresEventStore(_through(pg_url, proxy), timeout_s=1, min_size=1, max_size=1)
+    try:
+        store.append("s", _batch(0), 0)
+        proxy.refuse = True  # the server is out of reach from now on
+        proxy.cut_next("answer")
+        with pytest.raises(StoreError, match="could not be settled") as caught:
+            store.append("s", _batch(2), 2)
+        assert "read the log to know" in str(caught.value)
+        assert not isinstance(caught.value, ConcurrencyConflict)
+    finally:
+        store.close()
+    with PostgresEventStore(pg_url, read_only=True) as reader:
+        assert reader.last_seq("s") == 4  # it had committed
+
+
+# --- through the runtime ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lost", ["InputReceived", "ToolStarted"])
+def test_a_turn_whose_commit_answer_is_lost_runs_once_and_answers(
+    pg_url: str,  # noqa: F811
+    proxy: TcpProxy,
+    lost: str,
+) -> None:
+    calls: list[str] = []
+
+    class Cutting(PostgresEventStore):
+        def append(self, session_id: str, events: Any, expected_seq: int, **kw: Any) -> int:
+            if any(type(e).__name__ == lost for e in events) and not calls.count("cut"):
+                calls.append("cut")
+                proxy.cut_next("answer")
+            return super().append(session_id, events, expected_seq, **kw)
+
+    def reply(request: Any, n: int) -> ScriptedReply:
+        calls.append("model")
+        if n == 1:  # the first call
+            return ScriptedReply(tool_calls=(ToolCall(id="c1", name="t", arguments="{}"),))
+        return ScriptedReply(text="好了")
+
+    def tool(args: Any, ctx: Any) -> str:
+        calls.append("tool")
+        return "ok"
+
+    store = Cutting(_through(pg_url, proxy), timeout_s=5)
+    runtime = Runtime(
+        store,
+        Services(llm=ScriptedModel(reply), tools=ToolRegistry([Tool("t", tool)])),
+        janitor=False,
+    )
+    try:
+        result = runtime.submit("s", Input(id="i1", content="查一下")).result(20)
+        assert result.outcome == "replied"
+        assert proxy.cuts == 1
+        expected = ["model", "cut", "tool", "model"]  # the tool's commit comes after a call
+        if lost == "InputReceived":
+            expected = ["cut", "model", "tool", "model"]
+        assert calls == expected  # each once: nothing ran twice, nothing was skipped
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
+    with PostgresEventStore(pg_url, read_only=True) as reader:
+        events = reader.read("s")
+    assert sum(isinstance(e, InputReceived) for e in events) == 1
+    assert sum(isinstance(e, ToolStarted) for e in events) == 1
+
+
+# --- waits that would not end ---------------------------------------------------------
+
+
+def test_a_statement_held_by_a_lock_ends_in_an_error_and_writes_nothing(
+    pg_url: str,  # noqa: F811
+) -> None:
+    with PostgresEventStore(pg_url, statement_timeout_s=0.5) as store:
+        store.append("s", _batch(0), 0)
+        with psycopg.connect(pg_url) as admin:
+            admin.execute("LOCK TABLE aalis_head IN ACCESS EXCLUSIVE MODE")
+            started = time.monotonic()
+            with pytest.raises(StoreError, match="statement timeout"):
+                store.append("s", _batch(2), 2)
+            assert time.monotonic() - started < 10
+            admin.rollback()
+        assert store.last_seq("s") == 2
+        assert store.append("s", _batch(2), 2) == 4  # the same batch, once the lock is gone
+
+
+def test_bad_statement_timeouts_are_refused(pg_url: str) -> None:  # noqa: F811
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="statement_timeout_s"):
+            PostgresEventStore(pg_url, statement_timeout_s=bad)
+
+
+def test_connections_send_keepalives_unless_the_url_says_otherwise(
+    pg_url: str,  # noqa: F811
+) -> None:
+    with PostgresEventStore(pg_url) as store, store._pool.connection() as conn:
+        params = conn.info.get_parameters()
+        assert params["keepalives_idle"] == "10" and params["keepalives_count"] == "3"
+    with (
+        PostgresEventStore(pg_url + "&keepalives_idle=42") as store,
+        store._pool.connection() as conn,
+    ):
+        assert conn.info.get_parameters()["keepalives_idle"] == "42"
+        assert conn.execute("SHOW statement_timeout").fetchone() == ("1min",)
+
+
+def test_shutdown_returns_while_a_session_waits_on_the_store(pg_url: str) -> None:  # noqa: F811
+    store = PostgresEventStore(pg_url, statement_timeout_s=None)
+    runtime = Runtime(store, Services(llm=ScriptedModel()), janitor=False, ask_timeout_s=1)
+    admin = psycopg.connect(pg_url)
+    try:
+        runtime.submit("s", Input(id="w", content="热身")).result(10)
+        admin.execute("LOCK TABLE aalis_head IN ACCESS EXCLUSIVE MODE")
+        outcome: dict[str, Any] = {}
+
+        def submit() -> None:
+            try:
+                outcome["handle"] = runtime.submit("s", Input(id="i", content="你好"))
+            except Exception as exc:  # what the caller sees once the lock is gone
+                outcome["error"] = exc
+
+        waiting = threading.Thread(target=submit, daemon=True)
+        waiting.start()
+        time.sleep(0.3)  # it is inside its append, waiting on the lock
+        assert waiting.is_alive()
+        started = time.monotonic()
+        runtime.shutdown(timeout=2)  # returns, raising nothing
+        assert time.monotonic() - started < 15
+    finally:
+        admin.rollback()
+        admin.close()
+        waiting.join(20)
+        store.close()
+    assert not waiting.is_alive()
+
+
+def test_a_lease_statement_held_by_a_lock_ends_within_the_leases_timeout(
+    pg_url: str,  # noqa: F811
+) -> None:
+    leases = PostgresLeases(pg_url, owner="a", ttl_s=30, timeout_s=0.5)
+    try:
+        with psycopg.connect(pg_url) as admin:
+            admin.execute("LOCK TABLE aalis_leases IN ACCESS EXCLUSIVE MODE")
+            started = time.monotonic()
+            with pytest.raises(StoreError, match="statement timeout"):
+                leases.acquire("s")
+            assert time.monotonic() - started < 10
+            admin.rollback()
+        leases.acquire("s")  # once the lock is gone
+        leases.release("s")
+    finally:
+        leases.close()
