@@ -117,9 +117,11 @@ def checked_session_id(session_id: object) -> str:
     """``session_id`` when a log can be named by it, else :class:`InvalidInput` naming
     what is wrong: it must be a ``str`` (``5`` and ``"5"`` would file into one log) of
     valid Unicode (a lone surrogate cannot be stored; unlike text, a name is not
-    repaired: two ids would become one)."""
+    repaired: two ids would become one), and not empty (an id left unset, most likely)."""
     if type(session_id) is not str and not isinstance(session_id, str):
         raise InvalidInput(f"session id must be a str, got {type(session_id).__name__}")
+    if not session_id:
+        raise InvalidInput("session id must not be empty")
     if _SURROGATE.search(session_id) is not None:
         raise InvalidInput(
             f"session id {session_id!r} is not valid Unicode (it holds a lone surrogate)"
@@ -486,6 +488,8 @@ class RowReader:
         after, self._after = self._after, None
         if count < 1:
             raise self._corrupt(seq, 1, "it says it holds no events")
+        if count > seq:  # a damaged header: name the row by its own seq, not by it
+            raise self._corrupt(seq, 1, f"it says it holds {count} events, ending at seq {seq}")
         zdict = self._head
         if depth:
             if after is None or after.seq != first - 1 or after.depth != depth - 1:

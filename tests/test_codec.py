@@ -490,6 +490,16 @@ def test_a_row_of_no_events_is_corrupt() -> None:
         codec.RowReader(ROW_SESSION).read(seq, _corrupted(row, "no-events"))
 
 
+def test_a_row_whose_header_claims_more_events_than_its_seq_is_named_by_its_seq() -> None:
+    """A header damaged into a count past the row's own seq would name seq 0 or less."""
+    [(seq, row)] = _pack([_stamped([InputQueued(input_id="a")], first=3)])
+    bad = row[:2] + bytes([0x7F]) + row[3:]  # 127 events, ending at seq 3
+    with pytest.raises(CorruptEvent) as info:
+        codec.RowReader(ROW_SESSION).read(seq, bad)
+    assert info.value.seq == 3
+    assert info.value.reason == "a row of seq 3: it says it holds 127 events, ending at seq 3"
+
+
 def test_a_row_whose_events_do_not_validate_keeps_its_group_readable() -> None:
     """The stream inflates but an event in it is not one (a required field missing): the
     row is corrupt, and the rows after it in its group still read."""

@@ -97,6 +97,7 @@ def test_submit_refuses_what_is_not_an_input(runtime: Runtime) -> None:
         (b"s", "session id must be a str, got bytes"),
         (["s"], "session id must be a str, got list"),
         ("a\ud800b", "not valid Unicode"),
+        ("", "session id must not be empty"),
     ],
 )
 def test_a_session_id_that_cannot_name_a_log_is_refused_before_anything_runs(
