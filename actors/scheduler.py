@@ -215,6 +215,25 @@ def decide_submit(step: Step, inp: Input, generation: int, ctx: OpenContext) -> 
     return Where.QUEUED
 
 
+def live_input(view: SessionView, input_id: str) -> tuple[Input, Where] | None:
+    """The input with id ``input_id`` that is still waiting in the session or in its
+    running turn, and where it is; None when no such input is live (the id is new, or its
+    input's turn is over, or it was released)."""
+    q = view.queue
+    for w in q.pending:
+        if w.input.id == input_id:
+            return w.input, Where.PENDING
+    for w in (*q.queued, *q.arrived):
+        if w.input.id == input_id:
+            return w.input, Where.QUEUED
+    running = q.running
+    if running is not None:
+        for n, w in enumerate(running.joined):
+            if w.input.id == input_id:
+                return w.input, Where.OPENED if n == 0 else Where.JOINED
+    return None
+
+
 def decide_insertion(step: Step, turn_id: str) -> list[Input]:
     """An insertion point of the running turn (SCH2, FLOW8): the pending inputs join it,
     in arrival order. A turn that stopped, or is not human-opened, takes none."""

@@ -57,6 +57,7 @@ from aalis_agent.actors.messages import (
 from aalis_agent.actors.scheduler import (
     OpenContext,
     Step,
+    Where,
     archive_joined,
     archived_input_message,
     decide_call_ended,
@@ -66,6 +67,7 @@ from aalis_agent.actors.scheduler import (
     decide_settled,
     decide_stop,
     decide_submit,
+    live_input,
     turn_left_history,
 )
 from aalis_agent.actors.turn import TurnRunner, deliver
@@ -85,6 +87,7 @@ from aalis_agent.events import (
     InputReleased,
     InputRequeued,
     InvalidBatch,
+    InvalidInput,
     MessageMeta,
     MessageSaved,
     ModelCallStarted,
@@ -847,6 +850,9 @@ class SessionActor(pykka.ThreadingActor):
         if self._winding_down:
             self._deferred.append(msg)  # handled once the deletion or clear is done
             return "deferred"
+        live = live_input(self.view, msg.input.id)
+        if live is not None:
+            return self._follow(msg, *live)
         self._waiters[msg.input.id] = msg.done
         step = self._step()
         self._start_here = msg.input.id if msg.here else None
@@ -861,6 +867,39 @@ class SessionActor(pykka.ThreadingActor):
             raise
         finally:
             self._start_here = None
+        return where
+
+    def _follow(self, msg: Submit, earlier: Input, where: Where) -> str:
+        """An input whose id is taken by one still waiting or running here: the same input
+        sent again (a retry, a gateway delivering twice) is not recorded a second time,
+        its handle follows the earlier one's outcome; another input under that id is
+        refused (each would answer for the other)."""
+        inp = msg.input
+        if (inp.content, inp.source, inp.trigger_type) != (
+            earlier.content,
+            earlier.source,
+            earlier.trigger_type,
+        ):
+            raise InvalidInput(
+                f"session {self.session_id!r}: input id {inp.id!r} is taken by another "
+                "input that is still waiting or running; give this one an id of its own"
+            )
+        first = self._waiters.get(inp.id)
+        if first is None or first.done():
+            self._waiters[inp.id] = msg.done  # accepted by an earlier actor (recovered)
+        else:
+            follower = msg.done
+
+            def follow(done: Future[InputOutcome]) -> None:
+                if follower.done():
+                    return
+                error = done.exception()
+                if error is not None:
+                    follower.set_exception(error)
+                else:
+                    follower.set_result(done.result())
+
+            first.add_done_callback(follow)
         return where
 
     def _on_insertion(
