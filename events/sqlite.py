@@ -759,19 +759,22 @@ class _Checkpointer:
         try:
             conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
         except sqlite3.Error as exc:
-            self.failed += 1
-            log.warning(
-                "WAL checkpoint failed; a later one tries again",
-                path=self._path,
-                error=str(exc),
-                inline=inline,
-            )
+            self._failed(exc, inline)
             return False
         if inline:
             self.caught_up += 1
         else:
             self.done += 1
         return True
+
+    def _failed(self, exc: sqlite3.Error, inline: bool) -> None:
+        self.failed += 1
+        log.warning(
+            "WAL checkpoint failed; a later one tries again",
+            path=self._path,
+            error=str(exc),
+            inline=inline,
+        )
 
     def _run(self) -> None:
         conn: sqlite3.Connection | None = None
@@ -787,13 +790,7 @@ class _Checkpointer:
                             self._path, isolation_level=None, timeout=self._timeout_s
                         )
                     except sqlite3.Error as exc:
-                        self.failed += 1
-                        log.warning(
-                            "WAL checkpoint failed; a later one tries again",
-                            path=self._path,
-                            error=str(exc),
-                            inline=False,
-                        )
+                        self._failed(exc, inline=False)
                         continue
                 # Appends went on meanwhile (this connection's view of the WAL may end
                 # before theirs): copy what they added, then leave the rest (a few pages)

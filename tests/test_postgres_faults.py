@@ -20,7 +20,7 @@ from aalis_agent.scale.leases import PostgresLeases
 
 from aalis_agent import Input, Runtime, ScriptedModel, ScriptedReply, Services, Tool, ToolRegistry
 from tests.pg import pg_cluster, pg_url  # noqa: F401 -- the fixtures
-from tests.tcp_proxy import TcpProxy
+from tests.tcp_proxy import Cut, TcpProxy
 from tests.test_store_contract import queued
 
 
@@ -95,32 +95,23 @@ def test_a_statement_the_server_refuses_is_not_run_twice(pg_url: str) -> None:  
 # --- an append whose answer is lost ----------------------------------------------------
 
 
-def test_an_append_committed_but_its_answer_lost_is_reported_written_once(
+@pytest.mark.parametrize("cut", ["answer", "request"])
+def test_an_append_whose_connection_broke_is_written_once_and_reported_written(
     pg_url: str,  # noqa: F811
     proxy: TcpProxy,
+    cut: Cut,
 ) -> None:
+    """``answer``: the server committed it and its answer was lost; ``request``: it never
+    reached the server. Either way it is settled on a fresh connection: in the log once."""
     with PostgresEventStore(_through(pg_url, proxy), timeout_s=5) as store:
         store.append("s", _batch(0), 0)
-        proxy.cut_next("answer")
-        assert store.append("s", _batch(2), 2) == 4  # settled: it is in the log
+        proxy.cut_next(cut)
+        assert store.append("s", _batch(2), 2) == 4
         assert proxy.cuts == 1
         assert store.append("s", _batch(4), 4) == 6  # and the store goes on
     with PostgresEventStore(pg_url, read_only=True) as reader:
         assert [e.seq for e in reader.read("s")] == [1, 2, 3, 4, 5, 6]
         assert [r.position for r in reader.read_all()] == [1, 2, 3, 4, 5, 6]
-
-
-def test_an_append_that_never_reached_the_server_is_written_once(
-    pg_url: str,  # noqa: F811
-    proxy: TcpProxy,
-) -> None:
-    with PostgresEventStore(_through(pg_url, proxy), timeout_s=5) as store:
-        store.append("s", _batch(0), 0)
-        proxy.cut_next("request")
-        assert store.append("s", _batch(2), 2) == 4
-        assert proxy.cuts == 1
-    with PostgresEventStore(pg_url, read_only=True) as reader:
-        assert [e.seq for e in reader.read("s")] == [1, 2, 3, 4]
 
 
 def test_a_lost_append_that_another_writer_beat_is_a_conflict(
