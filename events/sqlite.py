@@ -31,6 +31,10 @@ fell on whichever append crossed the mark, a turn every few hundred. A checkpoin
 only once it has been copied back whole; with appends going on meanwhile, the thread
 copies what they added once more, and what they add during that (a few pages) the next
 append copies itself, so that the WAL does not grow while the appends never pause.
+A reader holding an old snapshot keeps a checkpoint from finishing, and the WAL grows
+meanwhile; once it starts over, the file is cut back to twice the mark
+(``journal_size_limit``). Nothing that goes wrong in a checkpoint reaches an append: it
+is logged, and the next one tries again.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from __future__ import annotations
 import itertools
 import sqlite3
 import threading
+import weakref
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -68,6 +73,7 @@ _CONTEXTS = 1024  # sessions whose last row this store remembers, to continue it
 _COMPRESSORS = 64  # of those with open work, the last written keep their row compressor
 _SESSIONS = 16_384  # sessions whose number, last seq and idle mark are kept in memory
 _PAGE = 4096  # SQLite's default page size: a row's pages in the WAL, roughly
+_FRAMES = 4  # pages an append writes to the WAL besides its row's (b-tree and index leaves)
 
 log = structlog.get_logger("aalis.store")
 
@@ -268,9 +274,14 @@ class SqliteEventStore:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             background = background_checkpoint and not exclusive and self.path != ":memory:"
+            if self.path != ":memory:":  # the WAL, once started over, shrinks back to this
+                limit = max(int(wal_autocheckpoint), 1) * _PAGE * 2
+                conn.execute(f"PRAGMA journal_size_limit={limit}")
             if background and wal_autocheckpoint > 0:
                 conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer's work
-                self._checkpointer = _Checkpointer(self.path, timeout_s)
+                self._checkpointer = _Checkpointer(str(Path(self.path).resolve()), timeout_s)
+                # Stop its thread should the store be dropped without close().
+                self._finalizer = weakref.finalize(self, self._checkpointer.stop, 0.0)
             else:
                 conn.execute(f"PRAGMA wal_autocheckpoint={int(wal_autocheckpoint)}")
             self._ensure_schema()
@@ -418,15 +429,6 @@ class SqliteEventStore:
                     raise StoreError(f"{self.path!r}: append failed: {exc}") from None
                 raise
             # Committed: the caches now hold what the database holds.
-            checkpointer = self._checkpointer
-            if checkpointer is not None:
-                if checkpointer.catch_up:
-                    checkpointer.catch_up = False
-                    checkpointer.checkpoint(conn, inline=True)
-                self._wal_pages += 2 + len(row) // _PAGE
-                if self._wal_pages >= self._checkpoint_pages:
-                    self._wal_pages = 0
-                    checkpointer.wake()
             self._seq_cache[session_id] = last
             self._position_cache = position + n
             if new_sid is not None:
@@ -455,7 +457,26 @@ class SqliteEventStore:
                     compressing.move_to_end(session_id)
                     if len(compressing) > _COMPRESSORS:
                         compressing.popitem(last=False)[1].drop_compressor()
+            if self._checkpointer is not None:
+                self._after_commit(conn, len(row))
         return last
+
+    def _after_commit(self, conn: sqlite3.Connection, size: int) -> None:
+        """Count what the append wrote to the WAL, wake the checkpointer at the mark, and
+        copy back what it left (see the module docstring). The append has committed:
+        nothing here may make it look failed."""
+        checkpointer = self._checkpointer
+        assert checkpointer is not None
+        try:
+            if checkpointer.catch_up:
+                checkpointer.catch_up = False
+                checkpointer.checkpoint(conn, inline=True)
+            self._wal_pages += _FRAMES + size // _PAGE
+            if self._wal_pages >= self._checkpoint_pages:
+                self._wal_pages = 0
+                checkpointer.wake()
+        except Exception:
+            pass
 
     def _refresh_cache(self) -> None:
         """Drop the cached last seqs and position if another connection has written.
@@ -743,9 +764,10 @@ class _Checkpointer:
 
     def wake(self) -> None:
         """Checkpoint soon (the appends crossed the mark)."""
-        if self._thread is None:
+        if self._thread is None or not self._thread.is_alive():
             with self._lock:
-                if self._thread is None and not self._stopping:
+                thread = self._thread
+                if (thread is None or not thread.is_alive()) and not self._stopping:
                     thread = threading.Thread(
                         target=self._run, name="aalis-wal-checkpoint", daemon=True
                     )
@@ -767,14 +789,15 @@ class _Checkpointer:
             self.done += 1
         return True
 
-    def _failed(self, exc: sqlite3.Error, inline: bool) -> None:
+    def _failed(self, exc: BaseException, inline: bool) -> None:
         self.failed += 1
-        log.warning(
-            "WAL checkpoint failed; a later one tries again",
-            path=self._path,
-            error=str(exc),
-            inline=inline,
-        )
+        with suppress(Exception):  # a logger that fails (its disk full) changes nothing
+            log.warning(
+                "WAL checkpoint failed; a later one tries again",
+                path=self._path,
+                error=str(exc),
+                inline=inline,
+            )
 
     def _run(self) -> None:
         conn: sqlite3.Connection | None = None
@@ -786,8 +809,12 @@ class _Checkpointer:
                     return
                 if conn is None:
                     try:
+                        # The file as it was opened (mode=rw: never a new, empty one).
                         conn = sqlite3.connect(
-                            self._path, isolation_level=None, timeout=self._timeout_s
+                            f"file:{quote(self._path)}?mode=rw",
+                            uri=True,
+                            isolation_level=None,
+                            timeout=self._timeout_s,
                         )
                     except sqlite3.Error as exc:
                         self._failed(exc, inline=False)
@@ -795,9 +822,12 @@ class _Checkpointer:
                 # Appends went on meanwhile (this connection's view of the WAL may end
                 # before theirs): copy what they added, then leave the rest (a few pages)
                 # to the next append, which sees the whole WAL and adds nothing meanwhile.
-                if self.checkpoint(conn):
-                    self.checkpoint(conn)
-                    self.catch_up = True
+                try:
+                    if self.checkpoint(conn):
+                        self.checkpoint(conn)
+                        self.catch_up = True
+                except Exception as exc:  # whatever it is, the next wake tries again
+                    self._failed(exc, inline=False)
         finally:
             if conn is not None:
                 with suppress(sqlite3.Error):

@@ -121,3 +121,92 @@ def test_a_failing_checkpoint_is_logged_and_the_appends_go_on(tmp_path: Path) ->
         store.close()
     with SqliteEventStore(path, read_only=True) as reader:
         assert len(reader.read("s")) == 240
+
+
+class _FailingLog:
+    """A logger whose every call fails (its own disk full, say)."""
+
+    def warning(self, *args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_failing_logger_neither_stops_the_checkpoints_nor_fails_an_append(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aalis_agent.events.sqlite as sqlite_store
+
+    monkeypatch.setattr(sqlite_store, "log", _FailingLog())
+    path = tmp_path / "events.db"
+    store = SqliteEventStore(path, wal_autocheckpoint=20)
+    checkpointer = store._checkpointer
+    assert checkpointer is not None
+    real = checkpointer.checkpoint
+    failing = {"left": 3}
+
+    def checkpoint(conn: sqlite3.Connection, *, inline: bool = False) -> bool:
+        if failing["left"]:
+            failing["left"] -= 1
+            checkpointer._failed(sqlite3.OperationalError("disk I/O error"), inline)
+            return False
+        return real(conn, inline=inline)
+
+    checkpointer.checkpoint = checkpoint  # type: ignore[method-assign]
+    try:
+        checkpointer.catch_up = True  # the next append's own checkpoint fails too
+        for n in range(6):
+            _append(store, f"s{n % 2}", 30)  # every append returns: none raises
+            time.sleep(0.02)
+        assert checkpointer.failed == 3
+        assert _wait_for(lambda: store.checkpoints >= 1)
+        assert checkpointer._thread is not None and checkpointer._thread.is_alive()
+        assert store.last_seq("s0") == store.last_seq("s1") == 90
+    finally:
+        store.close()
+    with SqliteEventStore(path, read_only=True) as reader:
+        assert len(reader.read("s0")) == len(reader.read("s1")) == 90
+
+
+def test_the_checkpointer_finds_the_file_it_was_opened_with_from_anywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    store = SqliteEventStore("events.db", wal_autocheckpoint=20)  # a relative path
+    try:
+        monkeypatch.chdir(tmp_path / "b")
+        _append(store, "s", 60)
+        assert _wait_for(lambda: store.checkpoints >= 1)
+        assert store._checkpointer is not None and store._checkpointer.failed == 0
+        assert list((tmp_path / "b").iterdir()) == []  # no stray empty database here
+    finally:
+        store.close()
+
+
+def test_a_store_dropped_without_close_stops_its_thread(tmp_path: Path) -> None:
+    import gc
+
+    store = SqliteEventStore(tmp_path / "events.db", wal_autocheckpoint=20)
+    _append(store, "s", 40)
+    checkpointer = store._checkpointer
+    assert checkpointer is not None and _wait_for(lambda: checkpointer.done >= 1)
+    thread = checkpointer._thread
+    assert thread is not None and thread.is_alive()
+    store._release_owner()  # as a process would at exit; the writer lock is not the point
+    del store
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_the_wal_stays_near_its_mark(tmp_path: Path) -> None:
+    """The appends' pages are counted as SQLite writes them (a row and about four more),
+    so the WAL is checkpointed near the mark, not at several times it."""
+    path = tmp_path / "events.db"
+    with SqliteEventStore(path, wal_autocheckpoint=100) as store:
+        largest = 0
+        for n in range(400):
+            _append(store, f"s{n % 10}", 25)
+            largest = max(largest, _wal(path).stat().st_size)
+        assert store.checkpoints >= 1
+    assert largest < 100 * (4096 + 24) * 2  # 1.5 times the mark here (2.6 when uncounted)
