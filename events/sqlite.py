@@ -279,7 +279,9 @@ class SqliteEventStore:
                 conn.execute(f"PRAGMA journal_size_limit={limit}")
             if background and wal_autocheckpoint > 0:
                 conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer's work
-                self._checkpointer = _Checkpointer(str(Path(self.path).resolve()), timeout_s)
+                self._checkpointer = _Checkpointer(
+                    str(Path(self.path).resolve()), timeout_s, self._checkpoint_pages
+                )
                 # Stop its thread should the store be dropped without close().
                 self._finalizer = weakref.finalize(self, self._checkpointer.stop, 0.0)
             else:
@@ -468,9 +470,7 @@ class SqliteEventStore:
         checkpointer = self._checkpointer
         assert checkpointer is not None
         try:
-            if checkpointer.catch_up:
-                checkpointer.catch_up = False
-                checkpointer.checkpoint(conn, inline=True)
+            checkpointer.after_append(conn)
             self._wal_pages += _FRAMES + size // _PAGE
             if self._wal_pages >= self._checkpoint_pages:
                 self._wal_pages = 0
@@ -750,9 +750,10 @@ class _Checkpointer:
     that fails (the disk full, say) is logged; a later one tries again. The appends go on
     either way: the WAL keeps what they committed."""
 
-    def __init__(self, path: str, timeout_s: float) -> None:
+    def __init__(self, path: str, timeout_s: float, mark: int) -> None:
         self._path = path
         self._timeout_s = timeout_s
+        self._held_back_mark = self._held_back_at = 4 * mark  # WAL pages held back: said
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._stopping = False
@@ -761,6 +762,9 @@ class _Checkpointer:
         self.caught_up = 0  # checkpoints an append ran, to finish one of them
         self.failed = 0
         self.catch_up = False  # the next append checkpoints what is left
+        self.restart_due = False  # then the one after it starts the WAL over
+        self.missed = False  # woken meanwhile: wake it again once that is done
+        self._flags = threading.Lock()  # restart_due and missed change together
 
     def wake(self) -> None:
         """Checkpoint soon (the appends crossed the mark)."""
@@ -775,19 +779,59 @@ class _Checkpointer:
                     self._thread = thread
         self._wake.set()
 
-    def checkpoint(self, conn: sqlite3.Connection, *, inline: bool = False) -> bool:
-        """One ``PASSIVE`` checkpoint on ``conn``; whether it ran. A failure is logged,
-        never raised."""
+    def checkpoint(self, conn: sqlite3.Connection, *, inline: bool = False) -> str:
+        """One ``PASSIVE`` checkpoint on ``conn``: ``"ran"``, ``"busy"`` (another
+        connection was checkpointing) or ``"failed"`` (logged, never raised)."""
         try:
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            # fetchall: a statement left unfinished would hold a snapshot, and with it
+            # the WAL, as a reader does.
+            rows = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
         except sqlite3.Error as exc:
             self._failed(exc, inline)
-            return False
+            return "failed"
+        if rows and rows[0][0]:
+            return "busy"
+        if not inline and rows:
+            self._held_back(int(rows[0][1]), int(rows[0][2]))
         if inline:
             self.caught_up += 1
         else:
             self.done += 1
-        return True
+        return "ran"
+
+    def after_append(self, conn: sqlite3.Connection) -> None:
+        """The writer's part, after each append (on its connection, with its lock held):
+        copy back what the appends added while the thread checkpointed; the append after
+        that starts the WAL over, as long as no checkpoint runs as it begins, so the
+        thread waits for it."""
+        if self.restart_due:  # this append began with the WAL copied back whole
+            with self._flags:
+                self.restart_due = False
+                missed, self.missed = self.missed, False
+            if missed:
+                self.wake()
+        if self.catch_up:
+            done = self.checkpoint(conn, inline=True)
+            if done != "busy":  # busy: after the next append, then
+                self.catch_up = False
+                self.restart_due = done == "ran"
+
+    def _held_back(self, frames: int, copied: int) -> None:
+        """Say so when a reader holding an old snapshot keeps the WAL from being copied
+        back while it grows: at four times the mark, then at each doubling."""
+        if frames < 0 or copied >= frames:
+            self._held_back_at = self._held_back_mark  # copied back whole: from the start
+            return
+        if frames >= self._held_back_at:
+            self._held_back_at = frames * 2
+            with suppress(Exception):
+                log.warning(
+                    "WAL held back by a reader: it cannot be copied back while that "
+                    "reader keeps an older snapshot open",
+                    path=self._path,
+                    wal_pages=frames,
+                    copied_pages=copied,
+                )
 
     def _failed(self, exc: BaseException, inline: bool) -> None:
         self.failed += 1
@@ -822,9 +866,12 @@ class _Checkpointer:
                 # Appends went on meanwhile (this connection's view of the WAL may end
                 # before theirs): copy what they added, then leave the rest (a few pages)
                 # to the next append, which sees the whole WAL and adds nothing meanwhile.
+                with self._flags:
+                    if self.catch_up or self.restart_due:
+                        self.missed = True  # a checkpoint now would keep it from restarting
+                        continue
                 try:
-                    if self.checkpoint(conn):
-                        self.checkpoint(conn)
+                    if self.checkpoint(conn) == "ran" and self.checkpoint(conn) == "ran":
                         self.catch_up = True
                 except Exception as exc:  # whatever it is, the next wake tries again
                     self._failed(exc, inline=False)

@@ -143,11 +143,11 @@ def test_a_failing_logger_neither_stops_the_checkpoints_nor_fails_an_append(
     real = checkpointer.checkpoint
     failing = {"left": 3}
 
-    def checkpoint(conn: sqlite3.Connection, *, inline: bool = False) -> bool:
+    def checkpoint(conn: sqlite3.Connection, *, inline: bool = False) -> str:
         if failing["left"]:
             failing["left"] -= 1
             checkpointer._failed(sqlite3.OperationalError("disk I/O error"), inline)
-            return False
+            return "failed"
         return real(conn, inline=inline)
 
     checkpointer.checkpoint = checkpoint  # type: ignore[method-assign]
@@ -199,14 +199,57 @@ def test_a_store_dropped_without_close_stops_its_thread(tmp_path: Path) -> None:
     assert not thread.is_alive()
 
 
-def test_the_wal_stays_near_its_mark(tmp_path: Path) -> None:
-    """The appends' pages are counted as SQLite writes them (a row and about four more),
-    so the WAL is checkpointed near the mark, not at several times it."""
+def test_each_checkpoint_cycle_starts_the_wal_over(tmp_path: Path) -> None:
+    """The thread copies the WAL back, the next append copies what was added meanwhile,
+    and the append after that starts the WAL over from its beginning: what it holds then
+    is that append's pages alone, however many cycles went before."""
     path = tmp_path / "events.db"
-    with SqliteEventStore(path, wal_autocheckpoint=100) as store:
-        largest = 0
-        for n in range(400):
-            _append(store, f"s{n % 10}", 25)
-            largest = max(largest, _wal(path).stat().st_size)
-        assert store.checkpoints >= 1
-    assert largest < 100 * (4096 + 24) * 2  # 1.5 times the mark here (2.6 when uncounted)
+    store = SqliteEventStore(path, wal_autocheckpoint=100_000)  # woken here, by hand
+    checkpointer = store._checkpointer
+    assert checkpointer is not None
+    observer = sqlite3.connect(path, isolation_level=None)
+    try:
+        for cycle in range(5):
+            _append(store, "s", 12)
+            checkpointer.wake()  # as the appends do at the mark
+            assert _wait_for(lambda: checkpointer.catch_up), cycle
+            _append(store, "s", 1)  # copies back what the thread left
+            assert not checkpointer.catch_up and checkpointer.restart_due
+            _append(store, "s", 1)  # begins on a WAL copied back whole: starts it over
+            busy, frames, _ = observer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            assert busy == 0 and frames <= 8, (cycle, frames)
+        assert checkpointer.done >= 10 and checkpointer.caught_up == 5
+    finally:
+        observer.close()
+        store.close()
+
+
+def test_a_reader_holding_the_wal_back_is_said_once_per_doubling(tmp_path: Path) -> None:
+    path = tmp_path / "events.db"
+    store = SqliteEventStore(path, wal_autocheckpoint=10)
+    reader = sqlite3.connect(path, isolation_level=None)
+    try:
+        _append(store, "s", 5)
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM log").fetchone()  # holds this snapshot
+        with capture_logs() as logs:
+            for _ in range(30):
+                _append(store, "s", 10)
+                time.sleep(0.01)
+            assert _wait_for(lambda: store.checkpoints >= 10)
+        held = [e for e in logs if e["event"].startswith("WAL held back by a reader")]
+        assert 1 <= len(held) <= 5  # 40 pages, then 80, 160...: not at every checkpoint
+        assert held[0]["wal_pages"] >= 40 and held[0]["copied_pages"] < held[0]["wal_pages"]
+        reader.execute("COMMIT")  # let go: the WAL is copied back, starts over, is cut
+
+        def cut_back() -> bool:
+            _append(store, "s", 1)
+            return _wal(path).stat().st_size <= 10 * _PAGE_FRAME * 2 + 32
+
+        assert _wait_for(cut_back)
+    finally:
+        reader.close()
+        store.close()
+
+
+_PAGE_FRAME = 4096 + 24
