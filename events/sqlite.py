@@ -28,9 +28,12 @@ database (checkpointed) on a thread of the store's own, about every
 and syncs megabytes (12 to 15 ms here), and run inline, as SQLite does by default, it
 fell on whichever append crossed the mark, a turn every few hundred. A checkpoint
 (``PASSIVE``) never blocks an append, nor an append a checkpoint. The WAL starts over
-only once it has been copied back whole; with appends going on meanwhile, the thread
-copies what they added once more, and what they add during that (a few pages) the next
-append copies itself, so that the WAL does not grow while the appends never pause.
+only once it has been copied back whole, by a write that begins while no checkpoint
+runs; with appends going on meanwhile, the thread copies what they added once more,
+what they add during that (a few pages) the next append copies itself, and the append
+after it starts the WAL over (the thread waits for that), so that the WAL stays near
+the mark while the appends never pause; a checkpoint stalled on the disk lets it grow by
+what is appended meanwhile.
 A reader holding an old snapshot keeps a checkpoint from finishing, and the WAL grows
 meanwhile; once it starts over, the file is cut back to twice the mark
 (``journal_size_limit``). Nothing that goes wrong in a checkpoint reaches an append: it
