@@ -609,9 +609,12 @@ class Runtime:
                 # Those gone from _entries meanwhile were released as they left.
                 owned = [s for s, e in self._entries.items() if e.owned]
                 self._entries.clear()
-            for actor in actors:
-                with contextlib.suppress(Exception):
-                    actor.shut(timeout=self.ask_timeout_s)
+            for actor in dict.fromkeys(actors):  # each once
+                wait = self.ask_timeout_s
+                if deadline is not None:
+                    wait = min(wait, max(deadline - time.monotonic(), 0.01))
+                with contextlib.suppress(Exception):  # one stuck stops when it is done
+                    actor.shut(timeout=wait)
             for session_id in owned:
                 self._release(session_id, True)
             if self._janitor is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import logging
 import queue as queue_module
 import sys
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, ClassVar, NoReturn, cast
 
+import msgspec
 import pykka
 import structlog
 from aalis_agent.actors import logs
@@ -156,6 +158,12 @@ class _Mailbox(queue_module.Queue[Any]):
             start()
 
 
+def _comparable(inp: Input) -> Input:
+    """What must match for an input to be the same one sent again: all of it but the
+    time it was stamped with and the gateway's delivery number."""
+    return msgspec.structs.replace(inp, timestamp=None, gateway_seq=None)
+
+
 _WITH_EFFECTS = frozenset(
     {
         InputHeld,
@@ -195,6 +203,7 @@ class SessionActor(pykka.ThreadingActor):
         self.clock = clock
         self.ids = ids
         self._waiters: dict[str, Future[InputOutcome]] = {}
+        self._followers: dict[str, list[Future[InputOutcome]]] = {}  # the same input again
         self._turn_inputs: dict[str, list[Input]] = {}
         self._replies: dict[str, str] = {}  # turn id -> the reply text saved (and sent)
         self._runner: TurnRunner | None = None
@@ -222,6 +231,7 @@ class SessionActor(pykka.ThreadingActor):
         self._thread: threading.Thread | bool | None = None
         self._thread_lock = threading.Lock()
         self._stop_pending = False  # stop() while handling a call: stops when it ends
+        self._shut_late = False  # shut() gave up waiting: start no turn from now on
         self.fresh = True  # no message handled yet: the one it was started for is coming
         # One item per call waiting for the lock (deque appends and pops are atomic):
         # passivation is refused while anyone waits to use the session.
@@ -321,9 +331,18 @@ class SessionActor(pykka.ThreadingActor):
         with self._thread_lock:
             threaded = isinstance(self._thread, threading.Thread)
         if threaded:
-            self.actor_ref.stop(block=True, timeout=timeout)
+            try:
+                self.actor_ref.stop(block=True, timeout=timeout)
+            except pykka.Timeout:
+                self._shut_late = True  # its stop is queued behind the message it handles
+                raise
             return
         if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            # Stuck in a message (a store call that waits): it stops as that ends, and a
+            # turn that message opened is not started here (the log holds it; the next
+            # start of the session recovers it).
+            self._shut_late = True
+            self._stop_pending = True
             raise pykka.Timeout(f"session {self.session_id}: busy for {timeout} s")
         self._lock.release()
         self._stop_without_thread()
@@ -408,7 +427,8 @@ class SessionActor(pykka.ThreadingActor):
     def _fail_waiting(self, error: BaseException) -> None:
         """Answer everyone still waiting on this actor with ``error``."""
         waiters, self._waiters = self._waiters, {}
-        for future in waiters.values():
+        followers, self._followers = self._followers, {}
+        for future in (*waiters.values(), *itertools.chain(*followers.values())):
             if not future.done():
                 future.set_exception(error)
         winding, self._winding_down = self._winding_down, []
@@ -685,6 +705,9 @@ class SessionActor(pykka.ThreadingActor):
         future = self._waiters.pop(input_id, None)
         if future is not None and not future.done():
             future.set_result(outcome)
+        for follower in self._followers.pop(input_id, ()):
+            if not follower.done():  # its caller may have given up on it (cancelled)
+                follower.set_result(outcome)
 
     def _turn_ended(self, event: TurnRecorded) -> None:
         notice, self._notice = self._notice, None
@@ -722,6 +745,8 @@ class SessionActor(pykka.ThreadingActor):
         )
 
     def _start_turn(self, opened: TurnOpened) -> None:
+        if self._shut_late:
+            return  # the runtime shut down meanwhile: recovered at the next start
         inputs = list(self._turn_inputs.get(opened.turn_id, []))
         self._abort = abort = AbortSignal()
         self._runner = TurnRunner(
@@ -875,31 +900,15 @@ class SessionActor(pykka.ThreadingActor):
         its handle follows the earlier one's outcome; another input under that id is
         refused (each would answer for the other)."""
         inp = msg.input
-        if (inp.content, inp.source, inp.trigger_type) != (
-            earlier.content,
-            earlier.source,
-            earlier.trigger_type,
-        ):
+        if _comparable(inp) != _comparable(earlier):
             raise InvalidInput(
                 f"session {self.session_id!r}: input id {inp.id!r} is taken by another "
                 "input that is still waiting or running; give this one an id of its own"
             )
-        first = self._waiters.get(inp.id)
-        if first is None or first.done():
-            self._waiters[inp.id] = msg.done  # accepted by an earlier actor (recovered)
+        if inp.id in self._waiters:
+            self._followers.setdefault(inp.id, []).append(msg.done)
         else:
-            follower = msg.done
-
-            def follow(done: Future[InputOutcome]) -> None:
-                if follower.done():
-                    return
-                error = done.exception()
-                if error is not None:
-                    follower.set_exception(error)
-                else:
-                    follower.set_result(done.result())
-
-            first.add_done_callback(follow)
+            self._waiters[inp.id] = msg.done  # accepted by an earlier actor (recovered)
         return where
 
     def _on_insertion(
@@ -1110,6 +1119,7 @@ class SessionActor(pykka.ThreadingActor):
             and not self._winding_down
             and not self._deferred
             and not self._waiters
+            and not self._followers
         )
         quiet = time.monotonic() - self._last_activity
         if not idle or quiet < msg.idle_s or self._callers or (self.fresh and quiet < 1.0):

@@ -131,9 +131,11 @@ Row = tuple[int, bytes]  # (seq, data)
 T = TypeVar("T")
 
 # TCP keepalives, unless the URL sets its own: a server that vanished (no RST, no FIN)
-# is found out in about 25 s, instead of the system's two hours.
+# is found out in about 25 s, instead of the system's two hours; and data sent that is
+# not acknowledged within 30 s ends the connection (instead of some 15 minutes of
+# retransmissions).
 _KEEPALIVES = {"keepalives": "1", "keepalives_idle": "10", "keepalives_interval": "5",
-               "keepalives_count": "3"}  # fmt: skip
+               "keepalives_count": "3", "tcp_user_timeout": "30000"}  # fmt: skip
 
 
 def keepalive_options(url: str) -> dict[str, Any]:
@@ -355,37 +357,43 @@ class PostgresEventStore:
         does (or raise ``ConcurrencyConflict`` when another writer got there first)."""
         name, expected_seq, _, _, data = params
 
-        def settle(conn: psycopg.Connection[Any]) -> int:
+        def look(conn: psycopg.Connection[Any]) -> tuple[bool, int]:
+            """Whether the batch is in the log, and where the log ends."""
             row = conn.execute(_SETTLE, (last, name)).fetchone()
-            if row is not None and row[1] is not None and bytes(row[1]) == data:
-                return last  # it committed: only its answer was lost
-            actual = 0 if row is None else int(row[0])
-            if actual == expected_seq:
-                # Not written. Write it now: should the first attempt still commit
-                # meanwhile, the seq check turns one of the two away.
-                written = conn.execute(_APPEND, params).fetchone()
-                assert written is not None
-                if int(written[0]) >= 0:
-                    return last
-                row = conn.execute(_SETTLE, (last, name)).fetchone()
-                if row is not None and row[1] is not None and bytes(row[1]) == data:
-                    return last
-                actual = 0 if row is None else int(row[0])
-            raise ConcurrencyConflict(session_id, expected_seq, actual)
+            if row is None:
+                return False, 0
+            return row[1] is not None and bytes(row[1]) == data, int(row[0])
+
+        def write(conn: psycopg.Connection[Any]) -> bool:
+            written = conn.execute(_APPEND, params).fetchone()
+            return written is not None and int(written[0]) >= 0
 
         self._pool.check()  # a restart leaves every idle connection dead: drop them
-        try:
-            return self._call("append", settle, retry=False)
-        except ConcurrencyConflict:
-            raise
-        except (_Broken, StoreError) as exc:
-            later = exc.error if isinstance(exc, _Broken) else exc
-            raise StoreError(
-                f"{self.path!r}: append failed: the connection broke "
-                f"({self._text(error)}) and whether the batch of {session_id!r} up to seq "
-                f"{last} was recorded could not be settled ({self._text(later)}): read "
-                "the log to know"
-            ) from None
+        later: BaseException = error
+        for _ in range(3):  # a read may be repeated; a write is tried once per round
+            try:
+                found, actual = self._call("append", look)  # once more if it breaks
+                if found:
+                    return last  # it committed: only its answer was lost
+                if actual != expected_seq:
+                    raise ConcurrencyConflict(session_id, expected_seq, actual)
+                # Not written. Write it now: should the first attempt still commit
+                # meanwhile, the seq check turns one of the two away, and the next
+                # round's read tells which.
+                if self._call("append", write, retry=False):
+                    return last
+            except _Broken as exc:
+                later = exc.error
+            except ConcurrencyConflict:
+                raise
+            except StoreError as exc:
+                later = exc
+                break
+        raise StoreError(
+            f"{self.path!r}: append failed: the connection broke ({self._text(error)}) "
+            f"and whether the batch of {session_id!r} up to seq {last} was recorded could "
+            f"not be settled ({self._text(later)}): read the log to know"
+        ) from None
 
     def mark_idle(self, sessions: Sequence[tuple[str, int]]) -> int:
         self._refuse_if_read_only()

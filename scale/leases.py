@@ -155,9 +155,14 @@ class PostgresLeases:
             try:
                 return fn(self._connection())
             except psycopg.OperationalError as exc:
-                if self._conn is not None:
+                conn = self._conn
+                if conn is not None and not conn.broken and not conn.closed:
+                    # The server refused the statement (its timeout, say): the same
+                    # again would wait as long once more.
+                    raise StoreError(f"{self.path!r}: leases failed: {exc}") from None
+                if conn is not None:
                     with contextlib.suppress(Exception):
-                        self._conn.close()
+                        conn.close()
                 self._conn = None
                 if attempt == 2:
                     raise StoreError(f"{self.path!r}: leases failed: {exc}") from None

@@ -371,3 +371,31 @@ def test_an_id_whose_turn_is_over_may_come_again_and_runs_again() -> None:
         assert one.outcome == two.outcome == "replied" and one.turn_id != two.turn_id
     finally:
         rt.shutdown(timeout=10)
+
+
+def test_the_same_input_again_is_answered_though_the_first_caller_gave_up() -> None:
+    rt, gate = _gated_runtime()
+    try:
+        rt.submit(SID, Input(id="busy", content="占着"))
+        first = rt.submit(SID, Input(id="x", content="一"))
+        assert first.future.cancel()  # its caller stopped waiting (a timeout, say)
+        again = rt.submit(SID, Input(id="x", content="一"))
+        gate.set()
+        assert again.result(10).outcome == "replied" and again.result().reply == "答2"
+    finally:
+        gate.set()
+        rt.shutdown(timeout=10)
+
+
+def test_another_sender_under_a_waiting_inputs_id_is_refused() -> None:
+    rt, gate = _gated_runtime()
+    try:
+        rt.submit(SID, Input(id="busy", content="占着"))
+        alice = rt.submit(SID, Input(id="x", content="好", sender=Sender(user_id="alice")))
+        with pytest.raises(InvalidInput, match="input id 'x' is taken"):
+            rt.submit(SID, Input(id="x", content="好", sender=Sender(user_id="bob")))
+        gate.set()
+        assert alice.result(10).outcome == "replied"
+    finally:
+        gate.set()
+        rt.shutdown(timeout=10)
