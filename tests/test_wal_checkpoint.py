@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from aalis_agent.events import SqliteEventStore
 from aalis_agent.events.schema import ChatMessage, MessageSaved, SessionEvent
+from aalis_agent.events.sqlite import _Checkpointer
 from structlog.testing import capture_logs
 
 
@@ -35,6 +36,14 @@ def _wal(path: Path) -> Path:
 
 def _autocheckpoint(path: Path, store: SqliteEventStore) -> int:
     return int(store._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0])
+
+
+def _opened(path: Path | str, mark: int) -> tuple[SqliteEventStore, _Checkpointer]:
+    """A store checkpointing on its thread at ``mark`` pages, and its checkpointer."""
+    store = SqliteEventStore(path, wal_autocheckpoint=mark)
+    checkpointer = store._checkpointer
+    assert checkpointer is not None
+    return store, checkpointer
 
 
 def _wait_for(predicate: object, timeout: float = 10.0) -> bool:
@@ -92,9 +101,7 @@ def test_exclusive_or_inline_stores_checkpoint_as_sqlite_does(tmp_path: Path, ho
 
 def test_a_failing_checkpoint_is_logged_and_the_appends_go_on(tmp_path: Path) -> None:
     path = tmp_path / "events.db"
-    store = SqliteEventStore(path, wal_autocheckpoint=20)
-    checkpointer = store._checkpointer
-    assert checkpointer is not None
+    store, checkpointer = _opened(path, 20)
     real_connect = sqlite3.connect
     failures = {"left": 2}
 
@@ -137,9 +144,7 @@ def test_a_failing_logger_neither_stops_the_checkpoints_nor_fails_an_append(
 
     monkeypatch.setattr(sqlite_store, "log", _FailingLog())
     path = tmp_path / "events.db"
-    store = SqliteEventStore(path, wal_autocheckpoint=20)
-    checkpointer = store._checkpointer
-    assert checkpointer is not None
+    store, checkpointer = _opened(path, 20)
     real = checkpointer.checkpoint
     failing = {"left": 3}
 
@@ -204,9 +209,7 @@ def test_each_checkpoint_cycle_starts_the_wal_over(tmp_path: Path) -> None:
     and the append after that starts the WAL over from its beginning: what it holds then
     is that append's pages alone, however many cycles went before."""
     path = tmp_path / "events.db"
-    store = SqliteEventStore(path, wal_autocheckpoint=100_000)  # woken here, by hand
-    checkpointer = store._checkpointer
-    assert checkpointer is not None
+    store, checkpointer = _opened(path, 100_000)  # woken here, by hand
     observer = sqlite3.connect(path, isolation_level=None)
     try:
         for cycle in range(5):
