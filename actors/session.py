@@ -204,6 +204,13 @@ class SessionActor(pykka.ThreadingActor):
         self.ids = ids
         self._waiters: dict[str, Future[InputOutcome]] = {}
         self._followers: dict[str, list[Future[InputOutcome]]] = {}  # the same input again
+        # Every input id that may still be waiting or running here (some no longer are):
+        # a submit looks an id up here before it searches the queue (see _on_submit).
+        q = view.queue
+        running = q.running.joined if q.running is not None else ()
+        self._live_ids: set[str] = {
+            w.input.id for w in (*q.arrived, *q.queued, *q.pending, *running)
+        }
         self._turn_inputs: dict[str, list[Input]] = {}
         self._replies: dict[str, str] = {}  # turn id -> the reply text saved (and sent)
         self._runner: TurnRunner | None = None
@@ -702,6 +709,7 @@ class SessionActor(pykka.ThreadingActor):
         }
 
     def _resolve(self, input_id: str, outcome: InputOutcome) -> None:
+        self._live_ids.discard(input_id)
         future = self._waiters.pop(input_id, None)
         if future is not None and not future.done():
             future.set_result(outcome)
@@ -875,10 +883,14 @@ class SessionActor(pykka.ThreadingActor):
         if self._winding_down:
             self._deferred.append(msg)  # handled once the deletion or clear is done
             return "deferred"
-        live = live_input(self.view, msg.input.id)
-        if live is not None:
-            return self._follow(msg, *live)
-        self._waiters[msg.input.id] = msg.done
+        input_id = msg.input.id
+        if input_id in self._live_ids:  # perhaps still live: the queue says for sure
+            live = live_input(self.view, input_id)
+            if live is not None:
+                return self._follow(msg, *live)
+            self._live_ids.discard(input_id)
+        self._waiters[input_id] = msg.done
+        self._live_ids.add(input_id)  # before its effects, which may end it at once
         step = self._step()
         self._start_here = msg.input.id if msg.here else None
         try:

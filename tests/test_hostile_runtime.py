@@ -399,3 +399,35 @@ def test_another_sender_under_a_waiting_inputs_id_is_refused() -> None:
     finally:
         gate.set()
         rt.shutdown(timeout=10)
+
+
+def test_an_input_accepted_before_a_restart_is_known_again_after_it() -> None:
+    """The session's next actor (another runtime over the same log, as after a crash)
+    knows the inputs its log holds as waiting: the same one sent again follows it."""
+    store = InMemoryEventStore()
+    gate1, gate2 = threading.Event(), threading.Event()
+
+    def held(gate: threading.Event) -> Any:
+        def reply(request: ChatRequest, n: int) -> ScriptedReply:
+            gate.wait(10)
+            return ScriptedReply(text=f"答{n}")
+
+        return ScriptedModel(reply)
+
+    first = Runtime(store, Services(llm=held(gate1)), FixedClock(), SequentialIds(), janitor=False)
+    second = Runtime(store, Services(llm=held(gate2)), FixedClock(), SequentialIds(), janitor=False)
+    try:
+        first.submit(SID, Input(id="busy", content="占着"))
+        first.submit(SID, Input(id="x", content="一"))  # waits behind the running turn
+        # "first" is gone (it will never write again); "second" takes the log over.
+        assert second.recover() == [SID]
+        again = second.submit(SID, Input(id="x", content="一"))
+        gate2.set()
+        assert again.result(10).outcome == "replied"
+        received = [e for e in store.read(SID) if isinstance(e, InputReceived)]
+        assert [e.input.id for e in received] == ["busy", "x"]
+    finally:
+        gate2.set()
+        second.shutdown(timeout=10)
+        gate1.set()
+        first.shutdown(timeout=10)
