@@ -508,12 +508,9 @@ class SessionActor(pykka.ThreadingActor):
                 return turn_id
 
     def _known_inputs(self, before: SessionView, events: list[SessionEvent]) -> dict[str, Input]:
-        running = before.queue.running
-        joined = running.joined if running is not None else ()  # inputs put back (recovery)
-        known = {
-            w.input.id: w.input
-            for w in (*before.queue.arrived, *queue.waiting(before.queue), *joined)
-        }
+        q = before.queue
+        joined = q.running.joined if q.running is not None else ()  # put back (recovery)
+        known = {w.input.id: w.input for w in (*q.arrived, *q.queued, *q.pending, *joined)}
         for event in events:
             if isinstance(event, InputReceived):
                 known[event.input.id] = event.input
@@ -618,13 +615,21 @@ class SessionActor(pykka.ThreadingActor):
         raise error from exc
 
     def _effects(self, before: SessionView, events: list[SessionEvent]) -> None:
+        received: dict[str, Input] | None = None
         known: dict[str, Input] | None = None
 
         def lookup(input_id: str) -> Input | None:
-            nonlocal known  # built on first use: most commits move no input
-            if known is None:
-                known = self._known_inputs(before, events)
-            return known.get(input_id)
+            # Built on first use (most commits move no input): the inputs this batch
+            # received first, as a rule the one asked for; all that wait only if not.
+            nonlocal received, known
+            if received is None:
+                received = {e.input.id: e.input for e in events if type(e) is InputReceived}
+            found = received.get(input_id)
+            if found is None:
+                if known is None:
+                    known = self._known_inputs(before, events)
+                found = known.get(input_id)
+            return found
 
         opened: TurnOpened | None = None
         queue_changed = False
@@ -635,9 +640,9 @@ class SessionActor(pykka.ThreadingActor):
             match event:
                 case InputHeld() | InputQueued():
                     queue_changed = True
-                    where = "待插入" if isinstance(event, InputHeld) else "排队"
-                    inp = lookup(event.input_id)
                     if not dropped(_LOG, logging.DEBUG):
+                        where = "待插入" if isinstance(event, InputHeld) else "排队"
+                        inp = lookup(event.input_id)
                         log.debug(logs.handed_on(where, inp.gateway_seq if inp else None, sid))
                 case InputJoined():
                     queue_changed = True
@@ -650,7 +655,6 @@ class SessionActor(pykka.ThreadingActor):
                         log.debug(logs.handed_on(where, seq, sid, event.turn_id))
                 case InputRequeued():
                     queue_changed = True
-                    inp = lookup(event.input_id)
                     log.warning(
                         "input put back at the head of the queue: its turn was cut before "
                         "a model call carried it",
@@ -661,8 +665,8 @@ class SessionActor(pykka.ThreadingActor):
                     )
                 case InputReleased():
                     queue_changed = True
-                    inp = lookup(event.input_id)
                     if not dropped(_LOG, logging.DEBUG):
+                        inp = lookup(event.input_id)
                         log.debug(logs.handed_on("放掉", inp.gateway_seq if inp else None, sid))
                     self._resolve(
                         event.input_id, InputOutcome(event.input_id, None, "released", event.reason)

@@ -299,6 +299,47 @@ def bench_sched_decision(tmp: Path) -> None:
     emit("sched_decision_us", elapsed / n * 1e6, "us", inputs=n, store="sqlite")
 
 
+def bench_submit_while_queued(tmp: Path) -> None:
+    """``Runtime.submit`` while a turn runs and inputs pile up behind it (a flood into
+    one session): the median submit among the first 200 and the last 200 of 3,000, and
+    their ratio (flat is 1; each submit's own work should not grow with the queue)."""
+    from aalis_agent.actors.runtime import Runtime
+    from aalis_agent.services import ScriptedModel, ScriptedReply, Services
+
+    _quiet_logs()
+    gate = threading.Event()
+
+    def reply(request: object, n: int) -> ScriptedReply:
+        if n == 1:
+            gate.wait(120)
+        return ScriptedReply(text="好")
+
+    store = SqliteEventStore(tmp / "flood.db")
+    runtime = Runtime(store, Services(llm=ScriptedModel(reply)), janitor=False)
+    try:
+        runtime.submit("s", Input(id="", content="占着"))
+        n, times = 3000, []
+        for i in range(n):  # half human (pending), half injections (queued)
+            inp = Input(id="", content=f"{i}", source="schedule" if i % 2 else None)
+            t = time.perf_counter()
+            runtime.submit("s", inp)
+            times.append(time.perf_counter() - t)
+        first = statistics.median(times[:200]) * 1e6
+        last = statistics.median(times[-200:]) * 1e6
+        emit(
+            "submit_while_queued_us",
+            last,
+            "us",
+            waiting=n,
+            first_200_us=round(first, 1),
+            last_over_first=round(last / first, 2),
+        )
+    finally:
+        gate.set()
+        runtime.shutdown(timeout=120)
+        store.close()
+
+
 def bench_stop_latency(tmp: Path) -> None:
     """From a stop request to the turn settled, while a model call streams."""
     from aalis_agent.actors.runtime import Runtime
@@ -1033,6 +1074,7 @@ ALL = (
     "startup_recover_ms",
     "bytes_per_message",
     "sched_decision_us",
+    "submit_while_queued_us",
     "stop_latency_ms",
     "passivated_10k",
     "inputs_per_s_1k_sessions",
@@ -1095,6 +1137,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench_bytes_per_message(tmp)
             elif name == "sched_decision_us":
                 bench_sched_decision(tmp)
+            elif name == "submit_while_queued_us":
+                bench_submit_while_queued(tmp)
             elif name == "stop_latency_ms":
                 bench_stop_latency(tmp)
             elif name == "passivated_10k":
