@@ -293,8 +293,9 @@ class PostgresEventStore:
     ) -> T:
         """``fn`` on a pooled connection. When the connection breaks (a server restart
         or a cut; not a statement the server refused), the pool's idle connections are
-        checked and ``fn`` runs once more on a fresh one (``retry``; else, and when that
-        one breaks too, :class:`_Broken` is raised). Other failures are a StoreError."""
+        checked and ``fn`` runs once more on a fresh one, with ``retry``; a second break
+        is a StoreError. Without ``retry`` a break raises :class:`_Broken` (the caller
+        settles what it sent). Other failures are a StoreError."""
         for attempt in (0, 1):
             conn: psycopg.Connection[Any] | None = None
             try:
