@@ -816,8 +816,9 @@ class _Checkpointer:
         if self.catch_up:
             done = self.checkpoint(conn, inline=True)
             if done != "busy":  # busy: after the next append, then
-                self.catch_up = False
-                self.restart_due = done == "ran"
+                with self._flags:  # the thread never sees both off in between
+                    self.restart_due = done == "ran"
+                    self.catch_up = False
 
     def _held_back(self, frames: int, copied: int) -> None:
         """Say so when a reader holding an old snapshot keeps the WAL from being copied
