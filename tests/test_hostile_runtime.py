@@ -297,8 +297,10 @@ def test_every_event_the_runtime_writes_decodes_back_equal(
 # --- one id, sent twice ------------------------------------------------------------------
 
 
-def _gated_runtime() -> tuple[Runtime, threading.Event]:
-    """A runtime whose first model call waits for the returned event."""
+@pytest.fixture
+def gated() -> Iterator[tuple[Runtime, threading.Event]]:
+    """A runtime whose first model call waits for the event (set, then shut down, at the
+    end)."""
     gate = threading.Event()
 
     def reply(request: ChatRequest, n: int) -> ScriptedReply:
@@ -306,99 +308,83 @@ def _gated_runtime() -> tuple[Runtime, threading.Event]:
             gate.wait(10)
         return ScriptedReply(text=f"答{n}")
 
-    return _runtime(ScriptedModel(reply)), gate
+    rt = _runtime(ScriptedModel(reply))
+    yield rt, gate
+    gate.set()
+    rt.shutdown(timeout=10)
 
 
 @pytest.mark.parametrize("source", [None, "schedule"])
 def test_an_input_sent_again_while_it_waits_is_recorded_once_and_both_handles_answer(
     source: str | None,
+    gated: tuple[Runtime, threading.Event],
 ) -> None:
-    rt, gate = _gated_runtime()
-    try:
-        busy = rt.submit(SID, Input(id="busy", content="占着"))
-        first = rt.submit(SID, Input(id="x", content="一", source=source))
-        again = rt.submit(SID, Input(id="x", content="一", source=source))
-        assert first.where == again.where == ("pending" if source is None else "queued")
-        gate.set()
-        assert busy.result(10).outcome == "replied"
-        assert first.result(10) == again.result(10)
-        assert first.result().reply == "答2"
-        received = [e for e in rt.store.read(SID) if isinstance(e, InputReceived)]
-        assert [e.input.id for e in received] == ["busy", "x"]
-    finally:
-        gate.set()
-        rt.shutdown(timeout=10)
+    rt, gate = gated
+    busy = rt.submit(SID, Input(id="busy", content="占着"))
+    first = rt.submit(SID, Input(id="x", content="一", source=source))
+    again = rt.submit(SID, Input(id="x", content="一", source=source))
+    assert first.where == again.where == ("pending" if source is None else "queued")
+    gate.set()
+    assert busy.result(10).outcome == "replied"
+    assert first.result(10) == again.result(10)
+    assert first.result().reply == "答2"
+    received = [e for e in rt.store.read(SID) if isinstance(e, InputReceived)]
+    assert [e.input.id for e in received] == ["busy", "x"]
 
 
-def test_an_input_sent_again_while_its_turn_runs_follows_that_turn() -> None:
-    rt, gate = _gated_runtime()
-    try:
-        first = rt.submit(SID, Input(id="x", content="一"))
-        again = rt.submit(SID, Input(id="x", content="一"))
-        assert (first.where, again.where) == ("opened", "opened")
-        gate.set()
-        assert again.result(10) == first.result(10)
-        assert first.result().outcome == "replied"
-        received = [e for e in rt.store.read(SID) if isinstance(e, InputReceived)]
-        assert len(received) == 1
-        assert rt.view(SID).queue.queued == () and rt.view(SID).queue.pending == ()
-    finally:
-        gate.set()
-        rt.shutdown(timeout=10)
+def test_an_input_sent_again_while_its_turn_runs_follows_that_turn(
+    gated: tuple[Runtime, threading.Event],
+) -> None:
+    rt, gate = gated
+    first = rt.submit(SID, Input(id="x", content="一"))
+    again = rt.submit(SID, Input(id="x", content="一"))
+    assert (first.where, again.where) == ("opened", "opened")
+    gate.set()
+    assert again.result(10) == first.result(10)
+    assert first.result().outcome == "replied"
+    received = [e for e in rt.store.read(SID) if isinstance(e, InputReceived)]
+    assert len(received) == 1
+    assert rt.view(SID).queue.queued == () and rt.view(SID).queue.pending == ()
 
 
-def test_another_input_under_a_waiting_inputs_id_is_refused_and_the_first_runs() -> None:
-    rt, gate = _gated_runtime()
-    try:
-        rt.submit(SID, Input(id="busy", content="占着"))
-        first = rt.submit(SID, Input(id="x", content="一"))
-        seq = rt.store.last_seq(SID)
-        with pytest.raises(InvalidInput, match="input id 'x' is taken by another input"):
-            rt.submit(SID, Input(id="x", content="二"))
-        assert rt.store.last_seq(SID) == seq  # nothing recorded
-        gate.set()
-        assert first.result(10).outcome == "replied"
-    finally:
-        gate.set()
-        rt.shutdown(timeout=10)
+@pytest.mark.parametrize(
+    "other",
+    [
+        Input(id="x", content="二", sender=Sender(user_id="alice")),  # other words
+        Input(id="x", content="一", sender=Sender(user_id="bob")),  # another sender
+    ],
+)
+def test_another_input_under_a_waiting_inputs_id_is_refused_and_the_first_runs(
+    other: Input,
+    gated: tuple[Runtime, threading.Event],
+) -> None:
+    rt, gate = gated
+    rt.submit(SID, Input(id="busy", content="占着"))
+    first = rt.submit(SID, Input(id="x", content="一", sender=Sender(user_id="alice")))
+    seq = rt.store.last_seq(SID)
+    with pytest.raises(InvalidInput, match="input id 'x' is taken by another input"):
+        rt.submit(SID, other)
+    assert rt.store.last_seq(SID) == seq  # nothing recorded
+    gate.set()
+    assert first.result(10).outcome == "replied"
 
 
-def test_an_id_whose_turn_is_over_may_come_again_and_runs_again() -> None:
-    rt = _runtime(ScriptedModel())
-    try:
-        one = rt.run(SID, Input(id="x", content="一"))
-        two = rt.run(SID, Input(id="x", content="一"))
-        assert one.outcome == two.outcome == "replied" and one.turn_id != two.turn_id
-    finally:
-        rt.shutdown(timeout=10)
+def test_an_id_whose_turn_is_over_may_come_again_and_runs_again(runtime: Runtime) -> None:
+    one = runtime.run(SID, Input(id="x", content="一"))
+    two = runtime.run(SID, Input(id="x", content="一"))
+    assert one.outcome == two.outcome == "replied" and one.turn_id != two.turn_id
 
 
-def test_the_same_input_again_is_answered_though_the_first_caller_gave_up() -> None:
-    rt, gate = _gated_runtime()
-    try:
-        rt.submit(SID, Input(id="busy", content="占着"))
-        first = rt.submit(SID, Input(id="x", content="一"))
-        assert first.future.cancel()  # its caller stopped waiting (a timeout, say)
-        again = rt.submit(SID, Input(id="x", content="一"))
-        gate.set()
-        assert again.result(10).outcome == "replied" and again.result().reply == "答2"
-    finally:
-        gate.set()
-        rt.shutdown(timeout=10)
-
-
-def test_another_sender_under_a_waiting_inputs_id_is_refused() -> None:
-    rt, gate = _gated_runtime()
-    try:
-        rt.submit(SID, Input(id="busy", content="占着"))
-        alice = rt.submit(SID, Input(id="x", content="好", sender=Sender(user_id="alice")))
-        with pytest.raises(InvalidInput, match="input id 'x' is taken"):
-            rt.submit(SID, Input(id="x", content="好", sender=Sender(user_id="bob")))
-        gate.set()
-        assert alice.result(10).outcome == "replied"
-    finally:
-        gate.set()
-        rt.shutdown(timeout=10)
+def test_the_same_input_again_is_answered_though_the_first_caller_gave_up(
+    gated: tuple[Runtime, threading.Event],
+) -> None:
+    rt, gate = gated
+    rt.submit(SID, Input(id="busy", content="占着"))
+    first = rt.submit(SID, Input(id="x", content="一"))
+    assert first.future.cancel()  # its caller stopped waiting (a timeout, say)
+    again = rt.submit(SID, Input(id="x", content="一"))
+    gate.set()
+    assert again.result(10).outcome == "replied" and again.result().reply == "答2"
 
 
 def test_an_input_accepted_before_a_restart_is_known_again_after_it() -> None:
