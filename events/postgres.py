@@ -145,6 +145,17 @@ def keepalive_options(url: str) -> dict[str, Any]:
     return {k: v for k, v in _KEEPALIVES.items() if k not in given}
 
 
+class _Lost(Exception):
+    """A call failed on its connection: ``broken`` when the connection broke (else the
+    server refused the statement), ``sent`` unless it failed before anything was sent."""
+
+    def __init__(self, error: psycopg.Error, broken: bool, sent: bool = True) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.broken = broken
+        self.sent = sent
+
+
 class _Broken(Exception):
     """The connection broke during a call (``error`` is what psycopg raised)."""
 
@@ -229,6 +240,8 @@ class PostgresEventStore:
                     self._ensure_schema(conn)
         except psycopg.Error as exc:
             raise StoreError(f"cannot open event database {self.path!r}: {exc}") from None
+        self._options = options
+        self._degraded = False  # the pool lost its connections: calls connect directly
         self._pool: ConnectionPool[psycopg.Connection[tuple[Any, ...]]] = ConnectionPool(
             url,
             min_size=min_size,
@@ -295,23 +308,55 @@ class PostgresEventStore:
         or a cut; not a statement the server refused), the pool's idle connections are
         checked and ``fn`` runs once more on a fresh one, with ``retry``; a second break
         is a StoreError. Without ``retry`` a break raises :class:`_Broken` (the caller
-        settles what it sent). Other failures are a StoreError."""
+        settles what it sent). Other failures are a StoreError.
+
+        After an outage the pool reconnects with a backoff that doubles (1, 2, 4... s):
+        it may try again long after the server is back. Until it has a connection to
+        give again, each call connects for itself."""
         for attempt in (0, 1):
-            conn: psycopg.Connection[Any] | None = None
             try:
+                if self._degraded:
+                    if not self._pool.get_stats().get("pool_available", 0):
+                        return self._direct(fn)
+                    self._degraded = False
                 with self._pool.connection() as conn:
-                    return fn(conn)
+                    try:
+                        return fn(conn)
+                    except psycopg.Error as exc:
+                        raise _Lost(exc, conn.broken) from None
             except PoolTimeout as exc:
+                self._degraded = True  # no connection came: the server may be away
                 raise self._fail(doing, exc) from None
-            except psycopg.Error as exc:
-                if conn is None or not conn.broken:
-                    raise self._fail(doing, exc) from None
-                if not retry:
-                    raise _Broken(exc) from None
+            except _Lost as lost:
+                if not lost.broken:  # the server refused it: the same would fail again
+                    raise self._fail(doing, lost.error) from None
+                if lost.sent and not retry:
+                    raise _Broken(lost.error) from None
                 if attempt:
-                    raise self._fail(doing, exc) from None
+                    raise self._fail(doing, lost.error) from None
                 self._pool.check()  # a restart leaves every idle connection dead
+                self._degraded = True  # the next try goes direct unless one is left
         raise AssertionError("unreachable")
+
+    def _direct(self, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """``fn`` on a connection of its own, closed after (see :meth:`_call`)."""
+        try:
+            conn = psycopg.connect(
+                self.url,
+                autocommit=True,
+                connect_timeout=max(int(self._timeout_s), 1),
+                **self._options,
+            )
+        except psycopg.Error as exc:  # nothing was sent: it may be tried again
+            raise _Lost(exc, broken=True, sent=False) from None
+        try:
+            self._configure(conn)
+            return fn(conn)
+        except psycopg.Error as exc:
+            raise _Lost(exc, conn.broken) from None
+        finally:
+            with suppress(psycopg.Error):
+                conn.close()
 
     # --- writing ---------------------------------------------------------------------
 
@@ -370,6 +415,7 @@ class PostgresEventStore:
             return written is not None and int(written[0]) >= 0
 
         self._pool.check()  # a restart leaves every idle connection dead: drop them
+        self._degraded = True
         later: BaseException = error
         for _ in range(3):  # a read may be repeated; a write is tried once per round
             try:

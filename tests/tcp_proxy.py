@@ -89,9 +89,8 @@ class TcpProxy:
                         sock.shutdown(socket.SHUT_RDWR)
                     sock.close()
 
-    def close(self) -> None:
-        self._closed = True
-        self._listener.close()
+    def cut_all(self) -> None:
+        """Break every connection open now (as a server restart does)."""
         with self._lock:
             pairs, self._pairs = self._pairs, []
         for pair in pairs:
@@ -99,3 +98,8 @@ class TcpProxy:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
                 sock.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        self.cut_all()

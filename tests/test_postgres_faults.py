@@ -82,6 +82,32 @@ def test_calls_after_the_pooled_connections_died_go_through(pg_url: str) -> None
         assert [e.seq for e in reader.read("s")] == [1, 2, 3, 4]
 
 
+def test_once_the_server_is_back_calls_go_through_though_the_pool_backs_off(
+    pg_url: str,  # noqa: F811
+    proxy: TcpProxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An outage empties the pool, which then reconnects with a doubling backoff; calls
+    meanwhile connect for themselves, so they work as soon as the server does."""
+    from psycopg_pool.base import AttemptWithBackoff
+
+    # The pool's backoff on a shorter clock (0.25 s, then doubling, instead of 1 s), so
+    # that a few seconds of outage put its next try seconds past the server's return.
+    monkeypatch.setattr(AttemptWithBackoff, "INITIAL_DELAY", 0.25)
+    with PostgresEventStore(_through(pg_url, proxy), timeout_s=2, min_size=1) as store:
+        store.append("s", _batch(0), 0)
+        proxy.refuse = True  # the server goes away...
+        proxy.cut_all()
+        with pytest.raises(StoreError):
+            store.read("s")
+        time.sleep(2.5)  # ...and the pool's tries come further and further apart
+        proxy.refuse = False  # back
+        started = time.monotonic()
+        assert store.append("s", _batch(2), 2) == 4
+        assert [e.seq for e in store.read("s")] == [1, 2, 3, 4]
+        assert time.monotonic() - started < 1.5
+
+
 def test_a_statement_the_server_refuses_is_not_run_twice(pg_url: str) -> None:  # noqa: F811
     with PostgresEventStore(pg_url) as store:
         store.append("s", _batch(0), 0)
