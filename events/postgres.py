@@ -36,6 +36,7 @@ keepalives, so a held lock or a vanished server ends in an error, not a wait for
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import Any, TypeVar
@@ -242,6 +243,7 @@ class PostgresEventStore:
             raise StoreError(f"cannot open event database {self.path!r}: {exc}") from None
         self._options = options
         self._degraded = False  # the pool lost its connections: calls connect directly
+        self._direct_slots = threading.BoundedSemaphore(max(max_size, 1))  # at most so many
         self._pool: ConnectionPool[psycopg.Connection[tuple[Any, ...]]] = ConnectionPool(
             url,
             min_size=min_size,
@@ -316,9 +318,14 @@ class PostgresEventStore:
         for attempt in (0, 1):
             try:
                 if self._degraded:
-                    if not self._pool.get_stats().get("pool_available", 0):
-                        return self._direct(fn)
-                    self._degraded = False
+                    if self._pool.get_stats().get("pool_available", 0):
+                        self._degraded = False
+                    elif self._direct_slots.acquire(blocking=False):
+                        try:
+                            return self._direct(fn)
+                        finally:
+                            self._direct_slots.release()
+                    # else: as many connect directly as the pool may hold; wait for it
                 with self._pool.connection() as conn:
                     try:
                         return fn(conn)

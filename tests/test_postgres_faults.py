@@ -108,6 +108,23 @@ def test_once_the_server_is_back_calls_go_through_though_the_pool_backs_off(
         assert time.monotonic() - started < 1.5
 
 
+def test_no_more_calls_connect_for_themselves_than_the_pool_may_hold(
+    pg_url: str,  # noqa: F811
+) -> None:
+    with PostgresEventStore(pg_url, min_size=1, max_size=2, timeout_s=1) as store:
+        store.append("s", _batch(0), 0)
+        with store._pool.connection(), store._pool.connection():  # nothing left to give
+            store._degraded = True  # as after an outage
+            taken = [store._direct_slots.acquire(blocking=False) for _ in range(2)]
+            assert taken == [True, True]  # two calls connected for themselves already
+            with pytest.raises(StoreError, match="couldn't get a connection"):
+                store.last_seq("s")  # a third waits for the pool instead
+            store._degraded = True
+            store._direct_slots.release()
+            assert store.last_seq("s") == 2  # with a slot free, it connects for itself
+            store._direct_slots.release()
+
+
 def test_a_statement_the_server_refuses_is_not_run_twice(pg_url: str) -> None:  # noqa: F811
     with PostgresEventStore(pg_url) as store:
         store.append("s", _batch(0), 0)
