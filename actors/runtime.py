@@ -591,11 +591,8 @@ class Runtime:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             for _, e in entries:  # each on this thread: a release does not wait for turns
-                wait = self.ask_timeout_s
-                if deadline is not None:
-                    wait = min(wait, max(deadline - time.monotonic(), 0.01))
                 try:
-                    e.actor.call(Release("shutdown"), wait)
+                    e.actor.call(Release("shutdown"), self._ask_within(deadline))
                 except pykka.ActorDeadError:
                     pass
                 except Exception:  # a failed write (fenced), or stuck in a store call
@@ -610,11 +607,8 @@ class Runtime:
                 owned = [s for s, e in self._entries.items() if e.owned]
                 self._entries.clear()
             for actor in dict.fromkeys(actors):  # each once
-                wait = self.ask_timeout_s
-                if deadline is not None:
-                    wait = min(wait, max(deadline - time.monotonic(), 0.01))
                 with contextlib.suppress(Exception):  # one stuck stops when it is done
-                    actor.shut(timeout=wait)
+                    actor.shut(timeout=self._ask_within(deadline))
             for session_id in owned:
                 self._release(session_id, True)
             if self._janitor is not None:
@@ -695,6 +689,13 @@ class Runtime:
         with self._lock:
             return sorted(self._entries)
 
+    def _ask_within(self, deadline: float | None) -> float:
+        """How long one ask may wait: ``ask_timeout_s``, cut to what is left before
+        ``deadline`` (a monotonic time; at least 10 ms)."""
+        if deadline is None:
+            return self.ask_timeout_s
+        return min(self.ask_timeout_s, max(deadline - time.monotonic(), 0.01))
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until no turn runs in this runtime; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -713,11 +714,8 @@ class Runtime:
                 actors = [e.actor for e in self._entries.values()]
             busy = False
             for actor in actors:
-                wait = self.ask_timeout_s
-                if deadline is not None:
-                    wait = min(wait, max(deadline - time.monotonic(), 0.01))
                 try:
-                    busy |= not actor.call(Ping(), wait)
+                    busy |= not actor.call(Ping(), self._ask_within(deadline))
                 except (pykka.ActorDeadError, SessionFailed):
                     continue
                 except pykka.Timeout:  # its mailbox is stuck (a store call that hangs)

@@ -29,8 +29,12 @@ the log is read on a fresh connection, and the batch counts as written when the 
 its last seq holds its bytes; when the log still ends where the writer expected, the
 batch is written now (the seq check keeps it from landing twice); only when the server
 cannot be reached to settle it is the append a :class:`StoreError` that says its fate
-is unknown. Statements are bounded (``statement_timeout_s``) and connections send TCP
-keepalives, so a held lock or a vanished server ends in an error, not a wait forever.
+is unknown. After an outage the pool reconnects with a backoff that doubles; until it
+has a connection to give again, calls connect for themselves (at most ``max_size`` at
+once). Statements are bounded (``statement_timeout_s``) and connections send TCP
+keepalives and give up on data unacknowledged for 30 s, so a held lock or a vanished
+server ends in an error, not a wait forever; a server that accepts connections but
+never answers still makes a call wait.
 """
 
 from __future__ import annotations
@@ -157,14 +161,6 @@ class _Lost(Exception):
         self.sent = sent
 
 
-class _Broken(Exception):
-    """The connection broke during a call (``error`` is what psycopg raised)."""
-
-    def __init__(self, error: psycopg.Error) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 def redact_url(url: str) -> str:
     """``url`` (a URL or a conninfo string) with its password, if any, masked."""
     if not url.startswith(("postgresql://", "postgres://")):
@@ -227,13 +223,11 @@ class PostgresEventStore:
         )
         self._closed = False
         try:
-            options = keepalive_options(url)
+            self._options = keepalive_options(url)
         except psycopg.Error as exc:
             raise StoreError(f"cannot open event database {self.path!r}: {exc}") from None
         try:
-            with psycopg.connect(
-                url, autocommit=True, connect_timeout=int(timeout_s), **options
-            ) as conn:
+            with self._connect() as conn:
                 self._configure(conn)
                 if read_only:
                     self._check_schema(conn)
@@ -241,14 +235,13 @@ class PostgresEventStore:
                     self._ensure_schema(conn)
         except psycopg.Error as exc:
             raise StoreError(f"cannot open event database {self.path!r}: {exc}") from None
-        self._options = options
         self._degraded = False  # the pool lost its connections: calls connect directly
         self._direct_slots = threading.BoundedSemaphore(max(max_size, 1))  # at most so many
         self._pool: ConnectionPool[psycopg.Connection[tuple[Any, ...]]] = ConnectionPool(
             url,
             min_size=min_size,
             max_size=max_size,
-            kwargs={"autocommit": True, **options},
+            kwargs={"autocommit": True, **self._options},
             configure=self._configure,
             timeout=timeout_s,
             name="aalis-events",
@@ -259,6 +252,12 @@ class PostgresEventStore:
         except PoolTimeout as exc:
             self._pool.close()
             raise StoreError(f"cannot open event database {self.path!r}: {exc}") from None
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        """A connection of its own, outside the pool, as the pool makes them."""
+        return psycopg.connect(
+            self.url, autocommit=True, connect_timeout=max(int(self._timeout_s), 1), **self._options
+        )
 
     def _configure(self, conn: psycopg.Connection[Any]) -> None:
         if self.read_only:
@@ -309,8 +308,8 @@ class PostgresEventStore:
         """``fn`` on a pooled connection. When the connection breaks (a server restart
         or a cut; not a statement the server refused), the pool's idle connections are
         checked and ``fn`` runs once more on a fresh one, with ``retry``; a second break
-        is a StoreError. Without ``retry`` a break raises :class:`_Broken` (the caller
-        settles what it sent). Other failures are a StoreError.
+        is a StoreError. Without ``retry`` a break after the call was sent raises
+        :class:`_Lost` (the caller settles what it sent). Other failures are a StoreError.
 
         After an outage the pool reconnects with a backoff that doubles (1, 2, 4... s):
         it may try again long after the server is back. Until it has a connection to
@@ -338,7 +337,7 @@ class PostgresEventStore:
                 if not lost.broken:  # the server refused it: the same would fail again
                     raise self._fail(doing, lost.error) from None
                 if lost.sent and not retry:
-                    raise _Broken(lost.error) from None
+                    raise
                 if attempt:
                     raise self._fail(doing, lost.error) from None
                 self._pool.check()  # a restart leaves every idle connection dead
@@ -348,12 +347,7 @@ class PostgresEventStore:
     def _direct(self, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
         """``fn`` on a connection of its own, closed after (see :meth:`_call`)."""
         try:
-            conn = psycopg.connect(
-                self.url,
-                autocommit=True,
-                connect_timeout=max(int(self._timeout_s), 1),
-                **self._options,
-            )
+            conn = self._connect()
         except psycopg.Error as exc:  # nothing was sent: it may be tried again
             raise _Lost(exc, broken=True, sent=False) from None
         try:
@@ -392,9 +386,9 @@ class PostgresEventStore:
             row = self._call(
                 "append", lambda conn: conn.execute(_APPEND, params).fetchone(), retry=False
             )
-        except _Broken as broken:
+        except _Lost as lost:
             # It may have committed before the connection broke: settle it, then answer.
-            return self._settle(session_id, params, last, broken.error)
+            return self._settle(session_id, params, last, lost.error)
         assert row is not None
         position = int(row[0])
         if position < 0:
@@ -436,7 +430,7 @@ class PostgresEventStore:
                 # round's read tells which.
                 if self._call("append", write, retry=False):
                     return last
-            except _Broken as exc:
+            except _Lost as exc:
                 later = exc.error
             except ConcurrencyConflict:
                 raise

@@ -266,8 +266,6 @@ class SqliteEventStore:
         self._has_idle_table = True
         self._old_layout = False  # a format-1 or -2 file opened read-only
         self._checkpointer: _Checkpointer | None = None
-        self._wal_pages = 0  # pages written to the WAL since the last checkpoint, roughly
-        self._checkpoint_pages = max(int(wal_autocheckpoint), 1)
         try:
             if read_only:
                 self._check_schema_read_only()
@@ -283,7 +281,7 @@ class SqliteEventStore:
             if background and wal_autocheckpoint > 0:
                 conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer's work
                 self._checkpointer = _Checkpointer(
-                    str(Path(self.path).resolve()), timeout_s, self._checkpoint_pages
+                    str(Path(self.path).resolve()), timeout_s, int(wal_autocheckpoint)
                 )
                 # Stop its thread should the store be dropped without close().
                 self._finalizer = weakref.finalize(self, self._checkpointer.stop, 0.0)
@@ -463,23 +461,10 @@ class SqliteEventStore:
                     if len(compressing) > _COMPRESSORS:
                         compressing.popitem(last=False)[1].drop_compressor()
             if self._checkpointer is not None:
-                self._after_commit(conn, len(row))
+                # Committed: nothing here may make the append look failed.
+                with suppress(Exception):  # logged where it can be; a later one tries again
+                    self._checkpointer.after_append(conn, len(row))
         return last
-
-    def _after_commit(self, conn: sqlite3.Connection, size: int) -> None:
-        """Count what the append wrote to the WAL, wake the checkpointer at the mark, and
-        copy back what it left (see the module docstring). The append has committed:
-        nothing here may make it look failed."""
-        checkpointer = self._checkpointer
-        assert checkpointer is not None
-        try:
-            checkpointer.after_append(conn)
-            self._wal_pages += _FRAMES + size // _PAGE
-            if self._wal_pages >= self._checkpoint_pages:
-                self._wal_pages = 0
-                checkpointer.wake()
-        except Exception:
-            pass
 
     def _refresh_cache(self) -> None:
         """Drop the cached last seqs and position if another connection has written.
@@ -756,6 +741,8 @@ class _Checkpointer:
     def __init__(self, path: str, timeout_s: float, mark: int) -> None:
         self._path = path
         self._timeout_s = timeout_s
+        self._mark = mark  # pages written to the WAL that wake the thread
+        self._pages = 0  # written since it was last woken, roughly
         self._held_back_mark = self._held_back_at = 4 * mark  # WAL pages held back: said
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -802,11 +789,12 @@ class _Checkpointer:
             self.done += 1
         return "ran"
 
-    def after_append(self, conn: sqlite3.Connection) -> None:
-        """The writer's part, after each append (on its connection, with its lock held):
-        copy back what the appends added while the thread checkpointed; the append after
-        that starts the WAL over, as long as no checkpoint runs as it begins, so the
-        thread waits for it."""
+    def after_append(self, conn: sqlite3.Connection, size: int) -> None:
+        """The writer's part, after each append of a ``size``-byte row (on its connection,
+        with its lock held): copy back what the appends added while the thread
+        checkpointed (the append after that starts the WAL over, as long as no checkpoint
+        runs as it begins, so the thread waits for it); count the pages written, and wake
+        the thread at the mark."""
         if self.restart_due:  # this append began with the WAL copied back whole
             with self._flags:
                 self.restart_due = False
@@ -819,6 +807,10 @@ class _Checkpointer:
                 with self._flags:  # the thread never sees both off in between
                     self.restart_due = done == "ran"
                     self.catch_up = False
+        self._pages += _FRAMES + size // _PAGE
+        if self._pages >= self._mark:
+            self._pages = 0
+            self.wake()
 
     def _held_back(self, frames: int, copied: int) -> None:
         """Say so when a reader holding an old snapshot keeps the WAL from being copied
@@ -867,13 +859,13 @@ class _Checkpointer:
                     except sqlite3.Error as exc:
                         self._failed(exc, inline=False)
                         continue
-                # Appends went on meanwhile (this connection's view of the WAL may end
-                # before theirs): copy what they added, then leave the rest (a few pages)
-                # to the next append, which sees the whole WAL and adds nothing meanwhile.
                 with self._flags:
                     if self.catch_up or self.restart_due:
                         self.missed = True  # a checkpoint now would keep it from restarting
                         continue
+                # Appends went on meanwhile (this connection's view of the WAL may end
+                # before theirs): copy what they added, then leave the rest (a few pages)
+                # to the next append, which sees the whole WAL and adds nothing meanwhile.
                 try:
                     if self.checkpoint(conn) == "ran" and self.checkpoint(conn) == "ran":
                         self.catch_up = True

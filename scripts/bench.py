@@ -86,16 +86,21 @@ def message_event(session_id: str, seq: int, n: int, at: int) -> MessageSaved:
     )
 
 
-def bench_append_single(tmp: Path, *, exclusive: bool = False) -> None:
-    path = tmp / ("single-x.db" if exclusive else "single.db")
-    store = SqliteEventStore(path, exclusive=exclusive)
-    n = 20_000
+def single_events(n: int) -> list[tuple[str, MessageSaved]]:
+    """``n`` messages over 10 sessions, each with its session, in seq order."""
     sessions = [f"s{k}" for k in range(10)]
-    # Events are built first: this measures the store, not event construction.
     events = [
         (sid, message_event(sid, i // 10 + 1, i, i)) for i, sid in enumerate(sessions * (n // 10))
     ]
     events.sort(key=lambda pair: pair[1].seq)
+    return events
+
+
+def bench_append_single(tmp: Path, *, exclusive: bool = False) -> None:
+    path = tmp / ("single-x.db" if exclusive else "single.db")
+    store = SqliteEventStore(path, exclusive=exclusive)
+    n = 20_000
+    events = single_events(n)  # built first: this measures the store, not events
     start = time.perf_counter()
     for sid, event in events:
         store.append(sid, (event,), event.seq - 1)
@@ -110,11 +115,7 @@ def bench_append_tail(tmp: Path) -> None:
     WAL mark, with the store's checkpoint thread and with SQLite's inline checkpoints
     (each run twice, alternating); max, p99.9 and p99 of each, and the max's ratio."""
     n = 20_000
-    sessions = [f"s{k}" for k in range(10)]
-    events = [
-        (sid, message_event(sid, i // 10 + 1, i, i)) for i, sid in enumerate(sessions * (n // 10))
-    ]
-    events.sort(key=lambda pair: pair[1].seq)
+    events = single_events(n)
     figures: dict[bool, list[list[float]]] = {True: [], False: []}
     for k, background in enumerate((True, False, True, False)):
         store = SqliteEventStore(tmp / f"tail-{k}.db", background_checkpoint=background)
