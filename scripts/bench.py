@@ -13,7 +13,11 @@ import argparse
 import gc
 import itertools
 import json
+import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -765,6 +769,78 @@ def bench_turns_workload(tmp: Path, turns: int) -> None:
     )
 
 
+class _FloorWork:
+    """The floor's workload: a runtime whose session "s" has 12 history messages (4 tool
+    turns), the rows of its last turn and the history before it, and a second store the
+    floor writes those rows to raw, each time as a new session."""
+
+    def __init__(self, tmp: Path) -> None:
+        _quiet_logs()
+        self.store = SqliteEventStore(tmp / "floor-turns.db")
+        self.runtime = _tool_turn_runtime(self.store)
+        append = self.store.append
+        sizes: list[int] = []  # the events of each of a turn's commits, in order
+
+        def counted(session_id: str, batch: Any, *args: Any, **kwargs: Any) -> int:
+            sizes.append(len(batch))
+            return append(session_id, batch, *args, **kwargs)
+
+        self.store.append = counted  # type: ignore[method-assign]
+        for n in range(4):  # 12 history messages before the turn the floor writes raw
+            sizes.clear()
+            self.runtime.run("s", Input(id="", content=f"{n}: {USER_TEXT}"))
+        self.store.append = append  # type: ignore[method-assign]
+        self.turns = 4
+        events = self.store.read("s")
+        # One turn's rows: everything from the last user input on.
+        last = max(i for i, e in enumerate(events) if isinstance(e, InputReceived))
+        self.rows = events[last:]
+        self.history = [e.message for e in events[:last] if isinstance(e, MessageSaved)][-12:]
+        # The same rows in the commits persist-then-act needs (before the first call,
+        # before the tool, before the second call, before the outcome), as the turn cuts
+        # them.
+        self.cuts4 = list(itertools.accumulate(sizes))
+        assert self.cuts4[-1] == len(self.rows), (sizes, len(self.rows))
+        self.sizes = sizes
+        self.raw = SqliteEventStore(tmp / "floor-raw.db")
+        self._seq = 0
+
+    def turn(self) -> None:
+        """One more turn of session "s" through the runtime (``Runtime.run``)."""
+        self.runtime.run("s", Input(id="", content=f"{self.turns}: {USER_TEXT}"))
+        self.turns += 1
+
+    def raw_turn(self, cuts: Sequence[int]) -> None:
+        """The turn's rows, written raw in commits ending at ``cuts``, and its two
+        request lists."""
+        rows, history = self.rows, self.history
+        session = f"raw{self._seq}"
+        batch = [msgspec.structs.replace(e, session_id=session) for e in rows]
+        for i, e in enumerate(batch):
+            batch[i] = msgspec.structs.replace(e, seq=i + 1)
+        start = 0
+        for end in cuts:
+            self.raw.append(session, batch[start:end], start)
+            start = end
+        for _ in range(2):  # the two calls' request lists
+            request = [history[0], *history, rows[0]]
+            assert request
+        self._seq += 1
+
+    def floor(self) -> None:
+        """The floor: the turn's rows in two commits."""
+        self.raw_turn((len(self.rows) // 2, len(self.rows)))
+
+    def floor_4(self) -> None:
+        """The same rows in the turn's own four commits."""
+        self.raw_turn(self.cuts4)
+
+    def close(self) -> None:
+        self.runtime.shutdown(timeout=60)
+        self.store.close()
+        self.raw.close()
+
+
 def bench_floor(tmp: Path) -> None:
     """The unavoidable work of one tool turn at 10 history messages: its rows written raw
     in two commits (msgpack encoding included) and its two request lists built, beside
@@ -775,78 +851,23 @@ def bench_floor(tmp: Path) -> None:
     Beside it, not the target's: the same rows in the four commits the turn makes
     (persist-then-act: before each model call, before the tool, before the outcome),
     timed the same way after each block's floors."""
-    _quiet_logs()
-    path = tmp / "floor-turns.db"
-    store = SqliteEventStore(path)
-    runtime = _tool_turn_runtime(store)
-    append = store.append
-    sizes: list[int] = []  # the events of each of a turn's commits, in order
-
-    def counted(session_id: str, batch: Any, *args: Any, **kwargs: Any) -> int:
-        sizes.append(len(batch))
-        return append(session_id, batch, *args, **kwargs)
-
-    store.append = counted  # type: ignore[method-assign]
-    for n in range(4):  # 12 history messages before the turn the floor writes raw
-        sizes.clear()
-        runtime.run("s", Input(id="", content=f"{n}: {USER_TEXT}"))
-    store.append = append  # type: ignore[method-assign]
-    events = store.read("s")
-    # One turn's rows: everything from the last user input on.
-    last = max(i for i, e in enumerate(events) if isinstance(e, InputReceived))
-    rows = events[last:]
-    history = [e.message for e in events[:last] if isinstance(e, MessageSaved)][-12:]
-    raw = SqliteEventStore(tmp / "floor-raw.db")
-    half = len(rows) // 2
-    seq = 0
-
-    def raw_turn(cuts: Sequence[int]) -> None:
-        """The turn's rows, written raw in commits ending at ``cuts``, and its two
-        request lists."""
-        nonlocal seq
-        session = f"raw{seq}"
-        batch = [msgspec.structs.replace(e, session_id=session) for e in rows]
-        for i, e in enumerate(batch):
-            batch[i] = msgspec.structs.replace(e, seq=i + 1)
-        start = 0
-        for end in cuts:
-            raw.append(session, batch[start:end], start)
-            start = end
-        for _ in range(2):  # the two calls' request lists
-            request = [history[0], *history, rows[0]]
-            assert request
-        seq += 1
-
-    def one_turn() -> None:
-        raw_turn((half, len(rows)))
-
-    # The same rows in the commits persist-then-act needs (before the first call, before
-    # the tool, before the second call, before the outcome), as the turn cuts them.
-    cuts4 = list(itertools.accumulate(sizes))
-    assert cuts4[-1] == len(rows), (sizes, len(rows))
-
-    def one_turn_4() -> None:
-        raw_turn(cuts4)
-
+    work = _FloorWork(tmp)
+    one_turn, one_turn_4 = work.floor, work.floor_4
     samples: list[float] = []
     floors: list[float] = []
     after_turns: list[float] = []  # the floor's first run in a block, straight after turns
     floors4: list[float] = []
-    n = 4
     for _ in range(4):
         for k in range(11):
             t0 = time.perf_counter()
-            runtime.run("s", Input(id="", content=f"{n}: {USER_TEXT}"))
+            work.turn()
             if k:  # the block's first turn follows the floor's runs: untimed
                 samples.append(time.perf_counter() - t0)
-            n += 1
         after_turns.append(_timed(one_turn))
         floors += [_timed(one_turn) for _ in range(10)]
         _timed(one_turn_4)
         floors4 += [_timed(one_turn_4) for _ in range(10)]
-    runtime.shutdown(timeout=60)
-    store.close()
-    raw.close()
+    work.close()
     floor = min(floors)
     turn = statistics.median(samples)
     emit(
@@ -862,12 +883,84 @@ def bench_floor(tmp: Path) -> None:
         # Not the target's floor: the same rows in the turn's own four commits.
         floor_4_commits_ms=round(min(floors4) * 1000, 3),
         over_floor_4_commits=round(turn / min(floors4), 2),
-        commits=len(sizes),
-        rows=len(rows),
-        history=len(history),
+        commits=len(work.sizes),
+        rows=len(work.rows),
+        history=len(work.history),
         via="Runtime.run",
         timed="in alternating blocks",
         target="<= 4",
+    )
+
+
+def _floor_child(spec: str) -> None:
+    """``--child KIND:N``: the floor's workload, then N more of KIND (``turn``, ``floor``
+    or ``floor_4``), for :func:`bench_floor_instructions` to count under valgrind."""
+    kind, _, n = spec.partition(":")
+    with tempfile.TemporaryDirectory(prefix="aalis-bench-") as tmpdir:
+        work = _FloorWork(Path(tmpdir))
+        run = {"turn": work.turn, "floor": work.floor, "floor_4": work.floor_4}[kind]
+        for _ in range(int(n)):
+            run()
+        work.close()
+
+
+def bench_floor_instructions(tmp: Path) -> None:
+    """The floor's ratio counted in instructions instead of seconds: each side's work
+    run under valgrind's callgrind, which counts the instructions a process executes
+    (repeatable, whatever else the machine does). Each side runs twice, 8 and 48 times
+    after the same setup, in processes of their own; the difference over 40 is one
+    turn's (one floor's) instructions. Not the target's figure (floor_ratio, in time,
+    is): beside it, it tells how much of that ratio is work done and how much is work
+    done slower (a turn's Python runs at fewer instructions a second than the floor's
+    native loop). Skipped where valgrind is not installed."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        print(json.dumps({"bench": "floor_instructions", "value": None, "skipped": "no valgrind"}))
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    lo, hi = 8, 48
+
+    def count(job: tuple[str, int]) -> int:
+        kind, n = job
+        out = tmp / f"callgrind.{kind}.{n}"
+        done = subprocess.run(
+            [
+                valgrind,
+                "--tool=callgrind",
+                f"--callgrind-out-file={out}",
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--child",
+                f"{kind}:{n}",
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": "0"},
+            check=False,
+        )
+        found = re.search(r"Collected : (\d+)", done.stderr)
+        if done.returncode or found is None:
+            raise SystemExit(f"floor_instructions: {kind} x{n} failed:\n{done.stderr[-2000:]}")
+        return int(found.group(1))
+
+    jobs = [(kind, n) for kind in ("turn", "floor", "floor_4") for n in (lo, hi)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        counted = dict(zip(jobs, pool.map(count, jobs), strict=True))
+    per = {
+        kind: (counted[kind, hi] - counted[kind, lo]) / (hi - lo)
+        for kind in ("turn", "floor", "floor_4")
+    }
+    emit(
+        "floor_instructions",
+        per["turn"] / per["floor"],
+        "x",
+        turn_instructions=round(per["turn"]),
+        floor_instructions=round(per["floor"]),
+        floor_4_commits_instructions=round(per["floor_4"]),
+        over_floor_4_commits=round(per["turn"] / per["floor_4"], 2),
+        counted="callgrind, (48 - 8 runs) / 40, each side in its own process",
+        note="not the target (floor_ratio, in time, is)",
     )
 
 
@@ -1127,6 +1220,7 @@ ALL = (
     "turns",
     "turns_workload",
     "floor",
+    "floor_instructions",
     "turn_phases",
     "many_sessions",
     "first_token",
@@ -1147,7 +1241,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="turns of the side-by-side workload (turns_workload; default 200)",
     )
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # floor_instructions' runs
     args = parser.parse_args(argv)
+    if args.child:
+        _floor_child(args.child)
+        return 0
     unknown = [n for n in args.names if n not in ALL]
     if unknown:
         parser.error(f"unknown benchmark(s): {', '.join(unknown)}; known: {', '.join(ALL)}")
@@ -1201,6 +1299,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench_turns_workload(tmp, args.turns)
             elif name == "floor":
                 bench_floor(tmp)
+            elif name == "floor_instructions":
+                bench_floor_instructions(tmp)
             elif name == "turn_phases":
                 bench_turn_phases(tmp)
             elif name == "many_sessions":
