@@ -175,6 +175,10 @@ class Hooks:
         with self._lock:
             self._preprocessors.append(fn)
 
+    def has_preprocessors(self) -> bool:
+        """Whether any input preprocessor is registered."""
+        return bool(self._preprocessors)
+
     def preprocess(self, inp: Any) -> Any:
         with self._lock:
             fns = list(self._preprocessors)

@@ -435,14 +435,17 @@ class Runtime:
             if arrived_in is None:  # not live: its log's, read now (the submit would)
                 self._entry(session_id)
                 arrived_in = self._generations[session_id]
-        inp = self.hooks.preprocess(inp)
-        ctx = InputBefore(message=inp, metadata={"sessionId": session_id})
-        ran, _ = self.hooks.run("agent:input:before", ctx, lambda c: c)
         done: Future[InputOutcome] = Future()
-        if not ran:  # FLOW1: a middleware that does not call next() drops the input
-            done.set_result(InputOutcome(inp.id, None, "dropped", "agent:input:before"))
-            return SubmitHandle(inp.id, "dropped", done), None
-        inp = checked_input(ctx.message)  # as the preprocessors and middleware left it
+        hooks = self.hooks
+        if hooks.has_preprocessors() or hooks.has_middleware("agent:input:before"):
+            inp = hooks.preprocess(inp)
+            ctx = InputBefore(message=inp, metadata={"sessionId": session_id})
+            ran, _ = hooks.run("agent:input:before", ctx, lambda c: c)
+            if not ran:  # FLOW1: a middleware that does not call next() drops the input
+                done.set_result(InputOutcome(inp.id, None, "dropped", "agent:input:before"))
+                return SubmitHandle(inp.id, "dropped", done), None
+            inp = checked_input(ctx.message)  # as the preprocessors and middleware left it
+        # else: nothing can change the input checked above
         for attempt in (1, 2):
             with self._lock:
                 entry = self._entry(session_id)

@@ -94,12 +94,14 @@ class Where(StrEnum):
 _WHERE_WORDS = {ZH.where(w): w for w in Where}
 
 
-@dataclass
+@dataclass(slots=True)
 class Step:
     """A view and the batch of events a decision adds, folded as they are added."""
 
     view: SessionView
     batch: Batch
+    opened: TurnOpened | None = None
+    """The first turn this step opened, if any."""
 
     def add(self, event: E) -> E:
         """Stamp ``event`` into the batch and fold it into the view."""
@@ -159,7 +161,7 @@ def _open(step: Step, batch: list[Input], ctx: OpenContext, *, from_queue: bool)
         quiet = ctx.multi_party and not any(i.was_addressed for i in batch)
         prefix = ctx.texts_for(head).batch_prefix(no_reply_needed=quiet)
     turn_id = ctx.new_turn_id()
-    step.add(
+    opened = step.add(
         TurnOpened(
             turn_id=turn_id,
             input_ids=tuple(i.id for i in batch),
@@ -171,6 +173,8 @@ def _open(step: Step, batch: list[Input], ctx: OpenContext, *, from_queue: bool)
             venue=ctx.venue_for(head),
         )
     )
+    if step.opened is None:
+        step.opened = opened
     for inp in batch:
         step.add(_joined(step, inp, turn_id, "opened"))
     return turn_id

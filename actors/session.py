@@ -551,12 +551,9 @@ class SessionActor(pykka.ThreadingActor):
         and records the first call's start: one commit and one round trip fewer per turn.
         Its runner then makes that call at once (it has no insertion point: nothing can
         be pending yet)."""
-        for event in step.events:  # a loop, not a generator: most commits open no turn
-            if type(event) is TurnOpened:
-                opened = event
-                break
-        else:
-            return
+        opened = step.opened
+        if opened is None:
+            return  # most commits open no turn
         if not self.host.hooks.quiet("agent:turn:before", "agent:llm:before"):
             return
         try:
