@@ -98,6 +98,9 @@ class AppendEvents(msgspec.Struct, frozen=True):
     turn_id: str
     events: tuple[SessionEvent, ...]
     final: bool = False  # saves the reply: refused when a stop came first
+    # Starts a tool: its ``ToolStarted`` is refused when a stop came first (the tool
+    # then never runs); the batch's other facts are written.
+    starts_tool: bool = False
     # With the reply: the turn ends in the same commit, and its reply (``settle.notice``)
     # is sent by the actor once that commit is durable.
     settle: Settled | None = None

@@ -99,6 +99,7 @@ from aalis_agent.events import (
     SessionFailed,
     SettingsChanged,
     StopRequested,
+    ToolStarted,
     TurnOpened,
     TurnRecorded,
 )
@@ -957,16 +958,17 @@ class SessionActor(pykka.ThreadingActor):
 
     def _on_append(self, msg: AppendEvents) -> bool:
         """Commit a runner's facts; False when they are refused: the turn is not running
-        (deleted turns write nothing more, DEL1), or this batch saves the reply and a stop
-        came first (a stopped turn saves no reply and sends none)."""
+        (deleted turns write nothing more, DEL1), or this batch saves the reply or starts
+        a tool and a stop came first (a stopped turn saves no reply and sends none, and
+        starts no tool once the stop is acknowledged)."""
         running = self.view.queue.running
         if running is None or running.turn_id != msg.turn_id or self._winding_down:
             return False
-        refused = msg.final and running.stop_requested
+        refused = (msg.final or msg.starts_tool) and running.stop_requested
         step = self._step()
         for event in msg.events:
-            if refused and _is_reply(event):
-                continue  # a stopped turn saves no reply; its other facts (usage) stay
+            if refused and (_is_reply(event) or type(event) is ToolStarted):
+                continue  # not saved; its other facts (the call's end, usage) stay
             step.add(event)
         if msg.settle is not None and not refused:
             # The reply and the turn's end in one commit; the actor sends the reply once

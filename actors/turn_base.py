@@ -234,19 +234,26 @@ class TurnBase:
         """Queue facts for the actor; they go out together at the next :meth:`_flush`."""
         self._drafts.extend(drafts)
 
-    def _flush(self, *, final: bool = False, settle: Settled | None = None) -> None:
+    def _flush(
+        self, *, final: bool = False, settle: Settled | None = None, starts_tool: bool = False
+    ) -> None:
         """Persist, then act: commit the queued facts as one batch and wait until they
         are durable, before anything that acts on them (a model call, a tool, sending).
 
         ``final`` marks the batch that saves the reply: the actor refuses it when a stop
-        came first, and after it commits no stop applies. A refused batch (the turn was
-        stopped, deleted or is no longer running) raises :class:`NotRecorded`; a failed
-        write raises the store's error (the actor has stopped). Either way the turn ends
-        without further effects."""
+        came first, and after it commits no stop applies. ``starts_tool`` marks the batch
+        that records a tool's start: refused, as far as that start goes, when a stop came
+        first (a stop acknowledged before it is durable keeps the tool from running). A
+        refused batch (the turn was stopped, deleted or is no longer running) raises
+        :class:`NotRecorded`; a failed write raises the store's error (the actor has
+        stopped). Either way the turn ends without further effects."""
         if not self._drafts and not final:
             return
         events, self._drafts = tuple(self._drafts), []
-        if not self.actor.ask(AppendEvents(self.turn_id, events, final=final, settle=settle)):
+        appended = AppendEvents(
+            self.turn_id, events, final=final, settle=settle, starts_tool=starts_tool
+        )
+        if not self.actor.ask(appended):
             raise NotRecorded(self.turn_id)
         if settle is not None:
             self._settled = True

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import msgspec
 from aalis_agent.actors.hooks import (
     ToolAfter,
     ToolBefore,
@@ -97,6 +98,8 @@ class ToolBatch(TurnBase):
             self._report(
                 ToolStarted(turn_id=self.turn_id, call_id=tc.id, name=tc.name, arguments=kept)
             )
+            # Durable before the tool runs; refused (NotRecorded) when a stop came first.
+            self._flush(starts_tool=True)
             services.bus.publish(
                 "tool:execute",
                 {
@@ -107,7 +110,6 @@ class ToolBatch(TurnBase):
                     "name": tc.name,
                 },
             )
-            self._flush()
             result: str | None = None
             metadata: dict[str, Any] = {}
             if error is None:
@@ -210,6 +212,14 @@ class ToolBatch(TurnBase):
             error = problem
         metadata = dict(after.metadata)
         unloggable = find_unloggable(metadata)
+        if unloggable is None and metadata:
+            # What the log and its readers (replay --json, the inspector) print as JSON:
+            # an object of a type of the tool's own, a str subclass, a dict with tuple
+            # keys would stop the session at the write, or its readers later.
+            try:
+                msgspec.json.encode(metadata)
+            except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+                unloggable = ("metadata", str(exc))
         if unloggable is not None:
             log.warning(
                 "tool metadata dropped: the log cannot hold it",

@@ -28,7 +28,8 @@ Topics, their fields, and when they fire:
     turn from running: no stream will follow.
 ``tool:execute`` -> :class:`ToolExecution`
     ``phase`` ``"start"`` (its ``ToolStarted`` is durable, the handler is about to run)
-    or ``"end"`` (its result is recorded), ``session_id``, ``turn_id``, ``call_id``,
+    or ``"end"`` (the handler returned: its result is written with the turn's next
+    commit, before the model call that carries it), ``session_id``, ``turn_id``, ``call_id``,
     ``name``, ``error`` (the error the model gets, at ``"end"``; None on success).
 ``llm:call`` -> :class:`ModelCall`
     ``phase`` ``"start"`` (the call's start is durable and its request, trimmed, is about
