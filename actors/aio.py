@@ -136,8 +136,13 @@ class AsyncHandle:
         return self._handle.done()
 
     async def result(self, timeout: float | None = None) -> TurnResult:
+        """The turn's result; ``TimeoutError`` after ``timeout`` seconds. A wait that
+        times out or is cancelled leaves the input's turn and this handle as they were:
+        the handle can be awaited again."""
         if self._result is None:
-            waiting = asyncio.wrap_future(self._handle.future)
+            # Shielded: cancelling the wait (a timeout) must not cancel the runtime's
+            # future, which every later wait on this handle reads.
+            waiting = asyncio.shield(asyncio.wrap_future(self._handle.future))
             outcome = await (asyncio.wait_for(waiting, timeout) if timeout is not None else waiting)
             self._result = self._replies.result(outcome)
         return self._result

@@ -56,6 +56,7 @@ from aalis_agent.events import (
     EventStore,
     IdSource,
     Input,
+    InvalidInput,
     ModelRef,
     RuntimeClosed,
     SessionFailed,
@@ -64,7 +65,7 @@ from aalis_agent.events import (
     TokenUsage,
     UuidIds,
 )
-from aalis_agent.events.codec import checked_input, checked_session_id
+from aalis_agent.events.codec import checked_input, checked_session_id, clean_text
 from aalis_agent.projections import SessionView, project, queue, turns
 from aalis_agent.request.usage import wire
 from aalis_agent.services import Services
@@ -111,6 +112,21 @@ class Quarantined:
     session_id: str
     seq: int | None
     reason: str
+
+
+def _checked_kinds(kinds: object) -> tuple[str, ...]:
+    """``clear``'s kinds as the log stores them, or :class:`InvalidInput` naming what is
+    wrong (a bare string would be read letter by letter, or as a substring)."""
+    if isinstance(kinds, str) or not isinstance(kinds, tuple | list):
+        raise InvalidInput(
+            f"clear: kinds must be a tuple of names, like ('context',), not {kinds!r:.80}"
+        )
+    checked = []
+    for kind in kinds:
+        if not isinstance(kind, str) or not kind:
+            raise InvalidInput(f"clear: each kind must be a non-empty str, not {kind!r:.80}")
+        checked.append(clean_text(kind))
+    return tuple(checked)
 
 
 class _HeldInterrupt:
@@ -269,7 +285,7 @@ class Runtime:
             return entry
         if self._closed:
             raise RuntimeClosed("the runtime is shut down")
-        checked_session_id(session_id)  # before anything is read or written for it
+        session_id = checked_session_id(session_id)  # before anything is read or written
         if self.ownership is not None:  # before the log is read: SessionOwnedElsewhere
             self.ownership.acquire(session_id)
         try:
@@ -424,7 +440,7 @@ class Runtime:
     ) -> tuple[SubmitHandle, TurnRunner | None]:
         if self._closed:
             raise RuntimeClosed("the runtime is shut down")
-        checked_session_id(session_id)
+        session_id = checked_session_id(session_id)
         inp = checked_input(inp)  # a wrong type is refused here, naming the field
         if not inp.id:
             inp = msgspec.structs.replace(inp, id=self.ids.new("in"))
@@ -576,7 +592,10 @@ class Runtime:
         self, session_id: str, kinds: tuple[str, ...] = (), timeout: float | None = None
     ) -> None:
         """``/clear``: with no kinds or ``context``, stop and release unarchived, then
-        clear the message history; other kinds are recorded without stopping."""
+        clear the message history; other kinds are recorded without stopping. ``kinds``
+        is a tuple (or list) of names: anything else is refused with
+        :class:`InvalidInput` before the session is touched."""
+        kinds = _checked_kinds(kinds)
         done: Future[None] = Future()
         with self._lock:
             self._entry(session_id).ref.tell(Clear(kinds, done))

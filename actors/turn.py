@@ -62,6 +62,7 @@ from aalis_agent.services import (
     ChatModel,
     ChatRequest,
     OutboundMessage,
+    Usage,
 )
 from aalis_agent.services.models import LlmService, entry_id
 from aalis_agent.services.secrets import redact
@@ -404,7 +405,11 @@ class TurnRunner(ToolBatch, ReplyStep):
                     if chunk.tool_calls:
                         call.tool_calls.extend(chunk.tool_calls)
                     if chunk.usage is not None:
-                        call.usage = chunk.usage
+                        if not isinstance(chunk.usage, Usage):
+                            raise TypeError(
+                                f"the model's usage is a {type(chunk.usage).__name__}, not a Usage"
+                            )
+                        call.usage = chunk.usage.sane()  # a server's nonsense dropped
         except Exception as exc:
             self.actor.tell(CallEnded(self.turn_id, index, "error", 0, redact(str(exc))[:200]))
             if announced:

@@ -18,6 +18,7 @@ from aalis_agent.events import (
     TurnOutcome,
     TurnRecord,
 )
+from aalis_agent.events.codec import clean_text
 from aalis_agent.request.prompt import (
     TurnPrompt,
 )
@@ -72,10 +73,11 @@ class ReplyStep(TurnBase):
             if retry.aborted:
                 return "aborted", self.abort.reason
             content = strip_leaked_special_tokens(retry.text)
-        final = ctx.content
+        final = _hook_text(ctx.content, "content")
         outcome: TurnOutcome = "replied" if final.strip() else "silent"
         if outcome == "replied":
-            stored = ctx.archive_content if ctx.archive_content is not None else final
+            archive = ctx.archive_content
+            stored = final if archive is None else _hook_text(archive, "archive_content")
             self._archive(
                 ChatMessage(
                     id=self.ids.new("msg"),
@@ -108,3 +110,12 @@ class ReplyStep(TurnBase):
         )
         self.hooks.run("agent:turn:after", after, lambda c: c)
         return outcome, None
+
+
+def _hook_text(value: object, name: str) -> str:
+    """A text an ``agent:reply:before`` middleware may have set, as the log stores it
+    (a ``str`` subclass as plain text, lone surrogates replaced), or a clear error naming
+    the field when it is not text at all (the turn then fails, saving nothing)."""
+    if not isinstance(value, str):
+        raise TypeError(f"agent:reply:before left {name} as {type(value).__name__}, not text")
+    return clean_text(value)

@@ -120,6 +120,8 @@ def checked_session_id(session_id: object) -> str:
     repaired: two ids would become one), and not empty (an id left unset, most likely)."""
     if type(session_id) is not str and not isinstance(session_id, str):
         raise InvalidInput(f"session id must be a str, got {type(session_id).__name__}")
+    if type(session_id) is not str:
+        session_id = str.__str__(session_id)  # a subclass's value as a plain str
     if not session_id:
         raise InvalidInput("session id must not be empty")
     if _SURROGATE.search(session_id) is not None:
@@ -132,7 +134,10 @@ def checked_session_id(session_id: object) -> str:
 def clean_text(s: str) -> str:
     """``s`` as valid Unicode: a surrogate pair split into two code points (an emoji cut
     between stream chunks) is joined, and any surrogate left alone becomes U+FFFD. Text
-    without surrogates is returned as is."""
+    without surrogates is returned as is. A ``str`` subclass (a markup string, say)
+    comes back as a plain ``str``: the log stores text, not the subclass."""
+    if type(s) is not str:
+        s = str.__str__(s)  # a plain copy (a subclass's own __str__ may do anything)
     if _SURROGATE.search(s) is None:
         return s
     joined = s.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")

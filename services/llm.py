@@ -56,6 +56,29 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     total_tokens: int | None = None
     cached_prompt_tokens: int | None = None
 
+    def sane(self) -> Usage:
+        """These counts as the runtime keeps them: a count that is not an integer from
+        0 to 2**53 (a server's nonsense: negative, fractional, past what the log and
+        JSON hold exactly) is dropped, as if the provider had not given it."""
+        fields = (
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.total_tokens,
+            self.cached_prompt_tokens,
+        )
+        if all(v is None or (type(v) is int and 0 <= v <= _MAX_COUNT) for v in fields):
+            return self
+        kept = [v if type(v) is int and 0 <= v <= _MAX_COUNT else None for v in fields]
+        return Usage(
+            prompt_tokens=kept[0],
+            completion_tokens=kept[1],
+            total_tokens=kept[2],
+            cached_prompt_tokens=kept[3],
+        )
+
+
+_MAX_COUNT = 2**53  # counts past this are not exact as JSON numbers
+
 
 class ToolCallProgress(msgspec.Struct, frozen=True, kw_only=True):
     """A tool call being generated: announced with its callId while its arguments grow."""

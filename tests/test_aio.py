@@ -334,3 +334,31 @@ def test_without_start_the_first_turn_is_still_off_the_loop() -> None:
             await aruntime.ashutdown(timeout=10)
 
     assert asyncio.run(main()).reply == "一共 3 个"
+
+
+def test_a_wait_that_times_out_leaves_the_handle_to_be_awaited_again() -> None:
+    """A timed-out ``handle.result(timeout)`` (or ``asyncio.wait_for(handle, ...)``) used
+    to cancel the runtime's own future: every later wait raised ``CancelledError``
+    although the turn went on and replied."""
+    model = GatedModel()
+
+    async def main() -> None:
+        async with AsyncRuntime(make_runtime(model)) as aruntime:
+            handle = await aruntime.asubmit(SID, Input(id="", content="一", **USER))
+            try:
+                await handle.result(timeout=0.05)
+                raise AssertionError("the turn waits on the model: the wait must time out")
+            except TimeoutError:
+                pass
+            try:
+                await asyncio.wait_for(handle, 0.05)
+                raise AssertionError("still waiting on the model")
+            except TimeoutError:
+                pass
+            assert not handle.threaded.future.cancelled()
+            await asyncio.to_thread(model.answer, "好的")
+            result = await handle.result(timeout=10)
+            assert result.outcome == "replied" and result.reply == "好的"
+            assert handle.threaded.result(timeout=1).outcome == "replied"
+
+    asyncio.run(main())
