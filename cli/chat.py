@@ -29,7 +29,7 @@ from typing import IO, Any, TextIO
 from aalis_agent.actors.commands import COMMANDS, handle_command
 from aalis_agent.actors.runtime import Runtime, SubmitHandle
 from aalis_agent.actors.scheduler import Where
-from aalis_agent.events import Input, Sender
+from aalis_agent.events import Input, Sender, UsageError
 from aalis_agent.events.open import open_store
 from aalis_agent.request.texts import ZH, Texts
 from aalis_agent.services import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, Services
@@ -208,6 +208,9 @@ def run_chat(
     Returns 1 when a turn failed (its error in one line on ``err``), else 0."""
     stdin = sys.stdin if stdin is None else stdin
     err = sys.stderr if err is None else err
+    if stdin is None or (out is None and sys.stdout is None):
+        # Started with its input (or output) closed: nothing to read lines from.
+        raise UsageError("chat needs its standard input and output open")
     interactive = stdin.isatty()
     # At a terminal, output goes through prompt_toolkit's stdout proxy (set below), so it
     # prints above the line being typed; ``sink`` is the stream of the moment.

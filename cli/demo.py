@@ -10,6 +10,7 @@ the next turn reads.
 from __future__ import annotations
 
 import contextlib
+import shlex
 import sys
 import threading
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ from typing import Any, TextIO
 
 from aalis_agent.actors.runtime import Runtime
 from aalis_agent.cli.replay import render_state, replay_session, run_replay
-from aalis_agent.events import EventStore, Input, Sender, SequentialIds, ToolCall
+from aalis_agent.events import EventStore, Input, Sender, SequentialIds, ToolCall, UsageError
 from aalis_agent.events.open import open_store
 from aalis_agent.services import (
     ChatRequest,
@@ -66,6 +67,8 @@ class _Script:
 def run_demo(db_path: str, out: TextIO | None = None) -> int:
     """Run the demo turns against ``db_path``, print the transcript, timeline and state."""
     out = sys.stdout if out is None else out
+    if not db_path:  # SQLite would write to a temporary file, gone at once
+        raise UsageError("--db must name a database file (or a postgresql:// URL)")
     tool_started = threading.Event()
     release_tool = threading.Event()
 
@@ -158,12 +161,8 @@ def run_demo(db_path: str, out: TextIO | None = None) -> int:
     run_replay(store, [session_id], at=None, as_json=False, out=out)
     out.write("\n" + render_state(replay_session(store, session_id)) + "\n\n")
     store.close()
-    out.write(
-        "Replay it yourself:\n"
-        f"  aalis-agent replay {db_path} --session {session_id}\n"
-        f"  aalis-agent replay {db_path} --session {session_id} --at 20\n"
-        f"  aalis-agent replay {db_path} --session {session_id} --json\n"
-    )
+    replay = shlex.join(["aalis-agent", "replay", db_path, "--session", session_id])
+    out.write(f"Replay it yourself:\n  {replay}\n  {replay} --at 20\n  {replay} --json\n")
     return 0
 
 

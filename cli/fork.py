@@ -158,6 +158,9 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_MAX_TIMEOUT_S = 86_400.0  # a day: far past any re-run; a deadline the clock can hold
+
+
 def run_fork(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``replay DB --session S --fork SEQ ...``: print the fork report; 0 when it ran.
 
@@ -173,8 +176,11 @@ def run_fork(args: argparse.Namespace, out: TextIO | None = None) -> int:
         raise ConfigError("--model and --script do not go together")
     if args.model and not args.config:
         raise ConfigError("--model names a model of a configuration file: add --config FILE")
-    if args.timeout is None or args.timeout <= 0:
-        raise ReplayError(f"--timeout must be more than 0, got {args.timeout}")
+    if args.timeout is None or not 0 < args.timeout <= _MAX_TIMEOUT_S:  # NaN fails too
+        raise ReplayError(
+            f"--timeout must be more than 0 and at most {_MAX_TIMEOUT_S:g} seconds, "
+            f"got {args.timeout}"
+        )
     sets = parse_sets(args.set_values or [])
     model_choice = _model_choice(args)
     if not is_postgres_url(args.db) and not Path(args.db).is_file():

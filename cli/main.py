@@ -8,6 +8,7 @@ output.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -392,6 +393,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `aalis-agent replay db | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:  # output that cannot be written (a full disk), a file gone
+        with contextlib.suppress(OSError):
+            sys.stderr.write(f"aalis-agent {args.command}: error: {exc}\n")
+        with contextlib.suppress(OSError):  # nothing more to flush at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     parser.error(f"unknown command {args.command!r}")
     return 2
 

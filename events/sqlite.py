@@ -43,6 +43,7 @@ is logged, and the next one tries again.
 from __future__ import annotations
 
 import itertools
+import os
 import sqlite3
 import threading
 import weakref
@@ -234,7 +235,7 @@ class SqliteEventStore:
         background_checkpoint: bool,
     ) -> None:
         read_only = self.read_only
-        target = f"file:{quote(self.path)}?mode=ro" if read_only else self.path
+        target = f"file:{quote(os.fsencode(self.path))}?mode=ro" if read_only else self.path
         try:
             conn = sqlite3.connect(
                 target,
@@ -851,7 +852,7 @@ class _Checkpointer:
                     try:
                         # The file as it was opened (mode=rw: never a new, empty one).
                         conn = sqlite3.connect(
-                            f"file:{quote(self._path)}?mode=rw",
+                            f"file:{quote(os.fsencode(self._path))}?mode=rw",
                             uri=True,
                             isolation_level=None,
                             timeout=self._timeout_s,

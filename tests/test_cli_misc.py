@@ -4,6 +4,7 @@ in one line, and the ``--context-length`` / ``--max-tokens`` of a ``--base-url``
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -194,3 +195,70 @@ def test_limits_without_a_base_url_are_refused(tmp_path: Path) -> None:
         "aalis-agent chat: error: --context-length and --max-tokens go with --base-url and "
         "--model\n"
     )
+
+
+def _cli(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-m", "aalis_agent.cli", *args],
+        capture_output=kwargs.pop("capture_output", True),
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+        **kwargs,
+    )
+
+
+def test_output_that_cannot_be_written_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    """``> /dev/full``: the write fails; one line says so (no traceback), exit 1."""
+    db = tmp_path / "d.db"
+    made = _cli("demo", "--db", str(db), stdout=subprocess.DEVNULL, capture_output=False)
+    assert made.returncode == 0 and db.exists()
+    for args in (("demo", "--db", str(tmp_path / "e.db")), ("replay", str(db))):
+        with open("/dev/full", "w") as full:
+            result = _cli(*args, stdout=full, stderr=subprocess.PIPE, capture_output=False)
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.decode().splitlines() == [
+            f"aalis-agent {args[0]}: error: [Errno 28] No space left on device"
+        ]
+
+
+def test_chat_with_its_input_closed_says_so(tmp_path: Path) -> None:
+    def close_stdin() -> None:
+        os.close(0)
+
+    result = _cli("chat", "--db", str(tmp_path / "c.db"), preexec_fn=close_stdin)
+    assert result.returncode == 2
+    assert result.stderr.decode().strip() == (
+        "aalis-agent chat: error: chat needs its standard input and output open"
+    )
+
+
+def test_demo_refuses_an_empty_db_and_quotes_its_replay_hint(tmp_path: Path) -> None:
+    result = _cli("demo", "--db", "")
+    assert result.returncode == 2 and b"--db must name a database file" in result.stderr
+    db = tmp_path / "my db's.db"
+    result = _cli("demo", "--db", str(db))
+    assert result.returncode == 0, result.stderr
+    hint = [line.strip() for line in result.stdout.decode().splitlines() if "replay" in line][-1]
+    assert subprocess.run(  # the hint, as a shell reads it, names that file
+        ["sh", "-c", f"printf '%s\\n' {hint.split(' ', 2)[2]}"], capture_output=True, check=True
+    ).stdout.decode().splitlines()[0] == str(db)
+
+
+@pytest.mark.parametrize("timeout", ["nan", "1e308", "0", "-1"])
+def test_a_fork_timeout_out_of_range_is_refused(tmp_path: Path, timeout: str) -> None:
+    db = tmp_path / "d.db"
+    assert _cli("demo", "--db", str(db)).returncode == 0
+    result = _cli(
+        "replay", str(db), "--session", "demo:room-1", "--fork", "1", "--timeout", timeout
+    )
+    assert result.returncode == 2
+    assert b"--timeout must be more than 0 and at most 86400 seconds" in result.stderr
+
+
+def test_a_database_whose_name_is_not_utf8_replays(tmp_path: Path) -> None:
+    db = os.fsdecode(bytes(tmp_path) + b"/\xff.db")
+    assert _cli("demo", "--db", db).returncode == 0
+    result = _cli("replay", db)
+    assert result.returncode == 0, result.stderr
+    assert b"== session demo:room-1" in result.stdout
