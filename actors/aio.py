@@ -51,7 +51,7 @@ from typing import Any, TypeAlias, TypeVar
 from aalis_agent.actors.commands import handle_command
 from aalis_agent.actors.messages import InputOutcome
 from aalis_agent.actors.runtime import Runtime, SubmitHandle
-from aalis_agent.events import Input
+from aalis_agent.events import Input, RuntimeClosed
 from aalis_agent.projections import SessionView
 from aalis_agent.request.tokens import default_counter
 from aalis_agent.services.bus_events import TypedEvent, typed_event
@@ -360,6 +360,8 @@ class AsyncRuntime:
         self._closed = False
 
     async def _call(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        if self._closed:
+            raise RuntimeClosed("this AsyncRuntime is closed (aclose or ashutdown)")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
@@ -386,7 +388,10 @@ class AsyncRuntime:
         """``Runtime.shutdown`` on a thread (release inputs, wait for running turns,
         stop the actors), then :meth:`aclose`."""
         try:
-            await self._call(self.runtime.shutdown, timeout)
+            if self._closed:  # closed first (aclose): its threads are gone
+                await asyncio.to_thread(self.runtime.shutdown, timeout)
+            else:
+                await self._call(self.runtime.shutdown, timeout)
         finally:
             await self.aclose()
 

@@ -114,6 +114,13 @@ class Quarantined:
     reason: str
 
 
+def _optional_text(name: str, value: object) -> None:
+    """A caller's optional text argument (a platform, a user id): None or a str, else
+    :class:`InvalidInput` naming it."""
+    if value is not None and not isinstance(value, str):
+        raise InvalidInput(f"{name} must be a str or None, not {type(value).__name__}")
+
+
 def _checked_kinds(kinds: object) -> tuple[str, ...]:
     """``clear``'s kinds as the log stores them, or :class:`InvalidInput` naming what is
     wrong (a bare string would be read letter by letter, or as a substring)."""
@@ -565,12 +572,16 @@ class Runtime:
         self, session_id: str, platform: str | None, user_id: str | None
     ) -> str | None:
         """``/stop`` (CMD3): None when the turn was stopped, else the reply to send."""
+        _optional_text("platform", platform)
+        _optional_text("user_id", user_id)
         return self._ask(session_id, StopCommand(platform, user_id))  # type: ignore[no-any-return]
 
     def stop_all(
         self, session_id: str, *, platform: str | None = None, user_id: str | None = None
     ) -> str | None:
         """Stop the running turn and release queued and pending inputs (archived)."""
+        _optional_text("platform", platform)
+        _optional_text("user_id", user_id)
         return self._ask(session_id, Release("stop-all", platform, user_id))  # type: ignore[no-any-return]
 
     def mute(self, session_id: str) -> str | None:
@@ -643,11 +654,18 @@ class Runtime:
     # --- observing -------------------------------------------------------------------
 
     def subscribe(self, topic: str, fn: Callable[[str, Any], None]) -> Callable[[], None]:
-        """Events: ``agent:queue``, ``turn:opened``, ``turn:ended``, ``outbound:message``."""
+        """Events: ``agent:queue``, ``turn:opened``, ``turn:ended``, ``outbound:message``
+        and the others of ``services.bus_events.TOPICS`` (``*``: all); ``fn(topic,
+        payload)`` is called on the thread that publishes."""
+        if not isinstance(topic, str) or not topic:
+            raise InvalidInput(f"subscribe: topic must be a non-empty str, not {topic!r:.80}")
+        if not callable(fn):
+            raise InvalidInput(f"subscribe: fn must be callable, not {type(fn).__name__}")
         return self.services.bus.subscribe(topic, fn)
 
     def view(self, session_id: str) -> SessionView:
         """The session's projected state (its actor's, or folded from the log)."""
+        session_id = checked_session_id(session_id)
         with self._lock:
             entry = self._entries.get(session_id)
         if entry is None:
@@ -662,6 +680,8 @@ class Runtime:
         (same read, same trim) without writing or logging anything; no turn id."""
         from aalis_agent.actors.snapshot import token_request
 
+        session_id = checked_session_id(session_id)
+        _optional_text("platform", platform)
         usage = token_request(self, session_id, platform)
         self.services.bus.publish("token:usage", wire(usage))
         return usage
@@ -673,6 +693,9 @@ class Runtime:
         the layer it comes from and the UI text; the model field reports the model in
         use. ``platform`` and ``venue`` default to those the latest turn read its settings
         for, else the session's origin."""
+        session_id = checked_session_id(session_id)
+        _optional_text("platform", platform)
+        _optional_text("venue", venue)
         info = self.services.sessions.info(session_id)
         view = self.view(session_id)
         last = turns.last_opened(view.turns)  # where the latest turn read its settings
@@ -687,6 +710,11 @@ class Runtime:
     def assign_model(self, session_id: str, model: ModelRef | str) -> None:
         """Write ``llm`` into the session's own layer (SET1), as when a child session is
         given a model; ``model`` is a ModelRef or ``"<provider>/<model>"``."""
+        if not isinstance(model, str | ModelRef):
+            raise InvalidInput(
+                f"assign_model: model must be a ModelRef or '<provider>/<model>', "
+                f"not {type(model).__name__}"
+            )
         value = (
             model if isinstance(model, str) else {"provider": model.provider, "model": model.model}
         )

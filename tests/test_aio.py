@@ -362,3 +362,25 @@ def test_a_wait_that_times_out_leaves_the_handle_to_be_awaited_again() -> None:
             assert handle.threaded.result(timeout=1).outcome == "replied"
 
     asyncio.run(main())
+
+
+def test_a_closed_async_runtime_refuses_calls_as_closed_and_still_shuts_down() -> None:
+    from aalis_agent.events import RuntimeClosed
+
+    async def main() -> None:
+        runtime = make_runtime(ScriptedModel(tool_then_text()))
+        aruntime = await AsyncRuntime(runtime).start()
+        await aruntime.aclose()
+        try:
+            await aruntime.asubmit(SID, "你好")
+            raise AssertionError("a closed AsyncRuntime took an input")
+        except RuntimeClosed:
+            pass
+        await aruntime.ashutdown(timeout=10)  # after aclose: the runtime itself stops
+        try:
+            runtime.submit(SID, Input(id="", content="再来"))
+            raise AssertionError("the runtime was not shut down")
+        except RuntimeClosed:
+            pass
+
+    asyncio.run(main())

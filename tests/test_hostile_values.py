@@ -210,3 +210,34 @@ def test_tool_metadata_the_logs_readers_cannot_print_is_dropped_and_the_turn_goe
     finally:
         runtime.shutdown(timeout=10)
         store.close()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda rt: rt.view(5),
+        lambda rt: rt.view(""),
+        lambda rt: rt.view("a\ud800"),
+        lambda rt: rt.token_request(5),
+        lambda rt: rt.token_request("s", platform=5),
+        lambda rt: rt.fields(None),
+        lambda rt: rt.stop_command("s", 5, 6),
+        lambda rt: rt.stop_all("s", platform=5),
+        lambda rt: rt.assign_model("s", 5),
+        lambda rt: rt.subscribe("turn:ended", None),
+        lambda rt: rt.subscribe(None, lambda topic, payload: None),
+    ],
+)
+def test_runtime_calls_with_arguments_of_the_wrong_kind_are_refused_by_name(
+    tmp_path: Path, call: Any
+) -> None:
+    runtime, store = _runtime(tmp_path, lambda request, n: ScriptedReply(text="好"))
+    try:
+        assert runtime.run("s", Input(id="", content="一")).outcome == "replied"
+        with pytest.raises(InvalidInput):
+            call(runtime)
+        assert not runtime.quarantined()
+        assert runtime.run("s", Input(id="", content="二")).outcome == "replied"
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
