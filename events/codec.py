@@ -172,9 +172,23 @@ def decode_json(data: bytes | str, *, session_id: str = "?", seq: int = 0) -> Se
         raise CorruptEvent(session_id, seq, str(exc)) from None
 
 
-def to_builtins(event: Event) -> Any:
-    """The event as plain dicts and lists (the shape ``--json`` prints)."""
-    return msgspec.to_builtins(event)
+def to_builtins(event: Any) -> Any:
+    """The event as plain dicts and lists (the shape ``--json`` prints), with string
+    keys throughout, so that JSON can always hold it: a key of another kind (a tuple in
+    a tool's metadata, from a log written before such metadata was dropped) becomes its
+    ``repr``."""
+    try:
+        return msgspec.to_builtins(event, str_keys=True)
+    except (TypeError, ValueError):
+        return _str_keys(msgspec.to_builtins(event))
+
+
+def _str_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else repr(k): _str_keys(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_str_keys(v) for v in value]
+    return value
 
 
 def event_tag(event: Event) -> str:

@@ -452,7 +452,7 @@ class SessionIndex:
             "usage": None if usage is None else msgspec.to_builtins(usage.usage),
             "usage_seq": None if usage is None else usage.seq,
             "history_limit": limit,
-            "history": [msgspec.to_builtins(m) for m in window[omitted:]],
+            "history": [to_builtins(m) for m in window[omitted:]],
             "history_omitted": omitted,
         }
 

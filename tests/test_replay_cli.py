@@ -218,3 +218,29 @@ def test_replay_reads_an_older_database_without_changing_it(
     assert code == 0, err
     assert f"== session {SESSION} (56 events) ==" in out
     assert old.read_bytes() == before
+
+
+def test_json_prints_metadata_whose_keys_json_cannot_hold(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tool's metadata keyed by tuples (msgpack holds it; an older runtime stored it):
+    ``--json`` prints the key as its repr instead of failing with a traceback."""
+    from aalis_agent.events import ToolFinished
+
+    path = tmp_path / "keys.db"
+    with SqliteEventStore(path) as store:
+        finished = ToolFinished(
+            session_id="room",
+            seq=1,
+            at=1,
+            turn_id="t",
+            call_id="c",
+            name="n",
+            result="r",
+            metadata={"coords": {(1, 2): "a", 3: "int key"}},
+        )
+        store.append("room", [finished], 0)
+    code, out, err = run(capsys, "replay", str(path), "--json")
+    assert code == 0, err
+    line = json.loads(out.splitlines()[0])
+    assert line["metadata"] == {"coords": {"(1, 2)": "a", "3": "int key"}}

@@ -7,7 +7,6 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-import msgspec
 from aalis_agent.events import (
     ChatMessage,
     ContextCleared,
@@ -31,7 +30,7 @@ from aalis_agent.events import (
     TurnRecorded,
     UsageRecorded,
 )
-from aalis_agent.events.codec import event_tag
+from aalis_agent.events.codec import event_tag, to_builtins
 from aalis_agent.projections import SessionView, history, queue
 
 __all__ = [
@@ -177,10 +176,10 @@ def state_json(view: SessionView) -> dict[str, Any]:
         "history_limit": limit,
         "history_active": len(active),
         "history_start": history.window_start(len(active), limit),
-        "history_window": [msgspec.to_builtins(m) for m in window],
+        "history_window": [to_builtins(m) for m in window],
         "queued": [w.input.id for w in view.queue.queued],
         "pending": [w.input.id for w in view.queue.pending],
-        "running_turn": None if running is None else msgspec.to_builtins(running),
+        "running_turn": None if running is None else to_builtins(running),
         "turns": len(view.turns.finished) + (view.turns.current is not None),
         "settings": dict(view.settings),
     }
