@@ -97,7 +97,7 @@ from aalis_agent.services import (
 from aalis_agent.services.builtin_tools import builtin_tools
 from aalis_agent.services.models import entry_id
 from aalis_agent.services.settings import SETTING_FIELDS, validate_setting
-from aalis_agent.timeline import render_event
+from aalis_agent.timeline import render_event, shown_name
 
 __all__ = [
     "CallFacts",
@@ -1104,7 +1104,7 @@ def _render(report: ForkReport) -> str:
         else f"opened at seq {t.opened.seq}, after seq {report.seq}"
     )
     lines = [
-        f"Fork of session {report.session_id} at seq {report.seq}"
+        f"Fork of session {shown_name(report.session_id)} at seq {report.seq}"
         + (f" ({report.db}, read only)" if report.db else ""),
         f"  turn re-run: {t.turn_id} ({where})",
     ]

@@ -25,6 +25,7 @@ from aalis_agent.timeline import (
     render_event,
     render_state,
     render_time,
+    shown_name,
     state_json,
 )
 
@@ -110,7 +111,7 @@ def run_replay(
             before = len(report.corrupt)
             replay_session(store, session_id, report=report, on_event=show)
             if not as_json:
-                out.write(f"== session {session_id} ({len(lines)} events) ==\n")
+                out.write(f"== session {shown_name(session_id)} ({len(lines)} events) ==\n")
             for line in lines:
                 out.write(line + "\n")
         else:

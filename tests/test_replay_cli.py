@@ -244,3 +244,17 @@ def test_json_prints_metadata_whose_keys_json_cannot_hold(
     assert code == 0, err
     line = json.loads(out.splitlines()[0])
     assert line["metadata"] == {"coords": {"(1, 2)": "a", "3": "int key"}}
+
+
+def test_a_session_id_with_control_characters_cannot_forge_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "ids.db"
+    forged = "a\n== session fake (0 events) ==\x1b[31m"
+    with SqliteEventStore(path) as store:
+        write_demo_session(store, forged, FixedClock(1_767_225_600_000, step_ms=100))
+    code, out, err = run(capsys, "replay", str(path))
+    assert code == 0, err
+    assert "\x1b" not in out
+    headers = [line for line in out.splitlines() if line.startswith("== session")]
+    assert headers == [f"== session {forged!r} ({headers[0].rsplit('(', 1)[1]}"]

@@ -39,6 +39,7 @@ __all__ = [
     "render_event",
     "render_state",
     "render_time",
+    "shown_name",
     "state_json",
 ]
 
@@ -50,6 +51,13 @@ def _preview(text: str | None, width: int = PREVIEW) -> str:
         return '""'
     flat = " ".join(text.split())
     return repr(flat if len(flat) <= width else flat[: width - 1] + "…")
+
+
+def shown_name(name: str) -> str:
+    """A session id as a terminal line shows it: as is when printable, else quoted with
+    its control characters escaped (a newline or an escape sequence in an id would
+    forge lines or colour the terminal)."""
+    return name if name.isprintable() else repr(name)
 
 
 def render_time(ms: int) -> str:
@@ -189,7 +197,7 @@ def render_state(view: SessionView) -> str:
     """The projected state as readable text."""
     data = state_json(view)
     lines = [
-        f"state of {data['session_id']} at seq {data['seq']} "
+        f"state of {shown_name(str(data['session_id']))} at seq {data['seq']} "
         f"(generation {data['generation']}, {data['turns']} turn(s))",
     ]
     running = view.queue.running
