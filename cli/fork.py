@@ -153,12 +153,23 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout",
         metavar="SECONDS",
         type=float,
-        default=DEFAULT_TIMEOUT_S,
         help=f"with --fork: how long the re-run may take (default: {DEFAULT_TIMEOUT_S:g})",
     )
 
 
 _MAX_TIMEOUT_S = 86_400.0  # a day: far past any re-run; a deadline the clock can hold
+
+
+def fork_flags_given(args: argparse.Namespace) -> list[str]:
+    """The ``--fork`` options given on the command line (they mean nothing without it)."""
+    given = {
+        "--script": args.script is not None,
+        "--config": args.config is not None,
+        "--model": args.model is not None,
+        "--set": bool(args.set_values),
+        "--timeout": args.timeout is not None,
+    }
+    return [flag for flag, there in given.items() if there]
 
 
 def run_fork(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -176,7 +187,9 @@ def run_fork(args: argparse.Namespace, out: TextIO | None = None) -> int:
         raise ConfigError("--model and --script do not go together")
     if args.model and not args.config:
         raise ConfigError("--model names a model of a configuration file: add --config FILE")
-    if args.timeout is None or not 0 < args.timeout <= _MAX_TIMEOUT_S:  # NaN fails too
+    if args.timeout is None:
+        args.timeout = DEFAULT_TIMEOUT_S
+    if not 0 < args.timeout <= _MAX_TIMEOUT_S:  # NaN fails too
         raise ReplayError(
             f"--timeout must be more than 0 and at most {_MAX_TIMEOUT_S:g} seconds, "
             f"got {args.timeout}"

@@ -215,10 +215,13 @@ def _open_existing(path: str) -> SqliteEventStore | PostgresEventStore:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    if args.fork is not None:
-        from aalis_agent.cli.fork import run_fork
+    from aalis_agent.cli.fork import fork_flags_given, run_fork
 
+    if args.fork is not None:
         return run_fork(args)
+    stray = fork_flags_given(args)
+    if stray:
+        raise ReplayError(f"{', '.join(stray)}: only with --fork SEQ")
     from aalis_agent.cli.replay import run_replay
 
     if args.at is not None and args.at < 1:

@@ -22,6 +22,8 @@ from aalis_agent.services.abort import AbortSignal
 
 MAX_CHUNKS = 100_000
 """Most pieces a scripted reply may be streamed in (a file's ``chunks``)."""
+MAX_CHUNK_DELAY_S = 3600.0
+"""Longest wait between two chunks of a scripted reply (a file's ``chunk_delay_s``)."""
 
 __all__ = [
     "ChatModel",
@@ -203,6 +205,11 @@ class ScriptedModel:
         for n, reply in enumerate(replies, 1):
             if not 1 <= reply.chunks <= MAX_CHUNKS:
                 raise ConfigError(f"{path}: reply {n}: chunks must be 1..{MAX_CHUNKS}")
+            if not 0 <= reply.chunk_delay_s <= MAX_CHUNK_DELAY_S:  # NaN fails too
+                raise ConfigError(
+                    f"{path}: reply {n}: chunk_delay_s must be 0..{MAX_CHUNK_DELAY_S:g} "
+                    f"seconds, got {reply.chunk_delay_s}"
+                )
         return cls(replies, **kwargs)
 
     def _next(self, request: ChatRequest) -> ScriptedReply:

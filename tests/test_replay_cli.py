@@ -258,3 +258,15 @@ def test_a_session_id_with_control_characters_cannot_forge_lines(
     assert "\x1b" not in out
     headers = [line for line in out.splitlines() if line.startswith("== session")]
     assert headers == [f"== session {forged!r} ({headers[0].rsplit('(', 1)[1]}"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("--script", "x.json"), ("--config", "x.toml"), ("--set", "llm=a/b"), ("--timeout", "5")],
+)
+def test_fork_options_without_fork_are_refused(
+    demo_db: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, str]
+) -> None:
+    code, out, err = run(capsys, "replay", str(demo_db), *flags)
+    assert code == 2 and out == ""
+    assert err.strip() == f"aalis-agent replay: error: {flags[0]}: only with --fork SEQ"

@@ -113,3 +113,11 @@ def test_a_plugin_config_built_in_python_is_bounded_too(
 ) -> None:
     with pytest.raises(ConfigError, match=problem):
         AgentConfig(**{field: value})
+
+
+@pytest.mark.parametrize("delay", ["1e308", "-1", "NaN"])
+def test_a_chunk_delay_out_of_range_is_refused_at_load(tmp_path: Path, delay: str) -> None:
+    script = tmp_path / "s.json"
+    script.write_text(f'[{{"text": "一", "chunks": 2, "chunk_delay_s": {delay}}}]')
+    with pytest.raises(ConfigError, match=r"reply 1: chunk_delay_s must be 0\.\.3600 seconds"):
+        ScriptedModel.from_file(script)
