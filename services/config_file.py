@@ -65,6 +65,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import msgspec
 import msgspec.inspect as mi
@@ -404,6 +405,12 @@ def _openai_models(
     if base_url is None:
         raise r.error(
             f"{key}.baseUrl", "required: the server's URL, e.g. http://127.0.0.1:11434/v1"
+        )
+    parsed = urlsplit(base_url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise r.error(
+            f"{key}.baseUrl",
+            f"expected an http:// or https:// URL with a host, got {base_url!r}",
         )
     if p.api_key is not None and p.api_key_env is not None:
         raise r.error(key, "give apiKey or apiKeyEnv, not both")

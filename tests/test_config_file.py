@@ -167,6 +167,16 @@ BAD: list[tuple[str, str, str]] = [
     ("[providers.p]\ntype = 'scripted'", "providers.p", "no models"),
     ("[providers.p]\n[[providers.p.models]]\nid = 'm'", "providers.p.baseUrl", "required"),
     (
+        "[providers.p]\nbaseUrl = 'not a url'\n[[providers.p.models]]\nid = 'm'",
+        "providers.p.baseUrl",
+        "expected an http:// or https:// URL with a host, got 'not a url'",
+    ),
+    (
+        "[providers.p]\nbaseUrl = 'ftp://h/v1'\n[[providers.p.models]]\nid = 'm'",
+        "providers.p.baseUrl",
+        "expected an http:// or https:// URL",
+    ),
+    (
         "[providers.p]\ntype = 'scripted'\n[[providers.p.models]]\nname = 'x'",
         "providers.p.models[0].id",
         "required",
