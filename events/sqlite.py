@@ -581,6 +581,8 @@ class SqliteEventStore:
         if header is None or header[0] == 0:
             return []
         depth, count, _ = header
+        if count > seq:  # a damaged header: the row itself is reported when read
+            return []
         rows: list[Row] = self._conn.execute(
             "SELECT seq, data FROM log WHERE sid = ? AND seq <= ? ORDER BY seq DESC LIMIT ?",
             (sid, seq - count, depth),

@@ -563,3 +563,29 @@ def test_how_a_row_was_compressed_is_not_the_format(
     rows = _pack([events[:3], events[3:]])
     reader = codec.RowReader(ROW_SESSION)
     assert [e for seq, row in rows for e in reader.read(seq, row)] == events
+
+
+def test_read_all_names_a_continued_row_whose_header_claims_2_to_the_64_events(
+    tmp_path: Any,
+) -> None:
+    """``read_all`` looks up the rows before a continued row in its group by its header's
+    count: a count past 64 bits used to reach SQLite and raise a raw OverflowError."""
+    import sqlite3
+
+    from aalis_agent.events import SqliteEventStore
+
+    path = tmp_path / "log.db"
+    with SqliteEventStore(path) as store:
+        for seq in (1, 2):
+            event = InputQueued(session_id="a", seq=seq, at=1, input_id=f"i{seq}")
+            store.append("a", [event], seq - 1, open_work=True)
+    conn = sqlite3.connect(path)
+    sid, data = conn.execute("SELECT sid, data FROM log WHERE seq = 2").fetchone()
+    assert data[1] == 1  # it continues the group of seq 1
+    bad = bytes((data[0], 1)) + codec._varint(2**64) + data[3:]
+    conn.execute("UPDATE log SET data = ? WHERE sid = ? AND seq = 2", (bad, sid))
+    conn.commit()
+    conn.close()
+    with SqliteEventStore(path) as store, pytest.raises(CorruptEvent) as info:
+        store.read_all()
+    assert (info.value.session_id, info.value.seq) == ("a", 2)
