@@ -48,6 +48,10 @@ class Submit(msgspec.Struct, frozen=True):
     generation: int
     done: Future[InputOutcome]
     here: bool = False  # a turn it opens is left for the caller to run (``Runtime.run``)
+    # Answered with where the input went once it is durably accepted, when the session
+    # had to defer it (a deletion or clear winding down): the submit waits for it, as
+    # nothing may be acknowledged before it is in the log.
+    handed_on: Future[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)

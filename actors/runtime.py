@@ -48,7 +48,7 @@ from aalis_agent.actors.messages import (
 )
 from aalis_agent.actors.ownership import SessionOwnedElsewhere
 from aalis_agent.actors.session import SessionActor
-from aalis_agent.actors.turn import TurnRunner
+from aalis_agent.actors.turn import TurnRunner, running_here
 from aalis_agent.actors.workers import Workers
 from aalis_agent.events import (
     Clock,
@@ -473,15 +473,24 @@ class Runtime:
             with self._lock:
                 entry = self._entry(session_id)
                 generation = arrived_in if arrived_in is not None else entry.generation
+            handed_on: Future[str] = Future()
             try:  # on this thread, under the actor's lock: no hop to its mailbox
                 where = entry.actor.call(
-                    Submit(inp, generation, done, here=here), self.ask_timeout_s
+                    Submit(inp, generation, done, here=here, handed_on=handed_on),
+                    self.ask_timeout_s,
                 )
             except pykka.ActorDeadError:
                 self._forget(session_id, entry.ref)  # stopped under us: try a fresh one
                 if attempt == 2:
                     raise
                 continue
+            if where == "deferred" and not running_here(session_id):
+                # A deletion or clear is winding down: the input is handed on once it
+                # is done, and only then durable. Waited for with the gate open (the
+                # turn winding down needs it). From inside that very turn (a tool that
+                # submits), waiting would wait for itself: it stays "deferred".
+                with self.workers.gate.released():
+                    where = handed_on.result()
             if self.max_live_sessions is not None and len(self._entries) > self.max_live_sessions:
                 try:  # the input is accepted: nothing here may fail the submit
                     self._shed(session_id)

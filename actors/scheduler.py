@@ -80,7 +80,9 @@ class Where(StrEnum):
     DROPPED = "dropped"
     """An ``agent:input:before`` hook dropped it before the session saw it."""
     DEFERRED = "deferred"
-    """Accepted while its session could not take it yet; it is handed on later."""
+    """Held while its session could not take it yet (a deletion or clear winding down):
+    ``Runtime.submit`` waits until it is handed on and returns where it went then, so
+    callers see this only for a submit from inside that session's own turn."""
 
     @classmethod
     def of(cls, word: str) -> Where:

@@ -445,8 +445,9 @@ class SessionActor(pykka.ThreadingActor):
                 done.set_exception(error)
         deferred, self._deferred = self._deferred, []
         for submit in deferred:
-            if not submit.done.done():
-                submit.done.set_exception(error)
+            for future in (submit.done, submit.handed_on):
+                if future is not None and not future.done():
+                    future.set_exception(error)
 
     # --- plumbing --------------------------------------------------------------------
 
@@ -883,7 +884,9 @@ class SessionActor(pykka.ThreadingActor):
 
     def _on_submit(self, msg: Submit) -> str:
         if self._winding_down:
-            self._deferred.append(msg)  # handled once the deletion or clear is done
+            # Handled once the deletion or clear is done; its submitter waits for that
+            # (``handed_on``): nothing is acknowledged before it is in the log.
+            self._deferred.append(msg)
             return "deferred"
         input_id = msg.input.id
         if input_id in self._live_ids:  # perhaps still live: the queue says for sure
@@ -1100,10 +1103,14 @@ class SessionActor(pykka.ThreadingActor):
         deferred, self._deferred = self._deferred, []
         for submit in deferred:
             try:
-                self._on_submit(submit)
+                where = self._on_submit(submit)
             except Exception as exc:
-                if not submit.done.done():
-                    submit.done.set_exception(exc)
+                for future in (submit.done, submit.handed_on):
+                    if future is not None and not future.done():
+                        future.set_exception(exc)
+            else:
+                if submit.handed_on is not None and not submit.handed_on.done():
+                    submit.handed_on.set_result(where)
 
     def _on_delete(self, msg: Delete) -> str:
         self._wind_down("delete", msg.done, ())

@@ -14,6 +14,7 @@ reply (``agent:reply:before``, with format retries), saved and sent; ``agent:tur
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,10 +85,29 @@ __all__ = [
 log = structlog.get_logger("aalis.turn")
 
 
+_running_here = threading.local()  # ``sessions``: those whose turn this thread runs
+
+
+def running_here(session_id: str) -> bool:
+    """Whether this thread is running a turn of ``session_id`` (its tools, middleware and
+    callbacks run on it)."""
+    return session_id in getattr(_running_here, "sessions", ())
+
+
 class TurnRunner(ToolBatch, ReplyStep):
     """Drives one turn: model calls, tool batches and insertion points (FLOW1-FLOW15)."""
 
     def _main(self) -> None:
+        sessions: list[str] | None = getattr(_running_here, "sessions", None)
+        if sessions is None:
+            sessions = _running_here.sessions = []
+        sessions.append(self.session_id)
+        try:
+            self._main_here()
+        finally:
+            sessions.pop()
+
+    def _main_here(self) -> None:
         started = self._started_ms = self.clock.now_ms()
         outcome: TurnOutcome = "error"
         reason: str | None = None
