@@ -445,9 +445,9 @@ class SessionActor(pykka.ThreadingActor):
                 done.set_exception(error)
         deferred, self._deferred = self._deferred, []
         for submit in deferred:
-            for future in (submit.done, submit.handed_on):
-                if future is not None and not future.done():
-                    future.set_exception(error)
+            for answer in (submit.done, submit.handed_on):
+                if answer is not None and not answer.done():
+                    answer.set_exception(error)
 
     # --- plumbing --------------------------------------------------------------------
 
