@@ -21,9 +21,9 @@ Formats 1 and 2 had a table ``events`` with one row per event (format 1 without
 ``idle_sessions``). Opening one for writing moves its rows into ``log`` as they are, in
 one transaction; opened ``read_only`` (as replay does), it is read as it is.
 
-WAL journal with ``synchronous=NORMAL``: an append is acknowledged after its
-transaction commits. A batch is one transaction. The WAL is copied back into the
-database (checkpointed) on a thread of the store's own, about every
+WAL journal with ``synchronous=NORMAL`` (``sync="full"`` for ``FULL``): an append is
+acknowledged after its transaction commits. A batch is one transaction. The WAL is
+copied back into the database (checkpointed) on a thread of the store's own, about every
 ``wal_autocheckpoint`` pages written, with a connection of its own: a checkpoint copies
 and syncs megabytes (12 to 15 ms here), and run inline, as SQLite does by default, it
 fell on whichever append crossed the mark, a turn every few hundred. A checkpoint
@@ -190,8 +190,16 @@ class SqliteEventStore:
         read_only: bool = False,
         single_writer: bool = True,
         background_checkpoint: bool = True,
+        sync: str = "normal",
     ) -> None:
         """Open (and create when new) the event database at ``path``.
+
+        ``sync`` says what an acknowledged append survives. ``"normal"`` (the default,
+        SQLite's ``synchronous=NORMAL`` in WAL mode): the process being killed at any
+        point, with nothing lost; an operating-system crash or a power cut may lose the
+        last appends before the next checkpoint (never corrupting the file). ``"full"``
+        (``synchronous=FULL``): those too, at the price of a flush to the disk per
+        append (measured here: a median append of 240-375 us, against 30-37 us).
 
         ``exclusive`` keeps the file locked by this process for its lifetime: appends
         skip the per-transaction locking (about a third faster here) but no other
@@ -208,6 +216,9 @@ class SqliteEventStore:
         it for writing gets :class:`StoreInUse`. Turn it off only to test concurrent
         writers; the sequence check still refuses a stale append.
         """
+        if sync not in ("normal", "full"):
+            raise StoreError(f'sync must be "normal" or "full", not {sync!r}')
+        self._sync = sync.upper()
         self.path = str(path)
         self.read_only = read_only
         if read_only and self.path == ":memory:":
@@ -274,7 +285,7 @@ class SqliteEventStore:
             if exclusive:
                 conn.execute("PRAGMA locking_mode=EXCLUSIVE")
             conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute(f"PRAGMA synchronous={self._sync}")
             background = background_checkpoint and not exclusive and self.path != ":memory:"
             if self.path != ":memory:":  # the WAL, once started over, shrinks back to this
                 limit = max(int(wal_autocheckpoint), 1) * _PAGE * 2

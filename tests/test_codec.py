@@ -589,3 +589,21 @@ def test_read_all_names_a_continued_row_whose_header_claims_2_to_the_64_events(
     with SqliteEventStore(path) as store, pytest.raises(CorruptEvent) as info:
         store.read_all()
     assert (info.value.session_id, info.value.seq) == ("a", 2)
+
+
+@pytest.mark.parametrize(("sync", "pragma"), [("normal", 1), ("full", 2)])
+def test_the_sqlite_store_syncs_as_asked(tmp_path: Any, sync: str, pragma: int) -> None:
+    from aalis_agent.events import SqliteEventStore
+
+    with SqliteEventStore(tmp_path / "log.db", sync=sync) as store:
+        assert store._conn.execute("PRAGMA synchronous").fetchone()[0] == pragma
+        store.append("a", [InputQueued(session_id="a", seq=1, at=1, input_id="i")], 0)
+        assert len(store.read("a")) == 1
+
+
+def test_an_unknown_sync_is_refused_by_name(tmp_path: Any) -> None:
+    from aalis_agent.events import SqliteEventStore, StoreError
+
+    with pytest.raises(StoreError, match='sync must be "normal" or "full", not \'off\''):
+        SqliteEventStore(tmp_path / "log.db", sync="off")
+    assert not (tmp_path / "log.db.lock").exists()
