@@ -252,8 +252,14 @@ class RowContext(NamedTuple):
 
 def _head(session_id: str) -> bytes:
     """The dictionary of a group's first row: the fixed bytes, then the session id as the
-    ``sessionId`` of a token-usage payload spells it."""
-    return _STATIC + b"\xa9sessionId" + _encoder.encode(session_id)
+    ``sessionId`` of a token-usage payload spells it. A name that is not valid Unicode
+    (a session table edited by hand) gets its raw bytes: its rows then read as corrupt,
+    each named, instead of the read failing."""
+    try:
+        name = _encoder.encode(session_id)
+    except (msgspec.EncodeError, UnicodeEncodeError):
+        name = _encoder.encode(session_id.encode("utf-8", "surrogateescape"))
+    return _STATIC + b"\xa9sessionId" + name
 
 
 def _next_zdict(head: bytes, zdict: bytes, body: bytes) -> bytes:

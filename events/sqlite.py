@@ -531,8 +531,15 @@ class SqliteEventStore:
         """The session's number, if it has one (old-format files have none)."""
         sid = self._sids.get(session_id)
         if sid is None and not self._old_layout:
+            # As text or, from a hand edit, as a blob of the same bytes (a name read back
+            # with bytes that are not UTF-8 is found by those bytes).
+            try:
+                key: tuple[object, object] = (session_id, session_id.encode("utf-8"))
+            except UnicodeEncodeError:
+                raw = session_id.encode("utf-8", "surrogateescape")
+                key = (raw, raw)
             row = self._conn.execute(
-                "SELECT id FROM sessions WHERE name = ?", (session_id,)
+                "SELECT id FROM sessions WHERE name = ? OR name = ? ORDER BY id LIMIT 1", key
             ).fetchone()
             if row is not None:
                 sid = row[0]

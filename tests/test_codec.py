@@ -607,3 +607,35 @@ def test_an_unknown_sync_is_refused_by_name(tmp_path: Any) -> None:
     with pytest.raises(StoreError, match='sync must be "normal" or "full", not \'off\''):
         SqliteEventStore(tmp_path / "log.db", sync="off")
     assert not (tmp_path / "log.db.lock").exists()
+
+
+def test_session_names_edited_by_hand_into_blobs_still_read(tmp_path: Any) -> None:
+    """A name stored as a blob of valid UTF-8 is the same session (it read as empty, and
+    the next append made a second one); a name whose bytes are not UTF-8 has its rows
+    reported as corrupt, each named, while the other sessions read (it failed the read
+    with a raw UnicodeEncodeError)."""
+    import sqlite3
+
+    from aalis_agent.events import SqliteEventStore
+
+    path = tmp_path / "log.db"
+    with SqliteEventStore(path) as store:
+        for name in ("a", "b"):
+            store.append(name, [InputQueued(session_id=name, seq=1, at=1, input_id="i")], 0)
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE sessions SET name = CAST('b' AS BLOB) WHERE name = 'b'")
+    conn.execute("UPDATE sessions SET name = x'ff00fe' WHERE name = 'a'")
+    conn.commit()
+    conn.close()
+    with SqliteEventStore(path) as store:
+        assert [e.input_id for e in store.read("b")] == ["i"]
+        store.append("b", [InputQueued(session_id="b", seq=2, at=1, input_id="j")], 1)
+        assert len(store.read("b")) == 2
+        assert sorted(store.sessions(), key=len)[0] == "b"
+        [bad] = [s for s in store.sessions() if s != "b"]
+        seen: list[CorruptEvent] = []
+        assert store.read(bad, on_corrupt=seen.append) == []
+        assert [(c.session_id, c.seq) for c in seen] == [(bad, 1)]
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT count(*) FROM sessions").fetchone()[0] == 2  # no second "b"
+    conn.close()
