@@ -869,13 +869,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             call(sid, timeout=0)
         self.settle()
         turn.cut_seq = self.store.last_seq(sid)
-        deferred: list[Input] = []
+        deferred: list[tuple[Input, threading.Thread, dict[str, SubmitHandle]]] = []
         if during is not None:
+            # Held by the session until the wind-down is over: its submit returns only
+            # once it is in the log, so it is sent from a thread of its own.
             inp = self._human(*during)
-            handle = self.runtime.submit(sid, inp)
-            assert handle.where == "deferred"
-            self.handles[inp.id] = (sid, handle)
-            deferred.append(inp)
+            got: dict[str, SubmitHandle] = {}
+            sender = threading.Thread(
+                target=lambda: got.setdefault("handle", self.runtime.submit(sid, inp)),
+                daemon=True,
+            )
+            sender.start()
+            self._wait_held_back(sid)
+            assert sender.is_alive() and inp.id not in self._received(sid)
+            deferred.append((inp, sender, got))
             self.settle()
         while s.running is turn:
             # The wind-down waits for the tool, however long it takes (DEL1, DEL2).
@@ -885,8 +892,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.tool.release(sid)
             self.settle()
         s.finish_wind_down(kind)
-        for inp in deferred:
-            s.submit(
+        for inp, sender, got in deferred:
+            where = s.submit(
                 SInput(
                     inp.id,
                     human=True,
@@ -896,7 +903,21 @@ class SchedulerMachine(RuleBasedStateMachine):
                     sender=inp.sender.user_id,
                 ),
             )
+            sender.join(10)
+            assert not sender.is_alive(), "the held input was never handed on"
+            self.handles[inp.id] = (sid, got["handle"])
+            assert got["handle"].where == where
         self.settle()
+
+    def _wait_held_back(self, sid: str) -> None:
+        """Until the session holds back a submit (its wind-down not over yet)."""
+        deadline = time.monotonic() + 10
+        while not self.runtime._entries[sid].actor._deferred:
+            assert time.monotonic() < deadline, "the input never reached its session"
+            time.sleep(0.001)
+
+    def _received(self, sid: str) -> list[str]:
+        return [e.input.id for e in self.store.read(sid) if isinstance(e, InputReceived)]
 
     def delete_racing_an_input(self, sid: str, who: tuple[str, bool]) -> None:
         """DEL2: an input arrives (its generation is taken), and before it is handed on
@@ -1336,8 +1357,9 @@ def test_crash_while_a_tool_runs_is_recovered_as_an_aborted_turn(rig: Rig) -> No
 
 def test_an_input_arriving_during_a_deletion_opens_a_turn_afterwards(rig: Rig) -> None:
     """DEL1-DEL2: while a deletion waits for a tool, a new input is held back (not
-    logged); once the turn has wound down and the session is deleted it is handled in
-    the new generation and opens a turn of its own, with none of the old history."""
+    logged, and its submit not answered); once the turn has wound down and the session
+    is deleted it is handled in the new generation and opens a turn of its own, with
+    none of the old history: its submit returns then."""
     rig.runtime.submit(DM, Input(id="h1", content="查一下"))
     rig.settle()
     answer(rig.model, DM, tool_calls=TWO_CALLS[:1])
@@ -1345,12 +1367,21 @@ def test_an_input_arriving_during_a_deletion_opens_a_turn_afterwards(rig: Rig) -
     with pytest.raises(TimeoutError):
         rig.runtime.delete(DM, timeout=0)
     rig.settle()
-    late = rig.runtime.submit(DM, Input(id="h2", content="新的"))
+    got: dict[str, SubmitHandle] = {}
+    sender = threading.Thread(
+        target=lambda: got.setdefault(
+            "late", rig.runtime.submit(DM, Input(id="h2", content="新的"))
+        )
+    )
+    sender.start()
+    sender.join(0.3)
     rig.settle()
-    assert late.where == "deferred"
+    assert sender.is_alive()  # not acknowledged: it is not in the log yet
     assert "h2" not in [e.input.id for e in rig.of(InputReceived)]
     rig.tool.release(DM)
+    sender.join(10)
     rig.settle()
+    assert got["late"].where == "opened"
     log = rig.store.read(DM)
     deleted = next(e.seq for e in log if isinstance(e, SessionDeleted))
     received = next(e for e in log if isinstance(e, InputReceived) and e.input.id == "h2")
