@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--at", metavar="SEQ", type=int, help="show the projected state as of this seq"
     )
     replay.add_argument("--json", action="store_true", help="print one JSON object per line")
+    replay.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show the runtime's log lines on stderr (a --fork re-run's)",
+    )
     from aalis_agent.cli.fork import add_fork_arguments
 
     add_fork_arguments(replay)
@@ -366,9 +372,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     verbose = getattr(args, "verbose", False)
-    # The demo prints its own transcript, the chat its own one-line errors: the log joins
-    # them only when asked (-v).
-    silent = args.command == "chat" and not verbose
+    # The demo prints its own transcript, the chat its own one-line errors, replay its
+    # report (a fork's turn that failed says how): the log joins them only when asked (-v).
+    silent = args.command in ("chat", "replay") and not verbose
     configure_logging(
         verbose, quiet=args.command == "demo", level=logging.CRITICAL if silent else None
     )

@@ -297,3 +297,30 @@ def test_the_command_line(db: Path) -> None:
         timeout=60,
     )
     assert bad.returncode == 2 and "has seq 1 to 25" in bad.stderr
+
+
+def test_a_fork_whose_model_fails_reports_it_and_logs_only_with_verbose(
+    db: Path, tmp_path: Path
+) -> None:
+    """The report says the fork's turn failed and why; the runtime's log (a traceback)
+    goes to stderr only with ``-v``."""
+    config = tmp_path / "bad.toml"
+    config.write_text(  # a closed loopback port: the call fails at once
+        "[providers.p]\nbaseUrl = 'http://127.0.0.1:9/v1'\nlistModels = false\n"
+        "[[providers.p.models]]\nid = 'm'\n",
+        encoding="utf-8",
+    )
+    seq = _seq_of(db, TurnRecorded, "turn-1")
+    argv = ["replay", str(db), "--session", SESSION, "--fork", str(seq)]
+    argv += ["--config", str(config), "--model", "p/m"]
+    for verbose in (False, True):
+        done = subprocess.run(
+            [sys.executable, "-m", "aalis_agent.cli", *argv, *(["-v"] if verbose else [])],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert ": error (ProviderError)" in done.stdout
+        assert ("turn failed" in done.stderr) is verbose
+        assert ("Traceback" in done.stderr) is verbose
