@@ -413,7 +413,12 @@ class AsyncRuntime:
         handle for its :class:`TurnResult`. A plain string is a console input."""
         if isinstance(inp, str):
             inp = Input(id="", content=inp)
-        handle = await self._call(self.runtime.submit, session_id, inp)
+        handle = await self._call(self.runtime._submit_unwaited, session_id, inp)
+        if handle.accepted is not None:
+            # Held back while the session winds down a deletion or clear: acknowledged
+            # once it is in the log, waited for here without holding a thread.
+            where = await asyncio.shield(asyncio.wrap_future(handle.accepted))
+            handle = SubmitHandle(handle.input_id, where, handle.future)
         return AsyncHandle(handle, self._replies)
 
     async def acommand(

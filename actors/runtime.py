@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -48,7 +48,7 @@ from aalis_agent.actors.messages import (
 )
 from aalis_agent.actors.ownership import SessionOwnedElsewhere
 from aalis_agent.actors.session import SessionActor
-from aalis_agent.actors.turn import TurnRunner, running_here
+from aalis_agent.actors.turn import TurnRunner, in_a_turn
 from aalis_agent.actors.workers import Workers
 from aalis_agent.events import (
     Clock,
@@ -97,6 +97,9 @@ class SubmitHandle:
     input_id: str
     where: str
     future: Future[InputOutcome]
+    accepted: Future[str] | None = field(default=None, repr=False, compare=False)
+    """For ``where == "deferred"`` (a submit from inside a turn while the session winds
+    down a deletion or clear): where the input went once it is handed on and durable."""
 
     def result(self, timeout: float | None = None) -> InputOutcome:
         return self.future.result(timeout)
@@ -417,6 +420,14 @@ class Runtime:
         with _HeldInterrupt(), self.workers.gate.held():
             return self._submit(session_id, inp)[0]
 
+    def _submit_unwaited(self, session_id: str, inp: Input) -> SubmitHandle:
+        """:meth:`submit`, except that an input its session holds back (a deletion or
+        clear winding down) is answered ``deferred`` at once, its handle's ``accepted``
+        saying where it went once durable: for a caller that waits for that itself
+        (``AsyncRuntime``, on its event loop)."""
+        with _HeldInterrupt(), self.workers.gate.held():
+            return self._submit(session_id, inp, wait_deferred=False)[0]
+
     def run(self, session_id: str, inp: Input) -> InputOutcome:
         """Submit ``inp`` and wait for how it ended; a turn it opens runs on this thread.
 
@@ -443,7 +454,7 @@ class Runtime:
         return handle.result()
 
     def _submit(
-        self, session_id: str, inp: Input, *, here: bool = False
+        self, session_id: str, inp: Input, *, here: bool = False, wait_deferred: bool = True
     ) -> tuple[SubmitHandle, TurnRunner | None]:
         if self._closed:
             raise RuntimeClosed("the runtime is shut down")
@@ -484,11 +495,12 @@ class Runtime:
                 if attempt == 2:
                     raise
                 continue
-            if where == "deferred" and not running_here(session_id):
+            if where == "deferred" and wait_deferred and not in_a_turn():
                 # A deletion or clear is winding down: the input is handed on once it
                 # is done, and only then durable. Waited for with the gate open (the
-                # turn winding down needs it). From inside that very turn (a tool that
-                # submits), waiting would wait for itself: it stays "deferred".
+                # turn winding down needs it). Not from inside a turn (a tool, its
+                # middleware): that turn may be the one winding down, or hold a thread or
+                # a wait the wind-down needs; such a submit is answered "deferred".
                 with self.workers.gate.released():
                     where = handed_on.result()
             if self.max_live_sessions is not None and len(self._entries) > self.max_live_sessions:
@@ -497,7 +509,8 @@ class Runtime:
                 except Exception:
                     log.exception("passivating sessions over max_live_sessions failed")
             held = entry.actor.take_held() if here else None
-            return SubmitHandle(inp.id, where, done), held
+            accepted = handed_on if where == "deferred" else None
+            return SubmitHandle(inp.id, where, done, accepted), held
         raise AssertionError("unreachable")
 
     def _run_here(self, session_id: str, runner: TurnRunner, *, gated: bool) -> None:
@@ -604,6 +617,7 @@ class Runtime:
         done: Future[int] = Future()
         with self._lock:
             entry = self._entry(session_id)
+            entry.actor.refuse_reentry("a deletion")
             self._generations[session_id] = self._generations.get(session_id, entry.generation) + 1
             entry.ref.tell(Delete(done))
         return done.result(timeout)
@@ -618,7 +632,9 @@ class Runtime:
         kinds = _checked_kinds(kinds)
         done: Future[None] = Future()
         with self._lock:
-            self._entry(session_id).ref.tell(Clear(kinds, done))
+            entry = self._entry(session_id)
+            entry.actor.refuse_reentry("a clear")
+            entry.ref.tell(Clear(kinds, done))
         done.result(timeout)
 
     def shutdown(self, timeout: float | None = None) -> None:

@@ -80,9 +80,11 @@ class Where(StrEnum):
     DROPPED = "dropped"
     """An ``agent:input:before`` hook dropped it before the session saw it."""
     DEFERRED = "deferred"
-    """Held while its session could not take it yet (a deletion or clear winding down):
-    ``Runtime.submit`` waits until it is handed on and returns where it went then, so
-    callers see this only for a submit from inside that session's own turn."""
+    """Held while its session could not take it yet (a deletion or clear winding down),
+    and not yet in the log. ``Runtime.submit`` waits until it is handed on and returns
+    where it went then; only a submit from inside a turn (a tool, its middleware), which
+    must not wait, is answered this, its handle's ``accepted`` resolving once the input
+    is durable."""
 
     @classmethod
     def of(cls, word: str) -> Where:

@@ -355,6 +355,17 @@ class SessionActor(pykka.ThreadingActor):
         self._lock.release()
         self._stop_without_thread()
 
+    def refuse_reentry(self, what: str) -> None:
+        """Raise, as :meth:`call` does, when the calling thread is in a callback run while
+        this session handles a message: ``what`` (a deletion, a clear) would wait for a
+        message that can only run after that callback returns."""
+        if self._holder == threading.get_ident():
+            raise RuntimeError(
+                f"session {self.session_id}: a callback run while the session handles a "
+                f"message asked for {what} of the same session (it would wait for itself); "
+                "hand the call to another thread"
+            )
+
     def call(self, message: Any, timeout: float | None = None) -> Any:
         """Handle ``message`` on the calling thread, under the lock the mailbox thread
         takes for each message: exactly as if it had been asked, without the two thread
@@ -444,10 +455,17 @@ class SessionActor(pykka.ThreadingActor):
             if not done.done():
                 done.set_exception(error)
         deferred, self._deferred = self._deferred, []
-        for submit in deferred:
-            for answer in (submit.done, submit.handed_on):
-                if answer is not None and not answer.done():
-                    answer.set_exception(error)
+        if deferred:
+            held_back = RuntimeClosed(
+                f"session {self.session_id!r} stopped before an input held back during its "
+                "deletion or clear was handed on: that input is not in its log (send it "
+                f"again); the session stopped on {type(error).__name__}"
+            )
+            held_back.__cause__ = error
+            for submit in deferred:
+                for answer in (submit.done, submit.handed_on):
+                    if answer is not None and not answer.done():
+                        answer.set_exception(held_back)
 
     # --- plumbing --------------------------------------------------------------------
 
@@ -1089,19 +1107,26 @@ class SessionActor(pykka.ThreadingActor):
             self._finish_winding_down()
 
     def _finish_winding_down(self) -> None:
-        pending, self._winding_down = self._winding_down, []
+        pending = self._winding_down
         step = self._step()
         for kind, _done, kinds in pending:
             if kind == "delete":
                 step.add(SessionDeleted(generation=step.view.queue.generation + 1))
             else:
                 step.add(ContextCleared(kinds=kinds))
+        # A failed write fences the actor, and its waiters (these deletions and clears,
+        # the inputs held back) are answered with the error: they are still listed.
         self._commit(step)
+        self._winding_down = []
         for kind, done, _kinds in pending:
             if not done.done():
                 done.set_result(self.view.queue.generation if kind == "delete" else None)
         deferred, self._deferred = self._deferred, []
-        for submit in deferred:
+        for n, submit in enumerate(deferred):
+            if self._failed is not None:  # fenced by an earlier one: nothing more is written
+                self._deferred = deferred[n:]
+                self._fail_waiting(self._failed)
+                break
             try:
                 where = self._on_submit(submit)
             except Exception as exc:

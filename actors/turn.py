@@ -88,10 +88,10 @@ log = structlog.get_logger("aalis.turn")
 _running_here = threading.local()  # ``sessions``: those whose turn this thread runs
 
 
-def running_here(session_id: str) -> bool:
-    """Whether this thread is running a turn of ``session_id`` (its tools, middleware and
-    callbacks run on it)."""
-    return session_id in getattr(_running_here, "sessions", ())
+def in_a_turn() -> bool:
+    """Whether this thread is running a turn (its tools, middleware and callbacks run on
+    it)."""
+    return bool(getattr(_running_here, "sessions", ()))
 
 
 class TurnRunner(ToolBatch, ReplyStep):

@@ -97,3 +97,194 @@ def test_an_input_during_a_wind_down_is_acknowledged_once_it_is_in_the_log(
 def _stopped(runtime: Runtime) -> bool:
     running = runtime.view("s").queue.running
     return running is not None and running.stop_requested
+
+
+def _wait_stopping(runtime: Runtime, *sessions: str) -> None:
+    deadline = time.monotonic() + 5
+    while not all(
+        (r := runtime.view(s).queue.running) is not None and r.stop_requested for s in sessions
+    ):
+        assert time.monotonic() < deadline, "the wind-down did not begin"
+        time.sleep(0.01)
+
+
+def test_tools_that_submit_to_each_others_sessions_during_both_deletions_do_not_deadlock(
+    tmp_path: Path,
+) -> None:
+    """A submit from inside a turn does not wait for a wind-down (that turn, or one it
+    waits on, may be what the wind-down waits for): A's tool submits to B and B's to A
+    while both are deleted; both deletions return."""
+    go = {"A": threading.Event(), "B": threading.Event()}
+    in_tool = {"A": threading.Event(), "B": threading.Event()}
+    told: dict[str, str] = {}
+
+    def notify(args: Any, ctx: Any) -> str:
+        other = "B" if ctx.session_id == "A" else "A"
+        in_tool[ctx.session_id].set()
+        go[ctx.session_id].wait(10)
+        told[ctx.session_id] = runtime.submit(other, Input(id="", content="hi")).where
+        return "told"
+
+    def reply(request: Any, n: int) -> ScriptedReply:
+        if request.messages[-1].role == "tool":
+            return ScriptedReply(text="done")
+        return ScriptedReply(tool_calls=(ToolCall(id=f"c{n}", name="notify", arguments="{}"),))
+
+    store = SqliteEventStore(tmp_path / "log.db")
+    services = Services(llm=ScriptedModel(reply), tools=ToolRegistry([Tool("notify", notify)]))
+    runtime = Runtime(store, services, janitor=False)
+    try:
+        handles = {s: runtime.submit(s, Input(id="", content="go")) for s in "AB"}
+        assert all(e.wait(5) for e in in_tool.values())
+        deletes = {s: threading.Thread(target=runtime.delete, args=(s,), daemon=True) for s in "AB"}
+        for thread in deletes.values():
+            thread.start()
+        _wait_stopping(runtime, "A", "B")
+        go["A"].set()  # A's tool submits to B, whose deletion waits for B's tool
+        deadline = time.monotonic() + 10
+        while "A" not in told:
+            assert time.monotonic() < deadline, "A's submit waited for B's wind-down"
+            time.sleep(0.01)
+        assert told["A"] == "deferred"  # held back, not waited for from inside a turn
+        go["B"].set()
+        for thread in deletes.values():
+            thread.join(10)
+        assert not any(t.is_alive() for t in deletes.values()), "deadlocked"
+        assert set(told) == {"A", "B"}
+        assert {h.result(5).reason for h in handles.values()} == {"delete"}
+    finally:
+        for event in go.values():
+            event.set()
+        runtime.shutdown(timeout=10)
+        store.close()
+
+
+def test_a_clear_or_delete_from_a_callback_of_the_same_session_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A ``turn:ended`` subscriber runs while its session handles a message: a clear or
+    delete of that session would wait for itself (it hung for good); it is refused, as
+    a submit from there is."""
+    tool = GatedTool()
+    runtime, store = _runtime(tmp_path, tool)
+    errors: list[str] = []
+
+    def on_ended(topic: str, payload: Any) -> None:
+        for call in (runtime.clear, runtime.delete):
+            try:
+                call(payload["sessionId"], timeout=5)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+
+    runtime.subscribe("turn:ended", on_ended)
+    try:
+        handle = runtime.submit("s", Input(id="", content="一"))
+        tool.release()
+        assert handle.result(10).outcome == "replied"
+        assert len(errors) == 2 and all("would wait for itself" in e for e in errors)
+    finally:
+        tool.release(10)
+        runtime.shutdown(timeout=10)
+        store.close()
+
+
+def test_a_failed_write_ending_a_wind_down_answers_the_deletion_and_the_held_inputs(
+    tmp_path: Path,
+) -> None:
+    """The write that records the deletion fails: the session is fenced, ``delete``
+    raises SessionFailed (it waited for good), and the inputs held back meanwhile are
+    refused, none of them written by the fenced actor."""
+    from aalis_agent.events import SessionDeleted, SessionFailed
+
+    class FailingDelete(SqliteEventStore):
+        def append(self, session_id: str, events: Any, *args: Any, **kwargs: Any) -> int:
+            if any(isinstance(e, SessionDeleted) for e in events):
+                raise OSError("disk I/O error (injected)")
+            return super().append(session_id, events, *args, **kwargs)
+
+    tool = GatedTool()
+    store = FailingDelete(tmp_path / "log.db")
+    services = Services(
+        llm=ScriptedModel(
+            [ScriptedReply(tool_calls=(ToolCall(id="c1", name="slow", arguments="{}"),))]
+        ),
+        tools=ToolRegistry([Tool(tool.name, tool)]),
+    )
+    runtime = Runtime(store, services, janitor=False)
+    out: dict[str, Any] = {}
+
+    def call(name: str, fn: Any) -> threading.Thread:
+        def run() -> None:
+            try:
+                out[name] = fn()
+            except Exception as exc:
+                out[name] = exc
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    try:
+        runtime.submit("s", Input(id="first", content="一"))
+        tool.wait_running()
+        deleting = call("delete", lambda: runtime.delete("s"))
+        _wait_stopping(runtime, "s")
+        senders = [
+            call(i, lambda i=i: runtime.submit("s", Input(id=i, content=i))) for i in ("d1", "d2")
+        ]
+        deadline = time.monotonic() + 5
+        while len(runtime._entries["s"].actor._deferred) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        tool.release()
+        for thread in (deleting, *senders):
+            thread.join(10)
+            assert not thread.is_alive(), "left waiting"
+        assert isinstance(out["delete"], SessionFailed)
+        assert all(isinstance(out[i], Exception) for i in ("d1", "d2"))
+        assert not {"d1", "d2"} & {
+            e.input.id for e in store.read("s") if isinstance(e, InputReceived)
+        }
+    finally:
+        tool.release(10)
+        runtime.shutdown(timeout=10)
+        store.close()
+
+
+def test_an_async_submit_held_back_by_a_deletion_does_not_hold_a_thread(
+    tmp_path: Path,
+) -> None:
+    """``asubmit`` waits for a held-back input on the event loop: with two threads in
+    the AsyncRuntime's pool, two such submits leave calls for other sessions free."""
+    import asyncio
+
+    from aalis_agent import AsyncRuntime
+
+    tool = GatedTool()
+    runtime, store = _runtime(tmp_path, tool)
+
+    async def main() -> None:
+        async with AsyncRuntime(runtime, threads=2) as aruntime:
+            await aruntime.asubmit("s", Input(id="first", content="一"))
+            await asyncio.to_thread(tool.wait_running)
+            deleting = asyncio.ensure_future(asyncio.to_thread(runtime.delete, "s"))
+            await asyncio.to_thread(_wait_stopping, runtime, "s")
+            held = [
+                asyncio.ensure_future(aruntime.asubmit("s", Input(id=i, content=i)))
+                for i in ("d1", "d2")
+            ]
+            await asyncio.sleep(0.2)
+            assert not any(h.done() for h in held)  # not acknowledged yet
+            other = await asyncio.wait_for(aruntime.asubmit("other", "你好"), 5)
+            assert other.where == "opened"
+            tool.release()
+            await deleting
+            wheres = [(await h).where for h in held]
+            assert wheres[0] == "opened" and wheres[1] in ("queued", "pending")
+
+    try:
+        asyncio.run(main())
+    finally:
+        tool.release(10)
+        runtime.shutdown(timeout=10)
+        store.close()
