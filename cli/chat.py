@@ -98,7 +98,8 @@ def listed_limits(
     (``GET /models``) gives them, each None when it gives none (Ollama's, OpenAI's) or
     the listing cannot be read. Keys read: ``context_length``, ``max_model_len`` (vLLM),
     ``max_context_length`` (LM Studio), ``context_window``; ``max_completion_tokens``,
-    ``max_output_tokens``; also under ``top_provider`` (OpenRouter)."""
+    ``max_output_tokens``; also under ``top_provider`` (OpenRouter). A value that is not
+    a whole number from 1 to 2**31 - 1 counts as not given."""
     import httpx
     import msgspec
 
@@ -122,8 +123,8 @@ def listed_limits(
         for place in places:
             for key in keys:
                 value = place.get(key) if isinstance(place, dict) else None
-                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                    return value
+                if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**31:
+                    return value  # past 2**31 tokens a listing is nonsense: not taken
         return None
 
     return (

@@ -159,6 +159,15 @@ class RuntimeClosed(UsageError, RuntimeError):
     """The runtime was shut down: it takes no more inputs."""
 
 
+def _one_line(text: str) -> str:
+    """``text`` with its control and formatting characters escaped (``\\n``, ``\\x1b``,
+    ``\\u202e``): a server's message printed to a terminal or a log cannot break lines,
+    move the cursor or reverse the text after it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 class ProviderError(RunError):
     """A call to a model server failed. The message is ``<kind>: <what the client said>``
     with every registered secret masked; ``kind`` names the client's error
@@ -166,7 +175,7 @@ class ProviderError(RunError):
     the server answered. Raised ``from None``, without the client's exception."""
 
     def __init__(self, message: str, *, kind: str = "", status_code: int | None = None) -> None:
-        super().__init__(redact(message))
+        super().__init__(_one_line(redact(message)))
         self.kind = kind
         self.status_code = status_code
 

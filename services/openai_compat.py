@@ -38,6 +38,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import email.utils
+import json
 import math
 import os
 import socket
@@ -68,6 +69,7 @@ MAX_RETRY_WAIT_S = 30.0
 
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error answer read for its message
 _MESSAGE_LIMIT = 500  # characters of an error answer that is not an error object
+_HEAD_LIMIT = 4096  # the start of an answer kept to say what it was
 _DRAIN_LIMIT = 64 * 1024  # bytes after [DONE] read so that the connection can be kept
 _DRAIN_TIMEOUT_S = 0.1  # the longest a server may take to end its reply after [DONE]
 
@@ -372,12 +374,17 @@ def _malformed(data: bytes, reason: str) -> ProviderError:
 
 
 def _decode(data: bytes) -> dict[str, Any]:
-    """One event's data as a JSON object; anything else is a ProviderError."""
+    """One event's data as a JSON object; anything else is a ProviderError. A lone
+    surrogate escape (half an emoji, cut between two events by a server's encoder) is
+    read as such, for the turn to join the halves again."""
     failure: ProviderError | None = None
     try:
         obj = msgspec.json.decode(data)
     except msgspec.DecodeError as exc:
-        failure = _malformed(data, f"its data is not JSON: {exc}")
+        try:  # the standard library's reader takes lone surrogate escapes
+            obj = json.loads(data)
+        except (ValueError, RecursionError):
+            failure = _malformed(data, f"its data is not JSON: {exc}")
     if failure is not None:
         raise failure from None  # outside the handler: no __context__ either
     if not isinstance(obj, dict):
@@ -428,7 +435,7 @@ def _index_of(tc: Mapping[str, Any], pending: dict[int, _Pending]) -> int:
     index = tc.get("index")
     if isinstance(index, int) and not isinstance(index, bool):
         return index
-    if isinstance(index, str) and index.isdigit():
+    if isinstance(index, str) and index.isascii() and index.isdigit() and len(index) < 10:
         return int(index)
     if not pending:
         return 0
@@ -541,10 +548,15 @@ def _events(pieces: Iterator[bytes], exchange: _Exchange) -> Iterator[dict[str, 
     """The reply's chunks (JSON objects) up to ``[DONE]`` or the end of the body; an error
     the server sends in the stream, or data that is not a JSON object, is a ProviderError."""
     parser = _Events()
+    head = bytearray()  # the answer's start, to say what it was when it held no events
+    seen = False
     while True:
         piece = _next_piece(pieces)
+        if piece is not None and len(head) < _HEAD_LIMIT:
+            head += piece[: _HEAD_LIMIT - len(head)]
         datas = parser.end() if piece is None else parser.feed(piece)
         for data in datas:
+            seen = True
             if data.startswith(b"[DONE]"):
                 if piece is not None:
                     _drain(pieces, exchange)
@@ -555,6 +567,12 @@ def _events(pieces: Iterator[bytes], exchange: _Exchange) -> Iterator[dict[str, 
                 raise _stream_error(error) from None
             yield obj
         if piece is None:
+            if not seen:  # an HTML page, a JSON error or a whole completion: no stream
+                said = _message_of(bytes(head)) or "an empty answer"
+                raise ProviderError(
+                    f"APIError: the server's answer is not an event stream: {said}",
+                    kind="APIError",
+                )
             return
 
 
@@ -745,7 +763,9 @@ class OpenAICompatibleModel:
                                 call.chars += len(arguments)
                         yield StreamChunk(
                             tool_call_progress=ToolCallProgress(
-                                index=index,
+                                # Its place among the calls (the order they began in): the
+                                # server's index need not start at 0 nor be contiguous.
+                                index=list(pending).index(index),
                                 name=call.name,
                                 call_id=call.id,
                                 chars_accumulated=call.chars,
@@ -759,8 +779,7 @@ class OpenAICompatibleModel:
             raise
         finally:
             exchange.finish()
-        calls = tuple(
-            ToolCall(id=c.id, name=c.name, arguments="".join(c.arguments))
-            for _, c in sorted(pending.items())
+        calls = tuple(  # in the order they began, as their progress numbered them
+            ToolCall(id=c.id, name=c.name, arguments="".join(c.arguments)) for c in pending.values()
         )
         yield StreamChunk(tool_calls=calls, done=True, usage=usage)

@@ -181,6 +181,19 @@ def test_a_listing_without_the_numbers_keeps_the_defaults(tmp_path: Path) -> Non
     assert any("/128000 " in line for line in result.stdout.splitlines())
 
 
+def test_a_listing_with_absurd_numbers_keeps_the_defaults(tmp_path: Path) -> None:
+    """A context length of 10**30 in the listing used to stop the session at its first
+    usage record (a count the log cannot hold): past 2**31 it is not taken."""
+    absurd = Server([{"id": "m", "context_length": 10**30, "max_output_tokens": 2**40}])
+    try:
+        result = _chat(tmp_path / "c.db", absurd.url, "--context-length", "auto")
+    finally:
+        absurd.close()
+    assert result.returncode == 0, result.stderr
+    assert "the server's model listing gives none; using the default" in result.stderr
+    assert any("/128000 " in line for line in result.stdout.splitlines())
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "many", "1e9"])
 def test_a_bad_limit_is_refused_by_the_parser(value: str, tmp_path: Path) -> None:
     result = run_cli("chat", "--db", str(tmp_path / "c.db"), "--context-length", value)

@@ -54,7 +54,8 @@ class Server(LoopbackServer):
 
     def __init__(self) -> None:
         # a reply: SSE pieces, an error status, or an error status with its message
-        self.scripts: list[list[bytes] | int | tuple[int, str]] = []
+        self.scripts: list[list[bytes] | int | tuple[int, str] | bytes] = []
+        self.raw_type = "text/html"  # of a ``bytes`` script, sent whole
         self.requests: list[dict[str, Any]] = []
         self.delay_s = 0.0
         self.served: list[str] = []
@@ -82,6 +83,13 @@ class Server(LoopbackServer):
                 outer.requests.append(json.loads(body))
                 outer.auths.append(self.headers["Authorization"])
                 script = outer.scripts.pop(0) if outer.scripts else []
+                if isinstance(script, bytes):  # a 200 answer that is not an event stream
+                    self.send_response(200)
+                    self.send_header("Content-Type", outer.raw_type)
+                    self.send_header("Content-Length", str(len(script)))
+                    self.end_headers()
+                    self.wfile.write(script)
+                    return
                 if isinstance(script, (int, tuple)):
                     status, message = (
                         script if isinstance(script, tuple) else (script, "overloaded")
@@ -486,3 +494,76 @@ def test_an_unreachable_server_is_a_provider_error_and_a_url_password_is_masked(
         list(m.chat_stream(REQ, AbortSignal()))
     assert caught.value.status_code is None and caught.value.__context__ is None
     assert redact("http://user:pw-in-the-URL-77@host") == f"http://user:{MASK}@host"
+
+
+def test_tool_calls_whose_indexes_start_at_1_run_under_the_ids_they_were_announced_with(
+    server: Server,
+) -> None:
+    """FLOW10 with a server numbering its calls from 1: each call runs and is stored under
+    the id announced while it streamed (the second used to run as the first's id, ~2)."""
+    first = {"index": 1, "id": "call_A", "function": {"name": "add", "arguments": "{}"}}
+    second = {"index": 2, "id": "call_B", "function": {"name": "add", "arguments": "{}"}}
+    server.scripts.append(
+        [sse(chunk({"tool_calls": [first]})), sse(chunk({"tool_calls": [second]}, "tool_calls"))]
+    )
+    server.scripts.append([sse(chunk({"content": "好"}, "stop"))])
+    services = Services(llm=model(server), tools=ToolRegistry([Tool("add", lambda a, c: "2")]))
+    announced: list[str] = []
+    with running(services) as runtime:
+        runtime.subscribe(
+            "outbound:stream",
+            lambda topic, p: (
+                announced.append(p["toolCallProgress"]["callId"])
+                if "toolCallProgress" in p
+                else None
+            ),
+        )
+        assert runtime.run("s", Input(id="", content="算")).outcome == "replied"
+        started = [e.call_id for e in runtime.store.read("s") if isinstance(e, ToolStarted)]
+    assert started == ["call_A", "call_B"] == announced
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (b"<html><body>Bad gateway</body></html>", "<html><body>Bad gateway</body></html>"),
+        (b'{"error": {"message": "model not loaded"}}', "model not loaded"),
+        (b"", "an empty answer"),
+    ],
+)
+def test_a_200_answer_that_is_not_an_event_stream_is_an_error(
+    server: Server, body: bytes, said: str
+) -> None:
+    server.scripts.append(body)
+    with pytest.raises(ProviderError) as info:
+        list(model(server).chat_stream(REQ, AbortSignal()))
+    assert str(info.value) == f"APIError: the server's answer is not an event stream: {said}"
+
+
+def test_an_emoji_cut_between_two_events_as_json_escapes_is_joined(server: Server) -> None:
+    """A server whose encoder cuts a string between the halves of a surrogate pair sends
+    ``"a\\ud83d"`` then ``"\\ude00b"``: the reply is ``a😀b`` (the turn failed)."""
+    server.scripts.append(
+        [
+            b'data: {"choices": [{"index": 0, "delta": {"content": "a\\ud83d"}}]}\n\n',
+            b'data: {"choices": [{"index": 0, "delta": {"content": "\\ude00b"}}]}\n\n',
+        ]
+    )
+    with running(Services(llm=model(server))) as runtime:
+        outcome = runtime.run("s", Input(id="", content="表情"))
+    assert (outcome.outcome, outcome.reply) == ("replied", "a😀b")
+
+
+def test_a_servers_error_message_cannot_break_lines_or_send_escapes(server: Server) -> None:
+    server.scripts.append((400, "line one\nline two\r\x1b[31mRED\x1b[0m\x07 \u202e reversed"))
+    with pytest.raises(ProviderError) as info:
+        list(model(server).chat_stream(REQ, AbortSignal()))
+    text = str(info.value)
+    assert text.isprintable() and "\\x1b[31mRED" in text and "\\u202e" in text
+
+
+def test_a_tool_call_index_that_is_not_ascii_digits_is_taken_as_none(server: Server) -> None:
+    odd = {"index": "²", "id": "c1", "function": {"name": "f", "arguments": "{}"}}
+    server.scripts.append([sse(chunk({"tool_calls": [odd]}, "tool_calls"))])
+    out = list(model(server).chat_stream(REQ, AbortSignal()))
+    assert out[-1].tool_calls == (ToolCall(id="c1", name="f", arguments="{}"),)
