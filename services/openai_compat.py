@@ -43,6 +43,7 @@ import math
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -66,6 +67,8 @@ RETRY_BACKOFF_S = 0.5
 """The first wait before a retry when the server names none; it doubles each time."""
 MAX_RETRY_WAIT_S = 30.0
 """The most a call waits between retries in all; a longer ``Retry-After`` is not waited."""
+MAX_REPLY_S = 1800.0
+"""The longest a reply may stream (by default): half an hour, past any real reply."""
 
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error answer read for its message
 _MESSAGE_LIMIT = 500  # characters of an error answer that is not an error object
@@ -544,14 +547,23 @@ def _drain(pieces: Iterator[bytes], exchange: _Exchange) -> None:
         timer.cancel()
 
 
-def _events(pieces: Iterator[bytes], exchange: _Exchange) -> Iterator[dict[str, Any]]:
+def _events(
+    pieces: Iterator[bytes], exchange: _Exchange, deadline: float | None = None
+) -> Iterator[dict[str, Any]]:
     """The reply's chunks (JSON objects) up to ``[DONE]`` or the end of the body; an error
-    the server sends in the stream, or data that is not a JSON object, is a ProviderError."""
+    the server sends in the stream, data that is not a JSON object, or a reply still
+    streaming at ``deadline`` (``time.monotonic``) is a ProviderError."""
     parser = _Events()
     head = bytearray()  # the answer's start, to say what it was when it held no events
     seen = False
     while True:
         piece = _next_piece(pieces)
+        if deadline is not None and piece is not None and time.monotonic() > deadline:
+            raise ProviderError(
+                "APITimeoutError: the reply was still streaming when its time ran out "
+                "(max_reply_s)",
+                kind="APITimeoutError",
+            )
         if piece is not None and len(head) < _HEAD_LIMIT:
             head += piece[: _HEAD_LIMIT - len(head)]
         datas = parser.end() if piece is None else parser.feed(piece)
@@ -596,7 +608,11 @@ class OpenAICompatibleModel:
         max_retries: int = MAX_RETRIES,
         retry_backoff_s: float = RETRY_BACKOFF_S,
         max_retry_wait_s: float = MAX_RETRY_WAIT_S,
+        max_reply_s: float | None = MAX_REPLY_S,
     ) -> None:
+        """``timeout_s`` bounds each wait on the server (to connect, for the next piece);
+        ``max_reply_s`` a whole reply's streaming (an endless or dripping stream ends
+        with ``APITimeoutError`` then; None: no bound)."""
         from_env = env_key and base_url.lower().startswith("https://")
         key = api_key or (_env_key() if from_env else None)
         _register_keys(base_url, key)
@@ -617,6 +633,9 @@ class OpenAICompatibleModel:
         self.max_retries = max(0, max_retries)
         self.retry_backoff_s = max(0.0, retry_backoff_s)
         self.max_retry_wait_s = max(0.0, max_retry_wait_s)
+        if max_reply_s is not None and not max_reply_s > 0:  # NaN fails too
+            raise ConfigError(f"max_reply_s must be more than 0 seconds, got {max_reply_s}")
+        self.max_reply_s = max_reply_s
         self._url = _endpoint(base_url, "chat/completions")
         self._timeout = httpx.Timeout(timeout_s)
         self._headers = {
@@ -726,7 +745,8 @@ class OpenAICompatibleModel:
             pieces = self._open(request, abort, exchange)
             if pieces is None:
                 return
-            for chunk in _events(pieces, exchange):
+            deadline = None if self.max_reply_s is None else time.monotonic() + self.max_reply_s
+            for chunk in _events(pieces, exchange, deadline):
                 if abort.aborted:
                     return
                 u = chunk.get("usage")

@@ -567,3 +567,25 @@ def test_a_tool_call_index_that_is_not_ascii_digits_is_taken_as_none(server: Ser
     server.scripts.append([sse(chunk({"tool_calls": [odd]}, "tool_calls"))])
     out = list(model(server).chat_stream(REQ, AbortSignal()))
     assert out[-1].tool_calls == (ToolCall(id="c1", name="f", arguments="{}"),)
+
+
+@pytest.mark.parametrize("piece", [b'data: {"choices": []}\n\n', b": still here\n\n"])
+def test_a_reply_still_streaming_at_max_reply_s_ends_as_a_timeout(
+    server: Server, piece: bytes
+) -> None:
+    """A stream that never ends, of events or of comments dripping in under the read
+    timeout, is cut at ``max_reply_s`` (it ran until stopped)."""
+    server.scripts.append([piece] * 200)
+    server.delay_s = 0.01  # 2 s in all
+    started = time.monotonic()
+    with pytest.raises(ProviderError, match="APITimeoutError: the reply was still streaming"):
+        list(model(server, max_reply_s=0.3).chat_stream(REQ, AbortSignal()))
+    assert time.monotonic() - started < 1.5
+
+
+def test_max_reply_s_must_be_positive(server: Server) -> None:
+    from aalis_agent.events import ConfigError
+
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(ConfigError, match="max_reply_s must be more than 0"):
+            model(server, max_reply_s=bad)
