@@ -180,6 +180,9 @@ class _Entry:
     ref: pykka.ActorRef[Any]
     generation: int
     owned: bool = False  # holds one acquisition of the runtime's ownership
+    # Callers that took this entry and have not yet reached (or are in) its actor: it is
+    # not passivated under them (they would meet it stopped, and again on their retry).
+    calling: int = 0
 
 
 class Runtime:
@@ -347,14 +350,18 @@ class Runtime:
         for attempt in (1, 2):
             with self._lock:
                 entry = self._entry(session_id)
+                entry.calling += 1
             try:
                 return entry.actor.call(message, self.ask_timeout_s)
             except pykka.ActorDeadError:
-                # It stopped (passivated, or fenced after a failed write) under us: the
-                # next actor is rebuilt from the log.
+                # It stopped (fenced after a failed write, shut down) under us: the next
+                # actor is rebuilt from the log.
                 self._forget(session_id, entry.ref)
                 if attempt == 2:
                     raise
+            finally:
+                with self._lock:
+                    entry.calling -= 1
         raise AssertionError("unreachable")
 
     def _forget(self, session_id: str, ref: pykka.ActorRef[Any]) -> None:
@@ -377,7 +384,12 @@ class Runtime:
         """Called by an actor passivating itself: nothing may be on its way to it."""
         with self._lock:
             entry = self._entries.get(session_id)
-            if entry is None or entry.ref.actor_urn != actor.actor_urn or not actor.mailbox_idle():
+            if (
+                entry is None
+                or entry.ref.actor_urn != actor.actor_urn
+                or entry.calling
+                or not actor.mailbox_idle()
+            ):
                 return False
             del self._entries[session_id]
             # DEL2: the generation lives on in the log; kept here only while a deletion
@@ -483,6 +495,7 @@ class Runtime:
         for attempt in (1, 2):
             with self._lock:
                 entry = self._entry(session_id)
+                entry.calling += 1
                 generation = arrived_in if arrived_in is not None else entry.generation
             handed_on: Future[str] = Future()
             try:  # on this thread, under the actor's lock: no hop to its mailbox
@@ -495,6 +508,9 @@ class Runtime:
                 if attempt == 2:
                     raise
                 continue
+            finally:
+                with self._lock:
+                    entry.calling -= 1
             if where == "deferred" and wait_deferred and not in_a_turn():
                 # A deletion or clear is winding down: the input is handed on once it
                 # is done, and only then durable. Waited for with the gate open (the

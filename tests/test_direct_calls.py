@@ -92,7 +92,11 @@ def test_a_callback_calling_into_its_own_session_gets_an_error_not_a_hang(
     assert contents == ["一", "二"]
 
 
-def test_a_submit_racing_passivation_goes_to_a_fresh_actor(runtime: Runtime) -> None:
+def test_a_submit_racing_passivation_keeps_the_actor_live(runtime: Runtime) -> None:
+    """A submit that took the session's actor before its passivation began is on its
+    way to it: the passivation yields (the actor stays live and takes the input), where
+    it used to stop the actor under the caller (who met it stopped, and under heavy
+    shedding could meet the next one stopped too and fail with ActorDeadError)."""
     assert runtime.submit(SID, Input(id="", content="一")).result(10).outcome == "replied"
     old = runtime._entries[SID].actor
     reached = threading.Event()
@@ -125,12 +129,12 @@ def test_a_submit_racing_passivation_goes_to_a_fresh_actor(runtime: Runtime) -> 
         time.sleep(0.001)
     handle = runtime.submit(SID, Input(id="", content="二"))
     passivating.join(10)
-    assert passivated == [1]
-    assert len(refused) == 1 and isinstance(refused[0], pykka.ActorDeadError)
+    assert passivated == [0]
+    assert refused == []
     assert handle.result(10).outcome == "replied"
-    assert runtime._entries[SID].actor is not old
+    assert runtime._entries[SID].actor is old
     contents = [e.input.content for e in runtime.store.read(SID) if isinstance(e, InputReceived)]
-    assert contents == ["一", "二"]  # written once, by the fresh actor
+    assert contents == ["一", "二"]  # written once
 
 
 def _mailbox_threads(session_id: str) -> list[threading.Thread]:
