@@ -114,11 +114,15 @@ class ToolBatch(TurnBase):
             metadata: dict[str, Any] = {}
             if error is None:
                 result, error, metadata = self._execute(tc, args, context)
-            if result is not None and max_tokens is not None:
+            if max_tokens is not None and (result is not None or error is not None):
+                # CFG4, for an error as for a result: a tool (or a remote MCP server) may
+                # fail with any amount of text, and the log keeps what the model gets.
                 suffix = self.texts("prompt.truncated_suffix")
-                result = truncate_to_tokens(
-                    result, max_tokens, default_counter(), suffix=suffix
-                )  # CFG4
+                counter = default_counter()
+                if result is not None:
+                    result = truncate_to_tokens(result, max_tokens, counter, suffix=suffix)
+                if error is not None:
+                    error = truncate_to_tokens(error, max_tokens, counter, suffix=suffix)
             self._report(
                 ToolFinished(
                     turn_id=self.turn_id,

@@ -257,10 +257,13 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from aalis_agent.services import ChatModel, ScriptedModel
 
     services = None
+    mcp_servers: tuple[Any, ...] = ()
     if args.config:
         from aalis_agent.services.config_file import load_config
 
-        services = load_config(args.config).services()
+        config = load_config(args.config)
+        services = config.services()
+        mcp_servers = config.mcp
     model: ChatModel | None = None
     if args.base_url or args.model:
         if not (args.base_url and args.model):
@@ -286,7 +289,20 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         raise ConfigError("--context-length and --max-tokens go with --base-url and --model")
     elif args.script:
         model = ScriptedModel.from_file(args.script)
-    return run_chat(args.db, args.session, model, services=services, tools=not args.no_tools)
+    if not mcp_servers:
+        return run_chat(args.db, args.session, model, services=services, tools=not args.no_tools)
+    # The configuration's MCP servers ([mcp.<name>]) join the tools; one that does not
+    # start is an McpError naming it (one line, exit 2).
+    from aalis_agent.services.mcp import McpClient
+
+    assert services is not None
+    client = McpClient(mcp_servers)
+    try:
+        client.start()
+        client.register(services.tools)
+        return run_chat(args.db, args.session, model, services=services, tools=not args.no_tools)
+    finally:
+        client.close()
 
 
 def _server_limits(args: argparse.Namespace, api_key: str | None) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import re
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["McpClient", "McpError", "McpServer", "McpTool"]
 
 log = structlog.get_logger(__name__)
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # as providers accept a tool's name
 
 
 class McpError(RunError):
@@ -212,11 +215,21 @@ class McpClient:
         return [t for c in self._connections.values() for t in c.tools]
 
     def tools(self) -> list[Tool]:
-        """The servers' tools as :class:`Tool` objects calling back into this client."""
+        """The servers' tools as :class:`Tool` objects calling back into this client. A
+        tool whose name (with the server's prefix) providers would refuse (not 1 to 64
+        of ``A-Z a-z 0-9 _ -``) is left out, with a warning naming it: sent, it would make
+        every request fail."""
         out: list[Tool] = []
         for conn in self._connections.values():
             spec = conn.spec
             for t in conn.tools:
+                if not _TOOL_NAME.match(spec.prefix + t.name):
+                    log.warning(
+                        "MCP tool left out: its name is not 1 to 64 letters, digits, _ or -",
+                        server=spec.name,
+                        tool=(spec.prefix + t.name)[:80],
+                    )
+                    continue
                 out.append(
                     Tool(
                         name=spec.prefix + t.name,
@@ -229,11 +242,24 @@ class McpClient:
         return out
 
     def register(self, registry: ToolRegistry) -> list[Tool]:
-        """Add the servers' tools to ``registry``; the tools added."""
+        """Add the servers' tools to ``registry``; the tools added. A name taken already
+        (by another server's tool, or one of the registry's) is an :class:`McpError`
+        naming the server: give it a ``prefix``."""
         tools = self.tools()
+        servers = {spec.prefix + t.name: spec.name for spec, t in self._listed_pairs()}
         for t in tools:
-            registry.register(t)
+            try:
+                registry.register(t)
+            except ValueError:
+                raise McpError(
+                    f"MCP server {servers.get(t.name, '?')!r}: its tool {t.name!r} is "
+                    "registered already (by another server or tool); give the server a "
+                    "prefix"
+                ) from None
         return tools
+
+    def _listed_pairs(self) -> list[tuple[McpServer, McpTool]]:
+        return [(c.spec, t) for c in self._connections.values() for t in c.tools]
 
     def _handler(self, server: str, name: str) -> Any:
         def handler(args: Mapping[str, Any], ctx: ToolCallContext) -> str:

@@ -223,3 +223,70 @@ def test_a_turn_calls_an_mcp_tool(runtimes: list[Runtime]) -> None:
         assert finished["c2"].error == "ToolError: Error executing tool fail: 坏了"
         results = [m.content for m in model.requests[1].messages if m.role == "tool"]
         assert results == ["5", finished["c2"].error]
+
+
+def test_chat_with_a_config_connects_its_mcp_servers(tmp_path: Path) -> None:
+    """``aalis-agent chat --config`` starts the file's ``[mcp.<name>]`` servers and the
+    model can call their tools (they were ignored); one that does not start is one line
+    naming it, exit 2."""
+    import json
+    import subprocess
+
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        f"[mcp.calc]\ncommand = {json.dumps(sys.executable)}\nargs = [{json.dumps(SERVER)}]\n",
+        encoding="utf-8",
+    )
+    script = tmp_path / "replies.json"
+    call = {"id": "c1", "name": "add", "arguments": '{"a": 2, "b": 3}'}
+    script.write_text(json.dumps([{"tool_calls": [call]}, {"text": "是 5"}]), encoding="utf-8")
+    db = tmp_path / "chat.db"
+    argv = ["chat", "--config", str(config), "--script", str(script), "--db", str(db)]
+    done = subprocess.run(
+        [sys.executable, "-m", "aalis_agent.cli", *argv],
+        input="2+3?\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "是 5" in done.stdout
+    from aalis_agent.events import SqliteEventStore, ToolFinished
+
+    with SqliteEventStore(db, read_only=True) as store:
+        [session] = store.sessions()
+        results = [(e.result, e.error) for e in store.read(session) if isinstance(e, ToolFinished)]
+    assert results == [("5", None)]
+    config.write_text('[mcp.bad]\ncommand = "/nonexistent/mcp-server"\n', encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "-m", "aalis_agent.cli", *argv],
+        input="hi\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("aalis-agent chat: error: MCP server 'bad'")
+
+
+def test_two_servers_offering_one_tool_name_are_a_clear_error_naming_the_second() -> None:
+    with McpClient([stdio_server("one"), stdio_server("two")]) as client:
+        registry = ToolRegistry()
+        with pytest.raises(McpError, match="MCP server 'two': its tool 'add' is registered"):
+            client.register(registry)
+
+
+def test_tools_whose_names_providers_refuse_are_left_out_with_a_warning() -> None:
+    from structlog.testing import capture_logs
+
+    with McpClient([stdio_server("odd", prefix="bad name ")]) as client:
+        registry = ToolRegistry()
+        with capture_logs() as logs:
+            assert client.register(registry) == []
+    left = [e for e in logs if e["event"].startswith("MCP tool left out")]
+    assert {e["tool"] for e in left} == {
+        "bad name add",
+        "bad name echo",
+        "bad name fail",
+        "bad name slow",
+    }

@@ -553,6 +553,30 @@ def test_long_tool_results_are_truncated_to_their_share(envs: list[Env]) -> None
     assert result.startswith("数" * 900) and default_counter().count(result) <= 1000
 
 
+def test_long_tool_errors_are_truncated_to_their_share_too(envs: list[Env]) -> None:  # CFG4
+    """A tool failing with any amount of text (a remote MCP server's error, say) is cut
+    as a result is: the log keeps what the model gets (it kept all of it, megabytes)."""
+
+    def fails(args: Any, ctx: Any) -> str:
+        raise RuntimeError("错" * 5000)
+
+    model = ScriptedModel(
+        [ScriptedReply(tool_calls=(call("fails"),)), ScriptedReply(text="好")],
+        context_length=10_000,
+    )
+    env = make(
+        envs,
+        model=model,
+        tools=ToolRegistry([Tool("fails", fails)]),
+        config=AgentConfig(tool_result_max_ratio=0.1),
+    )
+    env.say("你好", **ALICE)
+    error = env.of(ToolFinished)[0].error
+    assert error is not None and error.startswith("RuntimeError: 错")
+    assert error.endswith(TRUNCATED_SUFFIX.format(length=5014))
+    assert default_counter().count(error) <= 1000
+
+
 # --- FLOW14-FLOW15, SAVE -------------------------------------------------------------
 
 
