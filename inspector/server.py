@@ -178,6 +178,9 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "aalis-inspector"
     sys_version = ""
+    # A client that sends nothing for this long is let go (an idle or slow connection
+    # held a thread for good).
+    timeout = 30
 
     def log_message(self, format: str, *args: Any) -> None:
         if self.server.log is not None:
@@ -203,12 +206,30 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, msgspec.json.encode(data), "application/json; charset=utf-8")
 
     def _host_ok(self) -> bool:
-        host = (self.headers.get("Host") or "").lower()
+        """Exactly one Host header naming this loopback server, and no other host in an
+        absolute-form request target (which would take precedence over it)."""
+        hosts = self.headers.get_all("Host") or []
         port = self.server.server_address[1]
-        return host in {f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"}
+        ours = {f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"}
+        if len(hosts) != 1 or hosts[0].lower() not in ours:
+            return False
+        target = urlsplit(self.path)
+        return not target.netloc or target.netloc.lower() in ours
 
     def do_HEAD(self) -> None:
         self.do_GET()
+
+    def _read_only(self) -> None:
+        """Any other method: 405, naming the two this read-only server answers."""
+        body = msgspec.json.encode({"error": f"{self.command} is not served: read only"})
+        self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
+        self.send_header("Allow", "GET, HEAD")
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = _read_only
 
     def do_GET(self) -> None:
         if not self._host_ok():

@@ -351,3 +351,36 @@ def test_cli_reports_a_missing_database(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no event database"):
         cli.run(parser.parse_args([str(tmp_path / "none.db")]))
     assert cli.run(parser.parse_args([str(tmp_path / "none.db"), "--port", "70000"])) == 2
+
+
+def _raw(srv: InspectorServer, request: bytes) -> bytes:
+    import socket
+
+    with socket.create_connection(srv.server_address, timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            answer += piece
+    return answer
+
+
+def test_a_second_host_header_or_another_host_in_the_target_is_refused(
+    server: InspectorServer,
+) -> None:
+    here = f"127.0.0.1:{server.server_address[1]}".encode()
+    two_hosts = b"GET /api/sessions HTTP/1.1\r\nHost: " + here + b"\r\nHost: evil\r\n\r\n"
+    assert _raw(server, two_hosts).startswith(b"HTTP/1.1 403")
+    absolute = b"GET http://evil.com/api/sessions HTTP/1.1\r\nHost: " + here + b"\r\n\r\n"
+    assert _raw(server, absolute).startswith(b"HTTP/1.1 403")
+    ours = b"GET http://" + here + b"/api/sessions HTTP/1.1\r\nHost: " + here + b"\r\n\r\n"
+    assert _raw(server, ours).startswith(b"HTTP/1.1 200")
+
+
+def test_methods_other_than_get_and_head_get_405_naming_them(server: InspectorServer) -> None:
+    here = f"127.0.0.1:{server.server_address[1]}".encode()
+    answer = _raw(server, b"POST /api/sessions HTTP/1.1\r\nHost: " + here + b"\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 405")
+    assert b"\r\nAllow: GET, HEAD\r\n" in answer
