@@ -383,6 +383,8 @@ def _decode(data: bytes) -> dict[str, Any]:
     failure: ProviderError | None = None
     try:
         obj = msgspec.json.decode(data)
+    except RecursionError:
+        failure = _malformed(data, "its data is nested too deep")
     except msgspec.DecodeError as exc:
         try:  # the standard library's reader takes lone surrogate escapes
             obj = json.loads(data)

@@ -589,3 +589,10 @@ def test_max_reply_s_must_be_positive(server: Server) -> None:
     for bad in (0, -1, float("nan")):
         with pytest.raises(ConfigError, match="max_reply_s must be more than 0"):
             model(server, max_reply_s=bad)
+
+
+def test_an_event_nested_too_deep_is_a_provider_error(server: Server) -> None:
+    deep = b"data: " + b"[" * 100_000 + b"]" * 100_000 + b"\n\n"
+    server.scripts.append([deep])
+    with pytest.raises(ProviderError, match="malformed event in the stream .its data is nested"):
+        list(model(server).chat_stream(REQ, AbortSignal()))
