@@ -230,7 +230,8 @@ def test_chat_with_a_config_connects_its_mcp_servers(tmp_path: Path) -> None:
     model can call their tools (they were ignored); one that does not start is one line
     naming it, exit 2."""
     import json
-    import subprocess
+
+    from tests.harness import run_cli
 
     config = tmp_path / "agent.toml"
     config.write_text(
@@ -242,13 +243,8 @@ def test_chat_with_a_config_connects_its_mcp_servers(tmp_path: Path) -> None:
     script.write_text(json.dumps([{"tool_calls": [call]}, {"text": "是 5"}]), encoding="utf-8")
     db = tmp_path / "chat.db"
     argv = ["chat", "--config", str(config), "--script", str(script), "--db", str(db)]
-    done = subprocess.run(
-        [sys.executable, "-m", "aalis_agent.cli", *argv],
-        input="2+3?\n",
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+
+    done = run_cli(*argv, stdin="2+3?\n")
     assert done.returncode == 0, done.stderr
     assert "是 5" in done.stdout
     from aalis_agent.events import SqliteEventStore, ToolFinished
@@ -258,13 +254,7 @@ def test_chat_with_a_config_connects_its_mcp_servers(tmp_path: Path) -> None:
         results = [(e.result, e.error) for e in store.read(session) if isinstance(e, ToolFinished)]
     assert results == [("5", None)]
     config.write_text('[mcp.bad]\ncommand = "/nonexistent/mcp-server"\n', encoding="utf-8")
-    done = subprocess.run(
-        [sys.executable, "-m", "aalis_agent.cli", *argv],
-        input="hi\n",
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_cli(*argv, stdin="hi\n")
     assert done.returncode == 2
     assert done.stderr.startswith("aalis-agent chat: error: MCP server 'bad'")
 
