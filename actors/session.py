@@ -626,8 +626,10 @@ class SessionActor(pykka.ThreadingActor):
         )
         if self._abort is not None:
             self._abort.abort("store")
-        self._fail_waiting(error)
+        # Forgotten first: a caller its error wakes (a deletion, a held-back input) finds
+        # the next actor, rebuilt from the log, and the generation the log holds.
         self.host.session_failed(self.session_id, self)
+        self._fail_waiting(error)
         self.stop()
         raise error from exc
 
