@@ -7,6 +7,8 @@ network reads is whole again. Streams text, reasoning (``reasoning_content`` /
 ``reasoning`` deltas where the server sends them) and tool calls, whose arguments grow
 chunk by chunk: each call is announced with its callId in a ``ToolCallProgress`` as soon
 as it starts. Usage is requested in the stream; counts a server leaves out are completed.
+A body that ends with neither ``[DONE]`` nor a ``finish_reason`` was cut short: that is
+an ``APIConnectionError``, never a reply saved as whole.
 An abort closes the HTTP stream at once (its socket is shut down, so a read blocked on a
 silent server returns), and ends a wait between retries at once; one that comes while
 the request is still waiting for the server's answer takes effect when the answer comes.
@@ -30,7 +32,8 @@ the ``openai`` library gives them (``BadRequestError``, ``RateLimitError``,
 ``APIConnectionError``…), so logs and stored errors read as before.
 
 All models share one HTTP client (its connection pool and TLS context are built once per
-process); a connection whose reply was read to its end is kept for the next call.
+process; a second one, which ignores proxy settings, serves servers on this machine); a
+connection whose reply was read to its end is kept for the next call.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import email.utils
+import ipaddress
 import json
 import math
 import os
@@ -104,26 +108,42 @@ def _endpoint(base_url: str, path: str) -> str:
 
 # --- the shared HTTP client ------------------------------------------------------------
 
-_client: httpx.Client | None = None
+_clients: dict[bool, httpx.Client] = {}
 _client_lock = threading.Lock()
 
 
-def _http() -> httpx.Client:
+def _is_loopback(url: str) -> bool:
+    """Whether ``url`` names this machine (``localhost``, ``127.0.0.0/8``, ``::1``)."""
+    try:
+        host = (urlsplit(url).hostname or "").rstrip(".").lower()
+    except ValueError:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _http(loopback: bool = False) -> httpx.Client:
     """The process's HTTP client, built at first use (loading the certificate store takes
     tens of milliseconds) and closed at exit. Timeouts are set per request, retries are
-    this module's, redirects are not followed, proxies come from the environment."""
-    global _client
-    client = _client
+    this module's, redirects are not followed. Proxies come from the environment
+    (``HTTPS_PROXY``, ``NO_PROXY``…), except for a server on this machine (``loopback``):
+    a local model is reached directly, never through a proxy elsewhere."""
+    client = _clients.get(loopback)
     if client is None:
         with _client_lock:
-            client = _client
+            client = _clients.get(loopback)
             if client is None:
                 client = httpx.Client(
                     limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
                     follow_redirects=False,
+                    trust_env=not loopback,
                 )
                 atexit.register(client.close)
-                _client = client
+                _clients[loopback] = client
     return client
 
 
@@ -207,7 +227,7 @@ def list_server_models(base_url: str, api_key: str | None, *, timeout_s: float =
     """The ids of the models an OpenAI-compatible server lists (``GET /models``); without
     a key a placeholder is sent, never one from the environment."""
     _register_keys(base_url, api_key)
-    client = _http()
+    client = _http(_is_loopback(base_url))
     failure: ProviderError | None = None
     try:
         response = client.get(
@@ -549,12 +569,24 @@ def _drain(pieces: Iterator[bytes], exchange: _Exchange) -> None:
         timer.cancel()
 
 
+class _Ending:
+    """How a reply's stream ended: ``done`` once its ``[DONE]`` was read."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+
 def _events(
-    pieces: Iterator[bytes], exchange: _Exchange, deadline: float | None = None
+    pieces: Iterator[bytes],
+    exchange: _Exchange,
+    deadline: float | None = None,
+    ending: _Ending | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """The reply's chunks (JSON objects) up to ``[DONE]`` or the end of the body; an error
-    the server sends in the stream, data that is not a JSON object, or a reply still
-    streaming at ``deadline`` (``time.monotonic``) is a ProviderError."""
+    """The reply's chunks (JSON objects) up to ``[DONE]`` (noted in ``ending``) or the end
+    of the body; an error the server sends in the stream, data that is not a JSON object,
+    or a reply still streaming at ``deadline`` (``time.monotonic``) is a ProviderError."""
     parser = _Events()
     head = bytearray()  # the answer's start, to say what it was when it held no events
     seen = False
@@ -572,6 +604,8 @@ def _events(
         for data in datas:
             seen = True
             if data.startswith(b"[DONE]"):
+                if ending is not None:
+                    ending.done = True
                 if piece is not None:
                     _drain(pieces, exchange)
                 return
@@ -645,7 +679,8 @@ class OpenAICompatibleModel:
             "Content-Type": "application/json",
             "Accept-Encoding": "identity",  # events as they are sent, none held back
         }
-        _http()  # built now rather than on the first call's clock
+        self._loopback = _is_loopback(self._url)
+        _http(self._loopback)  # built now rather than on the first call's clock
         # what this server accepts, learnt from its 400s (see _adapt)
         self._usage_option = True
         self._max_tokens_key = "max_tokens"
@@ -685,7 +720,7 @@ class OpenAICompatibleModel:
         A 400 naming a parameter this server will not take is answered by adapting the
         request (see :meth:`_adapt`) and sending it again; a 429 or 5xx by waiting (as the
         server asks, else backing off) and sending it again, within the retry budget."""
-        client = _http()
+        client = _http(self._loopback)
         retries = 0
         waited = 0.0
         while True:
@@ -743,12 +778,14 @@ class OpenAICompatibleModel:
         abort.add_callback(exchange.interrupt)
         pending: dict[int, _Pending] = {}
         usage: Usage | None = None
+        ending = _Ending()
+        finished = False  # a choice said why it finished (finish_reason)
         try:
             pieces = self._open(request, abort, exchange)
             if pieces is None:
                 return
             deadline = None if self.max_reply_s is None else time.monotonic() + self.max_reply_s
-            for chunk in _events(pieces, exchange, deadline):
+            for chunk in _events(pieces, exchange, deadline, ending):
                 if abort.aborted:
                     return
                 u = chunk.get("usage")
@@ -756,7 +793,11 @@ class OpenAICompatibleModel:
                     usage = _usage(u)
                 choices = chunk.get("choices")
                 for choice in choices if isinstance(choices, list) else ():
-                    delta = choice.get("delta") if isinstance(choice, dict) else None
+                    if not isinstance(choice, dict):
+                        continue
+                    if choice.get("finish_reason"):
+                        finished = True
+                    delta = choice.get("delta")
                     if not isinstance(delta, dict):
                         continue
                     reasoning = _text(delta.get("reasoning_content")) or _text(
@@ -795,6 +836,14 @@ class OpenAICompatibleModel:
                         )
             if abort.aborted:
                 return  # the stream ended because a stop closed it
+            if not ending.done and not finished:
+                # The body ended (a connection closed, a length reached) before the reply
+                # said it was whole: what came is a cut reply, not one to save as whole.
+                raise ProviderError(
+                    "APIConnectionError: the stream ended before the reply did "
+                    "(no [DONE] and no finish_reason)",
+                    kind="APIConnectionError",
+                )
         except Exception:
             if abort.aborted:
                 return  # closed under us by a stop

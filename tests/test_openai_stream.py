@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from aalis_agent.events import ChatMessage
-from aalis_agent.services import AbortSignal, ChatRequest, StreamChunk
+from aalis_agent.services import AbortSignal, ChatRequest, StreamChunk, openai_compat
 from aalis_agent.services.openai_compat import (
     OpenAICompatibleModel,
     ProviderError,
@@ -71,6 +71,7 @@ class Server(LoopbackServer):
         self.replies: list[Reply] = []
         self.requests: list[dict[str, Any]] = []
         self.ports: list[int] = []  # the client's port for each request
+        self.paths: list[str] = []  # each request's target, as sent
         self.listing = b""
         outer = self
 
@@ -93,6 +94,7 @@ class Server(LoopbackServer):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 outer.requests.append(json.loads(body))
                 outer.ports.append(self.client_address[1])
+                outer.paths.append(self.path)
                 reply = outer.replies.pop(0) if outer.replies else OK
                 if reply.status != 200:
                     error = json.dumps({"error": {"message": reply.message, "type": "x"}})
@@ -356,9 +358,30 @@ def test_a_malformed_event_is_a_clear_provider_error(
 
 def test_an_event_the_server_does_not_close_is_still_read(server: Server) -> None:
     """The body ends right after an event's data line, with no blank line nor [DONE]."""
-    last = 'data: {"choices": [{"delta": {"content": "好"}}]}'.encode()
+    last = 'data: {"choices": [{"delta": {"content": "好"}, "finish_reason": "stop"}]}'.encode()
     server.replies.append(Reply(pieces=[last], done=False))
     assert text(list(model(server).chat_stream(REQ, AbortSignal()))) == "好"
+
+
+def test_a_stream_cut_short_is_an_error_not_a_whole_reply(server: Server) -> None:
+    """The body ends cleanly (its last chunk sent) but the reply never said it was whole:
+    no [DONE] and no finish_reason. What came is a cut reply: an APIConnectionError,
+    after the text that did come was streamed."""
+    server.replies.append(
+        Reply(pieces=[sse(chunk({"content": "半"})), sse(chunk({"content": "句"}))], done=False)
+    )
+    stream = model(server).chat_stream(REQ, AbortSignal())
+    assert [next(stream).content_delta for _ in range(2)] == ["半", "句"]
+    with pytest.raises(ProviderError, match=r"^APIConnectionError: the stream ended before") as e:
+        next(stream)
+    assert e.value.kind == "APIConnectionError"
+
+
+def test_a_finish_reason_without_done_is_a_whole_reply(server: Server) -> None:
+    """Some servers end the body without [DONE]; a finish_reason says the reply is whole."""
+    server.replies.append(Reply(pieces=[sse(chunk({"content": "好"}, "stop"))], done=False))
+    chunks = list(model(server).chat_stream(REQ, AbortSignal()))
+    assert text(chunks) == "好" and chunks[-1].done
 
 
 # --- connections -----------------------------------------------------------------------
@@ -398,3 +421,57 @@ def test_a_listing_that_is_not_one_is_a_provider_error(server: Server) -> None:
         list_server_models(server.url, None)
     server.listing = b'{"object": "list", "data": [{"id": "a"}, {"id": "b"}]}'
     assert list_server_models(server.url, None) == ["a", "b"]
+
+
+# --- proxies ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_clients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module's shared HTTP clients built anew (under this test's environment)."""
+    monkeypatch.setattr(openai_compat, "_clients", {})
+
+
+@pytest.mark.parametrize(
+    ("url", "loopback"),
+    [
+        ("http://127.0.0.1:8000/v1", True),
+        ("http://127.8.9.10/v1", True),
+        ("http://[::1]:11434/v1", True),
+        ("http://LOCALHOST:1234/v1", True),
+        ("http://ollama.localhost/v1", True),
+        ("http://localhost./v1", True),
+        ("https://api.openai.com/v1", False),
+        ("http://10.0.0.5:8000/v1", False),
+        ("http://localhost.example.com/v1", False),
+        ("http://[::1/v1", False),  # not a URL
+    ],
+)
+def test_which_servers_are_on_this_machine(url: str, loopback: bool) -> None:
+    assert openai_compat._is_loopback(url) is loopback
+
+
+def test_a_server_on_this_machine_is_reached_directly_whatever_proxy_is_set(
+    server: Server, fresh_clients: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A proxy in the environment (here one that refuses every connection) is not asked
+    to reach a model on loopback: the request goes straight to it."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    assert text(list(model(server).chat_stream(REQ, AbortSignal()))) == "好"
+    assert server.paths == ["/v1/chat/completions"]  # origin-form: not via a proxy
+
+
+def test_a_remote_server_is_reached_through_the_proxy_the_environment_names(
+    server: Server, fresh_clients: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loopback server plays the proxy: the request for a remote host reaches it in
+    absolute form, as a proxy gets it (nothing leaves this machine)."""
+    monkeypatch.setenv("HTTP_PROXY", server.url.removesuffix("/v1"))
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    remote = OpenAICompatibleModel(base_url="http://model.invalid/v1", model="m", env_key=False)
+    assert text(list(remote.chat_stream(REQ, AbortSignal()))) == "好"
+    assert server.paths == ["http://model.invalid/v1/chat/completions"]
