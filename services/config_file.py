@@ -19,7 +19,9 @@ what is wrong; nothing is half-loaded. The layout, with every table optional::
     baseUrl = "https://api.openai.com/v1"
     apiKeyEnv = "OPENAI_API_KEY"       # or apiKey = "..." (never logged)
     priority = 10
-    timeoutMs = 120000
+    timeoutMs = 120000          # the longest wait on the server (to connect, for more)
+    maxReplyMs = 1800000        # the longest a whole reply may stream
+    maxRetries = 3              # a 429 or 5xx answer is sent again this many times
     listModels = false          # true: also list the server's models at load
 
     [[providers.openai.models]]
@@ -147,6 +149,8 @@ class _Provider(_Spec):
     api_key_env: Text | None = None
     priority: Annotated[int, Meta(ge=-1_000_000, le=1_000_000)] = 0
     timeout_ms: Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_MS)] = 120_000
+    max_reply_ms: Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_MS)] = 1_800_000
+    max_retries: Annotated[int, Meta(ge=0, le=10)] = 3
     list_models: bool = False
     models: Annotated[
         list[dict[str, Any]], Meta(extra={"what": "a list of tables ([[...models]])"})
@@ -347,7 +351,15 @@ def _preference(r: _Reader, pref: _Preference, key: str) -> ModelRef | None:
     return parse_model_ref(pref.llm, where=f"{r.file}: {key}.llm")
 
 
-_NOT_SCRIPTED = ("baseUrl", "apiKey", "apiKeyEnv", "timeoutMs", "listModels")
+_NOT_SCRIPTED = (
+    "baseUrl",
+    "apiKey",
+    "apiKeyEnv",
+    "timeoutMs",
+    "maxReplyMs",
+    "maxRetries",
+    "listModels",
+)
 
 
 def _providers(r: _Reader, table: dict[str, Any], env: Mapping[str, str]) -> list[Provider]:
@@ -447,6 +459,8 @@ def _openai_models(
             context_length=s.context_length,
             max_output_tokens=s.max_output_tokens,
             timeout_s=p.timeout_ms / 1000,
+            max_reply_s=p.max_reply_ms / 1000,
+            max_retries=p.max_retries,
             think_levels=levels,
             default_think=s.default_think,
             name=s.name,

@@ -42,6 +42,8 @@ defaultThink = "high"
 baseUrl = "http://127.0.0.1:9/v1"
 apiKey = "sk-file-secret"
 timeoutMs = 5000
+maxReplyMs = 600000
+maxRetries = 1
 [[providers.remote.models]]
 id = "gpt"
 contextLength = 64000
@@ -84,6 +86,7 @@ def test_a_full_file_loads_every_table(tmp_path: Path) -> None:
     assert [(lv.id, lv.label) for lv in think_levels(small)] == [("low", "浅"), ("high", "high")]
     assert isinstance(gpt, OpenAICompatibleModel)
     assert (gpt.context_length, gpt.max_output_tokens) == (64000, 2048)
+    assert (gpt.max_reply_s, gpt.max_retries) == (600.0, 1)
     # Preferences: this plugin's wins over the global one.
     assert fc.llm.plugin_preference == ModelRef(provider="remote", model="gpt")
     assert fc.llm.global_preference == ModelRef(provider="local", model="small")
@@ -384,6 +387,24 @@ HOSTILE: list[tuple[str, str, str, str]] = [
         "[[providers.p.models]]\nid = 'm'",
         "providers.p.timeoutMs",
         "must be <= 2147483647",
+    ),
+    (
+        "maxReplyMs",
+        "[providers.p]\nbaseUrl = 'http://x'\nmaxReplyMs = 0\n[[providers.p.models]]\nid = 'm'",
+        "providers.p.maxReplyMs",
+        "must be >= 1",
+    ),
+    (
+        "maxRetries",
+        "[providers.p]\nbaseUrl = 'http://x'\nmaxRetries = -1\n[[providers.p.models]]\nid = 'm'",
+        "providers.p.maxRetries",
+        "must be >= 0",
+    ),
+    (
+        "scripted-maxRetries",
+        "[providers.p]\ntype = 'scripted'\nmaxRetries = 2\n[[providers.p.models]]\nid = 'm'",
+        "providers.p.maxRetries",
+        "not used by a scripted provider",
     ),
     (
         "priority",
