@@ -200,7 +200,9 @@ def _read_error(response: httpx.Response) -> str:
 
 def _retry_after(headers: httpx.Headers) -> float | None:
     """The wait a server asks for: ``retry-after-ms``, or ``Retry-After`` in seconds or as
-    an HTTP date; None when it names none (or nothing readable)."""
+    an HTTP date; None when it names none, nothing readable, or a date already past (a
+    clock that differs from ours, most likely: the call backs off as if none were named,
+    rather than asking again at once)."""
     for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
         value = headers.get(name)
         if value:
@@ -217,7 +219,8 @@ def _retry_after(headers: httpx.Headers) -> float | None:
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
-    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+    left = (when - datetime.now(UTC)).total_seconds()
+    return left if left > 0 else None
 
 
 # --- listing ---------------------------------------------------------------------------

@@ -188,6 +188,18 @@ def test_retry_after_may_be_an_http_date(server: Server) -> None:
     assert wait is not None and 0 < wait <= 3  # whole seconds: what is left of them
 
 
+def test_a_retry_after_date_already_past_backs_off_as_if_none_were_named(
+    server: Server,
+) -> None:
+    """A server whose clock is behind ours names a time already gone: the call does not
+    come straight back (three retries in a row at once), it backs off."""
+    earlier = email.utils.formatdate(time.time() - 600, usegmt=True)
+    server.replies += [Reply(429, headers={"Retry-After": earlier})] * 2 + [OK]
+    signal = Signal()
+    out = list(model(server, retry_backoff_s=0.25).chat_stream(REQ, signal))
+    assert text(out) == "好" and signal.waits == [0.25, 0.5]
+
+
 def test_a_503_is_retried_with_exponential_backoff(server: Server) -> None:
     server.replies += [Reply(503), Reply(503), OK]
     signal = Signal()
