@@ -13,6 +13,12 @@ a tool call, made from the turn's tool thread, runs there and is waited for, wit
 timeout, and is cancelled when the turn is stopped (``ctx.abort``). A server that fails to
 start raises :class:`McpError` naming it (with the tail of its stderr for a command).
 
+A server whose connection ends while in use (its process exited or was killed) is started
+again by the next call of one of its tools, with a warning logged; the call that was under
+way when it ended fails, and is not sent again (it may have done its work). A server that
+does not start again fails the calls that come within :data:`RECONNECT_GAP_S` of that
+attempt, at once and naming the failure, rather than starting it on every call.
+
 Usage::
 
     client = McpClient([McpServer("files", command="uvx", args=("mcp-server-fs", "."))])
@@ -30,6 +36,7 @@ import contextlib
 import os
 import re
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,6 +55,10 @@ __all__ = ["McpClient", "McpError", "McpServer", "McpTool"]
 log = structlog.get_logger(__name__)
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # as providers accept a tool's name
+
+RECONNECT_GAP_S = 5.0
+"""After a server failed to start again, how long its calls fail at once before the next
+call tries again."""
 
 
 class McpError(RunError):
@@ -109,6 +120,7 @@ class _Connection:
         self.closing: asyncio.Event | None = None
         self.failure: BaseException | None = None
         self.stderr_reader: threading.Thread | None = None
+        self.retry_failed: tuple[float, str] | None = None  # (when, why) a restart failed
 
 
 class McpClient:
@@ -121,8 +133,10 @@ class McpClient:
             if names.count(n) > 1:
                 raise ValueError(f"MCP server {n!r} is listed twice")
         self._loop = EventLoopThread(name)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # connections replaced or closed: one at a time
         self._connections: dict[str, _Connection] = {}
+        self._closed = False
+        self.reconnects = 0  # servers started again after their connection ended
 
     def __enter__(self) -> McpClient:
         self.start()
@@ -284,7 +298,7 @@ class McpClient:
             raise ToolError(f"MCP server {server!r} is not connected")
         client = conn.client
         if client is None:
-            raise ToolError(f"MCP server {server!r} is not connected (its connection ended)")
+            conn, client = self._reconnect(server)
         limit = conn.spec.timeout_s if timeout_s is None else timeout_s
         abort = ctx.abort if ctx is not None else None
         try:
@@ -301,17 +315,81 @@ class McpClient:
                 f"MCP server {server!r}: tool {name!r} timed out after {limit:g} s"
             ) from None
         except Exception as exc:
+            if _connection_closed(exc):
+                # The server is gone (its process exited or was killed): this call may
+                # have reached it, so it is not sent again; the next call starts it anew.
+                self._end(conn, exc)
+                raise ToolError(
+                    f"MCP server {server!r}: tool {name!r} failed: its connection ended "
+                    f"({_leaf(exc)}); the server is started again at its next call"
+                ) from None
             raise ToolError(f"MCP server {server!r}: tool {name!r} failed: {_leaf(exc)}") from None
         text = _result_text(result)
         if result.is_error:
             raise ToolError(text or f"MCP tool {name!r} failed")
         return text
 
+    def _reconnect(self, server: str) -> tuple[_Connection, Client]:
+        """Start a server whose connection ended again (one caller at a time); its
+        connection and client, or :class:`ToolError` saying why not."""
+        with self._lock:
+            conn = self._connections.get(server)
+            if self._closed or conn is None:
+                raise ToolError(f"MCP server {server!r} is not connected (the client is closed)")
+            if conn.client is not None:  # another call started it again meanwhile
+                return conn, conn.client
+            self._end(conn)  # what is left of the old one (a dead process's pipes)
+            if conn.retry_failed is not None:
+                when, why = conn.retry_failed
+                ago = time.monotonic() - when
+                if ago < RECONNECT_GAP_S:
+                    raise ToolError(
+                        f"MCP server {server!r} is not connected: its connection ended and "
+                        f"starting it again failed {ago:.1f} s ago: {why}"
+                    )
+            ended = _leaf(conn.failure) if conn.failure is not None else "it ended"
+            try:
+                fresh = self._connect(conn.spec)
+            except McpError as exc:
+                fresh = _Connection(conn.spec)  # keeps its tools: they are still offered
+                fresh.tools, fresh.failure = conn.tools, conn.failure
+                fresh.retry_failed = (time.monotonic(), str(exc))
+                self._connections[server] = fresh
+                log.warning("MCP server did not start again", server=server, error=str(exc))
+                raise ToolError(
+                    f"MCP server {server!r}: its connection ended and starting it again "
+                    f"failed: {exc}"
+                ) from None
+            self.reconnects += 1
+            before = {t.name for t in conn.tools}
+            after = {t.name for t in fresh.tools}
+            log.warning(
+                "MCP server started again: its connection had ended",
+                server=server,
+                ended=ended,
+                tools_gone=sorted(before - after)[:20] or None,
+            )
+            self._connections[server] = fresh
+            assert fresh.client is not None
+            return fresh, fresh.client
+
+    def _end(self, conn: _Connection, failure: BaseException | None = None) -> None:
+        """Take a connection found dead out of use: the next call starts the server again,
+        and its task (on the loop) leaves the old session."""
+        conn.client = None
+        if failure is not None and conn.failure is None:
+            conn.failure = failure
+        closing = conn.closing
+        if closing is not None and self._loop.running:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                self._loop.loop.call_soon_threadsafe(closing.set)
+
     # --- closing --------------------------------------------------------------------------
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Close every connection (a stdio server's process ends) and the loop thread."""
         with self._lock:
+            self._closed = True
             connections, self._connections = list(self._connections.values()), {}
         if self._loop.running and connections:
 
@@ -417,6 +495,18 @@ def _result_text(result: Any) -> str:
     if not parts and result.structured_content is not None:
         return msgspec.json.encode(result.structured_content).decode()
     return "\n".join(parts)
+
+
+def _connection_closed(exc: BaseException) -> bool:
+    """Whether a call failed because its connection is closed (the SDK's
+    ``CONNECTION_CLOSED`` error): the server process is gone."""
+    try:
+        from mcp.types import CONNECTION_CLOSED
+    except ImportError:  # pragma: no cover - the SDK is there when a call is made
+        return False
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return getattr(getattr(exc, "error", None), "code", None) == CONNECTION_CLOSED
 
 
 def _leaf(exc: BaseException) -> str:

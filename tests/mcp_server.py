@@ -1,9 +1,10 @@
 """A small MCP server for the tests, written with the ``mcp`` SDK: ``add``, ``echo``,
-``fail`` and ``slow`` tools, over stdio (no arguments) or streamable HTTP on loopback
+``fail``, ``slow`` and ``pid`` tools, over stdio (no arguments) or streamable HTTP on loopback
 (``--http PORT``)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -41,6 +42,12 @@ def slow(seconds: float) -> str:
     """Sleep, then answer."""
     time.sleep(seconds)
     return "done"
+
+
+@server.tool()
+def pid() -> int:
+    """This server's process id."""
+    return os.getpid()
 
 
 def main(argv: list[str]) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -34,6 +36,7 @@ from aalis_agent.services import (
     ToolCallContext,
     ToolRegistry,
 )
+from aalis_agent.services import mcp as mcp_module
 from aalis_agent.services.config_file import parse_config
 from aalis_agent.services.mcp import McpClient, McpError, McpServer
 
@@ -160,6 +163,55 @@ def test_a_server_that_fails_to_start_is_named() -> None:
         McpClient([McpServer("down", url=f"http://127.0.0.1:{port}/mcp")]).start()
 
 
+def _kill(client: McpClient, server: str) -> int:
+    pid = int(client.call(server, "pid", {}))
+    os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)  # gone for sure (the SDK may have reaped it first)
+    return pid
+
+
+def test_a_server_killed_mid_session_is_started_again_at_its_next_call() -> None:
+    """The call that finds the connection dead fails (it may have reached the server, so
+    it is not sent again); the next one starts the server anew and is answered."""
+    with McpClient([stdio_server(timeout_s=5)]) as client:
+        first = _kill(client, "calc")
+        with pytest.raises(
+            ToolError, match=r"^MCP server 'calc': tool 'add' failed: its connection ended"
+        ):
+            client.call("calc", "add", {"a": 1, "b": 2})
+        assert client.call("calc", "add", {"a": 1, "b": 2}) == "3"
+        assert int(client.call("calc", "pid", {})) != first
+        assert client.reconnects == 1
+        assert [t.name for t in client.tools()].count("add") == 1  # still offered once
+
+
+def test_a_server_that_does_not_start_again_fails_fast_until_the_gap_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = tmp_path / "server.py"
+    script.write_bytes(Path(SERVER).read_bytes())
+    spec = McpServer("calc", command=sys.executable, args=(str(script),), timeout_s=5)
+    with McpClient([spec]) as client:
+        _kill(client, "calc")
+        script.unlink()  # it cannot start again now
+        with pytest.raises(ToolError, match="its connection ended"):
+            client.call("calc", "add", {"a": 1, "b": 2})
+        with pytest.raises(ToolError, match="starting it again failed: MCP server 'calc'"):
+            client.call("calc", "add", {"a": 1, "b": 2})
+        # Within the gap: refused at once, naming the failure, no process started.
+        t0 = time.monotonic()
+        with pytest.raises(ToolError, match=r"starting it again failed [\d.]+ s ago"):
+            client.call("calc", "add", {"a": 1, "b": 2})
+        assert time.monotonic() - t0 < 1.0
+        assert "add" in [t.name for t in client.tools()]  # its tools are still offered
+        # Past the gap, with the server back: the next call starts it.
+        script.write_bytes(Path(SERVER).read_bytes())
+        monkeypatch.setattr(mcp_module, "RECONNECT_GAP_S", 0.0)
+        assert client.call("calc", "add", {"a": 2, "b": 2}) == "4"
+        assert client.reconnects == 1
+
+
 def test_the_config_file_declares_servers() -> None:
     fc = parse_config(
         {
@@ -278,5 +330,6 @@ def test_tools_whose_names_providers_refuse_are_left_out_with_a_warning() -> Non
         "bad name add",
         "bad name echo",
         "bad name fail",
+        "bad name pid",
         "bad name slow",
     }
