@@ -10,8 +10,8 @@ as it starts. Usage is requested in the stream; counts a server leaves out are c
 A body that ends with neither ``[DONE]`` nor a ``finish_reason`` was cut short: that is
 an ``APIConnectionError``, never a reply saved as whole.
 An abort closes the HTTP stream at once (its socket is shut down, so a read blocked on a
-silent server returns), and ends a wait between retries at once; one that comes while
-the request is still waiting for the server's answer takes effect when the answer comes.
+silent server returns), also while the request is still waiting for the server's answer
+(a server still reading a long prompt), and ends a wait between retries at once.
 
 Quirks of servers, learnt and remembered by the model: those that refuse
 ``stream_options`` or ``reasoning_effort``, or ``max_tokens`` (asking for
@@ -55,6 +55,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpcore
 import httpx
 import msgspec
 from aalis_agent.events.errors import ConfigError, ProviderError
@@ -142,9 +143,83 @@ def _http(loopback: bool = False) -> httpx.Client:
                     follow_redirects=False,
                     trust_env=not loopback,
                 )
+                _watch_streams(client)
                 atexit.register(client.close)
                 _clients[loopback] = client
     return client
+
+
+# --- a stop before the answer ----------------------------------------------------------
+# httpx gives a response's connection only once its headers came. A stop while the
+# server has not answered yet (it may read a long prompt for a minute first) reaches the
+# connection through its stream: each stream the client's connection pools open is
+# wrapped, and tells the call this thread is sending (``_sending``) which stream it is.
+
+_sending = threading.local()  # .exchange: the call this thread is sending, until answered
+
+
+class _Stream(httpcore.NetworkStream):
+    """A connection's stream, which names itself to the call being sent on it."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self._inner = inner
+
+    def _used(self) -> None:
+        exchange = getattr(_sending, "exchange", None)
+        if exchange is not None:
+            exchange.sending_on(self)
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        self._used()
+        return self._inner.read(max_bytes, timeout)
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._used()
+        self._inner.write(buffer, timeout)
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(
+        self,
+        ssl_context: Any,
+        server_hostname: str | None = None,
+        timeout: float | None = None,
+    ) -> httpcore.NetworkStream:
+        return _Stream(self._inner.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _Backend(httpcore.NetworkBackend):
+    """A pool's network backend whose streams are :class:`_Stream`."""
+
+    def __init__(self, inner: httpcore.NetworkBackend) -> None:
+        self._inner = inner
+
+    def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+        return _Stream(self._inner.connect_tcp(*args, **kwargs))
+
+    def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+        return _Stream(self._inner.connect_unix_socket(*args, **kwargs))
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+def _watch_streams(client: httpx.Client) -> None:
+    """Wrap the network backend of each of ``client``'s connection pools (its own and a
+    proxy's). Reached through httpx's and httpcore's internals: should they change, a
+    stop before the answer takes effect when the answer comes, as without this."""
+    transports = [client._transport, *client._mounts.values()]
+    for transport in transports:
+        pool = getattr(transport, "_pool", None)
+        backend = getattr(pool, "_network_backend", None)
+        if isinstance(backend, httpcore.NetworkBackend) and not isinstance(backend, _Backend):
+            pool._network_backend = _Backend(backend)  # type: ignore[union-attr]
 
 
 def _transport_failure(exc: BaseException) -> ProviderError:
@@ -490,6 +565,35 @@ class _Exchange:
         self._response: httpx.Response | None = None
         self._socket: socket.socket | None = None
 
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        """Around sending the request and waiting for its answer on this thread: a stop
+        meanwhile shuts down the connection it is sent on (see :meth:`sending_on`)."""
+        _sending.exchange = self
+        try:
+            yield
+        finally:
+            _sending.exchange = None
+            with self._lock:
+                # Answered (or failed): that connection may go back to the pool and serve
+                # another call; only a response attached after this is this call's.
+                self._socket = None
+
+    def sending_on(self, stream: httpcore.NetworkStream) -> None:
+        """The request is being sent, or its answer waited for, on ``stream``."""
+        sock = None
+        with contextlib.suppress(Exception):
+            sock = stream.get_extra_info("socket")
+        if not isinstance(sock, socket.socket):
+            return
+        with self._lock:
+            if not self._over:
+                self._socket = sock
+                return
+        # Stopped already: the read (or write) about to be made returns at once.
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
     def attach(self, response: httpx.Response, *, raw: bool) -> bool:
         """Take the response to read; False (and it is closed) when stopped already.
         ``raw``: the body is read from the connection itself, so its socket may be shut."""
@@ -733,7 +837,8 @@ class OpenAICompatibleModel:
                 sent = client.build_request(
                     "POST", self._url, content=body, headers=self._headers, timeout=self._timeout
                 )
-                response = client.send(sent, stream=True)
+                with exchange.sending():
+                    response = client.send(sent, stream=True)
             except Exception as exc:
                 failure = _transport_failure(exc)
             if failure is not None:

@@ -58,6 +58,7 @@ class Reply:
     done: bool = True  # ends with data: [DONE]
     drop: bool = False  # the connection is cut after the pieces, mid-body
     hold: threading.Event | None = None  # after the pieces, silent until this is set
+    hold_answer: threading.Event | None = None  # before the status line, silent until set
 
 
 OK = Reply(pieces=[sse(chunk({"content": "好"}, "stop"))])
@@ -72,6 +73,7 @@ class Server(LoopbackServer):
         self.requests: list[dict[str, Any]] = []
         self.ports: list[int] = []  # the client's port for each request
         self.paths: list[str] = []  # each request's target, as sent
+        self.holding = threading.Event()  # a request is held before its answer
         self.listing = b""
         outer = self
 
@@ -96,6 +98,9 @@ class Server(LoopbackServer):
                 outer.ports.append(self.client_address[1])
                 outer.paths.append(self.path)
                 reply = outer.replies.pop(0) if outer.replies else OK
+                if reply.hold_answer is not None:
+                    outer.holding.set()
+                    reply.hold_answer.wait(30)
                 if reply.status != 200:
                     error = json.dumps({"error": {"message": reply.message, "type": "x"}})
                     self.send_response(reply.status)
@@ -132,8 +137,9 @@ def server() -> Iterator[Server]:
     s = Server()
     yield s
     for reply in s.replies:
-        if reply.hold is not None:
-            reply.hold.set()
+        for event in (reply.hold, reply.hold_answer):
+            if event is not None:
+                event.set()
     s.close()
 
 
@@ -425,6 +431,47 @@ def test_a_stop_ends_a_stream_whose_server_has_gone_silent(server: Server) -> No
     # The connection was dropped, not kept: the next call is answered on a new one.
     assert text(list(model(server).chat_stream(REQ, AbortSignal()))) == "好"
     assert server.ports[0] != server.ports[1]
+
+
+def test_a_stop_before_the_server_answers_ends_the_call_at_once(server: Server) -> None:
+    """The server reads the request and says nothing (a long prompt being read): the stop
+    shuts the connection down at once, not at the read timeout (30 s here)."""
+    hold = threading.Event()
+    server.replies += [Reply(hold_answer=hold), OK]
+    abort = AbortSignal()
+    out: list[StreamChunk] = []
+    m = model(server, timeout_s=30)
+    caller = threading.Thread(target=lambda: out.extend(m.chat_stream(REQ, abort)), daemon=True)
+    caller.start()
+    assert server.holding.wait(10)
+    t0 = time.monotonic()
+    abort.abort("stop")
+    caller.join(10)
+    assert not caller.is_alive() and time.monotonic() - t0 < 2.0
+    assert out == []  # stopped: no reply, not even an empty one
+    hold.set()
+    # The next call is answered (on a connection of its own).
+    assert text(list(m.chat_stream(REQ, AbortSignal()))) == "好"
+
+
+def test_a_stop_that_came_before_the_request_was_sent_sends_nothing_more(
+    server: Server,
+) -> None:
+    """A stop between the 429 and its retry: the retry is not sent, and the kept
+    connection the first attempt used is left alone for other calls."""
+    server.replies += [Reply(429, headers={"Retry-After": "5"}), OK]
+    abort = Signal(sleep=True)
+    out: list[StreamChunk] = []
+    m = model(server)
+    caller = threading.Thread(target=lambda: out.extend(m.chat_stream(REQ, abort)), daemon=True)
+    caller.start()
+    assert abort.waiting.wait(10)
+    abort.abort("stop")
+    caller.join(10)
+    assert not caller.is_alive() and out == [] and len(server.requests) == 1
+    # The first attempt's connection was kept and still serves the next call.
+    assert text(list(m.chat_stream(REQ, AbortSignal()))) == "好"
+    assert server.ports[0] == server.ports[1]
 
 
 def test_a_listing_that_is_not_one_is_a_provider_error(server: Server) -> None:
