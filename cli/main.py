@@ -291,14 +291,19 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         model = ScriptedModel.from_file(args.script)
     if not mcp_servers:
         return run_chat(args.db, args.session, model, services=services, tools=not args.no_tools)
-    # The configuration's MCP servers ([mcp.<name>]) join the tools; one that does not
-    # start is an McpError naming it (one line, exit 2).
+    # The configuration's MCP servers ([mcp.<name>]) join the tools, beside the built-in
+    # ones (unless --no-tools); one that does not start, or offers a tool name taken
+    # already, is an McpError naming it (one line, exit 2).
+    from aalis_agent.services.builtin_tools import builtin_tools
     from aalis_agent.services.mcp import McpClient
 
     assert services is not None
     client = McpClient(mcp_servers)
     try:
         client.start()
+        if not args.no_tools:
+            for tool in builtin_tools(tz=services.tz, texts=services.texts_for("cli")):
+                services.tools.register(tool)
         client.register(services.tools)
         return run_chat(args.db, args.session, model, services=services, tools=not args.no_tools)
     finally:

@@ -279,8 +279,9 @@ def test_a_turn_calls_an_mcp_tool(runtimes: list[Runtime]) -> None:
 
 def test_chat_with_a_config_connects_its_mcp_servers(tmp_path: Path) -> None:
     """``aalis-agent chat --config`` starts the file's ``[mcp.<name>]`` servers and the
-    model can call their tools (they were ignored); one that does not start is one line
-    naming it, exit 2."""
+    model can call their tools (they were ignored), beside the built-in ones (which an
+    MCP server's tools used to displace); one that does not start is one line naming it,
+    exit 2."""
     import json
 
     from tests.harness import run_cli
@@ -291,8 +292,11 @@ def test_chat_with_a_config_connects_its_mcp_servers(tmp_path: Path) -> None:
         encoding="utf-8",
     )
     script = tmp_path / "replies.json"
-    call = {"id": "c1", "name": "add", "arguments": '{"a": 2, "b": 3}'}
-    script.write_text(json.dumps([{"tool_calls": [call]}, {"text": "是 5"}]), encoding="utf-8")
+    calls = [
+        {"id": "c1", "name": "add", "arguments": '{"a": 2, "b": 3}'},
+        {"id": "c2", "name": "calculate", "arguments": '{"expression": "2*3"}'},
+    ]
+    script.write_text(json.dumps([{"tool_calls": calls}, {"text": "是 5"}]), encoding="utf-8")
     db = tmp_path / "chat.db"
     argv = ["chat", "--config", str(config), "--script", str(script), "--db", str(db)]
 
@@ -304,7 +308,16 @@ def test_chat_with_a_config_connects_its_mcp_servers(tmp_path: Path) -> None:
     with SqliteEventStore(db, read_only=True) as store:
         [session] = store.sessions()
         results = [(e.result, e.error) for e in store.read(session) if isinstance(e, ToolFinished)]
-    assert results == [("5", None)]
+    assert results == [("5", None), ("6", None)]
+    # --no-tools: the MCP server's tools only.
+    db.unlink()
+    done = run_cli(*argv, "--no-tools", stdin="2+3?\n")
+    assert done.returncode == 0, done.stderr
+    with SqliteEventStore(db, read_only=True) as store:
+        [session] = store.sessions()
+        finished = [e for e in store.read(session) if isinstance(e, ToolFinished)]
+    assert [(e.name, e.result) for e in finished] == [("add", "5"), ("calculate", None)]
+    assert finished[1].error is not None and "calculate" in finished[1].error
     config.write_text('[mcp.bad]\ncommand = "/nonexistent/mcp-server"\n', encoding="utf-8")
     done = run_cli(*argv, stdin="hi\n")
     assert done.returncode == 2
