@@ -49,6 +49,7 @@ import socket
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -114,17 +115,29 @@ _client_lock = threading.Lock()
 
 
 def _is_loopback(url: str) -> bool:
-    """Whether ``url`` names this machine (``localhost``, ``127.0.0.0/8``, ``::1``)."""
+    """Whether ``url`` names this machine: ``localhost`` (and ``*.localhost``), an address
+    in ``127.0.0.0/8`` however it is spelt (``127.1``, ``2130706433``, ``0x7f000001``,
+    ``::ffff:127.0.0.1``), ``::1``, or the unspecified ``0.0.0.0`` / ``::`` (which a
+    connection takes to mean this machine, and servers print as where they listen)."""
     try:
         host = (urlsplit(url).hostname or "").rstrip(".").lower()
     except ValueError:
         return False
     if host == "localhost" or host.endswith(".localhost"):
         return True
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host)
     except ValueError:
-        return False
+        if not host or not host[0].isdigit():
+            return False
+        try:  # the shorter and numeric IPv4 forms a connection takes as well
+            ip = ipaddress.IPv4Address(socket.inet_aton(host))
+        except (OSError, ValueError):
+            return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip.is_unspecified
 
 
 def _http(loopback: bool = False) -> httpx.Client:
@@ -650,11 +663,45 @@ def _next_piece(pieces: Iterator[bytes]) -> bytes | None:
 
 def _body_pieces(response: httpx.Response) -> tuple[Iterator[bytes], bool]:
     """The body's bytes as they arrive, and whether they are read raw from the connection
-    (not decoded, and the response not closed behind our back at the body's end)."""
+    (and the response not closed behind our back at the body's end, so that a stop may
+    shut its socket). A server that compresses the stream though asked not to (gzip or
+    deflate) is inflated here, from the raw bytes; another encoding is left to httpx."""
+    stream = response.stream
+    if not isinstance(stream, httpx.SyncByteStream):
+        return response.iter_bytes(), False
     encoding = response.headers.get("content-encoding", "").strip().lower()
-    if encoding in ("", "identity") and isinstance(response.stream, httpx.SyncByteStream):
-        return iter(response.stream), True
+    if encoding in ("", "identity"):
+        return iter(stream), True
+    if encoding in ("gzip", "x-gzip", "deflate"):
+        return _inflated(iter(stream), gzip=encoding != "deflate"), True
     return response.iter_bytes(), False
+
+
+def _inflated(pieces: Iterator[bytes], *, gzip: bool) -> Iterator[bytes]:
+    """Compressed body bytes inflated as they come: gzip (member after member), or
+    ``deflate``, zlib-wrapped or raw as servers send it either way."""
+    inflate = zlib.decompressobj(zlib.MAX_WBITS | 16 if gzip else zlib.MAX_WBITS)
+    first = True
+    for piece in pieces:
+        while piece:
+            try:
+                out = inflate.decompress(piece)
+            except zlib.error:
+                if gzip or not first:
+                    raise
+                inflate = zlib.decompressobj(-zlib.MAX_WBITS)  # deflate sent raw
+                out = inflate.decompress(piece)
+            first = False
+            if out:
+                yield out
+            piece = inflate.unused_data
+            if piece and inflate.eof and gzip:
+                inflate = zlib.decompressobj(zlib.MAX_WBITS | 16)  # the next member
+            elif piece:
+                break  # data after the end of a deflate stream: left out
+    tail = inflate.flush()
+    if tail:
+        yield tail
 
 
 def _drain(pieces: Iterator[bytes], exchange: _Exchange) -> None:
@@ -913,9 +960,13 @@ class OpenAICompatibleModel:
                     )
                     if reasoning:
                         yield StreamChunk(reasoning_delta=reasoning)
+                        if abort.aborted:
+                            return  # stopped while the chunk was handled
                     content = _text(delta.get("content"))
                     if content:
                         yield StreamChunk(content_delta=content)
+                        if abort.aborted:
+                            return  # stopped while the chunk was handled
                     tool_calls = delta.get("tool_calls")
                     for tc in tool_calls if isinstance(tool_calls, list) else ():
                         if not isinstance(tc, dict):
@@ -942,6 +993,8 @@ class OpenAICompatibleModel:
                                 chars_accumulated=call.chars,
                             )
                         )
+                        if abort.aborted:
+                            return
             if abort.aborted:
                 return  # the stream ended because a stop closed it
             if not ending.done and not finished:

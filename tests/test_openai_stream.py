@@ -10,6 +10,7 @@ import itertools
 import json
 import threading
 import time
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
@@ -59,6 +60,7 @@ class Reply:
     drop: bool = False  # the connection is cut after the pieces, mid-body
     hold: threading.Event | None = None  # after the pieces, silent until this is set
     hold_answer: threading.Event | None = None  # before the status line, silent until set
+    gzip: bool = False  # the body gzipped (though the client asks for identity)
 
 
 OK = Reply(pieces=[sse(chunk({"content": "好"}, "stop"))])
@@ -114,16 +116,27 @@ class Server(LoopbackServer):
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
+                packer = zlib.compressobj(wbits=31) if reply.gzip else None
+                if packer is not None:
+                    self.send_header("Content-Encoding", "gzip")
                 self.end_headers()
+
+                def packed(data: bytes) -> bytes:
+                    if packer is None or not data:
+                        return data
+                    return packer.compress(data) + packer.flush(zlib.Z_SYNC_FLUSH)
+
                 try:
                     for piece in reply.pieces:
-                        self.wfile.write(frame(piece))
+                        self.wfile.write(frame(packed(piece)))
                     if reply.hold is not None:
                         reply.hold.wait(30)
                     if reply.drop:
                         self.close_connection = True
                         return
-                    end = frame(b"data: [DONE]\n\n") if reply.done else b""
+                    end = frame(packed(b"data: [DONE]\n\n")) if reply.done else b""
+                    if packer is not None:
+                        end += frame(packer.flush())
                     self.wfile.write(end + b"0\r\n\r\n")  # in one write: ends at once
                 except OSError:
                     self.close_connection = True
@@ -474,6 +487,49 @@ def test_a_stop_that_came_before_the_request_was_sent_sends_nothing_more(
     assert server.ports[0] == server.ports[1]
 
 
+def test_a_gzipped_stream_is_read_and_a_stop_on_it_still_ends_it_at_once(
+    server: Server,
+) -> None:
+    """A server that gzips its events though asked not to: they are inflated as they
+    come, and a stop while it is silent shuts the connection as for a plain body (it
+    waited for the read timeout, 30 s here)."""
+    server.replies.append(
+        Reply(
+            pieces=[sse(chunk({"content": "压"})), sse(chunk({"content": "缩"}, "stop"))], gzip=True
+        )
+    )
+    assert text(list(model(server).chat_stream(REQ, AbortSignal()))) == "压缩"
+    hold = threading.Event()
+    server.replies.append(Reply(pieces=[sse(chunk({"content": "字"}))], hold=hold, gzip=True))
+    abort = AbortSignal()
+    stream = model(server, timeout_s=30).chat_stream(REQ, abort)
+    assert next(stream).content_delta == "字"
+    rest: list[StreamChunk] = []
+    consumer = threading.Thread(target=lambda: rest.extend(stream), daemon=True)
+    consumer.start()
+    t0 = time.monotonic()
+    abort.abort("stop")
+    consumer.join(10)
+    assert not consumer.is_alive() and time.monotonic() - t0 < 2.0 and rest == []
+    hold.set()
+
+
+def test_nothing_more_is_yielded_once_stopped_even_from_the_same_event(server: Server) -> None:
+    """One event carrying reasoning, text and a tool call: a stop while the first of its
+    chunks is handled ends the stream there."""
+    delta = {
+        "reasoning_content": "想",
+        "content": "说",
+        "tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": "{}"}}],
+    }
+    server.replies.append(Reply(pieces=[sse(chunk(delta, "tool_calls"))]))
+    abort = AbortSignal()
+    stream = model(server).chat_stream(REQ, abort)
+    assert next(stream).reasoning_delta == "想"
+    abort.abort("stop")
+    assert list(stream) == []
+
+
 def test_a_listing_that_is_not_one_is_a_provider_error(server: Server) -> None:
     server.listing = b'{"models": ["a", "b"]}'
     with pytest.raises(ProviderError, match=r"^APIResponseValidationError: not a model"):
@@ -500,6 +556,16 @@ def fresh_clients(monkeypatch: pytest.MonkeyPatch) -> None:
         ("http://LOCALHOST:1234/v1", True),
         ("http://ollama.localhost/v1", True),
         ("http://localhost./v1", True),
+        ("http://[::ffff:127.0.0.1]:8000/v1", True),
+        ("http://127.1:8000/v1", True),
+        ("http://2130706433:8000/v1", True),
+        ("http://0x7f000001:8000/v1", True),
+        ("http://0.0.0.0:8000/v1", True),
+        ("http://[::]:8000/v1", True),
+        ("http://[::1%25lo]:8000/v1", True),
+        ("http://[::ffff:10.0.0.1]/v1", False),
+        ("http://10.1/v1", False),
+        ("http://1e100.net/v1", False),
         ("https://api.openai.com/v1", False),
         ("http://10.0.0.5:8000/v1", False),
         ("http://localhost.example.com/v1", False),
