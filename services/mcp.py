@@ -15,9 +15,11 @@ start raises :class:`McpError` naming it (with the tail of its stderr for a comm
 
 A server whose connection ends while in use (its process exited or was killed) is started
 again by the next call of one of its tools, with a warning logged; the call that was under
-way when it ended fails, and is not sent again (it may have done its work). A server that
-does not start again fails the calls that come within :data:`RECONNECT_GAP_S` of that
-attempt, at once and naming the failure, rather than starting it on every call.
+way when it ended fails, and is not sent again (it may have done its work). A server is
+started again at most once in :data:`RECONNECT_GAP_S`: the calls that find it down again
+sooner (it did not start, or died again) fail at once, naming why, rather than starting
+it on every call. A stop (``ctx.abort``) ends a call's wait for a server starting again;
+one server starting again delays no other server's calls.
 
 Usage::
 
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 from aalis_agent.events.errors import Aborted, RunError, ToolError
+from aalis_agent.services.abort import AbortSignal
 from aalis_agent.services.tools import Tool, ToolCallContext, ToolRegistry
 from aalis_agent.services.typed_tools import EventLoopThread, run_awaitable
 
@@ -56,9 +59,11 @@ log = structlog.get_logger(__name__)
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # as providers accept a tool's name
 
+_CANCELLED_END_S = 6.0  # a cancelled connection's ending: the SDK's 2 s grace, then kill
+
 RECONNECT_GAP_S = 5.0
-"""After a server failed to start again, how long its calls fail at once before the next
-call tries again."""
+"""The least time between two starts of a server whose connection ended: a call that finds
+it down sooner fails at once."""
 
 
 class McpError(RunError):
@@ -120,7 +125,8 @@ class _Connection:
         self.closing: asyncio.Event | None = None
         self.failure: BaseException | None = None
         self.stderr_reader: threading.Thread | None = None
-        self.retry_failed: tuple[float, str] | None = None  # (when, why) a restart failed
+        self.restarted_at: float | None = None  # when it was last started again (monotonic)
+        self.restart_failed: str | None = None  # why that start failed, if it did
 
 
 class McpClient:
@@ -135,6 +141,8 @@ class McpClient:
         self._loop = EventLoopThread(name)
         self._lock = threading.Lock()  # connections replaced or closed: one at a time
         self._connections: dict[str, _Connection] = {}
+        self._restarting = {name: threading.Lock() for name in names}  # one start a server
+        self._starting: set[_Connection] = set()  # connections being started now
         self._closed = False
         self.reconnects = 0  # servers started again after their connection ended
 
@@ -153,12 +161,20 @@ class McpClient:
         try:
             for spec in self.servers:
                 if spec.name not in self._connections:
-                    self._connections[spec.name] = self._connect(spec)
+                    self._connect(spec)
         except BaseException:
             self.close()
             raise
 
-    def _connect(self, spec: McpServer) -> _Connection:
+    def _connect(
+        self,
+        spec: McpServer,
+        abort: AbortSignal | None = None,
+        restarted_at: float | None = None,
+    ) -> _Connection:
+        """Start ``spec``'s connection, wait until its tools are listed, and put it in use
+        for the server; a stop (``abort``) gives up the wait, and the start, with
+        :class:`Aborted`. ``restarted_at``: when it is a start again, its time."""
         try:
             import mcp  # noqa: F401
         except ImportError:
@@ -167,15 +183,49 @@ class McpClient:
                 "(pip install 'aalis-agent[mcp]')"
             ) from None
         conn = _Connection(spec)
-        future = self._loop.submit(self._open(conn))
+        conn.restarted_at = restarted_at
+        with self._lock:
+            if self._closed:
+                raise McpError(f"MCP server {spec.name!r}: the client is closed")
+            self._starting.add(conn)  # from here on, close() ends it if it comes
+            loop = self._loop.loop  # started here at the first start; close() comes after
         try:
-            future.result(spec.startup_timeout_s + 5)
-        except McpError:
+            run_awaitable(self._open(conn), loop, abort=abort, timeout=spec.startup_timeout_s + 5)
+        except (McpError, Aborted):
+            self._forget_start(conn)
             raise
         except BaseException as exc:
-            future.cancel()
+            self._forget_start(conn)
             raise McpError(_failed(conn, exc)) from None
+        with self._lock:  # in use at once: close() finds it in one place or the other
+            self._starting.discard(conn)
+            if self._closed:
+                raise McpError(f"MCP server {spec.name!r}: the client is closed")
+            self._connections[spec.name] = conn
         return conn
+
+    def _forget_start(self, conn: _Connection) -> None:
+        """A start given up: forgotten once its task has ended (a stopped wait returns
+        before the task's ending has run; until then close() waits for it too)."""
+
+        def forget(*_: object) -> None:
+            with self._lock:
+                self._starting.discard(conn)
+
+        def when_done() -> None:
+            task = conn.task
+            if task is None or task.done():
+                forget()
+            else:
+                task.add_done_callback(forget)
+
+        loop = self._loop.running_loop()
+        try:
+            if loop is None:
+                raise RuntimeError("closed")
+            loop.call_soon_threadsafe(when_done)
+        except RuntimeError:  # the loop is closed: nothing of it runs any more
+            forget()
 
     async def _open(self, conn: _Connection) -> None:
         """Start the connection's task and wait until its tools are listed."""
@@ -186,15 +236,24 @@ class McpClient:
         try:
             await asyncio.wait_for(asyncio.shield(ready), spec.startup_timeout_s)
         except TimeoutError:
-            ready.cancel()
-            conn.task.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(conn.task, 10)
+            await self._abandon(conn, ready)
             raise McpError(
                 _failed(conn, None, f"did not answer within {spec.startup_timeout_s:g} s")
             ) from None
+        except asyncio.CancelledError:  # a stop, or the wait given up: no half-started server
+            await self._abandon(conn, ready)
+            raise
         except Exception as exc:
             raise McpError(_failed(conn, exc)) from None
+
+    @staticmethod
+    async def _abandon(conn: _Connection, ready: asyncio.Future[None]) -> None:
+        """End a connection that is still starting (its process goes with it)."""
+        ready.cancel()
+        if conn.task is not None:
+            conn.task.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(conn.task, 10)
 
     async def _serve(self, conn: _Connection, ready: asyncio.Future[None]) -> None:
         """Hold the session open until the client closes (enter and exit in one task)."""
@@ -298,13 +357,16 @@ class McpClient:
             raise ToolError(f"MCP server {server!r} is not connected")
         client = conn.client
         if client is None:
-            conn, client = self._reconnect(server)
+            conn, client = self._reconnect(server, ctx.abort if ctx is not None else None)
         limit = conn.spec.timeout_s if timeout_s is None else timeout_s
         abort = ctx.abort if ctx is not None else None
+        loop = self._loop.running_loop()
+        if loop is None:  # closed meanwhile (a closed client starts no loop again)
+            raise ToolError(f"MCP server {server!r} is not connected (the client is closed)")
         try:
             result = run_awaitable(
                 client.call_tool(name, dict(arguments or {}), read_timeout_seconds=limit),
-                self._loop.loop,
+                loop,
                 abort=abort,
                 timeout=limit + 1,
             )
@@ -329,32 +391,41 @@ class McpClient:
             raise ToolError(text or f"MCP tool {name!r} failed")
         return text
 
-    def _reconnect(self, server: str) -> tuple[_Connection, Client]:
-        """Start a server whose connection ended again (one caller at a time); its
-        connection and client, or :class:`ToolError` saying why not."""
-        with self._lock:
+    def _reconnect(
+        self, server: str, abort: AbortSignal | None = None
+    ) -> tuple[_Connection, Client]:
+        """Start a server whose connection ended again (one start a server at a time,
+        none while another start of it is fresh): its connection and client, or
+        :class:`ToolError` saying why not (:class:`Aborted` on a stop)."""
+        restarting = self._restarting.get(server)
+        if restarting is None:
+            raise ToolError(f"MCP server {server!r} is not connected")
+        with restarting:
             conn = self._connections.get(server)
             if self._closed or conn is None:
                 raise ToolError(f"MCP server {server!r} is not connected (the client is closed)")
             if conn.client is not None:  # another call started it again meanwhile
                 return conn, conn.client
             self._end(conn)  # what is left of the old one (a dead process's pipes)
-            if conn.retry_failed is not None:
-                when, why = conn.retry_failed
-                ago = time.monotonic() - when
-                if ago < RECONNECT_GAP_S:
-                    raise ToolError(
-                        f"MCP server {server!r} is not connected: its connection ended and "
-                        f"starting it again failed {ago:.1f} s ago: {why}"
-                    )
+            now = time.monotonic()
+            if conn.restarted_at is not None and now - conn.restarted_at < RECONNECT_GAP_S:
+                ago = now - conn.restarted_at
+                why = (
+                    f"starting it again failed {ago:.1f} s ago: {conn.restart_failed}"
+                    if conn.restart_failed is not None
+                    else f"it ended again {ago:.1f} s after it was started again"
+                )
+                raise ToolError(f"MCP server {server!r} is not connected: {why}")
             ended = _leaf(conn.failure) if conn.failure is not None else "it ended"
             try:
-                fresh = self._connect(conn.spec)
+                fresh = self._connect(conn.spec, abort, restarted_at=now)
             except McpError as exc:
-                fresh = _Connection(conn.spec)  # keeps its tools: they are still offered
-                fresh.tools, fresh.failure = conn.tools, conn.failure
-                fresh.retry_failed = (time.monotonic(), str(exc))
-                self._connections[server] = fresh
+                down = _Connection(conn.spec)  # keeps its tools: they are still offered
+                down.tools, down.failure = conn.tools, conn.failure
+                down.restarted_at, down.restart_failed = time.monotonic(), str(exc)
+                with self._lock:
+                    if not self._closed:
+                        self._connections[server] = down
                 log.warning("MCP server did not start again", server=server, error=str(exc))
                 raise ToolError(
                     f"MCP server {server!r}: its connection ended and starting it again "
@@ -369,7 +440,6 @@ class McpClient:
                 ended=ended,
                 tools_gone=sorted(before - after)[:20] or None,
             )
-            self._connections[server] = fresh
             assert fresh.client is not None
             return fresh, fresh.client
 
@@ -380,31 +450,47 @@ class McpClient:
         if failure is not None and conn.failure is None:
             conn.failure = failure
         closing = conn.closing
-        if closing is not None and self._loop.running:
+        loop = self._loop.running_loop()
+        if closing is not None and loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                self._loop.loop.call_soon_threadsafe(closing.set)
+                loop.call_soon_threadsafe(closing.set)
 
     # --- closing --------------------------------------------------------------------------
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Close every connection (a stdio server's process ends) and the loop thread."""
+        """Close every connection (a stdio server's process ends), give up the starts
+        under way, and close the loop thread. A connection that has not closed within
+        ``timeout_s`` is cancelled, and its process ended (the SDK ends a stdio server's
+        process tree within a few seconds)."""
         with self._lock:
             self._closed = True
             connections, self._connections = list(self._connections.values()), {}
-        if self._loop.running and connections:
+            starting = list(self._starting)
+        loop = self._loop.running_loop()
+        if loop is not None and (connections or starting):
 
             async def shut() -> None:
                 for conn in connections:
                     if conn.closing is not None:
                         conn.closing.set()
-                tasks = [c.task for c in connections if c.task is not None]
+                for conn in starting:  # a start under way is given up
+                    # Once only: a second cancel would cut short the ending the first
+                    # one began (the SDK's, which stops the server's process).
+                    if conn.task is not None and not conn.task.cancelling():
+                        conn.task.cancel()
+                tasks = [c.task for c in (*connections, *starting) if c.task is not None]
                 if tasks:
                     _, pending = await asyncio.wait(tasks, timeout=timeout_s)
                     for task in pending:
-                        task.cancel()
+                        if not task.cancelling():
+                            task.cancel()
+                    if pending:  # let their ending run (a process to stop), briefly
+                        await asyncio.wait(pending, timeout=_CANCELLED_END_S)
 
             with contextlib.suppress(Exception):
-                self._loop.submit(shut()).result(timeout_s + 5)
+                asyncio.run_coroutine_threadsafe(shut(), loop).result(
+                    timeout_s + _CANCELLED_END_S + 5
+                )
         self._loop.close()
 
 

@@ -92,6 +92,12 @@ class EventLoopThread:
         with self._lock:
             return self._loop is not None and not self._loop.is_closed()
 
+    def running_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop if it runs, else None (never starting one, as :attr:`loop` does)."""
+        with self._lock:
+            loop = self._loop
+            return loop if loop is not None and not loop.is_closed() else None
+
     def run(
         self,
         awaitable: Awaitable[T],

@@ -212,6 +212,88 @@ def test_a_server_that_does_not_start_again_fails_fast_until_the_gap_passes(
         assert client.reconnects == 1
 
 
+def test_a_server_that_dies_again_soon_is_not_started_on_every_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At most one start a server in RECONNECT_GAP_S: killed again right after it was
+    started again, its calls fail at once, naming that, until the gap has passed."""
+    with McpClient([stdio_server(timeout_s=5)]) as client:
+        for _ in range(2):
+            _kill(client, "calc")
+            with pytest.raises(ToolError, match="its connection ended"):
+                client.call("calc", "add", {"a": 1, "b": 1})
+            if client.reconnects == 0:
+                assert client.call("calc", "add", {"a": 1, "b": 1}) == "2"
+        with pytest.raises(ToolError, match=r"it ended again [\d.]+ s after it was started again"):
+            client.call("calc", "add", {"a": 1, "b": 1})
+        assert client.reconnects == 1
+        monkeypatch.setattr(mcp_module, "RECONNECT_GAP_S", 0.0)
+        assert client.call("calc", "add", {"a": 2, "b": 1}) == "3"
+        assert client.reconnects == 2
+
+
+def test_a_stop_ends_the_wait_for_a_server_starting_again_and_others_are_not_held_up(
+    tmp_path: Path,
+) -> None:
+    """A server that hangs when started again (here: once a marker file exists): a call
+    waiting for it ends with Aborted at the stop, and meanwhile another server's calls
+    (it too started again) are answered; closing does not wait for the hung start."""
+    marker = tmp_path / "hang"
+    hang = (
+        "import os, sys, time\n"
+        f"if os.path.exists({str(marker)!r}):\n"
+        "    time.sleep(60)\n"
+        f"sys.argv = [{SERVER!r}]\n"
+        f"exec(compile(open({SERVER!r}).read(), {SERVER!r}, 'exec'))\n"
+    )
+    slow = McpServer(
+        "slow", command=sys.executable, args=("-c", hang), timeout_s=2, startup_timeout_s=30
+    )
+    client = McpClient([slow, stdio_server("calc", timeout_s=2)])
+    client.start()
+    try:
+        marker.write_text("", encoding="utf-8")
+        for name in ("slow", "calc"):
+            _kill(client, name)
+            with pytest.raises(ToolError, match="its connection ended"):
+                client.call(name, "add", {"a": 1, "b": 1})
+        abort = AbortSignal()
+        failed: list[BaseException] = []
+
+        def wait_for_slow() -> None:
+            try:
+                client.call("slow", "add", {"a": 1, "b": 1}, ctx=context(abort))
+            except BaseException as exc:
+                failed.append(exc)
+
+        waiting = threading.Thread(target=wait_for_slow, daemon=True)
+        waiting.start()
+        time.sleep(0.5)  # the slow server is being started again, and hangs
+        t0 = time.monotonic()
+        assert client.call("calc", "add", {"a": 2, "b": 2}) == "4"
+        assert time.monotonic() - t0 < 10  # its own start only, not the hung one's
+        abort.abort("stop")
+        waiting.join(5)
+        assert not waiting.is_alive() and len(failed) == 1 and isinstance(failed[0], Aborted)
+    finally:
+        t0 = time.monotonic()
+        client.close()
+        assert time.monotonic() - t0 < 10
+    # The hung start's process was ended, not left behind.
+    assert not _processes_naming(str(marker))
+
+
+def _processes_naming(text: str) -> list[int]:
+    """The processes whose command line holds ``text`` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
 def test_the_config_file_declares_servers() -> None:
     fc = parse_config(
         {
