@@ -213,14 +213,76 @@ class _Backend(httpcore.NetworkBackend):
     def __init__(self, inner: httpcore.NetworkBackend) -> None:
         self._inner = inner
 
-    def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
-        return _Stream(self._inner.connect_tcp(*args, **kwargs))
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> httpcore.NetworkStream:
+        exchange = getattr(_sending, "exchange", None)
+        if exchange is None or _SyncStream is None or not isinstance(self._inner, _SyncBackend):
+            inner = self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
+            return _Stream(inner)
+        # As httpcore's own backend connects, but with the socket known to the call first,
+        # so that a stop while the connection is still being made (a host that does not
+        # answer) ends it at once.
+        source = None if local_address is None else (local_address, 0)
+        try:
+            sock = _connect(host, port, timeout, source, exchange)
+            for option in socket_options or ():
+                sock.setsockopt(*option)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except TimeoutError as exc:
+            raise httpcore.ConnectTimeout(exc) from exc
+        except OSError as exc:
+            raise httpcore.ConnectError(exc) from exc
+        return _Stream(_SyncStream(sock))
 
     def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
         return _Stream(self._inner.connect_unix_socket(*args, **kwargs))
 
     def sleep(self, seconds: float) -> None:
         self._inner.sleep(seconds)
+
+
+try:  # httpcore's own stream over a socket, for the connections made here
+    from httpcore._backends.sync import SyncBackend as _SyncBackend
+    from httpcore._backends.sync import SyncStream as _SyncStream
+except ImportError:  # pragma: no cover - moved: connections are made by httpcore then
+    _SyncBackend = _SyncStream = None  # type: ignore[assignment,misc]
+
+
+def _connect(
+    host: str,
+    port: int,
+    timeout: float | None,
+    source: tuple[str, int] | None,
+    exchange: _Exchange,
+) -> socket.socket:
+    """``socket.create_connection``, each socket shown to ``exchange`` before it connects
+    (a stop shuts it down, which ends a connect still waiting on the host)."""
+    failure: OSError | None = None
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            if not exchange.connecting(sock):
+                raise ConnectionAbortedError("stopped while connecting")
+            sock.settimeout(timeout)
+            if source is not None:
+                sock.bind(source)
+            sock.connect(address)
+            return sock
+        except ConnectionAbortedError:
+            sock.close()
+            raise
+        except OSError as exc:
+            sock.close()
+            if exchange.stopped:
+                raise ConnectionAbortedError("stopped while connecting") from None
+            failure = exc
+    raise failure if failure is not None else OSError(f"no address for {host!r}")
 
 
 def _watch_streams(client: httpx.Client) -> None:
@@ -591,6 +653,18 @@ class _Exchange:
                 # Answered (or failed): that connection may go back to the pool and serve
                 # another call; only a response attached after this is this call's.
                 self._socket = None
+
+    @property
+    def stopped(self) -> bool:
+        return self._over and self._response is None
+
+    def connecting(self, sock: socket.socket) -> bool:
+        """A socket about to connect for this call; False when stopped already."""
+        with self._lock:
+            if self._over:
+                return False
+            self._socket = sock
+            return True
 
     def sending_on(self, stream: httpcore.NetworkStream) -> None:
         """The request is being sent, or its answer waited for, on ``stream``."""

@@ -5,6 +5,7 @@ events, kept connections and a stop on a silent server."""
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import itertools
 import json
@@ -465,6 +466,57 @@ def test_a_stop_before_the_server_answers_ends_the_call_at_once(server: Server) 
     hold.set()
     # The next call is answered (on a connection of its own).
     assert text(list(m.chat_stream(REQ, AbortSignal()))) == "好"
+
+
+def test_a_stop_while_the_connection_is_still_being_made_ends_the_call_at_once() -> None:
+    """A host that does not answer the connection (here: a listener whose accept queue is
+    full, so its SYNs go unanswered): the stop ends the connect, not the connect timeout
+    (30 s here)."""
+    import socket
+
+    listener = socket.socket()
+    fillers: list[socket.socket] = []
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        for _ in range(4):  # fill its accept queue (never accepted)
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+            fillers.append(filler)
+        time.sleep(0.2)
+        with socket.socket() as probe:
+            probe.settimeout(1.0)
+            try:
+                probe.connect(("127.0.0.1", port))
+            except TimeoutError:
+                pass
+            else:
+                pytest.skip("this machine answers a connection to a full accept queue")
+        m = OpenAICompatibleModel(base_url=f"http://127.0.0.1:{port}/v1", model="m", timeout_s=30)
+        abort = AbortSignal()
+        out: list[StreamChunk] = []
+        failed: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                out.extend(m.chat_stream(REQ, abort))
+            except BaseException as exc:
+                failed.append(exc)
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        time.sleep(0.5)  # connecting
+        t0 = time.monotonic()
+        abort.abort("stop")
+        caller.join(10)
+        assert not caller.is_alive() and time.monotonic() - t0 < 2.0
+        assert out == [] and failed == []  # stopped: nothing, and no error
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
 
 
 def test_a_stop_that_came_before_the_request_was_sent_sends_nothing_more(
