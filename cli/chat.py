@@ -199,6 +199,7 @@ def run_chat(
     stdin: IO[Any] | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
+    sync: str | None = None,
 ) -> int:
     """Chat with ``session_id``; ``model`` (else ``services``' models, else the scripted
     default) answers. With ``tools``, a services without tools gets the built-in ones
@@ -224,7 +225,7 @@ def run_chat(
         services.llm = model
     elif not services.models.providers:
         services.llm = default_model()
-    store = open_store(db_path)
+    store = open_store(db_path, sync=sync)
     runtime = Runtime(store, services)
     texts = services.texts_for("cli")  # the chat's platform
     lock = threading.Lock()

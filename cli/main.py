@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--db", default="aalis-chat.db", help="SQLite event database or postgresql:// URL"
     )
+    chat.add_argument(
+        "--sync",
+        choices=("normal", "full"),
+        help="what a SQLite database's commits survive: normal (the default) a crash of "
+        "this process; full also a crash of the machine or a power cut, at a flush to the "
+        "disk per commit",
+    )
     chat.add_argument("--session", default="cli:console", help="session id (default: cli:console)")
     chat.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:11434/v1")
     chat.add_argument("--model", help="model id on that server")
@@ -290,7 +297,14 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     elif args.script:
         model = ScriptedModel.from_file(args.script)
     if not mcp_servers:
-        return run_chat(args.db, args.session, model, services=services, tools=not args.no_tools)
+        return run_chat(
+            args.db,
+            args.session,
+            model,
+            services=services,
+            tools=not args.no_tools,
+            sync=args.sync,
+        )
     # The configuration's MCP servers ([mcp.<name>]) join the tools, beside the built-in
     # ones (unless --no-tools); one that does not start, or offers a tool name taken
     # already, is an McpError naming it (one line, exit 2).
@@ -305,7 +319,14 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             for tool in builtin_tools(tz=services.tz, texts=services.texts_for("cli")):
                 services.tools.register(tool)
         client.register(services.tools)
-        return run_chat(args.db, args.session, model, services=services, tools=not args.no_tools)
+        return run_chat(
+            args.db,
+            args.session,
+            model,
+            services=services,
+            tools=not args.no_tools,
+            sync=args.sync,
+        )
     finally:
         client.close()
 

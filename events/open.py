@@ -22,7 +22,7 @@ def is_postgres_url(target: str | Path) -> bool:
 
 
 def open_store(
-    target: str | Path, *, read_only: bool = False
+    target: str | Path, *, read_only: bool = False, sync: str | None = None
 ) -> SqliteEventStore | PostgresEventStore:
     """The event store at ``target``: a :class:`PostgresEventStore` for a
     ``postgresql://`` URL, else a :class:`SqliteEventStore` for a file path (or
@@ -31,8 +31,17 @@ def open_store(
 
     The PostgreSQL store needs psycopg (``pip install 'aalis-agent[postgres]'``); without
     it a URL is refused with :class:`StoreError`.
+
+    ``sync`` (``"normal"`` or ``"full"``) is the SQLite store's (see
+    :class:`SqliteEventStore`); a PostgreSQL server syncs its commits itself, so it is
+    refused for a URL.
     """
     if is_postgres_url(target):
+        if sync is not None:
+            raise StoreError(
+                "sync applies to a SQLite file; a PostgreSQL server makes its commits "
+                "durable itself (its synchronous_commit setting)"
+            )
         try:
             from aalis_agent.events.postgres import PostgresEventStore
         except ImportError as exc:
@@ -41,4 +50,4 @@ def open_store(
                 f"(pip install 'aalis-agent[postgres]'): {exc}"
             ) from None
         return PostgresEventStore(str(target), read_only=read_only)
-    return SqliteEventStore(target, read_only=read_only)
+    return SqliteEventStore(target, read_only=read_only, sync=sync or "normal")

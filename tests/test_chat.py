@@ -350,3 +350,37 @@ def test_the_replay_hint_is_a_command_a_shell_reads_back(tmp_path: Path) -> None
     assert run_chat(str(db), session, stdin=io.StringIO("你好\n"), out=out, tools=False) == 0
     hint = out.getvalue().split("Replay: ", 1)[1].rstrip("\n")
     assert shlex.split(hint) == ["aalis-agent", "replay", str(db), "--session", session]
+
+
+def test_sync_full_makes_the_chats_commits_survive_a_power_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``chat --sync full``: the store's connection runs ``synchronous=FULL`` (2), the
+    default ``NORMAL`` (1); a PostgreSQL URL refuses the option, and a bad value is a
+    usage error."""
+    from aalis_agent.cli import chat as chat_module
+    from aalis_agent.events.errors import StoreError
+    from aalis_agent.events.open import open_store
+
+    seen: list[int] = []
+
+    def recording(target: str, **kwargs: object) -> object:
+        store = open_store(target, **kwargs)  # type: ignore[arg-type]
+        seen.append(store._conn.execute("PRAGMA synchronous").fetchone()[0])  # type: ignore[union-attr]
+        return store
+
+    monkeypatch.setattr(chat_module, "open_store", recording)
+    for sync in (None, "full"):
+        out = io.StringIO()
+        db = tmp_path / f"chat-{sync}.db"
+        assert (
+            run_chat(str(db), "s", stdin=io.StringIO("你好\n"), out=out, tools=False, sync=sync)
+            == 0
+        )
+    assert seen == [1, 2]
+    with pytest.raises(StoreError, match="sync applies to a SQLite file"):
+        open_store("postgresql://127.0.0.1:9/x", sync="full")
+    done = run_cli("chat", "--db", str(tmp_path / "cli.db"), "--sync", "full", stdin="你好\n")
+    assert done.returncode == 0 and "收到：你好" in done.stdout, done.stderr
+    done = run_cli("chat", "--db", str(tmp_path / "cli.db"), "--sync", "fast", stdin="你好\n")
+    assert done.returncode == 2 and "invalid choice: 'fast'" in done.stderr
