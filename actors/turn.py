@@ -424,6 +424,8 @@ class TurnRunner(ToolBatch, ReplyStep):
                         )
                     if chunk.tool_calls:
                         call.tool_calls.extend(chunk.tool_calls)
+                    if chunk.cut:
+                        call.cut = True
                     if chunk.usage is not None:
                         if not isinstance(chunk.usage, Usage):
                             raise TypeError(

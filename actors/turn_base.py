@@ -120,6 +120,7 @@ class _Call:
     tool_calls: list[ToolCall] = field(default_factory=list)
     aborted: bool = False
     usage: Usage | None = None
+    cut: bool = False  # cut off at the output limit: the last tool call may be incomplete
 
 
 class TurnBase:

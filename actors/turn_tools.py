@@ -83,7 +83,8 @@ class ToolBatch(TurnBase):
         stored: list[ToolCall] = []
         results: list[ChatMessage] = []
         max_tokens = _max_result_tokens(services, self.model)
-        for tc in call.tool_calls:
+        last = len(call.tool_calls) - 1
+        for n, tc in enumerate(call.tool_calls):
             if self.abort.aborted:
                 # Stopped: the calls not yet started never run. The group keeps only the
                 # calls that ran, so it stays a complete call-and-results group.
@@ -92,6 +93,10 @@ class ToolBatch(TurnBase):
             # otherwise the call does not run and the model gets the error (FLOW13).
             raw = clean_text(tc.arguments)
             args, error = parse_tool_arguments(raw, texts=self.texts)
+            if error is not None and call.cut and n == last:
+                # Cut off at the output limit while the model wrote them: say so, so
+                # that it writes them shorter rather than the same again.
+                error = self.texts("tool.arguments_cut", raw=raw[:200])
             kept = raw if error is None else "{}"
             stored.append(ToolCall(id=tc.id, name=tc.name, arguments=kept))
             context = self._tool_context(tc.id)

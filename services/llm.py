@@ -100,6 +100,9 @@ class StreamChunk(msgspec.Struct, frozen=True, kw_only=True):
     tool_call_progress: ToolCallProgress | None = None
     done: bool = False
     usage: Usage | None = None
+    cut: bool = False
+    """On the last chunk: the reply was cut off at the output limit (a server's
+    ``finish_reason`` ``length``), so its last tool call's arguments may be incomplete."""
 
 
 class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):

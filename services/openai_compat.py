@@ -1009,6 +1009,7 @@ class OpenAICompatibleModel:
         usage: Usage | None = None
         ending = _Ending()
         finished = False  # a choice said why it finished (finish_reason)
+        cut = False  # ... and that was the output limit (finish_reason "length")
         try:
             pieces = self._open(request, abort, exchange)
             if pieces is None:
@@ -1024,8 +1025,10 @@ class OpenAICompatibleModel:
                 for choice in choices if isinstance(choices, list) else ():
                     if not isinstance(choice, dict):
                         continue
-                    if choice.get("finish_reason"):
+                    reason = choice.get("finish_reason")
+                    if reason:
                         finished = True
+                        cut = reason == "length"
                     delta = choice.get("delta")
                     if not isinstance(delta, dict):
                         continue
@@ -1088,4 +1091,4 @@ class OpenAICompatibleModel:
         calls = tuple(  # in the order they began, as their progress numbered them
             ToolCall(id=c.id, name=c.name, arguments="".join(c.arguments)) for c in pending.values()
         )
-        yield StreamChunk(tool_calls=calls, done=True, usage=usage)
+        yield StreamChunk(tool_calls=calls, done=True, usage=usage, cut=cut)

@@ -596,3 +596,43 @@ def test_an_event_nested_too_deep_is_a_provider_error(server: Server) -> None:
     server.scripts.append([deep])
     with pytest.raises(ProviderError, match=r"malformed event in the stream \(its data is nested"):
         list(model(server).chat_stream(REQ, AbortSignal()))
+
+
+def test_a_tool_call_cut_off_at_the_output_limit_is_told_as_such(server: Server) -> None:
+    """``finish_reason`` ``length`` while the last call's arguments were being written:
+    that call does not run, and the model reads that its reply was cut off (so that it
+    writes shorter arguments), not only that they were not JSON. The calls before it are
+    whole and run."""
+    whole = {"index": 0, "id": "call_A", "function": {"name": "add", "arguments": "{}"}}
+    cut = {"index": 1, "id": "call_B", "function": {"name": "add", "arguments": '{"a": "很长'}}
+    server.scripts.append(
+        [sse(chunk({"tool_calls": [whole]})), sse(chunk({"tool_calls": [cut]}, "length"))]
+    )
+    server.scripts.append([sse(chunk({"content": "好"}, "stop"))])
+    ran: list[Any] = []
+    tools = ToolRegistry([Tool("add", lambda a, c: ran.append(a) or "2")])
+    with running(Services(llm=model(server), tools=tools)) as runtime:
+        assert runtime.run("s", Input(id="", content="算")).outcome == "replied"
+        finished = [e for e in runtime.store.read("s") if isinstance(e, ToolFinished)]
+    assert ran == [{}]
+    assert [(e.call_id, e.result) for e in finished] == [("call_A", "2"), ("call_B", None)]
+    error = finished[1].error
+    assert error is not None and error.startswith("[错误] 回复在输出长度上限处被截断")
+    assert '{"a": "很长' in error
+    # A reply that ended for another reason keeps the usual error.
+    server.scripts.append([sse(chunk({"tool_calls": [cut]}, "tool_calls"))])
+    server.scripts.append([sse(chunk({"content": "好"}, "stop"))])
+    with running(Services(llm=model(server), tools=tools)) as runtime:
+        assert runtime.run("s", Input(id="", content="算")).outcome == "replied"
+        finished = [e for e in runtime.store.read("s") if isinstance(e, ToolFinished)]
+    assert finished[0].error is not None
+    assert finished[0].error.startswith("[错误] 工具参数不是合法的 JSON 对象")
+
+
+def test_the_last_chunk_says_whether_the_reply_was_cut_at_the_output_limit(
+    server: Server,
+) -> None:
+    for reason, cut in (("length", True), ("stop", False)):
+        server.scripts.append([sse(chunk({"content": "好"}, reason))])
+        out = list(model(server).chat_stream(REQ, AbortSignal()))
+        assert out[-1].done and out[-1].cut is cut

@@ -59,6 +59,11 @@ TEXTS: dict[str, str] = {
         "[Error] The tool arguments are {length} characters, over the limit of {max_chars}; "
         "the call did not run. Please shorten them. The first 200 characters: {raw}"
     ),
+    "tool.arguments_cut": (
+        "[Error] The reply was cut off at the output length limit, so this tool call's "
+        "arguments are incomplete; the call did not run. Please generate it again with "
+        "shorter arguments. The first 200 characters: {raw}"
+    ),
     "tool.not_found": "There is no tool named {name}",
     "tool.blocked": "The tool call was blocked and did not run",
     "tool.builtin.current_time": "The current date and time (optionally at a UTC offset in hours)",

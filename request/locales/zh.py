@@ -54,6 +54,10 @@ TEXTS: dict[str, str] = {
         "[错误] 工具参数有 {length} 字，超过上限 {max_chars} 字，没有执行，请精简后重新生成。"
         "原文前 200 字：{raw}"
     ),
+    "tool.arguments_cut": (
+        "[错误] 回复在输出长度上限处被截断，这次工具调用的参数不完整，没有执行，"
+        "请用更短的参数重新生成。原文前 200 字：{raw}"
+    ),
     "tool.not_found": "没有这个工具：{name}",
     "tool.blocked": "工具调用被拦下，没有执行",
     "tool.builtin.current_time": "当前日期与时间（可指定 UTC 偏移小时数）",
