@@ -296,7 +296,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         raise ConfigError("--context-length and --max-tokens go with --base-url and --model")
     elif args.script:
         model = ScriptedModel.from_file(args.script)
-    if not mcp_servers:
+
+    def chat() -> int:
         return run_chat(
             args.db,
             args.session,
@@ -305,6 +306,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             tools=not args.no_tools,
             sync=args.sync,
         )
+
+    if not mcp_servers:
+        return chat()
     # The configuration's MCP servers ([mcp.<name>]) join the tools, beside the built-in
     # ones (unless --no-tools); one that does not start, or offers a tool name taken
     # already, is an McpError naming it (one line, exit 2).
@@ -319,14 +323,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             for tool in builtin_tools(tz=services.tz, texts=services.texts_for("cli")):
                 services.tools.register(tool)
         client.register(services.tools)
-        return run_chat(
-            args.db,
-            args.session,
-            model,
-            services=services,
-            tools=not args.no_tools,
-            sync=args.sync,
-        )
+        return chat()
     finally:
         client.close()
 
