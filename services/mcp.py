@@ -13,8 +13,9 @@ a tool call, made from the turn's tool thread, runs there and is waited for, wit
 timeout, and is cancelled when the turn is stopped (``ctx.abort``). A server that fails to
 start raises :class:`McpError` naming it (with the tail of its stderr for a command).
 
-A server whose connection ends while in use (its process exited or was killed) is started
-again by the next call of one of its tools, with a warning logged; the call that was under
+A server whose connection ends while in use (its process exited or was killed; an HTTP
+server went away) is started, or connected to, again by the next call of one of its
+tools, with a warning logged; the call that was under
 way when it ended fails, and is not sent again (it may have done its work). A server is
 started again at most once in :data:`RECONNECT_GAP_S`: the calls that find it down again
 sooner (it did not start, or died again) fail at once, naming why, rather than starting

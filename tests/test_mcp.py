@@ -294,6 +294,46 @@ def _processes_naming(text: str) -> list[int]:
     return found
 
 
+def _http_server(port: int) -> subprocess.Popen[bytes]:
+    """The test server over streamable HTTP on ``port``, once it accepts connections."""
+    proc = subprocess.Popen(
+        [sys.executable, SERVER, "--http", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return proc
+        assert proc.poll() is None, "the test MCP server exited"
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the test MCP server did not listen")
+
+
+def test_an_http_server_that_went_away_and_came_back_is_connected_again() -> None:
+    """Streamable HTTP: the server process ends (its session with it) and a new one
+    listens on the same port; the call that finds the session gone fails, the next one
+    opens a new session."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _http_server(port)
+    try:
+        with McpClient([McpServer("web", url=f"http://127.0.0.1:{port}/mcp", timeout_s=5)]) as c:
+            assert c.call("web", "add", {"a": 1, "b": 2}) == "3"
+            proc.kill()
+            proc.wait(10)
+            with pytest.raises(ToolError, match="its connection ended"):
+                c.call("web", "add", {"a": 1, "b": 2})
+            proc = _http_server(port)
+            assert c.call("web", "add", {"a": 2, "b": 2}) == "4"
+            assert c.reconnects == 1
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 def test_the_config_file_declares_servers() -> None:
     fc = parse_config(
         {
