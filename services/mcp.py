@@ -19,8 +19,11 @@ tools, with a warning logged; the call that was under
 way when it ended fails, and is not sent again (it may have done its work). A server is
 started again at most once in :data:`RECONNECT_GAP_S`: the calls that find it down again
 sooner (it did not start, or died again) fail at once, naming why, rather than starting
-it on every call. A stop (``ctx.abort``) ends a call's wait for a server starting again;
-one server starting again delays no other server's calls.
+it on every call. A start again runs on a thread of its own, within the server's
+``startup_timeout_s``: a call waits for it at most its own timeout (``timeout_s`` covers
+the wait and the call), and a stop (``ctx.abort``) ends the wait; either way the start
+goes on, and a later call finds the server started. One server starting again delays no
+other server's calls.
 
 Usage::
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import os
 import re
@@ -87,7 +91,7 @@ class McpServer:
     group: str | None = None
     prefix: str = ""
     timeout_s: float = 60.0
-    """The longest a tool call may take."""
+    """The longest a tool call may take, waiting for its server to start again included."""
     startup_timeout_s: float = 30.0
     """The longest connecting and listing the tools may take."""
 
@@ -142,7 +146,8 @@ class McpClient:
         self._loop = EventLoopThread(name)
         self._lock = threading.Lock()  # connections replaced or closed: one at a time
         self._connections: dict[str, _Connection] = {}
-        self._restarting = {name: threading.Lock() for name in names}  # one start a server
+        # The start again under way of each server whose connection ended: one at a time.
+        self._restarts: dict[str, concurrent.futures.Future[_Connection]] = {}
         self._starting: set[_Connection] = set()  # connections being started now
         self._closed = False
         self.reconnects = 0  # servers started again after their connection ended
@@ -356,20 +361,24 @@ class McpClient:
         conn = self._connections.get(server)
         if conn is None:
             raise ToolError(f"MCP server {server!r} is not connected")
+        limit = conn.spec.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        abort = ctx.abort if ctx is not None else None
         client = conn.client
         if client is None:
-            conn, client = self._reconnect(server, ctx.abort if ctx is not None else None)
-        limit = conn.spec.timeout_s if timeout_s is None else timeout_s
-        abort = ctx.abort if ctx is not None else None
+            conn, client = self._reconnect(server, name, abort, limit, deadline)
+        left = deadline - time.monotonic()  # what waiting for a start again left of it
         loop = self._loop.running_loop()
         if loop is None:  # closed meanwhile (a closed client starts no loop again)
             raise ToolError(f"MCP server {server!r} is not connected (the client is closed)")
         try:
+            if left <= 0:
+                raise TimeoutError
             result = run_awaitable(
-                client.call_tool(name, dict(arguments or {}), read_timeout_seconds=limit),
+                client.call_tool(name, dict(arguments or {}), read_timeout_seconds=left),
                 loop,
                 abort=abort,
-                timeout=limit + 1,
+                timeout=left + 1,
             )
         except (Aborted, ToolError):
             raise
@@ -393,56 +402,108 @@ class McpClient:
         return text
 
     def _reconnect(
-        self, server: str, abort: AbortSignal | None = None
+        self,
+        server: str,
+        tool: str,
+        abort: AbortSignal | None,
+        limit: float,
+        deadline: float,
     ) -> tuple[_Connection, Client]:
-        """Start a server whose connection ended again (one start a server at a time,
-        none while another start of it is fresh): its connection and client, or
-        :class:`ToolError` saying why not (:class:`Aborted` on a stop)."""
-        restarting = self._restarting.get(server)
-        if restarting is None:
-            raise ToolError(f"MCP server {server!r} is not connected")
-        with restarting:
+        """Wait for a server whose connection ended to be started again, starting it when
+        no start of it is under way (none while another start of it is fresh): its
+        connection and client, or :class:`ToolError` saying why not (:class:`Aborted` on
+        a stop). The wait ends at the call's ``deadline``; the start goes on (within its
+        ``startup_timeout_s``) for the calls after it."""
+        with self._lock:
             conn = self._connections.get(server)
             if self._closed or conn is None:
                 raise ToolError(f"MCP server {server!r} is not connected (the client is closed)")
             if conn.client is not None:  # another call started it again meanwhile
                 return conn, conn.client
-            self._end(conn)  # what is left of the old one (a dead process's pipes)
-            now = time.monotonic()
-            if conn.restarted_at is not None and now - conn.restarted_at < RECONNECT_GAP_S:
-                ago = now - conn.restarted_at
-                why = (
-                    f"starting it again failed {ago:.1f} s ago: {conn.restart_failed}"
-                    if conn.restart_failed is not None
-                    else f"it ended again {ago:.1f} s after it was started again"
-                )
-                raise ToolError(f"MCP server {server!r} is not connected: {why}")
-            ended = _leaf(conn.failure) if conn.failure is not None else "it ended"
-            try:
-                fresh = self._connect(conn.spec, abort, restarted_at=now)
-            except McpError as exc:
-                down = _Connection(conn.spec)  # keeps its tools: they are still offered
-                down.tools, down.failure = conn.tools, conn.failure
-                down.restarted_at, down.restart_failed = time.monotonic(), str(exc)
-                with self._lock:
-                    if not self._closed:
-                        self._connections[server] = down
-                log.warning("MCP server did not start again", server=server, error=str(exc))
-                raise ToolError(
-                    f"MCP server {server!r}: its connection ended and starting it again "
-                    f"failed: {exc}"
-                ) from None
-            self.reconnects += 1
-            before = {t.name for t in conn.tools}
-            after = {t.name for t in fresh.tools}
-            log.warning(
-                "MCP server started again: its connection had ended",
-                server=server,
-                ended=ended,
-                tools_gone=sorted(before - after)[:20] or None,
+            restart = self._restarts.get(server)
+            if restart is None:
+                self._end(conn)  # what is left of the old one (a dead process's pipes)
+                now = time.monotonic()
+                if conn.restarted_at is not None and now - conn.restarted_at < RECONNECT_GAP_S:
+                    ago = now - conn.restarted_at
+                    why = (
+                        f"starting it again failed {ago:.1f} s ago: {conn.restart_failed}"
+                        if conn.restart_failed is not None
+                        else f"it ended again {ago:.1f} s after it was started again"
+                    )
+                    raise ToolError(f"MCP server {server!r} is not connected: {why}")
+                restart = self._restarts[server] = concurrent.futures.Future()
+                threading.Thread(
+                    target=self._restart,
+                    args=(conn, now, restart),
+                    name=f"mcp-restart:{server}",
+                    daemon=True,
+                ).start()
+        woke = threading.Event()
+        restart.add_done_callback(lambda _: woke.set())
+        if abort is not None:
+            abort.add_callback(woke.set)
+        woke.wait(max(0.0, deadline - time.monotonic()))
+        if not restart.done():
+            if abort is not None and abort.aborted:
+                raise Aborted(abort.reason or "stop")
+            raise ToolError(
+                f"MCP server {server!r}: tool {tool!r} timed out after {limit:g} s: the "
+                "server is still starting again (it may take "
+                f"{conn.spec.startup_timeout_s:g} s); a later call finds it started"
             )
-            assert fresh.client is not None
-            return fresh, fresh.client
+        fresh = restart.result()  # ToolError when the start failed
+        client = fresh.client
+        if client is None:
+            raise ToolError(
+                f"MCP server {server!r} is not connected: it ended again right after it was "
+                "started again"
+            )
+        return fresh, client
+
+    def _restart(
+        self, old: _Connection, started_at: float, done: concurrent.futures.Future[_Connection]
+    ) -> None:
+        """Start ``old``'s server again, on a thread of its own (the calls waiting for it
+        give up at their own timeouts, the start does not), and tell ``done``."""
+        spec = old.spec
+        ended = _leaf(old.failure) if old.failure is not None else "it ended"
+        result: _Connection | None = None
+        error: ToolError | None = None
+        try:
+            result = self._connect(spec, None, restarted_at=started_at)
+        except McpError as exc:
+            down = _Connection(spec)  # keeps its tools: they are still offered
+            down.tools, down.failure = old.tools, old.failure
+            down.restarted_at, down.restart_failed = time.monotonic(), str(exc)
+            with self._lock:
+                if not self._closed:
+                    self._connections[spec.name] = down
+            log.warning("MCP server did not start again", server=spec.name, error=str(exc))
+            error = ToolError(
+                f"MCP server {spec.name!r}: its connection ended and starting it again "
+                f"failed: {exc}"
+            )
+        except BaseException as exc:  # the waiters hear of anything else too
+            error = ToolError(f"MCP server {spec.name!r}: starting it again failed: {_leaf(exc)}")
+        finally:
+            with self._lock:
+                if self._restarts.get(spec.name) is done:
+                    del self._restarts[spec.name]  # before the answer: a later call sees it
+                if result is not None:
+                    self.reconnects += 1
+            if result is not None:
+                before = {t.name for t in old.tools}
+                after = {t.name for t in result.tools}
+                log.warning(
+                    "MCP server started again: its connection had ended",
+                    server=spec.name,
+                    ended=ended,
+                    tools_gone=sorted(before - after)[:20] or None,
+                )
+                done.set_result(result)
+            else:
+                done.set_exception(error or ToolError(f"MCP server {spec.name!r} did not start"))
 
     def _end(self, conn: _Connection, failure: BaseException | None = None) -> None:
         """Take a connection found dead out of use: the next call starts the server again,

@@ -283,6 +283,59 @@ def test_a_stop_ends_the_wait_for_a_server_starting_again_and_others_are_not_hel
     assert not _processes_naming(str(marker))
 
 
+def test_a_call_waits_for_a_server_starting_again_at_most_its_own_timeout(
+    tmp_path: Path,
+) -> None:
+    """A server slower to start again (3 s) than its calls' timeout (1 s): the call that
+    finds it starting gives up at its own timeout, naming why, and the start goes on, so
+    a later call finds the server started (a start cut at each call's timeout would never
+    finish). Calls waiting meanwhile share the one start."""
+    marker = tmp_path / "slow-start"
+    slow_start = (
+        "import os, sys, time\n"
+        f"if os.path.exists({str(marker)!r}):\n"
+        "    time.sleep(3)\n"
+        f"sys.argv = [{SERVER!r}]\n"
+        f"exec(compile(open({SERVER!r}).read(), {SERVER!r}, 'exec'))\n"
+    )
+    spec = McpServer(
+        "calc", command=sys.executable, args=("-c", slow_start), timeout_s=1, startup_timeout_s=30
+    )
+    with McpClient([spec]) as client:
+        marker.write_text("", encoding="utf-8")
+        first = _kill(client, "calc")
+        with pytest.raises(ToolError, match="its connection ended"):
+            client.call("calc", "add", {"a": 1, "b": 1})
+        failed: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                client.call("calc", "add", {"a": 1, "b": 1})
+            except BaseException as exc:
+                failed.append(exc)
+
+        t0 = time.monotonic()
+        others = [threading.Thread(target=call, daemon=True) for _ in range(2)]
+        for t in others:
+            t.start()
+        with pytest.raises(
+            ToolError,
+            match=r"^MCP server 'calc': tool 'add' timed out after 1 s: the server is still "
+            r"starting again",
+        ):
+            client.call("calc", "add", {"a": 1, "b": 1})
+        assert time.monotonic() - t0 < 2.5  # its own timeout, not the start's 3 s
+        for t in others:
+            t.join(5)
+        assert len(failed) == 2 and all("still starting again" in str(e) for e in failed)
+        deadline = time.monotonic() + 20
+        while client.reconnects == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client.reconnects == 1  # one start, not one a call
+        assert client.call("calc", "add", {"a": 2, "b": 2}) == "4"
+        assert int(client.call("calc", "pid", {})) != first
+
+
 def _processes_naming(text: str) -> list[int]:
     """The processes whose command line holds ``text`` (Linux /proc)."""
     found = []
