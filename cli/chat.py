@@ -207,7 +207,8 @@ def run_chat(
     UTF-8 bytes; a line that is not valid UTF-8 is reported on ``err`` (default:
     ``sys.stderr``) and skipped. At a terminal, lines are edited with prompt_toolkit
     (history, the reply printed above the input line), and each shows where it went.
-    Returns 1 when a turn failed (its error in one line on ``err``), else 0."""
+    Returns 1 when a turn failed (its error in one line on ``err``), 130 when a Ctrl-C
+    left piped lines unsent, else 0."""
     stdin = sys.stdin if stdin is None else stdin
     err = sys.stderr if err is None else err
     if stdin is None or (out is None and sys.stdout is None):
@@ -234,6 +235,7 @@ def run_chat(
     held: list[str] = []  # command answers waiting for the streaming reply to end
     handles: list[SubmitHandle] = []
     errors: list[str] = []  # the failed turns' errors, each shown once
+    cut = False
     at_line_start = [True]
     paused: list[list[str] | None] = [None]  # output held while a typed line is sent
 
@@ -404,6 +406,7 @@ def run_chat(
             release()
     except KeyboardInterrupt:
         write("\n")
+        cut = not interactive  # piped lines left unsent (at a terminal, Ctrl-C leaves)
     finally:
         if previous_handler is not None:
             signal.signal(signal.SIGINT, previous_handler)
@@ -416,4 +419,4 @@ def run_chat(
     # Quoted for a shell: it can be pasted whatever the path or the id holds.
     replay = shlex.join(["aalis-agent", "replay", str(db_path), "--session", session_id])
     write(f"Replay: {replay}\n")
-    return 1 if errors else 0
+    return 130 if cut else 1 if errors else 0

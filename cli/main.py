@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
             "(turns, inputs and entry modes, model calls, tool calls with callIds, outcomes "
             "and durations, stop markers, releases), or with --at the projected state "
             "(history window, queue, pending inserts) as of that event. Rows that do not "
-            "decode are reported with session and seq and skipped; the exit status is 1 then."
+            "decode are reported with session and seq and skipped (and the rows after one in "
+            "its group of up to 32, compressed against it); the exit status is 1 then."
         ),
     )
     replay.add_argument("db", metavar="DB", help="SQLite event database or postgresql:// URL")
@@ -438,6 +439,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (AgentError, StoreError) as exc:
         sys.stderr.write(f"aalis-agent {args.command}: error: {redact(str(exc))}\n")
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: every write the log took is whole (one per batch)
+        with contextlib.suppress(OSError):
+            sys.stderr.write(f"\naalis-agent {args.command}: interrupted\n")
+        return 130
     except BrokenPipeError:  # e.g. `aalis-agent replay db | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -10,7 +10,11 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``inspect`` subcommand's arguments."""
-    parser.add_argument("db", metavar="DB", help="SQLite event database (opened read-only)")
+    parser.add_argument(
+        "db",
+        metavar="DB",
+        help="event database: a SQLite file or a postgresql:// URL (opened read-only)",
+    )
     parser.add_argument(
         "--port",
         type=int,
@@ -22,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve the page for ``args.db`` on the loopback address until Ctrl-C."""
+    from aalis_agent.events.open import is_postgres_url
     from aalis_agent.inspector.server import make_server
 
     if not 0 <= args.port <= 65535:
@@ -37,7 +42,12 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         sys.stderr.write(f"aalis-agent inspect: error: cannot listen: {exc}\n")
         return 2
-    sys.stdout.write(f"Inspecting {args.db} (read-only) at {server.url}\nCtrl-C stops it.\n")
+    shown = args.db
+    if is_postgres_url(shown):  # opened already: psycopg is there
+        from aalis_agent.events.postgres import redact_url
+
+        shown = redact_url(shown)  # no password on the screen
+    sys.stdout.write(f"Inspecting {shown} (read-only) at {server.url}\nCtrl-C stops it.\n")
     sys.stdout.flush()
     try:
         server.serve_forever()

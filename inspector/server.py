@@ -5,7 +5,7 @@ single-user debugging page with a handful of GET routes and static files, so it 
 router, no ASGI loop (every answer is a blocking SQLite read and a fold) and no new
 dependency. It binds the loopback address only, answers only requests addressed to it by
 a loopback name (a page elsewhere cannot reach it through DNS rebinding), and only reads:
-the database is opened with ``SqliteEventStore(read_only=True)``.
+the database (a SQLite file, or a ``postgresql://`` URL) is opened read-only.
 
 Routes (``<id>`` is the session id, percent-encoded as one path segment):
 
@@ -33,6 +33,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import msgspec
 from aalis_agent.events import CorruptEvent, SqliteEventStore, StoreError
+from aalis_agent.events.open import is_postgres_url, open_store
+from aalis_agent.events.store import EventStore
 from aalis_agent.inspector.index import SessionIndex
 
 __all__ = ["LOOPBACK", "Inspector", "InspectorServer", "make_server"]
@@ -63,7 +65,7 @@ class BadRequest(Exception):
 class Inspector:
     """The JSON answers over one read-only store, with the last few sessions indexed."""
 
-    def __init__(self, store: SqliteEventStore) -> None:
+    def __init__(self, store: EventStore) -> None:
         self.store = store
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, tuple[threading.Lock, SessionIndex, list[Any]]] = (
@@ -267,7 +269,7 @@ class InspectorServer(ThreadingHTTPServer):
 
     def __init__(
         self,
-        store: SqliteEventStore,
+        store: EventStore,
         port: int = 0,
         *,
         log: Callable[[str], None] | None = None,
@@ -299,10 +301,15 @@ class InspectorServer(ThreadingHTTPServer):
 def make_server(
     db: str | Path, port: int = 0, *, log: Callable[[str], None] | None = None
 ) -> InspectorServer:
-    """Open ``db`` read-only and bind the inspector to ``127.0.0.1:port`` (0: any free)."""
-    if not Path(db).is_file():
+    """Open ``db`` (a SQLite file, or a ``postgresql://`` URL) read-only and bind the
+    inspector to ``127.0.0.1:port`` (0: any free)."""
+    store: EventStore
+    if is_postgres_url(db):
+        store = open_store(db, read_only=True)
+    elif not Path(db).is_file():
         raise StoreError(f"no event database at {str(db)!r}")
-    store = SqliteEventStore(db, read_only=True)
+    else:
+        store = SqliteEventStore(db, read_only=True)
     try:
         return InspectorServer(store, port, log=log)
     except BaseException:

@@ -146,6 +146,34 @@ class ScriptedReply(msgspec.Struct, frozen=True, kw_only=True):
 Responder = Callable[[ChatRequest, int], ScriptedReply]
 
 
+def _refuse_unknown_keys(raw: object) -> None:
+    """A key a model script's reply (or its tool call, or usage) does not know is an
+    error naming it, as in every other input file: a misspelt ``txt`` would otherwise be
+    dropped and its reply be empty. Anything not shaped as a list of tables is left for
+    the conversion to name."""
+    if not isinstance(raw, list):
+        return
+    for n, reply in enumerate(raw, 1):
+        if not isinstance(reply, dict):
+            continue
+        _known(reply, ScriptedReply, f"reply {n}")
+        calls = reply.get("tool_calls")
+        if isinstance(calls, list):
+            for k, call in enumerate(calls, 1):
+                if isinstance(call, dict):
+                    _known(call, ToolCall, f"reply {n}: tool call {k}")
+        usage = reply.get("usage")
+        if isinstance(usage, dict):
+            _known(usage, Usage, f"reply {n}: usage")
+
+
+def _known(table: dict[Any, Any], kind: type[msgspec.Struct], where: str) -> None:
+    fields = kind.__struct_fields__
+    for key in table:
+        if key not in fields:
+            raise ValueError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(fields))})")
+
+
 class ScriptedModel:
     """A model that answers from a script: a list of replies used in order, or a function.
 
@@ -202,9 +230,13 @@ class ScriptedModel:
             raise ConfigError(f"{path}: not a model script: nested deeper than {MAX_DEPTH} levels")
         try:
             raw = tomllib.loads(text)["replies"] if toml else json.loads(text)
+            _refuse_unknown_keys(raw)
             replies = msgspec.convert(raw, list[ScriptedReply])
         except (KeyError, ValueError, tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
-            raise ConfigError(f"{path}: not a model script: {exc}") from None
+            # A TOML script named otherwise is read as JSON: say so, or the JSON error
+            # alone leaves its reader guessing.
+            hint = "" if toml else " (read as JSON: a TOML script's name ends in .toml)"
+            raise ConfigError(f"{path}: not a model script{hint}: {exc}") from None
         for n, reply in enumerate(replies, 1):
             if not 1 <= reply.chunks <= MAX_CHUNKS:
                 raise ConfigError(f"{path}: reply {n}: chunks must be 1..{MAX_CHUNKS}")

@@ -323,7 +323,8 @@ class McpClient:
     def register(self, registry: ToolRegistry) -> list[Tool]:
         """Add the servers' tools to ``registry``; the tools added. A name taken already
         (by another server's tool, or one of the registry's) is an :class:`McpError`
-        naming the server: give it a ``prefix``."""
+        naming the server: give it a ``prefix`` (``toolPrefix`` in the configuration
+        file)."""
         tools = self.tools()
         servers = {spec.prefix + t.name: spec.name for spec, t in self._listed_pairs()}
         for t in tools:
@@ -333,7 +334,7 @@ class McpClient:
                 raise McpError(
                     f"MCP server {servers.get(t.name, '?')!r}: its tool {t.name!r} is "
                     "registered already (by another server or tool); give the server a "
-                    "prefix"
+                    "prefix (toolPrefix in the configuration file)"
                 ) from None
         return tools
 

@@ -3,8 +3,11 @@ in one line, and the ``--context-length`` / ``--max-tokens`` of a ``--base-url``
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -275,3 +278,45 @@ def test_a_database_whose_name_is_not_utf8_replays(tmp_path: Path) -> None:
     result = _cli("replay", db)
     assert result.returncode == 0, result.stderr
     assert b"== session demo:room-1" in result.stdout
+
+
+def test_ctrl_c_in_piped_chat_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    """Piped lines left unsent at a Ctrl-C: the chat ends as it does at the end of its
+    input (its replay hint printed), with the status of an interrupted command."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "aalis_agent.cli", "chat", "--db", str(tmp_path / "c.db")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    ) as proc:
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        proc.stdin.write("你好\n")
+        proc.stdin.flush()  # and left open: more lines could come
+        status = ""
+        while not status.startswith("[用量]"):
+            status = proc.stdout.readline()
+            assert status, "the chat ended before answering"
+        for _ in range(20):  # the turn's end may still be settling: then it is stopped
+            proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(1)
+                break
+        out, err = proc.stdout.read(), proc.stderr.read()
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err
+    assert "Replay: aalis-agent replay" in out
+
+
+def test_ctrl_c_in_any_command_is_one_line_and_exit_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    cli_main = importlib.import_module("aalis_agent.cli.main")  # the module, not main()
+
+    def interrupted(args: Any) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main, "_cmd_replay", interrupted)
+    assert cli_main.main(["replay", str(tmp_path / "x.db")]) == 130
+    assert capsys.readouterr().err == "\naalis-agent replay: interrupted\n"

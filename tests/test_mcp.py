@@ -163,6 +163,18 @@ def test_a_server_that_fails_to_start_is_named() -> None:
         McpClient([McpServer("down", url=f"http://127.0.0.1:{port}/mcp")]).start()
 
 
+def test_two_servers_offering_one_tool_name_is_an_error_naming_the_key_to_set() -> None:
+    with (
+        McpClient([stdio_server("one"), stdio_server("two")]) as client,
+        pytest.raises(
+            McpError,
+            match=r"^MCP server 'two': its tool 'add' is registered already .*give the server a "
+            r"prefix \(toolPrefix in the configuration file\)$",
+        ),
+    ):
+        client.register(ToolRegistry())
+
+
 def _kill(client: McpClient, server: str) -> int:
     pid = int(client.call(server, "pid", {}))
     os.kill(pid, signal.SIGKILL)

@@ -569,6 +569,17 @@ def test_the_docs_show_the_example_files_as_they_are() -> None:
     } <= shown
 
 
+def test_the_docs_python_runs_as_pasted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``python`` block of docs/scenarios.md runs as it stands, from the repository
+    root (its paths are relative to it), imports included."""
+    text = (ROOT / "docs" / "scenarios.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```\n", text, re.S)
+    assert blocks
+    monkeypatch.chdir(ROOT)
+    for block in blocks:
+        exec(compile(block, "docs/scenarios.md", "exec"), {"__name__": "docs_snippet"})
+
+
 def test_every_call_in_every_example_obeys_the_providers_rules() -> None:  # TRIM validator
     for path in sorted(SCENARIOS.glob("*.toml")):
         result = run_scenario(path)

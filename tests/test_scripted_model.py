@@ -3,6 +3,7 @@ or from a file."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,31 @@ def test_from_a_json_file_and_bad_files(tmp_path: Path) -> None:
     bad.write_text('[{"txt": 1}, {"text": 5}]', encoding="utf-8")
     with pytest.raises(ConfigError, match="not a model script"):
         ScriptedModel.from_file(bad)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "problem"),
+    [
+        ("typo.toml", '[[replies]]\ntxt = "a"\n', r"reply 1: unknown key 'txt' \(known: "),
+        (
+            "call.toml",
+            '[[replies]]\ntool_calls = [{ id = "c", name = "x", argument = "{}" }]\n',
+            "reply 1: tool call 1: unknown key 'argument' \\(known: arguments, id, name\\)",
+        ),
+        ("use.json", '[{"text": "a"}, {"usage": {"prompt": 1}}]', "reply 2: usage: unknown key"),
+        ("toml.txt", '[[replies]]\ntext = "a"\n', r"\(read as JSON: a TOML script's name ends"),
+    ],
+)
+def test_a_model_script_refuses_what_it_does_not_know_naming_it(
+    tmp_path: Path, name: str, text: str, problem: str
+) -> None:
+    """As every other input file does: a misspelt key would otherwise be dropped and its
+    reply come out empty."""
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    where = re.escape(str(path))
+    with pytest.raises(ConfigError, match=f"^{where}: not a model script.*{problem}"):
+        ScriptedModel.from_file(path)
 
 
 @pytest.mark.parametrize(
