@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import threading
 from collections import OrderedDict
@@ -363,7 +364,10 @@ class AsyncRuntime:
         if self._closed:
             raise RuntimeClosed("this AsyncRuntime is closed (aclose or ashutdown)")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        # In this task's context (as asyncio.to_thread does): a call from a turn's own
+        # async tool is then known as one (Runtime.delete refuses to wait for itself).
+        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+        return await loop.run_in_executor(self._executor, call)
 
     # --- lifecycle ---------------------------------------------------------------------
 

@@ -48,7 +48,7 @@ from aalis_agent.actors.messages import (
 )
 from aalis_agent.actors.ownership import SessionOwnedElsewhere
 from aalis_agent.actors.session import SessionActor
-from aalis_agent.actors.turn import TurnRunner, in_a_turn
+from aalis_agent.actors.turn import TurnRunner, in_a_turn, in_turn_of
 from aalis_agent.actors.workers import Workers
 from aalis_agent.events import (
     Clock,
@@ -122,6 +122,23 @@ def _optional_text(name: str, value: object) -> None:
     :class:`InvalidInput` naming it."""
     if value is not None and not isinstance(value, str):
         raise InvalidInput(f"{name} must be a str or None, not {type(value).__name__}")
+
+
+def _refuse_own_turn(session_id: str, what: str, instead: str | None = None) -> None:
+    """Raise RuntimeError when called within a turn of ``session_id`` (its tool, its
+    middleware, a callback of it): ``what`` waits for that turn to end, which waits for
+    the call, so it would wait for itself, and the session with it."""
+    if in_turn_of(session_id):
+        raise RuntimeError(
+            f"session {session_id!r}: {what} was called from within its own running turn "
+            "(a tool, a middleware or a callback of it): it would wait for itself (for "
+            "that turn to end, which waits for the call); "
+            + (
+                instead
+                or "call it from another thread without waiting for it here (the turn is "
+                "then stopped, and ends once this returns)"
+            )
+        )
 
 
 def _checked_kinds(kinds: object) -> tuple[str, ...]:
@@ -449,8 +466,11 @@ class Runtime:
         wait has no timeout of its own (the model's and the tools' timeouts bound it); an
         input that does not open a turn (one is running) is waited for as a submit is.
         Called where it cannot run a turn (inside a turn, a middleware or a callback),
-        the turn goes to a worker as with ``submit``.
+        the turn goes to a worker as with ``submit``; called within a turn of the same
+        session, it is refused with RuntimeError (it would wait for that turn to end,
+        which waits for it).
         """
+        _refuse_own_turn(session_id, "run", instead="submit it instead: it returns once accepted")
         gate = self.workers.gate
         inside = gate.holder() == threading.get_ident()  # called from a step
         # One stay behind the gate for the submit and the turn: leaving it between them
@@ -629,7 +649,9 @@ class Runtime:
     def delete(self, session_id: str, timeout: float | None = None) -> int:
         """Delete the session (DEL1-DEL2): stop at once, release unarchived, wait for the
         turn to wind down (no time limit unless ``timeout``); returns the new generation.
-        Inputs that arrived before this call and reach the session later are dropped."""
+        Inputs that arrived before this call and reach the session later are dropped.
+        Refused with RuntimeError within the session's own turn (it would wait for it)."""
+        _refuse_own_turn(session_id, "delete")
         done: Future[int] = Future()
         with self._lock:
             entry = self._entry(session_id)
@@ -646,6 +668,7 @@ class Runtime:
         is a tuple (or list) of names: anything else is refused with
         :class:`InvalidInput` before the session is touched."""
         kinds = _checked_kinds(kinds)
+        _refuse_own_turn(session_id, "clear")
         done: Future[None] = Future()
         with self._lock:
             entry = self._entry(session_id)

@@ -14,6 +14,7 @@ reply (``agent:reply:before``, with format retries), saved and sent; ``agent:tur
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -94,6 +95,20 @@ def in_a_turn() -> bool:
     return bool(getattr(_running_here, "sessions", ()))
 
 
+# The sessions whose turn the current context runs in: a turn's own thread, and what it
+# hands work to with its context (an async tool's task, ``asyncio.to_thread``, the
+# AsyncRuntime's calls), where the thread-local above does not reach.
+_turn_of: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "aalis_turn_of", default=()
+)
+
+
+def in_turn_of(session_id: str) -> bool:
+    """Whether this code runs within a turn of ``session_id`` (a tool, a middleware, a
+    callback of it): a call that waits for that turn to end would wait for itself."""
+    return session_id in _turn_of.get()
+
+
 class TurnRunner(ToolBatch, ReplyStep):
     """Drives one turn: model calls, tool batches and insertion points (FLOW1-FLOW15)."""
 
@@ -102,9 +117,11 @@ class TurnRunner(ToolBatch, ReplyStep):
         if sessions is None:
             sessions = _running_here.sessions = []
         sessions.append(self.session_id)
+        token = _turn_of.set((*_turn_of.get(), self.session_id))
         try:
             self._main_here()
         finally:
+            _turn_of.reset(token)
             sessions.pop()
 
     def _main_here(self) -> None:

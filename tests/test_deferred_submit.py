@@ -288,3 +288,112 @@ def test_an_async_submit_held_back_by_a_deletion_does_not_hold_a_thread(
         tool.release(10)
         runtime.shutdown(timeout=10)
         store.close()
+
+
+def _own_session_tool_runtime(tmp_path: Path, handler: Any) -> tuple[Runtime, SqliteEventStore]:
+    def reply(request: Any, n: int) -> ScriptedReply:
+        if n == 1:
+            return ScriptedReply(tool_calls=(ToolCall(id="c1", name="own", arguments="{}"),))
+        return ScriptedReply(text=f"好{n}")
+
+    store = SqliteEventStore(tmp_path / "log.db")
+    services = Services(llm=ScriptedModel(reply), tools=ToolRegistry([Tool("own", handler)]))
+    return Runtime(store, services, janitor=False), store
+
+
+@pytest.mark.parametrize("call", ["delete", "clear", "run"])
+def test_a_tool_asking_to_delete_clear_or_run_its_own_session_is_refused(
+    tmp_path: Path, call: str
+) -> None:
+    """A tool of the session's running turn that deletes, clears or runs (and waits for)
+    that very session would wait for the turn, which waits for the tool: the session hung
+    for good, every later submit with it. The call is refused with RuntimeError (the tool
+    reports it to the model), the turn ends, and the session goes on."""
+    runtime: Runtime
+    errors: list[str] = []
+
+    def own(args: Any, ctx: Any) -> str:
+        try:
+            if call == "run":
+                runtime.run(ctx.session_id, Input(id="inner", content="二"))
+            else:
+                getattr(runtime, call)(ctx.session_id, timeout=5)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+            raise
+        return "done"
+
+    runtime, store = _own_session_tool_runtime(tmp_path, own)
+    try:
+        assert runtime.submit("s", Input(id="", content="一")).result(10).outcome == "replied"
+        assert len(errors) == 1
+        assert f"session 's': {call} was called from within its own running turn" in errors[0]
+        assert not _received(store, "inner")  # a refused run accepted nothing
+        assert runtime.submit("s", Input(id="", content="三")).result(10).outcome == "replied"
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
+
+
+def test_a_tool_may_delete_its_own_session_from_another_thread(tmp_path: Path) -> None:
+    """What the refusal advises: a deletion asked from another thread, not waited for in
+    the tool, stops the turn and goes through once the tool returns."""
+    from aalis_agent.events import SessionDeleted
+
+    runtime: Runtime
+    deleted: list[int] = []
+
+    def own(args: Any, ctx: Any) -> str:
+        threading.Thread(target=lambda: deleted.append(runtime.delete(ctx.session_id))).start()
+        ctx.abort.wait(10)  # the deletion stops the turn
+        return "done"
+
+    runtime, store = _own_session_tool_runtime(tmp_path, own)
+    try:
+        outcome = runtime.submit("s", Input(id="", content="一")).result(10)
+        assert (outcome.outcome, outcome.reason) == ("aborted", "delete")
+        deadline = time.monotonic() + 10
+        while not deleted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert deleted == [1]
+        assert any(isinstance(e, SessionDeleted) for e in store.read("s"))
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
+
+
+def test_an_async_tool_asking_to_delete_its_own_session_through_asyncruntime_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The same from an ``async`` tool (it runs on a loop thread, not the turn's): the
+    turn's context goes with it, into AsyncRuntime's calls."""
+    import asyncio
+
+    from aalis_agent import AsyncRuntime
+
+    aruntime: AsyncRuntime
+    errors: list[str] = []
+
+    async def own(args: Any, ctx: Any) -> str:
+        try:
+            await aruntime.adelete(ctx.session_id, timeout=5)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+            raise
+        return "done"
+
+    runtime, store = _own_session_tool_runtime(tmp_path, own)
+
+    async def main() -> None:
+        nonlocal aruntime
+        async with AsyncRuntime(runtime) as aruntime:
+            result = await asyncio.wait_for(await aruntime.asubmit("s", "一"), 10)
+            assert result.outcome == "replied"
+
+    try:
+        asyncio.run(main())
+        assert (
+            len(errors) == 1 and "delete was called from within its own running turn" in (errors[0])
+        )
+    finally:
+        store.close()
