@@ -91,8 +91,10 @@ class InputBefore:
 
 @dataclass(frozen=True)
 class SubmitHandle:
-    """An accepted input: ``where`` it went (``opened``, ``pending``, ``queued``, ``released``), and
-    a future for how it ended (its turn's outcome, or its release)."""
+    """An accepted input: ``where`` it went (``opened``: it opened a turn; ``pending``: it
+    joins the running turn at its next insertion point; ``queued``; ``released``; ``dropped``
+    by an ``agent:input:before`` middleware; ``deferred``: see :attr:`accepted`), and a future
+    for how it ended (its turn's outcome, or its release)."""
 
     input_id: str
     where: str

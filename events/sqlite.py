@@ -256,7 +256,8 @@ class SqliteEventStore:
                 uri=read_only,
             )
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot open event database {self.path!r}: {exc}") from None
+            why = "it is a directory" if os.path.isdir(self.path) else str(exc)
+            raise StoreError(f"cannot open event database {self.path!r}: {why}") from None
         # A text value that is not UTF-8 (a hand edit, a damaged page) reads as text with
         # its bad bytes escaped, so the row it is in is reported as corrupt, not the read.
         conn.text_factory = _lenient_text

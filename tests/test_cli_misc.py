@@ -320,3 +320,13 @@ def test_ctrl_c_in_any_command_is_one_line_and_exit_130(
     monkeypatch.setattr(cli_main, "_cmd_replay", interrupted)
     assert cli_main.main(["replay", str(tmp_path / "x.db")]) == 130
     assert capsys.readouterr().err == "\naalis-agent replay: interrupted\n"
+
+
+def test_a_database_path_that_is_a_directory_says_so(tmp_path: Path) -> None:
+    folder = tmp_path / "dirdb"
+    folder.mkdir()
+    result = run_cli("chat", "--db", str(folder), stdin="你好\n")
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"aalis-agent chat: error: cannot open event database {str(folder)!r}: it is a directory\n"
+    )
