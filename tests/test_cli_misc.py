@@ -290,6 +290,9 @@ def test_ctrl_c_in_piped_chat_exits_130_without_a_traceback(tmp_path: Path) -> N
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
+        # Ctrl-C as at a terminal, whatever this process inherited (a shell's background
+        # job ignores SIGINT, and so would the chat: Python then leaves it ignored).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     ) as proc:
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         proc.stdin.write("你好\n")
@@ -303,6 +306,9 @@ def test_ctrl_c_in_piped_chat_exits_130_without_a_traceback(tmp_path: Path) -> N
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(1)
                 break
+        else:
+            proc.kill()  # never left hanging: the assertion below fails instead
+            proc.wait(10)
         out, err = proc.stdout.read(), proc.stderr.read()
     assert proc.returncode == 130, (out, err)
     assert "Traceback" not in err
