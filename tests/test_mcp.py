@@ -175,6 +175,21 @@ def test_two_servers_offering_one_tool_name_is_an_error_naming_the_key_to_set() 
         client.register(ToolRegistry())
 
 
+def _slow_to_start_again(name: str, marker: Path, sleep_s: float, timeout_s: float) -> McpServer:
+    """The test server, which sleeps ``sleep_s`` before it starts once ``marker`` exists
+    (so its first start is quick, and a start again slow)."""
+    script = (
+        "import os, sys, time\n"
+        f"if os.path.exists({str(marker)!r}):\n"
+        f"    time.sleep({sleep_s!r})\n"
+        f"sys.argv = [{SERVER!r}]\n"
+        f"exec(compile(open({SERVER!r}).read(), {SERVER!r}, 'exec'))\n"
+    )
+    return McpServer(
+        name, command=sys.executable, args=("-c", script), timeout_s=timeout_s, startup_timeout_s=30
+    )
+
+
 def _kill(client: McpClient, server: str) -> int:
     pid = int(client.call(server, "pid", {}))
     os.kill(pid, signal.SIGKILL)
@@ -251,16 +266,7 @@ def test_a_stop_ends_the_wait_for_a_server_starting_again_and_others_are_not_hel
     waiting for it ends with Aborted at the stop, and meanwhile another server's calls
     (it too started again) are answered; closing does not wait for the hung start."""
     marker = tmp_path / "hang"
-    hang = (
-        "import os, sys, time\n"
-        f"if os.path.exists({str(marker)!r}):\n"
-        "    time.sleep(60)\n"
-        f"sys.argv = [{SERVER!r}]\n"
-        f"exec(compile(open({SERVER!r}).read(), {SERVER!r}, 'exec'))\n"
-    )
-    slow = McpServer(
-        "slow", command=sys.executable, args=("-c", hang), timeout_s=2, startup_timeout_s=30
-    )
+    slow = _slow_to_start_again("slow", marker, 60, timeout_s=2)
     client = McpClient([slow, stdio_server("calc", timeout_s=2)])
     client.start()
     try:
@@ -303,16 +309,7 @@ def test_a_call_waits_for_a_server_starting_again_at_most_its_own_timeout(
     a later call finds the server started (a start cut at each call's timeout would never
     finish). Calls waiting meanwhile share the one start."""
     marker = tmp_path / "slow-start"
-    slow_start = (
-        "import os, sys, time\n"
-        f"if os.path.exists({str(marker)!r}):\n"
-        "    time.sleep(3)\n"
-        f"sys.argv = [{SERVER!r}]\n"
-        f"exec(compile(open({SERVER!r}).read(), {SERVER!r}, 'exec'))\n"
-    )
-    spec = McpServer(
-        "calc", command=sys.executable, args=("-c", slow_start), timeout_s=1, startup_timeout_s=30
-    )
+    spec = _slow_to_start_again("calc", marker, 3, timeout_s=1)
     with McpClient([spec]) as client:
         marker.write_text("", encoding="utf-8")
         first = _kill(client, "calc")
