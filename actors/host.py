@@ -4,6 +4,7 @@ and the two modules do not import each other."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -43,6 +44,17 @@ class SessionHost(Protocol):
     def unregister_if_idle(self, session_id: str, actor: Any) -> bool:
         """The actor is passivating: forget it unless a message is on its way to it."""
 
-    def session_failed(self, session_id: str, actor: Any) -> None:
+    def session_failed(self, session_id: str, actor: Any, runner: Any = None) -> None:
         """The actor was fenced after a failed write: forget it, so the next use of the
-        session rebuilds it from its log."""
+        session rebuilds it from its log; its turn ``runner``, if one is still running,
+        keeps the session until it ends."""
+
+    @property
+    def confirm_ownership(self) -> Callable[[str], bool] | None:
+        """Whether a session is still held here, asked before a turn acts (None: no
+        ownership to ask)."""
+        ...
+
+    def wait_outliving(self, runner: TurnRunner) -> None:
+        """Before ``runner`` acts: wait while a turn of its session cut by a failed write
+        still runs."""

@@ -8,6 +8,10 @@ holds the session, so the input is refused rather than run twice. ``release`` is
 once per successful ``acquire``, when that actor leaves the runtime. An implementation
 that finds it has lost a session calls the ``on_lost`` callback, and the runtime stops
 that session's actor; the store's sequence check fences whatever it still tries to write.
+An implementation may also offer ``confirm(session_id) -> bool``: asked by a turn before
+each model call and tool run, whether the session is still held here (for leases: renewed
+recently, else renewed now), so that a runtime paused past its lease does not act on a
+session another runtime has taken meanwhile.
 """
 
 from __future__ import annotations

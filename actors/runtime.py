@@ -261,6 +261,12 @@ class Runtime:
         self._generations: dict[str, int] = {}
         self._runners: set[TurnRunner] = set()
         self._runners_idle = threading.Condition(threading.Lock())
+        # Turns of fenced actors still running (a tool that ignores the stop), by session,
+        # with whether their actor held the session's ownership: the session is not given
+        # up, nor a new turn of it started, until they end. Under _runners_idle.
+        self._outliving: dict[str, list[tuple[TurnRunner, bool]]] = {}
+        # Asked by turns before they act (SessionOwnership.confirm, when offered).
+        self.confirm_ownership: Callable[[str], bool] | None = getattr(ownership, "confirm", None)
         self._closed = False
         self._quarantine: dict[str, SessionFailed] = {}
         self._quarantine_info: dict[str, Quarantined] = {}
@@ -383,7 +389,9 @@ class Runtime:
                     entry.calling -= 1
         raise AssertionError("unreachable")
 
-    def _forget(self, session_id: str, ref: pykka.ActorRef[Any]) -> None:
+    def _forget(
+        self, session_id: str, ref: pykka.ActorRef[Any], runner: TurnRunner | None = None
+    ) -> None:
         with self._lock:
             entry = self._entries.get(session_id)
             if entry is None or entry.ref.actor_urn != ref.actor_urn:
@@ -392,12 +400,21 @@ class Runtime:
             # DEL2: a deletion it did not write (its write failed) did not happen; the
             # next actor reads the generation from the log.
             self._generations.pop(session_id, None)
+        if runner is not None:
+            with self._runners_idle:
+                if runner in self._runners:  # still running: given up when it ends
+                    self._outliving.setdefault(session_id, []).append((runner, entry.owned))
+                    return
         self._release(session_id, entry.owned)
 
-    def session_failed(self, session_id: str, actor: SessionActor) -> None:
+    def session_failed(
+        self, session_id: str, actor: SessionActor, runner: TurnRunner | None = None
+    ) -> None:
         """Called by an actor fenced after a failed write: forget it, so the session's
-        next use rebuilds it from its log."""
-        self._forget(session_id, actor.actor_ref)
+        next use rebuilds it from its log. Its turn ``runner``, when one still runs (a
+        tool that ignores the stop), keeps the session owned here until it ends, and a
+        new turn of the session waits for it: one session never acts twice at once."""
+        self._forget(session_id, actor.actor_ref, runner)
 
     def unregister_if_idle(self, session_id: str, actor: SessionActor) -> bool:
         """Called by an actor passivating itself: nothing may be on its way to it."""
@@ -431,9 +448,45 @@ class Runtime:
             self._runners.add(runner)
 
     def runner_exited(self, runner: TurnRunner) -> None:
+        owned = None
         with self._runners_idle:
             self._runners.discard(runner)
             self._runners_idle.notify_all()
+            outliving = self._outliving.get(runner.session_id)
+            if outliving:
+                for i, (r, held) in enumerate(outliving):
+                    if r is runner:
+                        del outliving[i]
+                        owned = held
+                        break
+                if not outliving:
+                    del self._outliving[runner.session_id]
+        if owned is not None:
+            self._release(runner.session_id, owned)
+
+    def wait_outliving(self, runner: TurnRunner) -> None:
+        """Before ``runner`` acts: wait until no turn of its session's fenced actors runs
+        any more (see :meth:`session_failed`), or ``runner`` is stopped."""
+        if not self._outliving:  # the usual case, read without the lock
+            return
+        with self.workers.gate.released():  # other turns go on meanwhile
+            self._wait_outliving(runner)
+
+    def _wait_outliving(self, runner: TurnRunner) -> None:
+        warned = False
+        with self._runners_idle:
+            while any(r is not runner for r, _ in self._outliving.get(runner.session_id, ())):
+                if runner.abort.aborted:
+                    return
+                if not warned:
+                    warned = True
+                    log.warning(
+                        "turn waits for the session's turn cut by a failed write: it is "
+                        "still running (a tool that ignores the stop)",
+                        session=runner.session_id,
+                        turn=runner.turn_id,
+                    )
+                self._runners_idle.wait(0.05)
 
     def turn_threads(self) -> int:
         """How many turn threads are alive (a turn's thread outlives its end a moment)."""

@@ -628,7 +628,7 @@ class SessionActor(pykka.ThreadingActor):
             self._abort.abort("store")
         # Forgotten first: a caller its error wakes (a deletion, a held-back input) finds
         # the next actor, rebuilt from the log, and the generation the log holds.
-        self.host.session_failed(self.session_id, self)
+        self.host.session_failed(self.session_id, self, self._runner)
         self._fail_waiting(error)
         self.stop()
         raise error from exc
@@ -792,6 +792,8 @@ class SessionActor(pykka.ThreadingActor):
             ids=self.ids,
             abort=abort,
             on_exit=self.host.runner_exited,
+            before_acting=self.host.wait_outliving,
+            confirm_owned=self.host.confirm_ownership,
             on_archive_missed=self.host.archive_missed,
             budget_log=self.host.budget_log,
             history_cache=self._history_cache,

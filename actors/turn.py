@@ -36,7 +36,7 @@ from aalis_agent.actors.request import (
     base_prompt,
 )
 from aalis_agent.actors.scheduler import archived_input_message
-from aalis_agent.actors.turn_base import NotRecorded, TurnBase, _Call, deliver
+from aalis_agent.actors.turn_base import NotRecorded, OwnershipLost, TurnBase, _Call, deliver
 from aalis_agent.actors.turn_reply import ReplyStep
 from aalis_agent.actors.turn_tools import ToolBatch
 from aalis_agent.events import (
@@ -119,6 +119,8 @@ class TurnRunner(ToolBatch, ReplyStep):
         sessions.append(self.session_id)
         token = _turn_of.set((*_turn_of.get(), self.session_id))
         try:
+            if self._before_acting is not None:  # a cut turn of the session still runs?
+                self._before_acting(self)
             self._main_here()
         finally:
             _turn_of.reset(token)
@@ -132,13 +134,19 @@ class TurnRunner(ToolBatch, ReplyStep):
         settle = True
         try:
             outcome, reason = self._run()
-        except (pykka.ActorDeadError, StoreError) as exc:
-            # The session's actor is gone (stopped under the turn, or after a failed
-            # write): nobody records the turn now, and nothing more may happen in it.
-            # The log records it when the session next starts.
+        except (pykka.ActorDeadError, StoreError, OwnershipLost) as exc:
+            # The session's actor is gone (stopped under the turn, after a failed write,
+            # or its ownership lost): nobody records the turn now, and nothing more may
+            # happen in it. The log records it when the session next starts.
             settle = False
             outcome, reason = "aborted", "crash"
-            if isinstance(exc, StoreError):
+            if isinstance(exc, OwnershipLost):
+                log.warning(
+                    "turn ended before acting: its session is no longer owned here",
+                    session=self.session_id,
+                    turn=self.turn_id,
+                )
+            elif isinstance(exc, StoreError):
                 log.warning(
                     "turn ended: its session stopped after a failed write",
                     session=self.session_id,
@@ -391,6 +399,7 @@ class TurnRunner(ToolBatch, ReplyStep):
         call_ids: dict[int, str] = {}
         announced = False  # llm:call "start" published: an "end" follows
         entry = started.model or entry_id(model)
+        self._still_owned()  # not sent for a session another runtime has taken
         try:
             sent = self._trim(prompt, messages, tools, index)
             request = ChatRequest(

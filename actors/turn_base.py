@@ -56,10 +56,16 @@ from aalis_agent.services.llm import ChatModel, Usage
 from aalis_agent.services.logging_setup import dropped
 from aalis_agent.services.outbound import OutboundKind
 
-__all__ = ["FirstCall", "NotRecorded", "TurnBase", "deliver"]
+__all__ = ["FirstCall", "NotRecorded", "OwnershipLost", "TurnBase", "deliver"]
 
 _LOG = "aalis.turn"
 log = structlog.get_logger(_LOG)
+
+
+class OwnershipLost(Exception):
+    """The session's ownership is gone from this runtime (its lease expired while it was
+    paused, and another runtime may serve the session now): the turn ends without acting
+    or recording anything more."""
 
 
 class NotRecorded(Exception):
@@ -141,6 +147,8 @@ class TurnBase:
         ids: IdSource,
         abort: AbortSignal,
         on_exit: Callable[[Any], None] | None = None,
+        before_acting: Callable[[Any], None] | None = None,
+        confirm_owned: Callable[[str], bool] | None = None,
         on_archive_missed: Callable[[], None] | None = None,
         budget_log: BudgetLog | None = None,
         history_cache: HistoryCache | None = None,
@@ -161,6 +169,8 @@ class TurnBase:
         self.ids = ids
         self.abort = abort
         self._on_exit = on_exit
+        self._before_acting = before_acting
+        self._confirm_owned = confirm_owned
         self._on_archive_missed = on_archive_missed
         self._addressed: list[tuple[str, str]] = []
         self._drafts: list[SessionEvent] = []
@@ -194,6 +204,13 @@ class TurnBase:
             return
         name = f"turn:{self.session_id}:{self.turn_id}"
         threading.Thread(target=self._main, name=name, daemon=True).start()
+
+    def _still_owned(self) -> None:
+        """Before the turn acts (a model call, a tool): raise :class:`OwnershipLost` when
+        the runtime's ownership says the session is no longer held here."""
+        confirm = self._confirm_owned
+        if confirm is not None and not confirm(self.session_id):
+            raise OwnershipLost(self.turn_id)
 
     def run_once(self, *, gated: bool = False) -> None:
         """Run the turn on this thread (as a worker would), unless it has been run or

@@ -118,6 +118,7 @@ class ToolBatch(TurnBase):
             result: str | None = None
             metadata: dict[str, Any] = {}
             if error is None:
+                self._still_owned()  # not run for a session another runtime has taken
                 result, error, metadata = self._execute(tc, args, context)
             if max_tokens is not None and (result is not None or error is not None):
                 # CFG4, for an error as for a result: a tool (or a remote MCP server) may

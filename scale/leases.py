@@ -15,12 +15,17 @@ Table (created on first use, in the URL's ``search_path`` schema, beside the eve
   fails for longer than ``ttl_s`` (the database unreachable), every lease is treated as
   lost, since another runtime may have it by now.
 - ``release`` deletes the row (the last of this process's acquisitions of it).
+- ``confirm`` is asked before each model call and tool run: after a pause past half the
+  ttl without a renewal it renews at once, so a runtime that was stopped (SIGSTOP, a
+  stalled VM) finds out it lost a session before it acts for it, not after.
 
 Expiry is read on the database's clock (``clock_timestamp()``), so the machines' clocks
 need not agree. A holder that dies (SIGKILL, power loss, a partition) stops renewing:
 ``ttl_s`` later its sessions can be taken over. A holder that was merely paused and
-comes back finds its leases gone at its next renewal; whatever it appends meanwhile is
-refused by the store's sequence check (``ConcurrencyConflict``), which fences its actor.
+comes back finds its leases gone at its next renewal, or at once when one of its turns
+is about to act (``confirm``); whatever it appends meanwhile is refused by the store's
+sequence check (``ConcurrencyConflict``), which fences its actor. Only an action already
+under way when the pause began goes on after it: a lease cannot stop that.
 
 Why rows and not ``pg_advisory_lock`` on a held connection: the lease and its holder
 are visible in a table (the refusal names the owner; operators can read and clear it),
@@ -236,6 +241,16 @@ class PostgresLeases:
         return {bytes(s).decode("utf-8", "surrogatepass"): (str(o), float(t)) for s, o, t in rows}
 
     # --- renewing --------------------------------------------------------------------
+
+    def confirm(self, session_id: str) -> bool:
+        """Whether the session is still held here, asked before a turn acts (a model call,
+        a tool): yes when the leases were renewed less than half a ttl ago (the renewals
+        come every ``renew_s``, a third of it by default); else they are renewed now, as
+        after a pause (a stopped process, a stalled machine) the lease may have expired
+        and another runtime taken the session, and the answer is whether it was kept."""
+        if time.monotonic() - self._last_renewed >= self.ttl_s / 2:
+            self.renew()
+        return session_id in self._held
 
     def renew(self) -> list[str]:
         """Renew every lease held here now; returns the sessions found lost (their

@@ -66,6 +66,10 @@ class ShardOwnership:
     def release(self, session_id: str) -> None:
         self.inner.release(session_id)
 
+    def confirm(self, session_id: str) -> bool:
+        confirm = getattr(self.inner, "confirm", None)
+        return True if confirm is None else bool(confirm(session_id))
+
     def on_lost(self, callback: LostCallback) -> None:
         self.inner.on_lost(callback)
 

@@ -34,7 +34,7 @@ pytest.importorskip("psycopg", reason="psycopg is not installed (pip install -e 
 
 import msgspec
 import psycopg
-from aalis_agent.actors.runtime import Runtime
+from aalis_agent.actors.runtime import Runtime, RuntimeClosed
 from aalis_agent.events import Input, StoreError, TurnRecorded
 from aalis_agent.events.errors import RunError
 from aalis_agent.events.postgres import PostgresEventStore
@@ -137,6 +137,41 @@ def test_a_runtime_whose_lease_was_taken_stops_that_actor(two: Any, pg_url: str)
     assert a.active_sessions() == [] and leases_a.held() == []  # ... and lets go
     with pytest.raises(SessionOwnedElsewhere, match="runtime-b"):
         a.submit("s", Input(id="i3", content="三"))
+
+
+def test_a_runtime_paused_past_its_lease_does_not_act_for_the_session_after(
+    pg_url: str,  # noqa: F811
+) -> None:
+    """A pauses (its renewals stop) past its ttl; B takes the lease over but has written
+    nothing yet, so A's next input still commits. Before A's turn calls the model it
+    asks its leases (``confirm``): with no renewal for half a ttl they are renewed then,
+    the loss is found, A's actor stops, and the model is not called."""
+    calls: list[str] = []
+
+    def reply(request: Any, n: int) -> ScriptedReply:
+        calls.append(request.messages[-1].content)
+        return ScriptedReply(text=f"甲{n}")
+
+    store_a, store_b = PostgresEventStore(pg_url), PostgresEventStore(pg_url)
+    leases_a = PostgresLeases(store_a, owner="runtime-a", ttl_s=TTL_S, renew_s=3600)
+    leases_b = PostgresLeases(store_b, owner="runtime-b", ttl_s=TTL_S)
+    a = Runtime(store_a, Services(llm=ScriptedModel(reply)), janitor=False, ownership=leases_a)
+    try:
+        assert a.submit("s", Input(id="i1", content="一")).result(timeout=30).outcome == "replied"
+        assert len(calls) == 1
+        time.sleep(TTL_S + 0.2)  # A "paused": no renewal, and its lease ran out
+        leases_b.acquire("s")  # B takes the session over (nothing written by it yet)
+        handle = a.submit("s", Input(id="i3", content="三"))  # A does not know yet
+        with pytest.raises(RuntimeClosed, match="moved to another owner"):
+            handle.result(timeout=30)
+        assert len(calls) == 1  # the model was not called for it
+        assert leases_a.held() == [] and a.active_sessions() == []
+        with pytest.raises(SessionOwnedElsewhere, match="runtime-b"):
+            a.submit("s", Input(id="i4", content="四"))
+    finally:
+        a.shutdown(timeout=10)
+        for closing in (leases_a, leases_b, store_a, store_b):
+            closing.close()
 
 
 def test_shard_ownership_and_the_stable_hash() -> None:
