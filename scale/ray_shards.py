@@ -11,7 +11,8 @@ embedded :class:`~aalis_agent.actors.runtime.Runtime` over the shared PostgreSQL
   shard ever runs a session.
 - Failure: Ray restarts a shard whose process died (``max_restarts``). The new
   incarnation takes its shard's leases at once (same owner name; the old process is
-  gone, and a zombie would be fenced by the store's sequence check) and
+  gone, and a zombie would be fenced by the store's sequence check, though an action it
+  had under way may run twice: see docs/scaling.md) and
   ``Runtime.recover()`` resumes its sessions from the log: a cut turn is recorded, its
   inputs that no model call carried run again, queued inputs run.
 - Handles: ``submit`` returns once the input is durably accepted (as ``Runtime.submit``);
