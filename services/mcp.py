@@ -234,8 +234,12 @@ class McpClient:
             forget()
 
     async def _open(self, conn: _Connection) -> None:
-        """Start the connection's task and wait until its tools are listed."""
+        """Start the connection's task and wait until its tools are listed; none once the
+        client is closed (checked here, on the loop: a start submitted as close() ran
+        would otherwise begin after close() looked for starts to end)."""
         spec = conn.spec
+        if self._closed:
+            raise McpError(f"MCP server {spec.name!r}: the client is closed")
         conn.closing = asyncio.Event()
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         conn.task = asyncio.create_task(self._serve(conn, ready), name=f"mcp:{spec.name}")
@@ -388,6 +392,10 @@ class McpClient:
                 f"MCP server {server!r}: tool {name!r} timed out after {limit:g} s"
             ) from None
         except Exception as exc:
+            if _timed_out(exc):  # the SDK's read timeout, which is the call's
+                raise ToolError(
+                    f"MCP server {server!r}: tool {name!r} timed out after {limit:g} s"
+                ) from None
             if _connection_closed(exc):
                 # The server is gone (its process exited or was killed): this call may
                 # have reached it, so it is not sent again; the next call starts it anew.
@@ -419,8 +427,9 @@ class McpClient:
             conn = self._connections.get(server)
             if self._closed or conn is None:
                 raise ToolError(f"MCP server {server!r} is not connected (the client is closed)")
-            if conn.client is not None:  # another call started it again meanwhile
-                return conn, conn.client
+            client = conn.client  # read once: the loop thread may clear it
+            if client is not None:  # another call started it again meanwhile
+                return conn, client
             restart = self._restarts.get(server)
             if restart is None:
                 self._end(conn)  # what is left of the old one (a dead process's pipes)
@@ -478,13 +487,19 @@ class McpClient:
             down.tools, down.failure = old.tools, old.failure
             down.restarted_at, down.restart_failed = time.monotonic(), str(exc)
             with self._lock:
-                if not self._closed:
+                closed = self._closed
+                if not closed:
                     self._connections[spec.name] = down
-            log.warning("MCP server did not start again", server=spec.name, error=str(exc))
-            error = ToolError(
-                f"MCP server {spec.name!r}: its connection ended and starting it again "
-                f"failed: {exc}"
-            )
+            if closed:  # given up by close(): that is what to say
+                error = ToolError(
+                    f"MCP server {spec.name!r} is not connected (the client is closed)"
+                )
+            else:
+                log.warning("MCP server did not start again", server=spec.name, error=str(exc))
+                error = ToolError(
+                    f"MCP server {spec.name!r}: its connection ended and starting it again "
+                    f"failed: {exc}"
+                )
         except BaseException as exc:  # the waiters hear of anything else too
             error = ToolError(f"MCP server {spec.name!r}: starting it again failed: {_leaf(exc)}")
         finally:
@@ -646,6 +661,22 @@ def _result_text(result: Any) -> str:
     return "\n".join(parts)
 
 
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a call failed on the SDK's read timeout (its ``REQUEST_TIMEOUT`` error)."""
+    try:
+        from mcp.types import REQUEST_TIMEOUT
+    except ImportError:  # pragma: no cover - the SDK is there when a call is made
+        return False
+    return _error_code(exc) == REQUEST_TIMEOUT
+
+
+def _error_code(exc: BaseException) -> object:
+    """The JSON-RPC error code of an SDK error (inside exception groups), if any."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return getattr(getattr(exc, "error", None), "code", None)
+
+
 def _connection_closed(exc: BaseException) -> bool:
     """Whether a call failed because its connection is closed (the SDK's
     ``CONNECTION_CLOSED`` error): the server process is gone."""
@@ -653,9 +684,7 @@ def _connection_closed(exc: BaseException) -> bool:
         from mcp.types import CONNECTION_CLOSED
     except ImportError:  # pragma: no cover - the SDK is there when a call is made
         return False
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return getattr(getattr(exc, "error", None), "code", None) == CONNECTION_CLOSED
+    return _error_code(exc) == CONNECTION_CLOSED
 
 
 def _leaf(exc: BaseException) -> str:

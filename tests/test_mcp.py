@@ -39,6 +39,7 @@ from aalis_agent.services import (
 from aalis_agent.services import mcp as mcp_module
 from aalis_agent.services.config_file import parse_config
 from aalis_agent.services.mcp import McpClient, McpError, McpServer
+from aalis_agent.services.typed_tools import run_awaitable
 
 pytest.importorskip("mcp")
 
@@ -130,7 +131,7 @@ def test_a_call_is_cancelled_on_abort(stdio_client: McpClient) -> None:
 
 
 def test_a_call_times_out(stdio_client: McpClient) -> None:
-    with pytest.raises(ToolError, match="timed out"):
+    with pytest.raises(ToolError, match=r"^MCP server 'calc': tool 'slow' timed out after 0.3 s$"):
         stdio_client.call("calc", "slow", {"seconds": 30}, timeout_s=0.3)
     assert stdio_client.call("calc", "echo", {"text": "still here"}) == "still here"
 
@@ -343,6 +344,55 @@ def test_a_call_waits_for_a_server_starting_again_at_most_its_own_timeout(
         assert client.reconnects == 1  # one start, not one a call
         assert client.call("calc", "add", {"a": 2, "b": 2}) == "4"
         assert int(client.call("calc", "pid", {})) != first
+
+
+def test_close_during_a_start_again_tells_the_waiting_call_so(tmp_path: Path) -> None:
+    marker = tmp_path / "slow-start"
+    client = McpClient([_slow_to_start_again("calc", marker, 3, timeout_s=20)])
+    client.start()
+    marker.write_text("", encoding="utf-8")
+    _kill(client, "calc")
+    with pytest.raises(ToolError, match="its connection ended"):
+        client.call("calc", "add", {"a": 1, "b": 1})
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.call("calc", "add", {"a": 1, "b": 1})
+        except BaseException as exc:
+            failed.append(exc)
+
+    waiting = threading.Thread(target=call, daemon=True)
+    waiting.start()
+    time.sleep(0.5)  # the server is starting again (3 s)
+    client.close()
+    waiting.join(10)
+    assert not waiting.is_alive() and len(failed) == 1
+    assert str(failed[0]) == "MCP server 'calc' is not connected (the client is closed)"
+    assert not _processes_naming(str(marker))
+
+
+def test_no_start_begins_once_close_has_begun(tmp_path: Path) -> None:
+    """A start submitted to the loop just as close() runs (after close() looked for
+    starts to end) begins nothing: the loop refuses it, so no server is left behind."""
+    marker = tmp_path / "started"
+    script = f"open({str(marker)!r}, 'w').close()\n" + (
+        f"import sys\nsys.argv = [{SERVER!r}]\n"
+        f"exec(compile(open({SERVER!r}).read(), {SERVER!r}, 'exec'))\n"
+    )
+    spec = McpServer("late", command=sys.executable, args=("-c", script), timeout_s=5)
+    client = McpClient([stdio_server("calc", timeout_s=5)])
+    client.start()
+    try:
+        with client._lock:
+            client._closed = True  # close() has begun: its flag comes first
+        conn = mcp_module._Connection(spec)
+        with pytest.raises(McpError, match=r"^MCP server 'late': the client is closed$"):
+            run_awaitable(client._open(conn), client._loop.loop, timeout=10)
+        assert conn.task is None and not marker.exists()
+    finally:
+        client._closed = False
+        client.close()
 
 
 def _processes_naming(text: str) -> list[int]:
