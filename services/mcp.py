@@ -439,7 +439,7 @@ class McpClient:
                     why = (
                         f"starting it again failed {ago:.1f} s ago: {conn.restart_failed}"
                         if conn.restart_failed is not None
-                        else f"it ended again {ago:.1f} s after it was started again"
+                        else f"its start again began {ago:.1f} s ago, and it has ended again"
                     )
                     raise ToolError(f"MCP server {server!r} is not connected: {why}")
                 restart = self._restarts[server] = concurrent.futures.Future()
