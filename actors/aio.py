@@ -38,6 +38,7 @@ None.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import functools
@@ -238,8 +239,11 @@ class EventStream:
                 self._lost_early += 1  # the loop is not running our deliveries
                 return
             self._in_flight += 1
+            # Those lost since the last delivery scheduled go with this one: reported
+            # before it, where they were lost.
+            lost, self._lost_early = self._lost_early, 0
         try:
-            self._loop.call_soon_threadsafe(self._deliver, event)
+            self._loop.call_soon_threadsafe(self._deliver, event, lost)
         except RuntimeError:  # the loop is closed: nobody will read this stream
             with self._lock:
                 self._in_flight -= 1
@@ -248,29 +252,32 @@ class EventStream:
 
     # --- the loop ----------------------------------------------------------------------
 
-    def _deliver(self, event: Any) -> None:
+    def _deliver(self, event: Any, lost_before: int = 0) -> None:
         with self._lock:
             self._in_flight -= 1
-            # Events dropped on the publishing thread came after every scheduled
-            # delivery: the last of those counts them.
-            lost = self._lost_early if self._in_flight == 0 else 0
-            self._lost_early -= lost
+            # Dropped on the publishing thread after every delivery now scheduled (no
+            # later one will carry them): counted after this one, the last.
+            lost_after = self._lost_early if self._in_flight == 0 else 0
+            self._lost_early -= lost_after
             if self._closed:
                 return
+        if lost_before:
+            self._drop(lost_before)
         queue = self._queue
         if self._dropped:
             # Report the gap first; the event goes in only if both fit.
             if queue.maxsize - queue.qsize() >= 2:
                 queue.put_nowait(EventsDropped(self._dropped))
                 self._dropped = 0
+                queue.put_nowait(event)
             else:
                 self._drop(1)
         elif queue.full():
             self._drop(1)
         else:
             queue.put_nowait(event)
-        if lost:
-            self._drop(lost)
+        if lost_after:
+            self._drop(lost_after)
 
     def _drop(self, n: int) -> None:
         self._dropped += n
@@ -337,6 +344,16 @@ class EventStream:
         self.close()
 
 
+_IDLE_STEP_S = 0.25
+"""The longest an ``await_idle`` holds a thread at a time."""
+
+
+async def _waited(done: concurrent.futures.Future[T], timeout: float | None) -> T:
+    """``done``'s result, awaited on the loop without a thread; a cancelled or timed-out
+    wait leaves ``done`` alone (whoever resolves it still can)."""
+    return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), timeout)
+
+
 class AsyncRuntime:
     """The asyncio face of a :class:`Runtime`: ``await`` its calls, ``async for`` its
     events. Made and used on one event loop; the runtime itself stays usable from
@@ -390,12 +407,10 @@ class AsyncRuntime:
 
     async def ashutdown(self, timeout: float | None = None) -> None:
         """``Runtime.shutdown`` on a thread (release inputs, wait for running turns,
-        stop the actors), then :meth:`aclose`."""
+        stop the actors), then :meth:`aclose`. Not on this object's threads: those may
+        all be taken by calls still waiting, and the timeout would not start."""
         try:
-            if self._closed:  # closed first (aclose): its threads are gone
-                await asyncio.to_thread(self.runtime.shutdown, timeout)
-            else:
-                await self._call(self.runtime.shutdown, timeout)
+            await asyncio.to_thread(self.runtime.shutdown, timeout)
         finally:
             await self.aclose()
 
@@ -468,14 +483,18 @@ class AsyncRuntime:
         )
 
     async def adelete(self, session_id: str, timeout: float | None = None) -> int:
-        """Delete the session (waits for its turn to wind down on a thread); the new
-        generation."""
-        return await self._call(self.runtime.delete, session_id, timeout)
+        """Delete the session (``Runtime.delete``); the new generation. The wait for its
+        turn to wind down holds no thread: a cancelled or timed-out wait gives up only
+        the wait (the deletion goes on)."""
+        done = await self._call(self.runtime._begin_delete, session_id)
+        return await _waited(done, timeout)
 
     async def aclear(
         self, session_id: str, kinds: tuple[str, ...] = (), timeout: float | None = None
     ) -> None:
-        await self._call(self.runtime.clear, session_id, kinds, timeout)
+        """``Runtime.clear``, waited for as :meth:`adelete` waits."""
+        done = await self._call(self.runtime._begin_clear, session_id, kinds)
+        await _waited(done, timeout)
 
     # --- observing ---------------------------------------------------------------------
 
@@ -484,8 +503,17 @@ class AsyncRuntime:
         return await self._call(self.runtime.view, session_id)
 
     async def await_idle(self, timeout: float | None = None) -> bool:
-        """Wait until no turn runs; False on timeout."""
-        return await self._call(self.runtime.wait_idle, timeout)
+        """Wait until no turn runs; False on timeout. Waited in short stretches on a
+        thread, so a cancelled wait gives its thread back at once after one."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            left = None if deadline is None else max(deadline - loop.time(), 0.0)
+            step = _IDLE_STEP_S if left is None else min(_IDLE_STEP_S, left)
+            if await self._call(self.runtime.wait_idle, step):
+                return True
+            if left is not None and left <= step:
+                return False
 
     def events(
         self,

@@ -70,7 +70,10 @@ from aalis_agent.projections import SessionView, project, queue, turns
 from aalis_agent.request.usage import wire
 from aalis_agent.services import Services
 from aalis_agent.services.settings import validate_setting
-from aalis_agent.services.typed_tools import shutdown_default_loop_thread
+from aalis_agent.services.typed_tools import (
+    release_default_loop_thread,
+    use_default_loop_thread,
+)
 
 if TYPE_CHECKING:
     from aalis_agent.actors.ownership import SessionOwnership
@@ -277,6 +280,7 @@ class Runtime:
                 target=self._janitor_loop, name="passivation", daemon=True
             )
             self._janitor.start()
+        use_default_loop_thread()  # async tools' shared loop: closed by its last runtime
 
     # --- actors ----------------------------------------------------------------------
 
@@ -706,6 +710,10 @@ class Runtime:
         turn to wind down (no time limit unless ``timeout``); returns the new generation.
         Inputs that arrived before this call and reach the session later are dropped.
         Refused with RuntimeError within the session's own turn (it would wait for it)."""
+        return self._begin_delete(session_id).result(timeout)
+
+    def _begin_delete(self, session_id: str) -> Future[int]:
+        """Ask for the deletion; its future resolves once the turn has wound down."""
         _refuse_own_turn(session_id, "delete")
         done: Future[int] = Future()
         with self._lock:
@@ -713,7 +721,7 @@ class Runtime:
             entry.actor.refuse_reentry("a deletion")
             self._generations[session_id] = self._generations.get(session_id, entry.generation) + 1
             entry.ref.tell(Delete(done))
-        return done.result(timeout)
+        return done
 
     def clear(
         self, session_id: str, kinds: tuple[str, ...] = (), timeout: float | None = None
@@ -722,6 +730,10 @@ class Runtime:
         clear the message history; other kinds are recorded without stopping. ``kinds``
         is a tuple (or list) of names: anything else is refused with
         :class:`InvalidInput` before the session is touched."""
+        self._begin_clear(session_id, kinds).result(timeout)
+
+    def _begin_clear(self, session_id: str, kinds: tuple[str, ...] = ()) -> Future[None]:
+        """Ask for the clear; its future resolves once it is done."""
         kinds = _checked_kinds(kinds)
         _refuse_own_turn(session_id, "clear")
         done: Future[None] = Future()
@@ -729,7 +741,7 @@ class Runtime:
             entry = self._entry(session_id)
             entry.actor.refuse_reentry("a clear")
             entry.ref.tell(Clear(kinds, done))
-        done.result(timeout)
+        return done
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Release every session's queued and pending inputs (archived after its running
@@ -766,7 +778,9 @@ class Runtime:
             if self._janitor is not None:
                 self._janitor.join(timeout=5)
             self.workers.release_idle()
-            shutdown_default_loop_thread()  # async tools' loop; it starts again when used
+            # Async tools' loop, shared by the runtimes of the process: the last one to
+            # shut down stops it (it starts again when used).
+            release_default_loop_thread()
 
     close = shutdown
 

@@ -45,6 +45,7 @@ __all__ = [
     "checked_input",
     "checked_session_id",
     "clean_text",
+    "clean_value",
     "decode",
     "decode_json",
     "decode_rows",
@@ -144,9 +145,14 @@ def clean_text(s: str) -> str:
     return _SURROGATE.sub("\ufffd", joined)
 
 
-def _cleaned(value: Any) -> Any:
+def clean_value(value: Any) -> Any:
     """``value`` with every text in it cleaned of lone surrogates (structs, tuples, lists,
-    dicts walked; other values as they are)."""
+    dicts walked; other values as they are), as :func:`clean_text` cleans one."""
+    return _cleaned(value)
+
+
+def _cleaned(value: Any) -> Any:
+    """See :func:`clean_value`."""
     if isinstance(value, str):
         return clean_text(value)
     if isinstance(value, msgspec.Struct):

@@ -25,7 +25,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from aalis_agent.events.codec import clean_text
+from aalis_agent.events.codec import clean_text, clean_value
 from aalis_agent.request.texts import ZH, Texts
 
 __all__ = [
@@ -51,6 +51,9 @@ INT64_MAX = 2**63 - 1
 
 MAX_DEPTH = 64
 """Default nesting limit: tool arguments, tool results, configuration and scenario files."""
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+"""A JSON ``\\u`` escape of a UTF-16 surrogate."""
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -121,6 +124,11 @@ def parse_tool_arguments(
         return {}, texts.tool_bad_arguments(clean_text(raw))
     if not isinstance(value, dict):
         return {}, texts.tool_bad_arguments(clean_text(raw))
+    if _SURROGATE_ESCAPE.search(raw) is not None:
+        # A JSON escape of a lone surrogate (``"\ud800"``) decodes to text that is not
+        # valid Unicode: cleaned as every text the runtime keeps is (U+FFFD), so a tool,
+        # its argument checks and their error messages never meet it.
+        value = clean_value(value)
     return value, None
 
 

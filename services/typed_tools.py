@@ -46,10 +46,12 @@ __all__ = [
     "EventLoopThread",
     "TypedTool",
     "default_loop_thread",
+    "release_default_loop_thread",
     "run_awaitable",
     "shutdown_default_loop_thread",
     "tool",
     "tool_from",
+    "use_default_loop_thread",
 ]
 
 T = TypeVar("T")
@@ -70,9 +72,10 @@ class EventLoopThread:
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
-        """The running loop (started now if it is not running yet)."""
+        """The running loop (started now if it is not running yet, or if its thread
+        ended)."""
         with self._lock:
-            if self._loop is None or self._loop.is_closed():
+            if self._loop is None or self._loop.is_closed() or not self._alive():
                 loop = asyncio.new_event_loop()
                 started = threading.Event()
 
@@ -87,16 +90,19 @@ class EventLoopThread:
                 self._loop, self._thread = loop, thread
             return self._loop
 
+    def _alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     @property
     def running(self) -> bool:
         with self._lock:
-            return self._loop is not None and not self._loop.is_closed()
+            return self._loop is not None and not self._loop.is_closed() and self._alive()
 
     def running_loop(self) -> asyncio.AbstractEventLoop | None:
         """The loop if it runs, else None (never starting one, as :attr:`loop` does)."""
         with self._lock:
             loop = self._loop
-            return loop if loop is not None and not loop.is_closed() else None
+            return loop if loop is not None and not loop.is_closed() and self._alive() else None
 
     def run(
         self,
@@ -127,11 +133,15 @@ class EventLoopThread:
             if tasks:
                 await asyncio.wait(tasks, timeout=timeout)
 
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(timeout + 1)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout)
+        if thread.is_alive():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(timeout + 1)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout)
         if not thread.is_alive():
+            # Run here now: tasks a loop left when it stopped by itself are cancelled.
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(cancel_all())
             with contextlib.suppress(Exception):
                 loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
@@ -150,8 +160,30 @@ def default_loop_thread() -> EventLoopThread:
         return _default
 
 
+_default_users = 0
+
+
+def use_default_loop_thread() -> None:
+    """One more user (a runtime) of the shared loop thread, until
+    :func:`release_default_loop_thread`."""
+    global _default_users
+    with _default_lock:
+        _default_users += 1
+
+
+def release_default_loop_thread() -> None:
+    """One user fewer; the last one stops the shared loop thread (the async tools still
+    running on it are cancelled). Other runtimes' tools are left alone while they run."""
+    global _default_users
+    with _default_lock:
+        _default_users = max(_default_users - 1, 0)
+        last = _default_users == 0
+    if last:
+        shutdown_default_loop_thread()
+
+
 def shutdown_default_loop_thread() -> None:
-    """Stop the shared loop thread (it starts again on next use)."""
+    """Stop the shared loop thread now, whoever uses it (it starts again on next use)."""
     global _default
     with _default_lock:
         current, _default = _default, None
@@ -188,7 +220,7 @@ def run_awaitable(
     if running is loop:
         coroutine.close()
         raise RuntimeError("cannot wait for a coroutine on the loop of this very thread")
-    future = asyncio.run_coroutine_threadsafe(coroutine, loop)
+    future = asyncio.run_coroutine_threadsafe(_contained(coroutine), loop)
     if abort is not None:
 
         def cancel() -> None:
@@ -196,7 +228,9 @@ def run_awaitable(
 
         abort.add_callback(cancel)
     try:
-        return future.result(timeout)
+        return _result(future, loop, timeout)
+    except _Escaped as escaped:  # raised here, as a function run on this thread raises it
+        raise escaped.original from None
     except concurrent.futures.CancelledError:
         if abort is not None and abort.aborted:
             raise Aborted(abort.reason or "stop") from None
@@ -204,6 +238,40 @@ def run_awaitable(
     except TimeoutError:
         future.cancel()
         raise
+
+
+class _Escaped(Exception):
+    """A SystemExit or KeyboardInterrupt a coroutine raised, carried to its waiter."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(f"{type(original).__name__}: {original}")
+        self.original = original
+
+
+async def _contained(coroutine: Coroutine[Any, Any, T]) -> T:
+    """``coroutine``, with a SystemExit or KeyboardInterrupt it raises kept in its task:
+    asyncio raises those out of the loop itself, which would end the loop's thread, and
+    every coroutine sent to it after (every session's async tools) would wait for good."""
+    try:
+        return await coroutine
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise _Escaped(exc) from None
+
+
+def _result(
+    future: concurrent.futures.Future[T], loop: asyncio.AbstractEventLoop, timeout: float | None
+) -> T:
+    """``future.result(timeout)``, except that a wait with no end gives up once ``loop``
+    has stopped (nothing would ever answer it)."""
+    if timeout is not None:
+        return future.result(timeout)
+    while True:
+        try:
+            return future.result(1.0)
+        except TimeoutError:
+            if not loop.is_running() and not future.done():
+                future.cancel()
+                raise RuntimeError("the event loop running this coroutine stopped") from None
 
 
 # --- building a tool from a function -------------------------------------------------------

@@ -4,6 +4,7 @@ streams, stop/delete/view, a slow consumer, and an event loop that never stalls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -382,5 +383,197 @@ def test_a_closed_async_runtime_refuses_calls_as_closed_and_still_shuts_down() -
             raise AssertionError("the runtime was not shut down")
         except RuntimeClosed:
             pass
+
+    asyncio.run(main())
+
+
+def _deltas(n: int) -> list[dict[str, Any]]:
+    return [{"sessionId": "s", "turnId": "t", "contentDelta": str(i)} for i in range(n)]
+
+
+def test_an_event_after_a_reported_gap_is_kept_when_both_fit() -> None:
+    """The gap is told first, then the event goes in too when both fit (it used to be
+    lost, and counted nowhere): what was published is what was yielded plus what the
+    gaps say."""
+
+    async def main() -> None:
+        async with AsyncRuntime(make_runtime(ScriptedModel())) as aruntime:
+            stream = aruntime.events(maxsize=4)
+            bus = aruntime.runtime.services.bus
+            first, later = _deltas(10), _deltas(1)
+            for payload in first:  # delivered in turn: 4 fit, 6 are dropped on the loop
+                bus.publish("outbound:stream", payload)
+            await asyncio.sleep(0.05)
+            got = [await stream.next(1) for _ in range(4)]  # room again
+            bus.publish("outbound:stream", later[0])
+            await asyncio.sleep(0.05)
+            got += [await stream.next(1) for _ in range(2)]
+            stream.close()
+        assert [type(e) for e in got] == [StreamDelta] * 4 + [EventsDropped, StreamDelta]
+        assert got[4] == EventsDropped(6) and stream.dropped_total == 6
+
+    asyncio.run(main())
+
+
+def test_events_lost_while_the_loop_lags_are_told_where_they_were_lost() -> None:
+    """Lost on the publishing thread (every delivery slot in flight), then a later event
+    scheduled once a slot is free: the gap comes before that event, not after it."""
+
+    async def main() -> None:
+        async with AsyncRuntime(make_runtime(ScriptedModel())) as aruntime:
+            stream = aruntime.events(maxsize=4)
+            bus = aruntime.runtime.services.bus
+            loop = asyncio.get_running_loop()
+            payloads = _deltas(6)
+            got: list[StreamEvent] = []
+
+            def read_one_then_publish_the_sixth() -> None:
+                got.append(stream._queue.get_nowait())  # a consumer reads one
+                bus.publish("outbound:stream", payloads[5])
+
+            bus.publish("outbound:stream", payloads[0])
+            loop.call_soon(read_one_then_publish_the_sixth)
+            for payload in payloads[1:5]:  # the fifth finds 4 deliveries in flight
+                bus.publish("outbound:stream", payload)
+            await asyncio.sleep(0.05)
+            got += [await stream.next(1) for _ in range(4)]
+            stream.close()
+        seen = [e.count if isinstance(e, EventsDropped) else e.content for e in got]
+        # The sixth found the queue with room for one: the gap (the fifth) is told, and
+        # the sixth dropped with it, as both did not fit.
+        assert seen == ["0", "1", "2", "3", 2]
+        assert stream.dropped_total == 2
+
+    asyncio.run(main())
+
+
+def test_an_async_tool_raising_systemexit_fails_its_turn_and_leaves_the_loop_running() -> None:
+    """asyncio raises SystemExit out of the loop itself: it ended the shared loop's
+    thread, and every session's async tools waited for good after it."""
+
+    async def bad(args: Mapping[str, Any], ctx: ToolCallContext) -> str:
+        raise SystemExit(3)
+
+    async def good(args: Mapping[str, Any], ctx: ToolCallContext) -> str:
+        await asyncio.sleep(0)
+        return "pong"
+
+    def reply(request: Any, n: int) -> ScriptedReply:
+        if request.messages[-1].role == "tool":
+            return ScriptedReply(text=f"done: {request.messages[-1].content}")
+        name = "bad" if "bad" in request.messages[-1].content else "good"
+        return ScriptedReply(tool_calls=(ToolCall(id=f"c{n}", name=name, arguments="{}"),))
+
+    runtime = Runtime(
+        InMemoryEventStore(),
+        Services(
+            llm=ScriptedModel(reply), tools=ToolRegistry([Tool("bad", bad), Tool("good", good)])
+        ),
+        janitor=False,
+    )
+
+    async def main() -> None:
+        async with AsyncRuntime(runtime) as aruntime:
+            failed = await (await aruntime.asubmit("a", "bad")).result(timeout=10)
+            assert failed.outcome == "error"
+            for session in ("b", "c"):
+                ok = await (await aruntime.asubmit(session, "good")).result(timeout=10)
+                assert (ok.outcome, ok.reply) == ("replied", "done: pong")
+
+    asyncio.run(main())
+
+
+def test_shutting_one_runtime_down_leaves_another_runtimes_async_tools_running() -> None:
+    started, go = threading.Event(), threading.Event()
+
+    async def slow(args: Mapping[str, Any], ctx: ToolCallContext) -> str:
+        started.set()
+        while not go.is_set():
+            await asyncio.sleep(0.01)
+        return "slept fine"
+
+    model = ScriptedModel(
+        [
+            ScriptedReply(tool_calls=(ToolCall(id="c1", name="slow", arguments="{}"),)),
+            ScriptedReply(text="ok"),
+        ]
+    )
+    a = Runtime(
+        InMemoryEventStore(),
+        Services(llm=model, tools=ToolRegistry([Tool("slow", slow)])),
+        janitor=False,
+    )
+    b = Runtime(InMemoryEventStore(), Services(llm=ScriptedModel()), janitor=False)
+    try:
+        handle = a.submit("s", Input(id="", content="一"))
+        assert started.wait(10)
+        b.shutdown(timeout=10)  # the async tools' loop is shared: A still uses it
+        go.set()
+        assert handle.result(10).outcome == "replied"
+        results = [m.content for m in model.requests[-1].messages if m.role == "tool"]
+        assert results == ["slept fine"]
+    finally:
+        go.set()
+        a.shutdown(timeout=10)
+
+
+def test_cancelled_waits_give_their_threads_back() -> None:
+    """With one thread: waits for idleness and for a deletion, cancelled or timed out
+    while a turn is parked, used to keep that thread for good (every later call, and
+    ``ashutdown``'s timeout, waited behind them)."""
+    model = GatedModel()
+
+    async def main() -> None:
+        aruntime = await AsyncRuntime(make_runtime(model), threads=1).start()
+        try:
+            await aruntime.asubmit(SID, "hi")
+            while not model.parked:
+                await asyncio.sleep(0.01)
+            for _ in range(3):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(aruntime.await_idle(), 0.05)
+                task = asyncio.create_task(aruntime.await_idle())
+                await asyncio.sleep(0.02)
+                task.cancel()
+            view = await asyncio.wait_for(aruntime.aview("another"), 2)
+            assert view.seq == 0
+        finally:
+            await asyncio.to_thread(model.answer, "好")
+            await asyncio.wait_for(aruntime.ashutdown(5), 10)
+
+    asyncio.run(main())
+
+
+def test_a_timed_out_adelete_holds_no_thread_and_the_deletion_goes_on() -> None:
+    from tests.harness import GatedTool
+
+    tool = GatedTool()  # ignores the stop: the deletion waits for it
+    model = ScriptedModel(
+        [
+            ScriptedReply(tool_calls=(ToolCall(id="c1", name=tool.name, arguments="{}"),)),
+            ScriptedReply(text="好"),
+        ]
+    )
+    runtime = Runtime(
+        InMemoryEventStore(),
+        Services(llm=model, tools=ToolRegistry([Tool(tool.name, tool)])),
+        janitor=False,
+    )
+
+    async def main() -> None:
+        aruntime = await AsyncRuntime(runtime, threads=1).start()
+        try:
+            await aruntime.asubmit(SID, "hi")
+            await asyncio.to_thread(tool.wait_running)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(aruntime.adelete(SID), 0.1)
+            view = await asyncio.wait_for(aruntime.aview("another"), 2)  # the one thread
+            assert view.seq == 0
+            tool.release()
+            assert await aruntime.await_idle(10)
+            assert (await aruntime.aview(SID)).queue.generation == 1  # it went on
+        finally:
+            tool.release(10)
+            await asyncio.wait_for(aruntime.ashutdown(5), 10)
 
     asyncio.run(main())

@@ -364,3 +364,83 @@ def test_a_turn_calls_typed_tools(runtimes: list[Runtime]) -> None:
     assert finished["c3"].result == "HI"
     results = [m for m in model.requests[1].messages if m.role == "tool"]
     assert [r.content for r in results][1] == finished["c2"].error
+
+
+def test_a_wait_on_a_loop_that_stopped_gives_up_instead_of_waiting_for_good() -> None:
+    import time
+
+    from aalis_agent.services.typed_tools import run_awaitable
+
+    thread = EventLoopThread("test-stopping")
+    loop = thread.loop
+    started = threading.Event()
+
+    async def forever() -> None:
+        started.set()
+        await asyncio.sleep(3600)
+
+    failed: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            run_awaitable(forever(), loop)
+        except BaseException as exc:
+            failed.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    assert started.wait(5)
+    t0 = time.monotonic()
+    loop.call_soon_threadsafe(loop.stop)  # the loop ends with the coroutine unfinished
+    waiter.join(10)
+    assert not waiter.is_alive() and time.monotonic() - t0 < 5
+    assert len(failed) == 1 and "the event loop running this coroutine stopped" in str(failed[0])
+    assert thread.running_loop() is None or not thread.running
+    thread.close()
+
+
+def test_a_systemexit_in_a_coroutine_reaches_its_waiter_and_the_loop_goes_on() -> None:
+    from aalis_agent.services.typed_tools import run_awaitable
+
+    thread = EventLoopThread("test-exit")
+
+    async def bad() -> None:
+        raise SystemExit(3)
+
+    async def good() -> str:
+        return "good"
+
+    try:
+        with pytest.raises(SystemExit):
+            run_awaitable(bad(), thread.loop, timeout=5)
+        assert thread.running
+        assert run_awaitable(good(), thread.loop, timeout=5) == "good"
+    finally:
+        thread.close()
+
+
+@pytest.mark.parametrize(
+    ("raw", "problem"),
+    [
+        ('{"steps": 1, "\\ud800": 1}', "unknown argument `\ufffd`"),
+        ('{"steps": 1, "mode": "\\udfff"}', "invalid argument `mode`: Invalid enum value '\ufffd'"),
+    ],
+)
+def test_a_lone_surrogate_escape_in_arguments_is_cleaned_and_the_argument_named(
+    raw: str, problem: str
+) -> None:
+    """``"\\ud800"`` in the model's JSON decodes to text that is not valid Unicode; msgspec
+    then failed while wording its error (a bare UnicodeEncodeError reached the model)."""
+    from aalis_agent.request.limits import parse_tool_arguments
+
+    @tool
+    def walk(steps: int, mode: Literal["walk", "run"] = "walk") -> str:
+        return mode
+
+    args, error = parse_tool_arguments(raw)
+    assert error is None
+    with pytest.raises(ToolError) as info:
+        walk.handler(args, context())
+    assert str(info.value) == problem
+    args, _ = parse_tool_arguments('{"steps": 1, "mode": "walk", "note": "\\ud83d\\ude00"}')
+    assert args["note"] == "\U0001f600"  # a pair is one character, kept as it is
