@@ -663,28 +663,25 @@ def _result_text(result: Any) -> str:
 
 def _timed_out(exc: BaseException) -> bool:
     """Whether a call failed on the SDK's read timeout (its ``REQUEST_TIMEOUT`` error)."""
-    try:
-        from mcp.types import REQUEST_TIMEOUT
-    except ImportError:  # pragma: no cover - the SDK is there when a call is made
-        return False
-    return _error_code(exc) == REQUEST_TIMEOUT
-
-
-def _error_code(exc: BaseException) -> object:
-    """The JSON-RPC error code of an SDK error (inside exception groups), if any."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return getattr(getattr(exc, "error", None), "code", None)
+    return _sdk_error(exc, "REQUEST_TIMEOUT")
 
 
 def _connection_closed(exc: BaseException) -> bool:
     """Whether a call failed because its connection is closed (the SDK's
     ``CONNECTION_CLOSED`` error): the server process is gone."""
+    return _sdk_error(exc, "CONNECTION_CLOSED")
+
+
+def _sdk_error(exc: BaseException, code: str) -> bool:
+    """Whether ``exc`` (or the first error inside exception groups) is the SDK's JSON-RPC
+    error of that ``code`` name (``mcp.types``)."""
     try:
-        from mcp.types import CONNECTION_CLOSED
+        import mcp.types
     except ImportError:  # pragma: no cover - the SDK is there when a call is made
         return False
-    return _error_code(exc) == CONNECTION_CLOSED
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return bool(getattr(getattr(exc, "error", None), "code", None) == getattr(mcp.types, code))
 
 
 def _leaf(exc: BaseException) -> str:

@@ -191,6 +191,24 @@ def _slow_to_start_again(name: str, marker: Path, sleep_s: float, timeout_s: flo
     )
 
 
+def _background_calls(
+    client: McpClient, n: int
+) -> tuple[list[threading.Thread], list[BaseException]]:
+    """``n`` threads each calling ``calc``'s ``add`` once, started; and what they raise."""
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.call("calc", "add", {"a": 1, "b": 1})
+        except BaseException as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=call, daemon=True) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    return threads, failed
+
+
 def _kill(client: McpClient, server: str) -> int:
     pid = int(client.call(server, "pid", {}))
     os.kill(pid, signal.SIGKILL)
@@ -318,18 +336,8 @@ def test_a_call_waits_for_a_server_starting_again_at_most_its_own_timeout(
         first = _kill(client, "calc")
         with pytest.raises(ToolError, match="its connection ended"):
             client.call("calc", "add", {"a": 1, "b": 1})
-        failed: list[BaseException] = []
-
-        def call() -> None:
-            try:
-                client.call("calc", "add", {"a": 1, "b": 1})
-            except BaseException as exc:
-                failed.append(exc)
-
         t0 = time.monotonic()
-        others = [threading.Thread(target=call, daemon=True) for _ in range(2)]
-        for t in others:
-            t.start()
+        others, failed = _background_calls(client, 2)
         with pytest.raises(
             ToolError,
             match=r"^MCP server 'calc': tool 'add' timed out after 1 s: the server is still "
@@ -356,16 +364,7 @@ def test_close_during_a_start_again_tells_the_waiting_call_so(tmp_path: Path) ->
     _kill(client, "calc")
     with pytest.raises(ToolError, match="its connection ended"):
         client.call("calc", "add", {"a": 1, "b": 1})
-    failed: list[BaseException] = []
-
-    def call() -> None:
-        try:
-            client.call("calc", "add", {"a": 1, "b": 1})
-        except BaseException as exc:
-            failed.append(exc)
-
-    waiting = threading.Thread(target=call, daemon=True)
-    waiting.start()
+    (waiting,), failed = _background_calls(client, 1)
     time.sleep(0.5)  # the server is starting again (3 s)
     client.close()
     waiting.join(10)
