@@ -366,6 +366,10 @@ class Runtime:
     def _ownership_lost(self, session_id: str) -> None:
         """Another runtime took the session (this one's lease expired): stop its actor.
         Whatever it still tries to append is refused by the store's sequence check."""
+        with self._runners_idle:  # their acquisitions went with the lease: none to give back
+            outliving = self._outliving.get(session_id)
+            if outliving:
+                self._outliving[session_id] = [(r, False) for r, _ in outliving]
         with self._lock:
             entry = self._entries.pop(session_id, None)
             self._generations.pop(session_id, None)  # its owner's log says it (DEL2)
@@ -406,7 +410,9 @@ class Runtime:
             self._generations.pop(session_id, None)
         if runner is not None:
             with self._runners_idle:
-                if runner in self._runners:  # still running: given up when it ends
+                # Still running (begun: one never started has done nothing, and may never
+                # start): the acquisition is given up when it ends.
+                if runner in self._runners and runner.begun:
                     self._outliving.setdefault(session_id, []).append((runner, entry.owned))
                     return
         self._release(session_id, entry.owned)
@@ -735,7 +741,8 @@ class Runtime:
     def _begin_clear(self, session_id: str, kinds: tuple[str, ...] = ()) -> Future[None]:
         """Ask for the clear; its future resolves once it is done."""
         kinds = _checked_kinds(kinds)
-        _refuse_own_turn(session_id, "clear")
+        if not kinds or "context" in kinds:  # only that clear stops the turn and waits
+            _refuse_own_turn(session_id, "clear")
         done: Future[None] = Future()
         with self._lock:
             entry = self._entry(session_id)

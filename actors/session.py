@@ -1138,6 +1138,9 @@ class SessionActor(pykka.ThreadingActor):
                     if future is not None and not future.done():
                         future.set_exception(exc)
             else:
+                held, self._held = self._held, None
+                if held is not None:  # its submitter may not be there to run it: a worker does
+                    held.start_once()
                 if submit.handed_on is not None and not submit.handed_on.done():
                     submit.handed_on.set_result(where)
 

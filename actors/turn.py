@@ -98,15 +98,27 @@ def in_a_turn() -> bool:
 # The sessions whose turn the current context runs in: a turn's own thread, and what it
 # hands work to with its context (an async tool's task, ``asyncio.to_thread``, the
 # AsyncRuntime's calls), where the thread-local above does not reach.
-_turn_of: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+class _TurnMark:
+    """One turn in the context: its session, and whether it still runs (a task or thread
+    it started with its context may outlive it)."""
+
+    __slots__ = ("running", "session_id")
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self.running = True
+
+
+_turn_of: contextvars.ContextVar[tuple[_TurnMark, ...]] = contextvars.ContextVar(
     "aalis_turn_of", default=()
 )
 
 
 def in_turn_of(session_id: str) -> bool:
-    """Whether this code runs within a turn of ``session_id`` (a tool, a middleware, a
-    callback of it): a call that waits for that turn to end would wait for itself."""
-    return session_id in _turn_of.get()
+    """Whether this code runs within a running turn of ``session_id`` (a tool, a
+    middleware, a callback of it): a call that waits for that turn to end would wait for
+    itself."""
+    return any(m.running and m.session_id == session_id for m in _turn_of.get())
 
 
 class TurnRunner(ToolBatch, ReplyStep):
@@ -117,12 +129,15 @@ class TurnRunner(ToolBatch, ReplyStep):
         if sessions is None:
             sessions = _running_here.sessions = []
         sessions.append(self.session_id)
-        token = _turn_of.set((*_turn_of.get(), self.session_id))
+        self.begun = True  # see Runtime.session_failed
+        mark = _TurnMark(self.session_id)
+        token = _turn_of.set((*_turn_of.get(), mark))
         try:
             if self._before_acting is not None:  # a cut turn of the session still runs?
                 self._before_acting(self)
             self._main_here()
         finally:
+            mark.running = False
             _turn_of.reset(token)
             sessions.pop()
 

@@ -171,6 +171,7 @@ class TurnBase:
         self._on_exit = on_exit
         self._before_acting = before_acting
         self._confirm_owned = confirm_owned
+        self.begun = False  # its thread has started running it
         self._on_archive_missed = on_archive_missed
         self._addressed: list[tuple[str, str]] = []
         self._drafts: list[SessionEvent] = []
@@ -209,7 +210,11 @@ class TurnBase:
         """Before the turn acts (a model call, a tool): raise :class:`OwnershipLost` when
         the runtime's ownership says the session is no longer held here."""
         confirm = self._confirm_owned
-        if confirm is not None and not confirm(self.session_id):
+        if confirm is None:
+            return
+        with self._outside(("ownership",)):  # a renewal may wait on the lease database
+            owned = confirm(self.session_id)
+        if not owned:
             raise OwnershipLost(self.turn_id)
 
     def run_once(self, *, gated: bool = False) -> None:

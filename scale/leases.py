@@ -123,7 +123,7 @@ class PostgresLeases:
         self._conn: psycopg.Connection[Any] | None = None
         self._held: dict[str, int] = {}  # session -> acquisitions not yet released
         self._callbacks: list[LostCallback] = []
-        self._last_renewed = time.monotonic()
+        self._last_renewed = self._last_attempt = time.monotonic()
         self._stop = threading.Event()
         self._closed = False
         with self._lock:
@@ -248,9 +248,13 @@ class PostgresLeases:
         come every ``renew_s``, a third of it by default); else they are renewed now, as
         after a pause (a stopped process, a stalled machine) the lease may have expired
         and another runtime taken the session, and the answer is whether it was kept."""
-        if time.monotonic() - self._last_renewed >= self.ttl_s / 2:
+        now = time.monotonic()
+        if (
+            now - self._last_renewed >= self.ttl_s / 2
+            and now - self._last_attempt >= min(1.0, self.renew_s)  # not on every call
+        ):  # while the database does not answer
             self.renew()
-        return session_id in self._held
+        return session_id in self._held and time.monotonic() - self._last_renewed < self.ttl_s
 
     def renew(self) -> list[str]:
         """Renew every lease held here now; returns the sessions found lost (their
@@ -261,7 +265,7 @@ class PostgresLeases:
                 self._last_renewed = time.monotonic()
                 return []
             sessions = list(self._held)
-            started = time.monotonic()
+            started = self._last_attempt = time.monotonic()
             keys = [session_key(s) for s in sessions]
             try:
                 rows = self._run(

@@ -174,12 +174,14 @@ def use_default_loop_thread() -> None:
 def release_default_loop_thread() -> None:
     """One user fewer; the last one stops the shared loop thread (the async tools still
     running on it are cancelled). Other runtimes' tools are left alone while they run."""
-    global _default_users
-    with _default_lock:
-        _default_users = max(_default_users - 1, 0)
-        last = _default_users == 0
-    if last:
-        shutdown_default_loop_thread()
+    global _default, _default_users
+    with _default_lock:  # decided and taken away at once: a runtime made meanwhile
+        _default_users = max(_default_users - 1, 0)  # gets a new loop, not this one
+        if _default_users:
+            return
+        current, _default = _default, None
+    if current is not None:
+        current.close()
 
 
 def shutdown_default_loop_thread() -> None:

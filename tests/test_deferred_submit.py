@@ -397,3 +397,95 @@ def test_an_async_tool_asking_to_delete_its_own_session_through_asyncruntime_is_
         )
     finally:
         store.close()
+
+
+def test_a_tool_may_clear_what_does_not_stop_its_own_turn(tmp_path: Path) -> None:
+    """Only a clear of the context stops the turn and waits: one of other kinds from the
+    turn's own tool is recorded at once, as before."""
+    from aalis_agent.events import ContextCleared
+
+    runtime: Runtime
+
+    def own(args: Any, ctx: Any) -> str:
+        runtime.clear(ctx.session_id, ("memory",), timeout=5)
+        return "cleared"
+
+    runtime, store = _own_session_tool_runtime(tmp_path, own)
+    try:
+        assert runtime.submit("s", Input(id="", content="一")).result(10).outcome == "replied"
+        assert [e.kinds for e in store.read("s") if isinstance(e, ContextCleared)] == [("memory",)]
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
+
+
+def test_a_task_a_turn_started_may_delete_its_session_once_the_turn_ended(
+    tmp_path: Path,
+) -> None:
+    """The turn's mark goes with the context into what its tool starts; once the turn
+    has ended, a deletion from there is not "from within its own turn"."""
+    import asyncio
+
+    runtime: Runtime
+    later: list[Any] = []
+
+    async def own(args: Any, ctx: Any) -> str:
+        async def after_the_turn() -> int:
+            await asyncio.sleep(0.3)
+            return await asyncio.to_thread(runtime.delete, ctx.session_id, 10)
+
+        later.append(asyncio.ensure_future(after_the_turn()))
+        return "started"
+
+    runtime, store = _own_session_tool_runtime(tmp_path, own)
+    try:
+        assert runtime.submit("s", Input(id="", content="一")).result(10).outcome == "replied"
+        deadline = time.monotonic() + 10
+        while not (later and later[0].done()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert later[0].result() == 1
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
+
+
+def test_run_from_another_sessions_tool_during_a_wind_down_is_answered(
+    tmp_path: Path,
+) -> None:
+    """``run`` of "s" from a tool of "t" while "s" winds down a deletion is deferred and
+    not waited for there; its turn, once handed on, was held for a caller that had gone
+    (the tool then waited for good). A worker runs it now."""
+    tool = GatedTool()  # s's tool ignores the stop: the wind-down waits for it
+    runtime: Runtime
+    got: list[str] = []
+
+    def reply(request: Any, n: int) -> ScriptedReply:
+        content = request.messages[-1].content
+        if request.messages[-1].role == "user" and content.endswith(("go", "run")):
+            name = tool.name if content.endswith("go") else "runner"
+            return ScriptedReply(tool_calls=(ToolCall(id=f"c{n}", name=name, arguments="{}"),))
+        return ScriptedReply(text="好")
+
+    def runner(args: Any, ctx: Any) -> str:
+        got.append(runtime.run("s", Input(id="", content="from t")).outcome)
+        return got[-1]
+
+    store = SqliteEventStore(tmp_path / "log.db")
+    tools = ToolRegistry([Tool(tool.name, tool), Tool("runner", runner)])
+    runtime = Runtime(store, Services(llm=ScriptedModel(reply), tools=tools), janitor=False)
+    try:
+        runtime.submit("s", Input(id="", content="go"))
+        tool.wait_running()
+        deleting = threading.Thread(target=runtime.delete, args=("s",))
+        deleting.start()
+        time.sleep(0.2)  # winding down
+        handle = runtime.submit("t", Input(id="", content="run"))
+        time.sleep(0.2)
+        tool.release()
+        deleting.join(10)
+        assert handle.result(10).outcome == "replied"
+        assert got == ["replied"]
+    finally:
+        tool.release(10)
+        runtime.shutdown(timeout=10)
+        store.close()

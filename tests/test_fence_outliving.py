@@ -156,3 +156,43 @@ def test_a_tool_is_not_run_for_a_session_whose_ownership_went_meanwhile() -> Non
         assert runtime.active_sessions() == []
     finally:
         runtime.shutdown(timeout=10)
+
+
+def test_an_outliving_turn_gives_back_nothing_once_its_lease_was_lost() -> None:
+    """Its acquisition went with the lease: when it ends, it must not give up the one a
+    new actor of the session holds since (the session would be free to another runtime
+    while served here)."""
+    running, go = threading.Event(), threading.Event()
+
+    def reply(request: Any, n: int) -> ScriptedReply:
+        if n == 1:
+            return ScriptedReply(tool_calls=(ToolCall(id="c1", name="slow", arguments="{}"),))
+        return ScriptedReply(text="好")
+
+    def slow(args: Any, ctx: Any) -> str:  # ignores the stop
+        running.set()
+        go.wait(30)
+        return "done"
+
+    table: dict[str, str] = {}
+    leases = _LosableLeases(table, "a")
+    store = FailingStore(InMemoryEventStore())
+    services = Services(llm=ScriptedModel(reply), tools=ToolRegistry([Tool("slow", slow)]))
+    runtime = Runtime(store, services, janitor=False, ownership=leases)
+    try:
+        runtime.submit("s", Input(id="", content="一"))
+        assert running.wait(10)
+        store.fail_at = store.appends + 1
+        with pytest.raises(SessionFailed):
+            runtime.submit("s", Input(id="", content="二"))
+        table["s"] = "b"  # the lease is lost, as a renewal finds it: the count goes whole
+        assert not leases.confirm("s")
+        del table["s"]  # b lets it go, and this runtime takes the session again
+        handle = runtime.submit("s", Input(id="", content="三"))
+        go.set()
+        assert handle.result(10).outcome == "replied"
+        assert runtime.wait_idle(10)
+        assert table == {"s": "a"} and leases.count == {"s": 1}  # the new actor's, kept
+    finally:
+        go.set()
+        runtime.shutdown(timeout=10)
