@@ -119,7 +119,7 @@ def parse_tool_arguments(
     if json_too_deep(raw, max_depth):
         return {}, tool_arguments_too_deep(raw, max_depth, texts=texts)
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, parse_constant=_not_json)
     except ValueError:  # also an integer past the interpreter's digit limit
         return {}, texts.tool_bad_arguments(clean_text(raw))
     if not isinstance(value, dict):
@@ -130,6 +130,12 @@ def parse_tool_arguments(
         # its argument checks and their error messages never meet it.
         value = clean_value(value)
     return value, None
+
+
+def _not_json(name: str) -> Any:
+    """``NaN``, ``Infinity``, ``-Infinity``: Python's JSON reader takes them, JSON has no
+    such values (and a tool asked for a number means a finite one)."""
+    raise ValueError(f"{name} is not JSON")
 
 
 # --- values already built -------------------------------------------------------------

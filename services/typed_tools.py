@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import inspect
+import math
 import re
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
@@ -442,11 +443,17 @@ def _validate(arguments: type[msgspec.Struct], args: Mapping[str, Any]) -> dict[
         value = msgspec.convert(dict(args), arguments, strict=False)
     except msgspec.ValidationError as exc:
         raise ToolError(_explain(str(exc))) from None
-    return {
+    checked = {
         name: getattr(value, name)
         for name in arguments.__struct_fields__
         if getattr(value, name) is not msgspec.UNSET
     }
+    for name, given in checked.items():
+        # Lax conversion takes "nan" and "inf" for a float, and JSON's 1e999 reads as
+        # infinity: a number asked for is a finite one.
+        if isinstance(given, float) and not math.isfinite(given):
+            raise ToolError(f"invalid argument `{name}`: expected a finite number, got {given}")
+    return checked
 
 
 def _explain(error: str) -> str:

@@ -444,3 +444,30 @@ def test_a_lone_surrogate_escape_in_arguments_is_cleaned_and_the_argument_named(
     assert str(info.value) == problem
     args, _ = parse_tool_arguments('{"steps": 1, "mode": "walk", "note": "\\ud83d\\ude00"}')
     assert args["note"] == "\U0001f600"  # a pair is one character, kept as it is
+
+
+@pytest.mark.parametrize(
+    ("raw", "problem"),
+    [
+        ('{"x": NaN}', "bad"),
+        ('{"x": -Infinity}', "bad"),
+        ('{"x": "nan"}', "invalid argument `x`: expected a finite number, got nan"),
+        ('{"x": 1e999}', "invalid argument `x`: expected a finite number, got inf"),
+    ],
+)
+def test_a_number_argument_is_a_finite_one(raw: str, problem: str) -> None:
+    from aalis_agent.request.limits import parse_tool_arguments
+
+    @tool
+    def scale(x: float) -> float:
+        return x * 2
+
+    args, error = parse_tool_arguments(raw)
+    if problem == "bad":  # not JSON: the model is told its arguments do not parse
+        assert error is not None and args == {}
+        return
+    assert error is None
+    with pytest.raises(ToolError) as info:
+        scale.handler(args, context())
+    assert str(info.value) == problem
+    assert json.loads(scale.handler({"x": "1.5"}, context())) == 3.0
