@@ -19,6 +19,7 @@ from aalis_agent.events import (
     SessionEvent,
     to_builtins,
 )
+from aalis_agent.events.codec import clean_value
 from aalis_agent.projections import SessionView, project
 from aalis_agent.timeline import (
     history_limit_of,
@@ -38,6 +39,20 @@ __all__ = [
     "run_replay",
     "state_json",
 ]
+
+
+class _Encoder:
+    """JSON lines, with text that is not valid Unicode (a session name edited by hand into
+    bytes) cleaned to U+FFFD rather than failing the replay."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.json.Encoder()
+
+    def encode(self, value: object) -> bytes:
+        try:
+            return self._encoder.encode(value)
+        except UnicodeEncodeError:
+            return self._encoder.encode(clean_value(value))
 
 
 @dataclass
@@ -97,7 +112,7 @@ def run_replay(
     err = sys.stderr if err is None else err
     report = ReplayReport()
     progress = _progress(total, err)
-    encoder = msgspec.json.Encoder()
+    encoder = _Encoder()
     for session_id in sessions:
         if at is None:
             lines: list[str] = []

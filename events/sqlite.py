@@ -619,6 +619,12 @@ class SqliteEventStore:
         reader = RowReader(session_id)
         read = reader.read
         for seq, data in rows:
+            if type(seq) is not int:  # edited by hand: no place in the log to read it at
+                bad = CorruptEvent(session_id, 0, f"a row whose seq is {seq!r:.40}, not a number")
+                if on_corrupt is None:
+                    raise bad
+                on_corrupt(bad)
+                continue
             try:
                 if seq <= after_seq:  # an earlier row of the first one's group
                     read(seq, data, events=False)
@@ -691,13 +697,17 @@ class SqliteEventStore:
     def _last_seq_unlocked(self, session_id: str) -> int:
         if self._old_layout:
             row = self._conn.execute(
-                "SELECT max(seq) FROM events WHERE session_id = ?", (session_id,)
+                "SELECT max(seq) FROM events WHERE session_id = ? AND typeof(seq) = 'integer'",
+                (session_id,),
             ).fetchone()
             return int(row[0] or 0)
         sid = self._sid_unlocked(session_id)
         if sid is None:
             return 0
-        row = self._conn.execute("SELECT max(seq) FROM log WHERE sid = ?", (sid,)).fetchone()
+        # A seq edited into something else (text) is not a seq: its row reads as corrupt.
+        row = self._conn.execute(
+            "SELECT max(seq) FROM log WHERE sid = ? AND typeof(seq) = 'integer'", (sid,)
+        ).fetchone()
         return int(row[0] or 0)
 
     @_reads
@@ -728,7 +738,8 @@ class SqliteEventStore:
             table, key = ("events", "session_id") if self._old_layout else ("log", "sid")
             row = self._conn.execute(
                 f"SELECT coalesce(sum(last), 0) FROM "
-                f"(SELECT max(seq) AS last FROM {table} GROUP BY {key})"
+                f"(SELECT max(seq) AS last FROM {table} WHERE typeof(seq) = 'integer' "
+                f"GROUP BY {key})"
             ).fetchone()
         return int(row[0])
 

@@ -22,6 +22,7 @@ Routes (``<id>`` is the session id, percent-encoded as one path segment):
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import msgspec
 from aalis_agent.events import CorruptEvent, SqliteEventStore, StoreError
+from aalis_agent.events.codec import clean_value
 from aalis_agent.events.open import is_postgres_url, open_store
 from aalis_agent.events.store import EventStore
 from aalis_agent.inspector.index import SessionIndex
@@ -205,7 +207,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _json(self, status: int, data: Any) -> None:
-        self._send(status, msgspec.json.encode(data), "application/json; charset=utf-8")
+        try:
+            body = msgspec.json.encode(data)
+        except UnicodeEncodeError:  # text that is not valid Unicode (a name edited by hand)
+            body = msgspec.json.encode(clean_value(data))
+        self._send(status, body, "application/json; charset=utf-8")
 
     def _host_ok(self) -> bool:
         """Exactly one Host header naming this loopback server, and no other host in an
@@ -259,6 +265,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": str(exc)})
         except (BrokenPipeError, ConnectionResetError):
             pass
+        except Exception as exc:  # a database no check foresaw: an answer, not a dropped line
+            self.log_error("inspector: %r", exc)
+            with contextlib.suppress(OSError):
+                self._json(
+                    HTTPStatus.INTERNAL_SERVER_ERROR,
+                    {"error": f"cannot answer {path!r}: {type(exc).__name__}: {exc}"[:500]},
+                )
 
 
 class InspectorServer(ThreadingHTTPServer):
