@@ -97,7 +97,7 @@ from aalis_agent.services import (
 from aalis_agent.services.builtin_tools import builtin_tools
 from aalis_agent.services.models import entry_id
 from aalis_agent.services.settings import SETTING_FIELDS, validate_setting
-from aalis_agent.timeline import render_event, shown_name
+from aalis_agent.timeline import render_event, shown_name, terminal_safe
 
 __all__ = [
     "CallFacts",
@@ -941,7 +941,9 @@ class ForkReport:
         }
 
     def render(self) -> str:
-        return _render(self)
+        """The report as text, terminal-safe line by line (values from the log may hold
+        newlines and escape sequences)."""
+        return "\n".join(terminal_safe(line) for line in _render(self).split("\n"))
 
 
 def fork_session(
@@ -1031,7 +1033,7 @@ def _settings_text(s: TurnSettings | None) -> str:
     if s.tool_groups is not None:
         bits.append(f"enabledToolGroups={','.join(s.tool_groups) or '-'}")
     if s.persona is not None:
-        bits.append(f"persona={s.persona}")
+        bits.append(f"persona={_preview(s.persona)}")  # a persona may be megabytes
     return " ".join(bits)
 
 

@@ -324,3 +324,31 @@ def test_a_fork_whose_model_fails_reports_it_and_logs_only_with_verbose(
         assert ": error (ProviderError)" in done.stdout
         assert ("turn failed" in done.stderr) is verbose
         assert ("Traceback" in done.stderr) is verbose
+
+
+def test_text_from_the_log_cannot_forge_lines_or_drive_the_terminal(tmp_path: Path) -> None:
+    """An id, a tool name or a setting holding a newline and escape sequences: the timeline
+    and the fork's report write them escaped, on the line they belong to; a persona is
+    previewed (a log edited by hand may hold megabytes there)."""
+    from aalis_agent.events import SettingsChanged
+    from aalis_agent.timeline import render_event
+
+    forged = "x\n#99    TURN forged ended: replied\x1b[2J\x1b[31m"
+    line = render_event(SettingsChanged(session_id="s", seq=1, at=0, key=forged, value=forged))
+    assert "\n" not in line and "\x1b" not in line
+    assert "\\n#99" in line and "\\x1b[2J" in line
+    persona = "人" * 256
+    path = tmp_path / "odd.db"
+    replies = [ScriptedReply(text=f"好{n}") for n in range(3)]
+    store = SqliteEventStore(path)
+    runtime = Runtime(store, Services(llm=ScriptedModel(replies)), janitor=False)
+    try:
+        runtime.set_setting(SESSION, "persona", persona)
+        inp = Input(id="", content=f"a{forged}", sender=Sender(user_id="u1"))
+        assert runtime.submit(SESSION, inp).result(10).outcome == "replied"
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
+    report = fork(str(path), "--session", SESSION, "--fork", "1")
+    assert "\x1b" not in report and "#99    TURN forged" not in report.split("\n")
+    assert persona not in report and "persona='人人" in report  # previewed

@@ -41,6 +41,7 @@ __all__ = [
     "render_time",
     "shown_name",
     "state_json",
+    "terminal_safe",
 ]
 
 PREVIEW = 60
@@ -83,8 +84,22 @@ def _message(m: ChatMessage) -> str:
     return f"saved {' '.join(bits)} {_preview(m.content)}"
 
 
+def terminal_safe(text: str) -> str:
+    """``text`` for a terminal: every character that is not printable (a newline, an
+    escape sequence's ESC) written as its escape, so a value in the log can neither forge
+    lines nor drive the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def render_event(event: SessionEvent) -> str:
-    """One readable line for one event (without seq and time)."""
+    """One readable line for one event (without seq and time), terminal-safe (ids, names
+    and keys come from the log as they are)."""
+    return terminal_safe(_render_event(event))
+
+
+def _render_event(event: SessionEvent) -> str:
     match event:
         case InputReceived(input=inp):
             who = "human" if inp.source is None else f"injection source={inp.source}"
