@@ -219,6 +219,8 @@ class _Handler(BaseHTTPRequestHandler):
         hosts = self.headers.get_all("Host") or []
         port = self.server.server_address[1]
         ours = {f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"}
+        if port == 80:  # the default port: browsers leave it out of the Host header
+            ours |= {"127.0.0.1", "localhost", "[::1]"}
         if len(hosts) != 1 or hosts[0].lower() not in ours:
             return False
         target = urlsplit(self.path)

@@ -384,3 +384,23 @@ def test_methods_other_than_get_and_head_get_405_naming_them(server: InspectorSe
     answer = _raw(server, b"POST /api/sessions HTTP/1.1\r\nHost: " + here + b"\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 405")
     assert b"\r\nAllow: GET, HEAD\r\n" in answer
+
+
+def test_on_port_80_a_host_without_its_port_is_ours() -> None:
+    """Browsers leave the default port out of the Host header: ``--port 80`` must still
+    serve its own page (it answered 403)."""
+    from email.message import Message
+    from types import SimpleNamespace
+
+    from aalis_agent.inspector.server import _Handler
+
+    def host_ok(host: str, port: int) -> bool:
+        headers = Message()
+        headers["Host"] = host
+        fake = SimpleNamespace(
+            headers=headers, server=SimpleNamespace(server_address=("127.0.0.1", port)), path="/"
+        )
+        return bool(_Handler._host_ok(fake))  # type: ignore[arg-type]
+
+    assert host_ok("127.0.0.1", 80) and host_ok("localhost", 80) and host_ok("127.0.0.1:80", 80)
+    assert not host_ok("127.0.0.1", 8080) and not host_ok("evil.example", 80)

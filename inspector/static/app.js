@@ -326,7 +326,13 @@ function fitChart() {
   const u = inspector.usage;
   if (!chart || !u) return;
   const fit = $("chart-fit").checked;
-  const top = fit ? Math.max(...u.used, 1) * 1.15 : Math.max(...u.token_budget, ...u.used, 1) * 1.05;
+  // A loop, not Math.max(...list): spreading 100k points overflows the call stack.
+  const most = (lists) => {
+    let m = 1;
+    for (const list of lists) for (const v of list) if (v > m) m = v;
+    return m;
+  };
+  const top = fit ? most([u.used]) * 1.15 : most([u.token_budget, u.used]) * 1.05;
   chart.setScale("y", { min: 0, max: top });
 }
 
