@@ -175,10 +175,10 @@ def test_slider_shows_the_state_at_an_event(
     print(f"screenshot: {shot}")
 
 
-def test_a_chart_of_100k_usage_points_loads(tmp_path: Path) -> None:
+def test_a_chart_of_100k_usage_points_loads(page: Any, tmp_path: Path) -> None:
     """The chart's scale is found with a loop: ``Math.max(...points)`` overflowed the call
     stack past about 100k points, and the page never became ready."""
-    from aalis_agent.events import FixedClock, SqliteEventStore, TokenUsage
+    from aalis_agent.events import FixedClock, TokenUsage
     from aalis_agent.testing.sample import SampleWriter
 
     db = tmp_path / "usage.db"
@@ -192,25 +192,17 @@ def test_a_chart_of_100k_usage_points_loads(tmp_path: Path) -> None:
             writer.commit(b)
     srv = make_server(db)
     srv.start()
+    pg = page.context.browser.new_page(bypass_csp=True)  # the module's browser
     try:
-        with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(
-                executable_path=CHROMIUM,
-                headless=True,
-                args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
-            )
-            try:
-                pg = browser.new_page(bypass_csp=True)
-                errors: list[str] = []
-                pg.on("pageerror", lambda exc: errors.append(str(exc)))
-                pg.goto(srv.url + "#session=u", wait_until="load")
-                pg.wait_for_function(
-                    "window.inspector && window.inspector.ready === true && window.inspector.chart",
-                    timeout=60_000,
-                )
-                assert errors == []
-                assert pg.evaluate("window.inspector.chart.data[0].length") == 100_000
-            finally:
-                browser.close()
+        errors: list[str] = []
+        pg.on("pageerror", lambda exc: errors.append(str(exc)))
+        pg.goto(srv.url + "#session=u", wait_until="load")
+        pg.wait_for_function(
+            "window.inspector && window.inspector.ready === true && window.inspector.chart",
+            timeout=60_000,
+        )
+        assert errors == []
+        assert pg.evaluate("window.inspector.chart.data[0].length") == 100_000
     finally:
+        pg.close()
         srv.stop()
