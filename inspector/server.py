@@ -135,7 +135,7 @@ def _int(query: dict[str, list[str]], name: str, default: int | None = None) -> 
     try:
         return int(values[0])
     except ValueError:
-        raise BadRequest(f"parameter {name!r} must be an integer, got {values[0]!r}") from None
+        raise BadRequest(f"parameter {name!r} must be an integer, got {values[0][:40]!r}") from None
 
 
 def route(inspector: Inspector, path: str, query: dict[str, list[str]]) -> dict[str, Any]:

@@ -404,3 +404,11 @@ def test_on_port_80_a_host_without_its_port_is_ours() -> None:
 
     assert host_ok("127.0.0.1", 80) and host_ok("localhost", 80) and host_ok("127.0.0.1:80", 80)
     assert not host_ok("127.0.0.1", 8080) and not host_ok("evil.example", 80)
+
+
+def test_a_bad_number_is_named_without_being_echoed_whole(server: InspectorServer) -> None:
+    status, data = get(
+        server, f"/api/sessions/{quote(SESSION, safe='')}/timeline?limit={'9' * 5000}x"
+    )
+    assert status == 400 and len(data["error"]) < 200
+    assert data["error"].startswith("parameter 'limit' must be an integer, got '9999")
