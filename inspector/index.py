@@ -81,6 +81,10 @@ def _preview(text: str | None, width: int = PREVIEW) -> str | None:
     return text[: width - 1] + "…"
 
 
+TAIL_LINES = 500
+"""The most events after the last turn a timeline page carries."""
+
+
 @dataclass
 class TurnSpan:
     """One turn's place in the log."""
@@ -223,16 +227,28 @@ class SessionIndex:
             "offset": offset,
             "limit": limit,
             "turns": [self.turn_summary(span) for span in page],
-            "tail": None
-            if tail is None or offset + limit < total
-            else {"first_seq": tail[0], "last_seq": tail[1], "events": self._lines(*tail)},
+            "tail": None if tail is None or offset + limit < total else self._tail(*tail),
+        }
+
+    def _tail(self, first: int, last: int) -> dict[str, Any]:
+        """The events after the last turn: the latest :data:`TAIL_LINES` of them, and how
+        many earlier ones the page leaves to the events API (a session without turns can
+        hold its whole log there)."""
+        events = self.between(first, last)
+        kept = events[-TAIL_LINES:]
+        return {
+            "first_seq": first,
+            "last_seq": last,
+            "omitted": len(events) - len(kept),
+            "events": [self._line(e) for e in kept],
         }
 
     def _lines(self, first: int, last: int) -> list[dict[str, Any]]:
-        return [
-            {"seq": e.seq, "at": e.at, "type": event_tag(e), "text": render_event(e).strip()}
-            for e in self.between(first, last)
-        ]
+        return [self._line(e) for e in self.between(first, last)]
+
+    @staticmethod
+    def _line(e: SessionEvent) -> dict[str, Any]:
+        return {"seq": e.seq, "at": e.at, "type": event_tag(e), "text": render_event(e).strip()}
 
     def events_page(self, first: int, last: int, limit: int) -> dict[str, Any]:
         """Events ``first..last`` (at most ``limit``), each as a line and as data."""

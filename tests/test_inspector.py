@@ -412,3 +412,27 @@ def test_a_bad_number_is_named_without_being_echoed_whole(server: InspectorServe
     )
     assert status == 400 and len(data["error"]) < 200
     assert data["error"].startswith("parameter 'limit' must be an integer, got '9999")
+
+
+def test_the_events_after_the_last_turn_are_the_latest_500_and_a_count(tmp_path: Path) -> None:
+    """A session without turns had its whole log on every timeline page (a 100k-event
+    one made a 13.6 MB page); the rest is left to the events API, and counted."""
+    from aalis_agent.events import FixedClock, TokenUsage, UsageRecorded
+
+    db = tmp_path / "no-turns.db"
+    with SqliteEventStore(db) as store:
+        writer = SampleWriter(store, "u", FixedClock(1_767_225_600_000, step_ms=1))
+        b = writer.batch()
+        for n in range(1_200):
+            b.add(UsageRecorded(usage=TokenUsage(session_id="u", used=n, token_budget=10)))
+        writer.commit(b)
+    srv = make_server(db)
+    srv.start()
+    try:
+        status, page = get(srv, "/api/sessions/u/timeline")
+        assert status == 200
+        tail = page["tail"]
+        assert (tail["first_seq"], tail["last_seq"], tail["omitted"]) == (1, 1_200, 700)
+        assert [e["seq"] for e in tail["events"]] == list(range(701, 1_201))
+    finally:
+        srv.stop()

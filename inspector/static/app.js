@@ -123,8 +123,11 @@ async function loadPage(offset) {
   if (page.tail) {
     tail.append(
       el("h4", {}, `After the last turn (seq ${page.tail.first_seq}–${page.tail.last_seq})`),
-      el("div", { class: "events" }, page.tail.events.map(renderLine)),
     );
+    if (page.tail.omitted) {
+      tail.append(el("p", {}, `${page.tail.omitted} earlier events not shown (the latest ${page.tail.events.length} are)`));
+    }
+    tail.append(el("div", { class: "events" }, page.tail.events.map(renderLine)));
   }
   return page;
 }
