@@ -163,9 +163,13 @@ def call_usage(
     trim); ``used`` is the provider's input tokens when given, else the estimate."""
     counter = default_counter()
     result = call.result
+    counts = None
+    if result.head_counts is not None and result.turn_counts is not None:
+        counts = [*result.head_counts, *result.turn_counts]  # counted by the trim
     parts = breakdown(
         counter,
         [*result.head, *result.turn],
+        counts=counts,
         history_ids=frozenset(),
         persona_tokens=counter.count(persona) if persona else 0,
         tool_defs_tokens=call.tool_tokens,

@@ -168,11 +168,14 @@ class _HeldInterrupt:
     the gate is entered or left (before or after its own bookkeeping) would leave it
     held for good. ``with`` gives the list of interrupts held so far."""
 
-    __slots__ = ("_previous", "held")
+    __slots__ = ("_previous", "held", "turn")
 
     def __enter__(self) -> list[Any]:
         self.held: list[Any] = []
         self._previous: Any = None
+        # While a turn runs inside the block (``Runtime._run_here``), its own handler:
+        # set here rather than installed, which would cost two more system calls a turn.
+        self.turn: Callable[[int, Any], None] | None = None
         if threading.current_thread() is not threading.main_thread():
             return self.held
         try:  # _signal: signal's own functions convert to enums
@@ -185,7 +188,11 @@ class _HeldInterrupt:
         return self.held
 
     def _hold(self, signum: int, frame: Any) -> None:
-        self.held.append(frame)
+        turn = self.turn
+        if turn is not None:
+            turn(signum, frame)
+        else:
+            self.held.append(frame)
 
     def __exit__(self, *exc: object) -> None:
         previous = self._previous
@@ -639,11 +646,21 @@ class Runtime:
                 threading.Thread(target=stop, name="interrupt", daemon=True).start()
             interrupted.append(frame)
 
-        _signal.signal(_SIGINT, on_interrupt)
-        try:
-            runner.run_once(gated=gated)
-        finally:
-            _signal.signal(_SIGINT, previous)
+        block = getattr(previous, "__self__", None)
+        if isinstance(block, _HeldInterrupt) and block.turn is None:
+            # Inside ``run``'s block, whose handler is installed already: it hands a
+            # Ctrl-C to this turn's handler while the turn runs.
+            block.turn = on_interrupt
+            try:
+                runner.run_once(gated=gated)
+            finally:
+                block.turn = None
+        else:
+            _signal.signal(_SIGINT, on_interrupt)
+            try:
+                runner.run_once(gated=gated)
+            finally:
+                _signal.signal(_SIGINT, previous)
         if interrupted:
             if callable(previous):
                 previous(signal.SIGINT, interrupted[0])

@@ -654,9 +654,21 @@ class SessionActor(pykka.ThreadingActor):
         queue_changed = False
         sid = self.session_id
         for event in events:
-            if type(event) not in _WITH_EFFECTS:
+            kind = type(event)
+            if kind not in _WITH_EFFECTS:
                 continue  # most of a turn's events (usage, tools, calls): nothing to do
+            if kind is MessageSaved:  # the commonest: only a turn's reply does something
+                m = event.message  # type: ignore[union-attr]
+                if m.role == "assistant" and m.meta.turn_record is not None and m.meta.turn_id:
+                    self._replies[m.meta.turn_id] = (
+                        m.meta.visible_content if m.meta.visible_content is not None else m.content
+                    )
+                continue
             match event:
+                case TurnOpened():
+                    opened = event
+                case TurnRecorded():
+                    self._turn_ended(event)
                 case InputHeld() | InputQueued():
                     queue_changed = True
                     if not dropped(_LOG, logging.DEBUG):
@@ -690,20 +702,10 @@ class SessionActor(pykka.ThreadingActor):
                     self._resolve(
                         event.input_id, InputOutcome(event.input_id, None, "released", event.reason)
                     )
-                case TurnOpened():
-                    opened = event
-                case MessageSaved(message=m) if (
-                    m.role == "assistant" and m.meta.turn_record is not None and m.meta.turn_id
-                ):
-                    self._replies[m.meta.turn_id] = (
-                        m.meta.visible_content if m.meta.visible_content is not None else m.content
-                    )
                 case StopRequested():
                     runner, abort = self._runner, self._abort
                     if abort is not None and runner is not None and runner.turn_id == event.turn_id:
                         abort.abort(event.reason, event.by)
-                case TurnRecorded():
-                    self._turn_ended(event)
                 case _:
                     pass
         if queue_changed and self.services.bus.wants("agent:queue"):

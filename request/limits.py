@@ -119,7 +119,7 @@ def parse_tool_arguments(
     if json_too_deep(raw, max_depth):
         return {}, tool_arguments_too_deep(raw, max_depth, texts=texts)
     try:
-        value = json.loads(raw, parse_constant=_not_json)
+        value = _DECODER.decode(raw)
     except ValueError:  # also an integer past the interpreter's digit limit
         return {}, texts.tool_bad_arguments(clean_text(raw))
     if not isinstance(value, dict):
@@ -136,6 +136,10 @@ def _not_json(name: str) -> Any:
     """``NaN``, ``Infinity``, ``-Infinity``: Python's JSON reader takes them, JSON has no
     such values (and a tool asked for a number means a finite one)."""
     raise ValueError(f"{name} is not JSON")
+
+
+# ``json.loads(raw, parse_constant=_not_json)`` builds a decoder per call: made once.
+_DECODER = json.JSONDecoder(parse_constant=_not_json)
 
 
 # --- values already built -------------------------------------------------------------

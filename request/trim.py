@@ -113,6 +113,10 @@ class TrimResult:
     head: list[ChatMessage] = field(default_factory=list)  # the parts as sent
     turn: list[ChatMessage] = field(default_factory=list)
     history_tokens: int = 0  # what the history kept costs
+    # Each message's tokens of ``head`` and ``turn``, in order, when the trim left them
+    # as they came (None otherwise): ``token:usage`` then splits them without recounting.
+    head_counts: list[int] | None = None
+    turn_counts: list[int] | None = None
 
     @property
     def trimmed(self) -> bool:
@@ -132,8 +136,10 @@ class _State:
         # Head, turn and tool definitions are only changed by steps 2 to 5: until then
         # their tokens are counted once (``touched`` turns the recount on).
         self.touched = False
-        self.head_tokens = self.tokens(self.head)
-        self.fixed = self.head_tokens + self.tokens(self.turn) + req.tool_tokens
+        self.head_counts = [message_tokens(counter, m) for m in self.head]
+        self.turn_counts = [message_tokens(counter, m) for m in self.turn]  # as req.turn
+        self.head_tokens = sum(self.head_counts)
+        self.fixed = self.head_tokens + sum(self.turn_counts) + req.tool_tokens
         # Prefix sums of the history's tokens: dropping from the front is a subtraction.
         if req.history_prefix is not None and len(req.history_prefix) == len(self.history) + 1:
             self.prefix: Sequence[int] = req.history_prefix
@@ -447,8 +453,10 @@ def trim(req: TrimRequest, counter: TokenCounter) -> TrimResult:
     result.history_dropped = state.dropped
     result.tokens_after = state.total()
     result.head, result.turn = state.head, state.turn
+    if not state.touched:
+        result.head_counts, result.turn_counts = state.head_counts, state.turn_counts
     result.history_tokens = state.history_tokens()
     result.untrimmed_history = state.prefix[-1] + sum(
-        message_tokens(counter, m) for m in req.turn if m.role == "tool"
+        n for m, n in zip(req.turn, state.turn_counts, strict=True) if m.role == "tool"
     )
     return result

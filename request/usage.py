@@ -58,11 +58,13 @@ def breakdown(
     tool_defs_tokens: int,
     reserved: int,
     history_tokens: int = 0,
+    counts: Sequence[int] | None = None,
 ) -> TokenBreakdown:
     """Split what was sent (after trimming) into the source's breakdown fields.
 
     ``history_tokens`` is added to the history: a caller that already knows what the
-    history costs passes only the other messages.
+    history costs passes only the other messages. ``counts``: each message's tokens, in
+    order, when the caller has counted them already.
     """
     fields = dict.fromkeys(
         (
@@ -80,8 +82,9 @@ def breakdown(
     )
     fields["history"] = history_tokens
     injectors: dict[str, int] = {}
-    for i, m in enumerate(messages):
-        n = message_tokens(counter, m)
+    if counts is None:
+        counts = [message_tokens(counter, m) for m in messages]
+    for i, (m, n) in enumerate(zip(messages, counts, strict=True)):
         if i == 0 and m.role == "system":
             fields["system"] += n
         elif m.id in history_ids:

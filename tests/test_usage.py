@@ -11,9 +11,11 @@ from aalis_agent.actors.budget import BudgetLog
 from aalis_agent.actors.runtime import Runtime
 from aalis_agent.actors.turn import ReplyBefore
 from aalis_agent.events import (
+    ChatMessage,
     FixedClock,
     InMemoryEventStore,
     Input,
+    MessageMeta,
     SequentialIds,
     TokenBreakdown,
     UsageRecorded,
@@ -204,3 +206,62 @@ def test_trimmed_untrimmed_history_and_the_hard_trim_log() -> None:  # ACC2
     finally:
         runtime.shutdown(timeout=10)
         pykka.ActorRegistry.stop_all()
+
+
+def _trim_parts() -> tuple[list[ChatMessage], list[ChatMessage], list[ChatMessage]]:
+    from aalis_agent.events import ToolCall
+
+    call = ToolCall(id="c1", name="echo", arguments='{"q": "天气"}')
+    head = [
+        ChatMessage(id="system", role="system", content="你是助手。" * 20),
+        ChatMessage(
+            id="b1", role="system", content="记忆摘要", meta=MessageMeta(injector="memory/summary")
+        ),
+        ChatMessage(id="b2", role="system", content="别的", meta=MessageMeta(injector="x/y")),
+    ]
+    history = [
+        ChatMessage(id=f"h{i}", role="user" if i % 2 else "assistant", content=f"历史 {i} " * 30)
+        for i in range(20)
+    ]
+    turn = [
+        ChatMessage(id="u", role="user", content="(12/4 21:19) 明天上海的天气?"),
+        ChatMessage(id="a", role="assistant", content="", tool_calls=(call,)),
+        ChatMessage(id="t", role="tool", content="多云" * 50, tool_call_id="c1", name="echo"),
+    ]
+    return head, history, turn
+
+
+@pytest.mark.parametrize("budget", [1_000_000, 400, 60])
+def test_usage_split_from_the_trims_counts_equals_a_recount(budget: int) -> None:  # ACC2
+    """The parts of ``token:usage`` are split from the counts the trim made when it left
+    the head and turn as they came (nothing cut, or only history); the same as counting
+    them again; counted again when the trim changed them (a budget too tight for them)."""
+    from aalis_agent.request.tokens import default_counter, message_tokens
+    from aalis_agent.request.trim import TrimRequest, trim
+    from aalis_agent.request.usage import breakdown
+
+    counter = default_counter()
+    head, history, turn = _trim_parts()
+    result = trim(TrimRequest(head=head, history=history, turn=turn, budget=budget), counter)
+    if budget == 60:  # steps 2 and on changed the head or the turn: counted again
+        assert max(result.steps) > 1 and result.head_counts is None and result.turn_counts is None
+    else:  # nothing cut (1M), or only history (step 1): head and turn as they came
+        assert result.steps == [1] and (result.history_dropped > 0) == (budget == 400)
+        assert result.head_counts == [message_tokens(counter, m) for m in result.head]
+        assert result.turn_counts == [message_tokens(counter, m) for m in result.turn]
+    sent = [*result.head, *result.turn]
+    args: dict[str, Any] = {
+        "history_ids": frozenset(),
+        "persona_tokens": 7,
+        "tool_defs_tokens": 11,
+        "reserved": 100,
+        "history_tokens": result.history_tokens,
+    }
+    recount = breakdown(counter, sent, **args)
+    if result.head_counts is not None and result.turn_counts is not None:
+        counts = [*result.head_counts, *result.turn_counts]
+        assert breakdown(counter, sent, counts=counts, **args) == recount
+    assert recount.tool_results == message_tokens(counter, turn[2])
+    # ACC2's untrimmed history: all of it and the turn's tool results, before any cut.
+    whole = sum(message_tokens(counter, m) for m in history)
+    assert result.untrimmed_history == whole + message_tokens(counter, turn[2])
