@@ -14,6 +14,8 @@ Pure: no I/O. The server feeds it what the store reads.
 from __future__ import annotations
 
 import bisect
+import itertools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,53 +181,72 @@ def clip(
     """``value`` (plain data: dicts, lists, texts, numbers) as an answer shows it, and
     what was cut of it.
 
-    Every text longer than ``text`` characters is cut to a preview ending in "…"; once
-    the texts, keys and numbers shown have spent ``budget`` JSON bytes, each list or
-    mapping still open keeps only what it has so far; lists and mappings nested deeper
-    than ``depth`` are shown empty. ``cut`` maps the path of each cut place (``a.b[2]``,
-    as :func:`~aalis_agent.request.limits.show_path` writes one; ``""`` is the value
-    itself) to its whole size: characters for a text, entries for a list or mapping.
-    Texts are cleaned of lone surrogates, so the answer always encodes."""
+    Every text longer than ``text`` characters is cut to a preview ending in "…". The
+    value is walked breadth first (its own fields before what is nested in them, so one
+    long list cannot crowd out the fields after it) until the texts, keys and numbers
+    shown have spent ``budget`` JSON bytes: each list or mapping then keeps the entries
+    it has so far. Lists and mappings nested deeper than ``depth`` are shown empty.
+    ``cut`` maps the path of each cut place (``a.b[2]``, as
+    :func:`~aalis_agent.request.limits.show_path` writes one; ``""`` is the value itself)
+    to its whole size: characters for a text, entries for a list or mapping. Texts are
+    cleaned of lone surrogates, so the answer always encodes."""
     cut: dict[str, int] = {}
     spent = 0
-
-    def walk(v: Any, path: str, level: int) -> Any:
-        nonlocal spent
+    top: dict[str, Any] = {}
+    # (value, where it goes, its key there, its path, its level, the parent's path, size)
+    todo: deque[tuple[Any, Any, Any, str, int, str, int]] = deque([(value, top, "", "", 0, "", 0)])
+    while todo:
+        v, into, key, path, level, parent, size = todo.popleft()
+        if spent >= budget and level > 0:
+            cut[parent] = size  # this entry and all after it are left out of its parent
+            continue
+        if isinstance(into, dict) and level > 0:
+            spent += _json_len(key) + 1
+        shown: Any
         if isinstance(v, str):
             shown = clean_text(v if len(v) <= text else v[: text - 1] + "…")
             if len(v) > text:
                 cut[path] = len(v)
             spent += _json_len(shown)
-            return shown
-        if isinstance(v, dict):
+        elif isinstance(v, dict | list | tuple):
+            mapping = isinstance(v, dict)
+            shown = {} if mapping else []
+            spent += 2
+            n = len(v)
             if level >= depth and v:
-                cut[path] = len(v)
-                return {}
-            out: dict[Any, Any] = {}
-            for k, x in v.items():
-                if spent >= budget:
-                    cut[path] = len(v)
-                    break
-                key = clean_text(_preview(k, 40) or "") if isinstance(k, str) else k
-                spent += _json_len(key) + 1
-                name = f"{path}.{key}" if path else str(key)
-                out[key] = walk(x, name, level + 1)
-            return out
-        if isinstance(v, list | tuple):
-            if level >= depth and v:
-                cut[path] = len(v)
-                return []
-            items: list[Any] = []
-            for i, x in enumerate(v):
-                if spent >= budget:
-                    cut[path] = len(v)
-                    break
-                items.append(walk(x, f"{path}[{i}]", level + 1))
-            return items
-        spent += 8
-        return v
+                cut[path] = n
+            else:
+                # Every entry spends at least 2 bytes: no more can be shown than this.
+                room = max(budget - spent, 0) // 2 + 1
+                if n > room:
+                    cut[path] = n
+                entries = itertools.islice(v.items() if mapping else enumerate(v), room)
+                for k, x in entries:
+                    if mapping:
+                        k = clean_text(_preview(k, 40) or "") if isinstance(k, str) else k
+                        name = f"{path}.{k}" if path else str(k)
+                    else:
+                        name = f"{path}[{k}]"
+                    todo.append((x, shown, k, name, level + 1, path, n))
+        else:
+            shown = v
+            spent += 8
+        if isinstance(into, list):
+            into.append(shown)
+        else:
+            into[key] = shown
+    return top[""], cut
 
-    return walk(value, "", 0), cut
+
+def _clip_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+    """Each of an answer's own fields clipped on its own (each with the whole
+    :data:`VALUE_BYTES`), and what was cut, by path from the answer (``settings.persona``)."""
+    out: dict[str, Any] = {}
+    cut: dict[str, int] = {}
+    for name, value in fields.items():
+        out[name], inner = clip(value)
+        cut.update({f"{name}.{k}" if k else name: n for k, n in inner.items()})
+    return out, cut
 
 
 def _entry(value: dict[str, Any], **limits: int) -> dict[str, Any]:
@@ -577,13 +598,13 @@ class SessionIndex:
                 record = e
             else:
                 other += 1
-        own, cut = clip(
+        own, cut = _clip_fields(
             {
                 "turn_id": turn_id,
                 "source": None if opened is None else opened.source,
                 "platform": None if opened is None else opened.platform,
-                "settings": None if opened is None else msgspec.to_builtins(opened.settings),
                 "reason": None if record is None else record.reason,
+                "settings": None if opened is None else msgspec.to_builtins(opened.settings),
             }
         )
         out: dict[str, Any] = {
@@ -703,7 +724,7 @@ class SessionIndex:
         limit = opened.settings.history_limit if opened is not None else 0
         window = history_window(view.history, limit)
         history, omitted = self._history(window, started.seq)
-        own, cut = clip(
+        own, cut = _clip_fields(
             {
                 "turn_id": turn_id,
                 "model": started.model,
@@ -711,10 +732,9 @@ class SessionIndex:
                 "error": None if ended is None else ended.error,
                 "batch_prefix": None if opened is None else opened.batch_prefix,
                 "settings": None if opened is None else msgspec.to_builtins(opened.settings),
+                "usage": None if usage is None else to_builtins(usage.usage),
             }
         )
-        usage_shown, usage_cut = (None, {}) if usage is None else clip(to_builtins(usage.usage))
-        cut.update({f"usage.{k}" if k else "usage": n for k, n in usage_cut.items()})
         return {
             "session_id": self.session_id,
             "turn_id": own["turn_id"],
@@ -731,7 +751,7 @@ class SessionIndex:
             "duration_ms": None if ended is None else ended.at - started.at,
             "settings": own["settings"],
             "batch_prefix": own["batch_prefix"],
-            "usage": usage_shown,
+            "usage": own["usage"],
             "usage_seq": None if usage is None else usage.seq,
             "history_limit": limit,
             "history": history,
@@ -816,12 +836,12 @@ class SessionIndex:
             data[f"{name}_omitted"] = max(len(ids) - QUEUE_SHOWN, 0)
         event = self.event_at(seq)
         span = self.span_of_seq(seq)
-        own, cut = clip(
+        own, cut = _clip_fields(
             {
-                "running_turn": data["running_turn"],
-                "settings": data["settings"],
                 "text": None if event is None else render_event(event).strip(),
                 "turn_id": None if span is None else span.turn_id,
+                "settings": data["settings"],
+                "running_turn": data["running_turn"],
             }
         )
         data["running_turn"], data["settings"] = own["running_turn"], own["settings"]
