@@ -46,6 +46,7 @@ from aalis_agent.timeline import render_event, state_json
 __all__ = [
     "BREAKDOWN_PARTS",
     "CHECKPOINT_EVERY",
+    "CUT_PLACES",
     "DEPTH",
     "EVENTS_BYTES",
     "EVENT_BYTES",
@@ -53,6 +54,7 @@ __all__ = [
     "HISTORY_BYTES",
     "HISTORY_SHOWN",
     "PAGE_BYTES",
+    "PATH_CHARS",
     "PREVIEW",
     "QUEUE_SHOWN",
     "TAIL_LINES",
@@ -120,6 +122,13 @@ EVENTS_BYTES = 2_000_000
 USAGE_ID = 100
 """Characters of a turn id in the token-usage series."""
 
+CUT_PLACES = 100
+"""Cut places one value's ``cut`` map names at most; past them, its ``"…"`` entry counts
+the others."""
+
+PATH_CHARS = 200
+"""Characters of a path in a ``cut`` map (keys in it are cut to 40 each)."""
+
 CHECKPOINT_EVERY = 2000
 """Events between the folded views kept for the state slider."""
 
@@ -184,50 +193,63 @@ def clip(
     Every text longer than ``text`` characters is cut to a preview ending in "…". The
     value is walked breadth first (its own fields before what is nested in them, so one
     long list cannot crowd out the fields after it) until the texts, keys and numbers
-    shown have spent ``budget`` JSON bytes: each list or mapping then keeps the entries
-    it has so far. Lists and mappings nested deeper than ``depth`` are shown empty.
-    ``cut`` maps the path of each cut place (``a.b[2]``, as
+    shown (and the cut map) have spent ``budget`` JSON bytes: each list or mapping then
+    keeps the entries it has so far. Lists and mappings nested deeper than ``depth`` are
+    shown empty. ``cut`` maps the path of each cut place (``a.b[2]``, as
     :func:`~aalis_agent.request.limits.show_path` writes one; ``""`` is the value itself)
-    to its whole size: characters for a text, entries for a list or mapping. Texts are
-    cleaned of lone surrogates, so the answer always encodes."""
+    to its whole size: characters for a text, entries for a list or mapping; at most
+    :data:`CUT_PLACES` of them. Texts are cleaned of lone surrogates, so the answer always
+    encodes. The work is bounded by ``budget`` too, however large the value."""
     cut: dict[str, int] = {}
     spent = 0
+    nodes = budget // 3 + 1  # every entry spends at least 3 bytes: none past this is shown
     top: dict[str, Any] = {}
+
+    def mark(path: str, size: int) -> None:
+        """A cut place, spending its bytes too; past :data:`CUT_PLACES` only counted."""
+        nonlocal spent
+        if path in cut:
+            return
+        if len(cut) >= CUT_PLACES:
+            cut["…"] = cut.get("…", 0) + 1
+            return
+        cut[path] = size
+        spent += _json_len(path) + 12
+
     # (value, where it goes, its key there, its path, its level, the parent's path, size)
     todo: deque[tuple[Any, Any, Any, str, int, str, int]] = deque([(value, top, "", "", 0, "", 0)])
     while todo:
         v, into, key, path, level, parent, size = todo.popleft()
         if spent >= budget and level > 0:
-            cut[parent] = size  # this entry and all after it are left out of its parent
+            mark(parent, size)  # this entry and all after it are left out of its parent
             continue
+        spent += 1  # the comma before it
         if isinstance(into, dict) and level > 0:
             spent += _json_len(key) + 1
         shown: Any
         if isinstance(v, str):
             shown = clean_text(v if len(v) <= text else v[: text - 1] + "…")
-            if len(v) > text:
-                cut[path] = len(v)
             spent += _json_len(shown)
+            if len(v) > text:
+                mark(path, len(v))
         elif isinstance(v, dict | list | tuple):
             mapping = isinstance(v, dict)
             shown = {} if mapping else []
             spent += 2
             n = len(v)
-            if level >= depth and v:
-                cut[path] = n
-            else:
-                # Every entry spends at least 2 bytes: no more can be shown than this.
-                room = max(budget - spent, 0) // 2 + 1
-                if n > room:
-                    cut[path] = n
-                entries = itertools.islice(v.items() if mapping else enumerate(v), room)
-                for k, x in entries:
-                    if mapping:
-                        k = clean_text(_preview(k, 40) or "") if isinstance(k, str) else k
-                        name = f"{path}.{k}" if path else str(k)
-                    else:
-                        name = f"{path}[{k}]"
-                    todo.append((x, shown, k, name, level + 1, path, n))
+            room = 0 if level >= depth else min(n, nodes)
+            nodes -= room
+            if room < n:
+                mark(path, n)
+            for k, x in itertools.islice(v.items() if mapping else enumerate(v), room):
+                if mapping:
+                    k = clean_text(_preview(k if isinstance(k, str) else str(k), 40) or "")
+                    name = f"{path}.{k}" if path else k
+                else:
+                    name = f"{path}[{k}]"
+                if len(name) > PATH_CHARS:
+                    name = name[: PATH_CHARS - 1] + "…"
+                todo.append((x, shown, k, name, level + 1, path, n))
         else:
             shown = v
             spent += 8
