@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,7 +241,8 @@ def clip(
             nodes -= room
             if room < n:
                 mark(path, n)
-            for k, x in itertools.islice(v.items() if mapping else enumerate(v), room):
+            pairs: Iterable[tuple[Any, Any]] = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in itertools.islice(pairs, room):
                 if mapping:
                     k = clean_text(_preview(k if isinstance(k, str) else str(k), 40) or "")
                     name = f"{path}.{k}" if path else k
