@@ -154,16 +154,22 @@ TAIL_LINES = 500
 :data:`PREVIEW` characters)."""
 
 ANSWER_BOUND = 4_000_000
-"""What the caps above hold every answer to, in JSON bytes, whatever the log holds (the
-largest a test measures on hostile logs is well under it): a timeline page is at most
-:data:`PAGE_BYTES` and one more turn (each of its six lists at most
-:data:`TURN_LIST_BYTES` and one entry, its own fields :data:`VALUE_BYTES`) and
-:data:`TAIL_LINES` lines of :data:`PREVIEW` characters; a state or request answer at most
-:data:`HISTORY_BYTES` and one message, with a few values of :data:`VALUE_BYTES` and the
-queues' :data:`QUEUE_SHOWN` ids; an events page :data:`EVENTS_BYTES` and one event of
-:data:`EVENT_BYTES`. Two answers are left out: the events page with ``whole=1`` carries
-one event whole, as large as the log made it, and the token-usage series grows with the
-number of recorded calls (about 100 bytes a point; turn ids cut to :data:`USAGE_ID`)."""
+"""What the caps above hold every answer to, in JSON bytes, whatever the log holds.
+
+A timeline page is at most :data:`PAGE_BYTES` and one more turn (each of its six lists
+at most :data:`TURN_LIST_BYTES` and one entry, its own fields a :data:`VALUE_BYTES` each:
+about 0.5 MB) and :data:`TAIL_LINES` lines of :data:`PREVIEW` characters (0.8 MB at 4
+bytes a character); a state or request answer at most :data:`HISTORY_BYTES` and one
+message, a few values of :data:`VALUE_BYTES` and the queues' :data:`QUEUE_SHOWN` ids; an
+events page :data:`EVENTS_BYTES` and one event of :data:`EVENT_BYTES`: about 2.5 MB at
+most. On logs built to hit every cap (every text of control characters, six JSON bytes
+each; every list long) the largest answers measured are an events page of 1.99 MB, a
+timeline page with its tail of 1.5 MB, a state of 1.25 MB and a request of 1.07 MB.
+
+Two answers are left out: the events page with ``whole=1`` carries one event whole, as
+large as the log made it (the way to a whole value), and the token-usage series grows
+with the number of recorded calls (about 100 bytes a point; turn ids cut to
+:data:`USAGE_ID`)."""
 
 
 def _preview(text: str | None, width: int = PREVIEW) -> str | None:
