@@ -14,10 +14,17 @@ Routes (``<id>`` is the session id, percent-encoded as one path segment):
 * ``/api/sessions/<id>/timeline?offset=0&limit=50`` a page of turns (negative offset:
   from the end), with the session's summary; the events after the last turn on the last
   page.
-* ``/api/sessions/<id>/events?from=A&to=B&limit=500`` events A..B as lines and as data.
+* ``/api/sessions/<id>/events?from=A&to=B&limit=500`` events A..B as lines and as data;
+  ``&whole=1``: the first of them alone, whole.
 * ``/api/sessions/<id>/request?turn=T&index=K`` one model call as the log records it.
 * ``/api/sessions/<id>/usage`` the token-usage series, one point per recorded call.
 * ``/api/sessions/<id>/state?seq=N`` the fold of the log up to N: history, queue, turn.
+
+Every answer is bounded in bytes whatever the log holds (a text of 50 MB, a turn of
+30,000 tool calls): long texts come as previews, long lists as their first or newest
+entries, and each says what it left out (``cut``, ``..._omitted``, ``next_offset``,
+``next_from``); ``index.ANSWER_BOUND`` states the bound. The events page with
+``whole=1`` is the way to a whole value: one event, as large as the log made it.
 """
 
 from __future__ import annotations
@@ -160,7 +167,10 @@ def route(inspector: Inspector, path: str, query: dict[str, list[str]]) -> dict[
         first = _int(query, "from", 1)
         last = _int(query, "to", first + MAX_EVENTS - 1)
         limit = min(max(_int(query, "limit", MAX_EVENTS), 1), MAX_EVENTS)
-        return inspector.call(session_id, lambda ix: ix.events_page(first, last, limit))
+        whole = _int(query, "whole", 0) == 1
+        return inspector.call(
+            session_id, lambda ix: ix.events_page(first, last, limit, whole=whole)
+        )
     if what == "request":
         turn = (query.get("turn") or [""])[0]
         if not turn:

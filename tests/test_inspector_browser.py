@@ -206,3 +206,74 @@ def test_a_chart_of_100k_usage_points_loads(page: Any, tmp_path: Path) -> None:
     finally:
         pg.close()
         srv.stop()
+
+
+def test_a_cut_text_and_a_capped_list_are_shown_with_what_is_left_out(
+    page: Any, tmp_path: Path
+) -> None:
+    """A turn of 120 tool calls with results of 5,000 characters and a reply of 100,000:
+    the page lists the first tool calls and says how many more there are, shows each cut
+    text's preview with how many characters it leaves out and a link to its whole event,
+    and the state's history does the same for a cut message."""
+    from aalis_agent.events import (
+        ChatMessage,
+        FixedClock,
+        MessageMeta,
+        MessageSaved,
+        ToolFinished,
+        ToolStarted,
+        TurnRecorded,
+    )
+    from aalis_agent.inspector import index
+    from aalis_agent.testing.sample import SampleWriter
+
+    db = tmp_path / "big.db"
+    reply = "答" * 100_000
+    with SqliteEventStore(db) as store:
+        writer = SampleWriter(store, "big", FixedClock(1_767_225_600_000, step_ms=1))
+        b = writer.batch()
+        b.add(TurnOpened(turn_id="t1", input_ids=()))
+        for n in range(120):
+            b.add(ToolStarted(turn_id="t1", call_id=f"c{n}", name="look", arguments="{}"))
+            b.add(ToolFinished(turn_id="t1", call_id=f"c{n}", name="look", result="r" * 5_000))
+        saved = b.add(
+            MessageSaved(
+                message=ChatMessage(
+                    id="reply", role="assistant", content=reply, meta=MessageMeta(turn_id="t1")
+                )
+            )
+        )
+        b.add(TurnRecorded(turn_id="t1", outcome="replied"))
+        writer.commit(b)
+    srv = make_server(db)
+    srv.start()
+    pg = page.context.browser.new_page(bypass_csp=True)  # the module's browser
+    try:
+        errors: list[str] = []
+        pg.on("pageerror", lambda exc: errors.append(str(exc)))
+        pg.goto(srv.url + "#session=big", wait_until="load")
+        pg.wait_for_function("window.inspector && window.inspector.ready === true")
+        turn = pg.locator('li.turn[data-turn-id="t1"]')
+        tools = turn.locator("li.tool")
+        assert tools.count() == 50  # index.TURN_ITEMS
+        omitted = turn.locator("li.omitted")
+        assert omitted.inner_text() == ("70 more tool calls not shown (the events API has them)")
+        first = tools.nth(0).locator(".cut").inner_text()
+        assert first.startswith(f" ({5_000 - index.PREVIEW + 1:,} more characters)")
+        note = turn.locator("li.reply .cut")
+        assert note.inner_text().startswith(f" ({100_000 - index.PREVIEW + 1:,} more characters)")
+        href = note.locator("a").get_attribute("href")
+        assert href == f"/api/sessions/big/events?from={saved.seq}&to={saved.seq}&whole=1"
+        whole = pg.evaluate(f"fetch({href!r}).then(r => r.json())")
+        assert whole["events"][0]["data"]["message"]["content"] == reply
+        # The state at the end: the reply in the history, cut the same way.
+        msg = pg.locator('#state-view .history .msg[data-id="reply"]')
+        assert (
+            msg.locator(".cut")
+            .inner_text()
+            .startswith(f" ({100_000 - index.PREVIEW + 1:,} more characters)")
+        )
+        assert errors == [] and index.TURN_ITEMS == 50
+    finally:
+        pg.close()
+        srv.stop()

@@ -45,6 +45,46 @@ function sessionPath(id, what, params) {
   return `/api/sessions/${encodeURIComponent(id)}/${what}${q}`;
 }
 
+// --- what an answer left out ------------------------------------------------------
+// Answers are bounded: a long text comes as a preview ending in "…" with its whole
+// length in the entry's `cut` map (by path: "content", "settings.persona"), a long list
+// as its first or newest entries with a count of the rest. The events API gives any one
+// event whole (`whole=1`).
+
+const fmtCount = (n) => Number(n).toLocaleString("en-US");
+
+function wholeEventUrl(seq) {
+  return sessionPath(inspector.session, "events", { from: seq, to: seq, whole: 1 });
+}
+
+// " (12,345 more characters)" after a cut text, with a link to its event when known.
+function cutNote(cut, path, text, seq) {
+  const whole = cut && cut[path];
+  if (!whole) return "";
+  const shown = Math.max([...(text || "")].length - 1, 0); // the preview ends in "…"
+  const note = el("span", { class: "cut", "data-cut": path },
+    ` (${fmtCount(whole - shown)} more characters)`);
+  if (seq) {
+    note.append(" ", el("a", { href: wholeEventUrl(seq), target: "_blank", rel: "noopener" },
+      "whole"));
+  }
+  return note;
+}
+
+// Every cut place of an answer's own fields not shown inline, as one line.
+function cutList(cut, skip) {
+  const rest = Object.entries(cut || {}).filter(([p]) => !(skip || []).includes(p));
+  if (!rest.length) return "";
+  return el("p", { class: "muted cut-list" }, "cut here (whole size): " +
+    rest.map(([p, n]) => `${p || "(all)"} ${fmtCount(n)}`).join("; "));
+}
+
+function omittedNote(n, what, tag) {
+  if (!n) return "";
+  return el(tag || "li", { class: "omitted muted", "data-omitted": n },
+    `${fmtCount(n)} more ${what} not shown (the events API has them)`);
+}
+
 function fmtTime(ms) {
   if (ms === null || ms === undefined) return "";
   const d = new Date(ms);
@@ -115,7 +155,9 @@ async function loadPage(offset) {
     ? `turns ${page.offset + 1}–${last} of ${page.turns_total}`
     : "no turns";
   $("page-prev").disabled = $("page-first").disabled = page.offset === 0;
-  $("page-next").disabled = $("page-last").disabled = last >= page.turns_total;
+  // A page holds fewer turns than asked once they pass its byte budget: go on from there.
+  inspector.nextOffset = page.next_offset ?? null;
+  $("page-next").disabled = $("page-last").disabled = page.next_offset == null;
   const list = $("timeline");
   list.replaceChildren(...page.turns.map(renderTurn));
   const tail = $("tail");
@@ -154,8 +196,11 @@ function renderTurn(t) {
     items.push(el("li", { class: "input", "data-input-id": i.input_id, "data-entry": i.entry },
       el("span", { class: `tag ${i.entry}` }, i.entry), `input ${i.input_id} `,
       i.source ? `[${i.source}] ` : i.sender ? `${i.sender}: ` : "",
-      i.content !== null ? `“${i.content}”` : "", el("span", { class: "muted" }, ` #${i.seq}`)));
+      i.content !== null ? `“${i.content}”` : "",
+      cutNote(i.cut, "content", i.content, i.received_seq),
+      el("span", { class: "muted" }, ` #${i.seq}`)));
   }
+  items.push(omittedNote(t.inputs_omitted, "inputs"));
   for (const c of t.model_calls) {
     const usage = c.usage
       ? [` · used ${c.usage.used}/${c.usage.token_budget}`,
@@ -166,38 +211,47 @@ function renderTurn(t) {
       `model call ${c.index} (${c.model || "-"}${c.format_retry ? ", format retry" : ""})`,
       c.tool_calls ? ` → ${c.tool_calls} tool call(s)` : "",
       c.duration_ms !== null ? ` · ${c.duration_ms} ms` : "", ...usage,
-      c.error ? el("div", { class: "error" }, c.error) : "",
+      c.error ? el("div", { class: "error" }, c.error, cutNote(c.cut, "error", c.error, c.ended_seq)) : "",
       el("span", { class: "muted" }, ` #${c.started_seq}`), " ",
       el("button", { class: "link expand-request", type: "button",
         onclick: (ev) => toggleRequest(ev.target.closest("li"), t.turn_id, c.index) }, "request"));
     items.push(call);
   }
+  items.push(omittedNote(t.model_calls_omitted, "model calls"));
   for (const tc of t.tool_calls) {
     items.push(el("li", { class: "tool", "data-call-id": tc.call_id },
       el("span", { class: `tag ${tc.error ? "error" : tc.finished_seq ? "ok" : ""}` },
         tc.error ? "failed" : tc.finished_seq ? "done" : "running"),
       `tool ${tc.name} callId=${tc.call_id} args ${tc.arguments}`,
+      cutNote(tc.cut, "arguments", tc.arguments, tc.started_seq),
       tc.duration_ms !== null ? ` · ${tc.duration_ms} ms` : "",
-      el("div", { class: tc.error ? "error" : "muted" }, tc.error ?? tc.result ?? "")));
+      el("div", { class: tc.error ? "error" : "muted" }, tc.error ?? tc.result ?? "",
+        cutNote(tc.cut, tc.error !== null ? "error" : "result", tc.error ?? tc.result,
+          tc.finished_seq))));
   }
+  items.push(omittedNote(t.tool_calls_omitted, "tool calls"));
   for (const s of t.stops) {
     items.push(el("li", { class: "stop" }, el("span", { class: "tag aborted" }, "stop"),
       `stop requested${s.by ? " by " + s.by : ""} (${s.reason}) #${s.seq}`));
   }
+  items.push(omittedNote(t.stops_omitted, "stops"));
   for (const m of t.markers) {
     items.push(el("li", { class: "marker" }, el("span", { class: "tag" }, m.kind || "marker"),
-      m.content || "", el("span", { class: "muted" }, ` #${m.seq}`)));
+      m.content || "", cutNote(m.cut, "content", m.content, m.seq),
+      el("span", { class: "muted" }, ` #${m.seq}`)));
   }
+  items.push(omittedNote(t.markers_omitted, "markers"));
   for (const r of t.replies) {
     items.push(el("li", { class: "reply" }, el("span", { class: "tag ok" }, "reply"),
-      r.content || "", el("span", { class: "muted" }, ` #${r.seq}`)));
+      r.content || "", cutNote(r.cut, "content", r.content, r.seq),
+      el("span", { class: "muted" }, ` #${r.seq}`)));
   }
+  items.push(omittedNote(t.replies_omitted, "replies"));
   const eventsBox = el("div", { class: "events", hidden: true });
   const toggle = el("button", { class: "link", type: "button", onclick: async () => {
     if (!eventsBox.hidden) { eventsBox.hidden = true; return; }
-    const data = await api(sessionPath(inspector.session, "events",
-      { from: t.first_seq, to: t.last_seq }));
-    eventsBox.replaceChildren(...data.events.map(renderLine));
+    eventsBox.replaceChildren();
+    await loadEvents(eventsBox, t.first_seq, t.last_seq);
     eventsBox.hidden = false;
   } }, `events (${t.last_seq - t.first_seq + 1})`);
   const stateLink = el("button", { class: "link", type: "button",
@@ -205,13 +259,26 @@ function renderTurn(t) {
   return el("li", {
     class: `turn ${t.outcome || (t.running ? "running" : "cut")}`,
     "data-turn-id": t.turn_id, "data-ordinal": t.ordinal,
-  }, head, el("ul", {}, items), toggle, " · ", stateLink, eventsBox);
+  }, head, el("ul", {}, items), cutList(t.cut), toggle, " · ", stateLink, eventsBox);
+}
+
+// Events first..last into box, a page at a time: each page ends where its byte budget
+// does, and a button fetches the next.
+async function loadEvents(box, first, last) {
+  const data = await api(sessionPath(inspector.session, "events", { from: first, to: last }));
+  box.querySelector(".more-events")?.remove();
+  box.append(...data.events.map(renderLine));
+  if (data.next_from != null) {
+    box.append(el("button", { class: "link more-events", type: "button",
+      onclick: () => loadEvents(box, data.next_from, last) },
+    `more events from #${data.next_from}`));
+  }
 }
 
 function renderLine(e) {
   return el("div", { class: "line", "data-seq": e.seq },
     el("button", { class: "link", type: "button", onclick: () => showState(e.seq) }, `#${e.seq}`),
-    ` ${e.text}`);
+    ` ${e.text}`, cutNote(e.cut, "text", e.text, e.seq));
 }
 
 // --- one model call's request ------------------------------------------------------
@@ -234,7 +301,8 @@ function renderRequest(r) {
     ["settings", r.settings ? JSON.stringify(r.settings) : null],
   ].filter(([, v]) => v !== null && v !== undefined);
   const out = [el("table", { class: "call-facts" },
-    rows.map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, String(v)))))];
+    rows.map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, String(v))))),
+  cutList(r.cut)];
   const u = r.usage;
   if (u) {
     out.push(el("h4", {}, `Usage (#${r.usage_seq})`));
@@ -255,7 +323,7 @@ function renderRequest(r) {
   }
   out.push(el("h4", {}, `History window as the log folds it at #${r.started_seq} ` +
     `(historyLimit=${r.history_limit}, ${r.history.length + r.history_omitted} message(s))`));
-  if (r.history_omitted) out.push(el("p", { class: "muted" }, `${r.history_omitted} older message(s) not shown`));
+  if (r.history_omitted) out.push(el("p", { class: "muted omitted" }, `${fmtCount(r.history_omitted)} older message(s) not shown`));
   out.push(el("div", { class: "history" }, r.history.map(renderMessage)));
   return out;
 }
@@ -265,7 +333,8 @@ function renderMessage(m) {
   return el("div", { class: `msg${m.kind ? " control" : ""}`, "data-id": m.id },
     el("span", { class: "role" }, m.role + (m.kind ? ` [${m.kind}]` : "")),
     m.tool_call_id ? `(callId ${m.tool_call_id}) ` : "",
-    m.content || "", calls.length ? ` calls ${calls.join(", ")}` : "");
+    m.content || "", cutNote(m.cut, "content", m.content, m.saved_seq),
+    calls.length ? ` calls ${calls.join(", ")}` : "", cutList(m.cut, ["content"]));
 }
 
 // --- token budget chart ------------------------------------------------------------
@@ -378,17 +447,20 @@ function renderState(s) {
     el("h4", {}, "Queue"),
     el("p", { class: "running" }, running ? `running turn: ${running.turn_id}` +
       (running.stop_requested ? " (stop requested)" : "") : "running turn: none"),
-    el("p", { class: "queued" }, `queued (${s.queued.length}): ${s.queued.join(", ") || "—"}`),
-    el("p", { class: "pending" }, `pending inserts (${s.pending.length}): ${s.pending.join(", ") || "—"}`),
+    el("p", { class: "queued" }, `queued (${fmtCount(s.queued.length + (s.queued_omitted || 0))}): ` +
+      `${s.queued.join(", ") || "—"}${s.queued_omitted ? `, … ${fmtCount(s.queued_omitted)} more not shown` : ""}`),
+    el("p", { class: "pending" }, `pending inserts (${fmtCount(s.pending.length + (s.pending_omitted || 0))}): ` +
+      `${s.pending.join(", ") || "—"}${s.pending_omitted ? `, … ${fmtCount(s.pending_omitted)} more not shown` : ""}`),
     el("p", {}, `generation ${s.generation} · ${s.turns} turn(s)`),
     el("h4", {}, "Settings"),
     el("pre", {}, Object.keys(s.settings).length ? JSON.stringify(s.settings, null, 1) : "—"),
+    cutList(s.cut),
   );
   const right = el("div", {},
     el("h4", {}, `History window (historyLimit=${s.history_limit}, ${s.history_active} active, ` +
       `starts at ${s.history_start}, ${s.history_window.length + s.history_window_omitted} sent)`),
     s.history_window_omitted
-      ? el("p", { class: "muted" }, `${s.history_window_omitted} older message(s) not shown`) : "",
+      ? el("p", { class: "muted omitted" }, `${fmtCount(s.history_window_omitted)} older message(s) not shown`) : "",
     el("div", { class: "history" }, s.history_window.map(renderMessage)),
   );
   out.push(el("div", { class: "cols" }, left, right));
@@ -405,7 +477,7 @@ function currentHashSession() {
 async function main() {
   $("page-first").onclick = () => loadPage(0);
   $("page-prev").onclick = () => loadPage(Math.max(inspector.offset - PAGE, 0));
-  $("page-next").onclick = () => loadPage(inspector.offset + PAGE);
+  $("page-next").onclick = () => loadPage(inspector.nextOffset ?? inspector.offset + PAGE);
   $("page-last").onclick = () => loadPage(Math.max(inspector.total - PAGE, 0));
   $("chart-fit").onchange = fitChart;
   $("seq-slider").oninput = (e) => scheduleState(e.target.value);
