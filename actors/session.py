@@ -104,7 +104,8 @@ from aalis_agent.events import (
     TurnRecorded,
 )
 from aalis_agent.projections import SessionView, project, queue, turns
-from aalis_agent.projections.turns import turn_participants
+from aalis_agent.projections.chain import Chain
+from aalis_agent.projections.turns import TurnLog, turn_participants
 from aalis_agent.request.tokens import default_counter
 from aalis_agent.services import AbortSignal, OutboundMessage, Services
 from aalis_agent.services.logging_setup import dropped
@@ -227,7 +228,7 @@ class SessionActor(pykka.ThreadingActor):
         self._last_activity = time.monotonic()
         # Turn ids the log has used, kept up as finished turns are added (_new_turn_id).
         self._used_turn_ids: set[str] = set()
-        self._used_turn_ids_seen: tuple[int, Any] | None = None
+        self._used_turn_ids_seen: Chain[TurnLog] | None = None  # the finished turns read
         self._failed: SessionFailed | None = None  # set by _fence: nothing more happens
         self._notice: OutboundMessage | None = None  # sent once its turn's record commits
         self._lock = threading.Lock()  # held while any message is handled (see call)
@@ -514,13 +515,13 @@ class SessionActor(pykka.ThreadingActor):
         used, seen = self._used_turn_ids, self._used_turn_ids_seen
         # The finished turns only grow: add the new ones, unless the view was rebuilt.
         start = 0
-        if seen is not None and len(finished) >= seen[0] and finished[seen[0] - 1] is seen[1]:
-            start = seen[0]
+        if seen is not None and finished.extends(seen):
+            start = len(seen)
         else:
             used.clear()
-        used.update(t.turn_id for t in finished[start:])
-        if finished:
-            self._used_turn_ids_seen = (len(finished), finished[-1])
+        if start < len(finished):
+            used.update(t.turn_id for t in finished[start:])
+        self._used_turn_ids_seen = finished
         current = self.view.turns.current
         while True:
             turn_id = self.ids.new("turn")
@@ -766,16 +767,18 @@ class SessionActor(pykka.ThreadingActor):
                     [i.gateway_seq for i in inputs],
                 )
             )
-        self.services.bus.publish(
-            "turn:ended",
-            {
-                "sessionId": self.session_id,
-                "turnId": event.turn_id,
-                "outcome": event.outcome,
-                "reason": event.reason,
-                "durationMs": event.duration_ms,
-            },
-        )
+        bus = self.services.bus
+        if bus.wants("turn:ended"):
+            bus.publish(
+                "turn:ended",
+                {
+                    "sessionId": self.session_id,
+                    "turnId": event.turn_id,
+                    "outcome": event.outcome,
+                    "reason": event.reason,
+                    "durationMs": event.duration_ms,
+                },
+            )
 
     def _start_turn(self, opened: TurnOpened) -> None:
         if self._shut_late:
@@ -806,15 +809,17 @@ class SessionActor(pykka.ThreadingActor):
         here = self._start_here
         if here is not None and any(inp.id == here for inp in inputs):
             self._held = self._runner  # the submitting thread runs it (Runtime.run)
-        self.services.bus.publish(
-            "turn:opened",
-            {
-                "sessionId": self.session_id,
-                "turnId": opened.turn_id,
-                "inputIds": list(opened.input_ids),
-                "source": opened.source,
-            },
-        )
+        bus = self.services.bus
+        if bus.wants("turn:opened"):  # no payload built when no one listens
+            bus.publish(
+                "turn:opened",
+                {
+                    "sessionId": self.session_id,
+                    "turnId": opened.turn_id,
+                    "inputIds": list(opened.input_ids),
+                    "source": opened.source,
+                },
+            )
         if self._held is not self._runner:
             self._runner.start()
 

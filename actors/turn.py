@@ -434,14 +434,15 @@ class TurnRunner(ToolBatch, ReplyStep):
                         break
                     if chunk.content_delta:
                         text.append(chunk.content_delta)
-                        services.bus.publish(
-                            "outbound:stream",
-                            {
-                                "sessionId": self.session_id,
-                                "turnId": self.turn_id,
-                                "contentDelta": chunk.content_delta,
-                            },
-                        )
+                        if services.bus.wants("outbound:stream"):  # else no payload built
+                            services.bus.publish(
+                                "outbound:stream",
+                                {
+                                    "sessionId": self.session_id,
+                                    "turnId": self.turn_id,
+                                    "contentDelta": chunk.content_delta,
+                                },
+                            )
                     if chunk.reasoning_delta:
                         reasoning.append(chunk.reasoning_delta)
                     progress = chunk.tool_call_progress
@@ -450,19 +451,20 @@ class TurnRunner(ToolBatch, ReplyStep):
                         # it executes and is stored with.
                         # Cleaned as the stored id is (a lone surrogate cannot be stored).
                         call_id = call_ids.setdefault(progress.index, clean_text(progress.call_id))
-                        services.bus.publish(
-                            "outbound:stream",
-                            {
-                                "sessionId": self.session_id,
-                                "turnId": self.turn_id,
-                                "toolCallProgress": {
-                                    "index": progress.index,
-                                    "name": progress.name,
-                                    "callId": call_id,
-                                    "charsAccumulated": progress.chars_accumulated,
+                        if services.bus.wants("outbound:stream"):
+                            services.bus.publish(
+                                "outbound:stream",
+                                {
+                                    "sessionId": self.session_id,
+                                    "turnId": self.turn_id,
+                                    "toolCallProgress": {
+                                        "index": progress.index,
+                                        "name": progress.name,
+                                        "callId": call_id,
+                                        "charsAccumulated": progress.chars_accumulated,
+                                    },
                                 },
-                            },
-                        )
+                            )
                     if chunk.tool_calls:
                         call.tool_calls.extend(chunk.tool_calls)
                     if chunk.cut:

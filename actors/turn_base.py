@@ -84,6 +84,8 @@ def deliver(services: Services, message: OutboundMessage) -> None:
     if gateway is not None:
         gateway.dispatch_outbound(message)
         return
+    if not services.bus.wants("outbound:message"):
+        return  # no one listens: no payload built
     services.bus.publish(
         "outbound:message",
         {

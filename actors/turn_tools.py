@@ -105,16 +105,17 @@ class ToolBatch(TurnBase):
             )
             # Durable before the tool runs; refused (NotRecorded) when a stop came first.
             self._flush(starts_tool=True)
-            services.bus.publish(
-                "tool:execute",
-                {
-                    "phase": "start",
-                    "sessionId": self.session_id,
-                    "turnId": self.turn_id,
-                    "callId": tc.id,
-                    "name": tc.name,
-                },
-            )
+            if services.bus.wants("tool:execute"):  # else no payload built
+                services.bus.publish(
+                    "tool:execute",
+                    {
+                        "phase": "start",
+                        "sessionId": self.session_id,
+                        "turnId": self.turn_id,
+                        "callId": tc.id,
+                        "name": tc.name,
+                    },
+                )
             result: str | None = None
             metadata: dict[str, Any] = {}
             if error is None:
@@ -139,17 +140,18 @@ class ToolBatch(TurnBase):
                     metadata=metadata,
                 )
             )
-            services.bus.publish(
-                "tool:execute",
-                {
-                    "phase": "end",
-                    "sessionId": self.session_id,
-                    "turnId": self.turn_id,
-                    "callId": tc.id,
-                    "name": tc.name,
-                    "error": error,
-                },
-            )
+            if services.bus.wants("tool:execute"):
+                services.bus.publish(
+                    "tool:execute",
+                    {
+                        "phase": "end",
+                        "sessionId": self.session_id,
+                        "turnId": self.turn_id,
+                        "callId": tc.id,
+                        "name": tc.name,
+                        "error": error,
+                    },
+                )
             results.append(
                 ChatMessage(
                     id=self.ids.new("msg"),

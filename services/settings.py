@@ -208,6 +208,9 @@ class SettingsLayers:
                     )
                 checked[key] = {k: validate_setting(k, v, layer=where) for k, v in values.items()}
             object.__setattr__(self, _ATTR[name], checked)
+        # The layers below the session's never change: what they give a platform and a
+        # venue is worked out once (a turn asks twice: its settings, its locale).
+        object.__setattr__(self, "_fixed_cache", {})
 
     def type_of(self, platform: str | None) -> str | None:
         if platform is None:
@@ -237,6 +240,24 @@ class SettingsLayers:
         out.append(("session", session_layer))
         return out
 
+    def _fixed(
+        self, platform: str | None, venue: str | None
+    ) -> tuple[dict[str, tuple[Any, str]], dict[str, Any]]:
+        """What the layers below the session's give ``platform`` and ``venue``: each key's
+        value with its layer's label, and the values alone (both shared: not to change)."""
+        cache: dict[tuple[str | None, str | None], Any] = self._fixed_cache  # type: ignore[attr-defined]
+        key = (platform, venue)
+        hit = cache.get(key)
+        if hit is None:
+            labelled: dict[str, tuple[Any, str]] = {}
+            for label, values in self.layers(platform, venue, {})[:-1]:  # not the session's
+                for name, value in values.items():
+                    labelled[name] = (value, label)
+            if len(cache) >= _FIXED_KEPT:
+                cache.clear()
+            hit = cache[key] = (labelled, {k: v for k, (v, _) in labelled.items()})
+        return hit
+
     def effective(
         self,
         platform: str | None,
@@ -244,10 +265,9 @@ class SettingsLayers:
         venue: str | None = None,
     ) -> dict[str, tuple[Any, str]]:
         """Each set key's value and the label of the layer it comes from."""
-        out: dict[str, tuple[Any, str]] = {}
-        for label, values in self.layers(platform, venue, session_layer):
-            for key, value in values.items():
-                out[key] = (value, label)
+        out = dict(self._fixed(platform, venue)[0])
+        for key, value in session_layer.items():
+            out[key] = (value, "session")
         return out
 
     def for_turn(
@@ -257,18 +277,18 @@ class SettingsLayers:
         session_layer: Mapping[str, Any],
         venue: str | None = None,
     ) -> TurnSettings:
-        values = {k: v for k, (v, _) in self.effective(platform, session_layer, venue).items()}
-        return _turn_settings(values)
+        return _turn_settings({**self._fixed(platform, venue)[1], **session_layer})
 
     def locale_for(self, platform: str | None, venue: str | None = None) -> str | None:
         """The ``locale`` the highest layer that sets one gives ``platform`` and ``venue``
         (platform profile, then platform type, then venue); None when none sets it (the
         runtime's own, ``AgentConfig.locale``, applies)."""
-        found = self.effective(platform, {}, venue).get("locale")
+        found = self._fixed(platform, venue)[0].get("locale")
         return found[0] if found is not None else None
 
 
 _ATTR = {"platform profile": "platforms", "platform-type profile": "types", "venue": "venues"}
+_FIXED_KEPT = 4096  # (platform, venue) pairs whose lower layers are kept worked out
 
 
 # --- per-session setting fields (SET) ---------------------------------------------------

@@ -170,6 +170,37 @@ def test_effective_names_the_layer_of_each_value() -> None:
     assert eff["historyLimit"] == (1, "plugin config")
 
 
+def test_effective_is_the_layers_folded_in_order_each_time() -> None:
+    """The layers below the session's are worked out once per platform and venue: what
+    ``effective``, ``for_turn`` and ``locale_for`` give is still the layers folded lowest
+    first, for every session layer, and no answer's change reaches the next."""
+    full = {**FULL, "venues": {"onebot:main:77": {"historyLimit": 4, "locale": "en"}}}
+    layers = SettingsLayers(**full)
+    cases = [
+        ("onebot:main", "onebot:main:77"),
+        ("onebot:other", None),
+        ("discord", None),
+        (None, None),
+    ]
+    for _ in range(2):  # the second round from what the first worked out
+        for platform, venue in cases:
+            for session in ({}, {"think": "low"}, {"historyLimit": 9, "persona": "p"}):
+                folded: dict[str, tuple[Any, str]] = {}
+                for label, values in layers.layers(platform, venue, session):
+                    for key, value in values.items():
+                        folded[key] = (value, label)
+                eff = layers.effective(platform, session, venue)
+                assert list(eff.items()) == list(folded.items())
+                eff["think"] = ("changed", "by a caller")  # the caller's own copy
+                turn = layers.for_turn("s", platform, session, venue)
+                assert turn.history_limit == folded["historyLimit"][0]
+                assert turn.think == (folded["think"][0] if "think" in folded else None)
+                locale = folded.get("locale")
+                assert layers.locale_for(platform, venue) == (locale[0] if locale else None)
+    assert layers.locale_for("onebot:main", "onebot:main:77") == "en"
+    assert layers == SettingsLayers(**full)  # what it worked out is not part of its value
+
+
 def test_platform_type_from_the_mapping_or_the_part_before_the_colon() -> None:
     layers = SettingsLayers(
         types={"onebot": {"historyLimit": 3}, "qq": {"historyLimit": 9}},
