@@ -422,12 +422,20 @@ def tool(
 
 
 def _schema(arguments: type[msgspec.Struct]) -> dict[str, Any]:
-    """The arguments' JSON schema: an object, with ``$defs`` for nested types."""
+    """The arguments' JSON schema: an object, with ``$defs`` for nested types.
+
+    A nested object takes no other keys than its fields (``additionalProperties: false``),
+    nor an array-like struct more items than its fields."""
     template = "#/$defs/{name}"
     (_,), components = msgspec.json.schema_components([arguments], ref_template=template)
     schema = dict(components.pop(arguments.__name__))
     schema.pop("title", None)
     schema.setdefault("properties", {})
+    for component in components.values():
+        if component.get("type") == "object" and "properties" in component:
+            component.setdefault("additionalProperties", False)
+        elif component.get("type") == "array" and "prefixItems" in component:
+            component.setdefault("maxItems", len(component["prefixItems"]))
     if components:
         schema["$defs"] = components
     return schema

@@ -471,3 +471,82 @@ def test_a_number_argument_is_a_finite_one(raw: str, problem: str) -> None:
         scale.handler(args, context())
     assert str(info.value) == problem
     assert json.loads(scale.handler({"x": "1.5"}, context())) == 3.0
+
+
+# --- unknown fields in nested objects ------------------------------------------------------
+
+
+class Where(msgspec.Struct):
+    city: str
+    country: str = "FR"
+
+
+class Strict(msgspec.Struct, forbid_unknown_fields=True):
+    """The user's own choice: msgspec refuses its unknown fields itself."""
+
+    name: str
+    where: Where | None = None
+
+
+class Cat(msgspec.Struct, tag=True):
+    meows: int
+
+
+class Dog(msgspec.Struct, tag=True):
+    barks: int
+
+
+class Tree(msgspec.Struct):
+    name: str
+    children: list[Tree] = []
+    parent: Tree | None = None
+
+
+class Pair(msgspec.Struct, array_like=True):
+    left: int
+    right: int = 0
+
+
+@dataclass
+class Stop:
+    where: Where
+    minutes: int = 0
+
+
+class Leg(TypedDict):
+    to: Where
+    by: str
+
+
+def nested_tool() -> tuple[TypedTool, list[dict[str, Any]]]:
+    """A tool taking nested objects of every kind, and the arguments it was called with."""
+    seen: list[dict[str, Any]] = []
+
+    @tool
+    def trip(
+        where: Where | None = None,
+        stops: list[Where] = [],  # noqa: B006 - never mutated
+        by_day: dict[str, Where] = {},  # noqa: B006 - never mutated
+        pet: Cat | Dog | None = None,
+        cat: Cat | None = None,
+        stop: Stop | None = None,
+        legs: list[Leg] = [],  # noqa: B006 - never mutated
+        tree: Tree | None = None,
+        strict: Strict | None = None,
+        pair: Pair | None = None,
+        route: tuple[str, Where] | None = None,
+    ) -> str:
+        seen.append(dict(locals()))
+        return "ok"
+
+    return trip, seen
+
+
+def test_the_schema_refuses_unknown_fields_in_nested_objects_too() -> None:
+    p = params(nested_tool()[0])
+    defs = p["$defs"]
+    assert p["additionalProperties"] is False
+    for name in ("Where", "Strict", "Cat", "Dog", "Tree", "Stop", "Leg"):
+        assert defs[name]["additionalProperties"] is False, name
+    assert defs["Pair"]["maxItems"] == 2  # an array-like Struct takes no extra items
+    assert defs["Cat"]["properties"]["type"] == {"enum": ["Cat"]}  # the tag is a field
