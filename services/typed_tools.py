@@ -16,6 +16,9 @@ cover one style and its corner cases badly.
 A call's arguments are validated before the function runs; a bad one raises
 :class:`ToolError` naming the argument, which the turn reports to the model as the call's
 result (``ToolError: invalid argument `count`: ...``), so the model can call again.
+An unknown field is refused at any depth (``unknown argument `where.citty```), in nested
+Structs, dataclasses and TypedDicts too, which msgspec itself would silently drop; the
+user's classes are left as they are (see "unknown fields in nested objects" below).
 A parameter annotated :class:`ToolCallContext` receives the call's context and is left out
 of the schema. An ``async def`` function (or one returning an awaitable) runs to completion
 on an event loop thread (:class:`EventLoopThread`, a shared one unless a loop is given)
