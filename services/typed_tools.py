@@ -16,6 +16,9 @@ cover one style and its corner cases badly.
 A call's arguments are validated before the function runs; a bad one raises
 :class:`ToolError` naming the argument, which the turn reports to the model as the call's
 result (``ToolError: invalid argument `count`: ...``), so the model can call again.
+An unknown field is refused at any depth (``unknown argument `where.citty```), in nested
+Structs, dataclasses and TypedDicts too, which msgspec itself would silently drop; the
+user's classes are left as they are (see "unknown fields in nested objects" below).
 A parameter annotated :class:`ToolCallContext` receives the call's context and is left out
 of the schema. An ``async def`` function (or one returning an awaitable) runs to completion
 on an event loop thread (:class:`EventLoopThread`, a shared one unless a loop is given)
@@ -38,6 +41,7 @@ from typing import Annotated, Any, TypeVar, get_type_hints, overload
 
 import docstring_parser
 import msgspec
+import msgspec.inspect as mi
 from aalis_agent.events.errors import Aborted, ToolError
 from aalis_agent.services.abort import AbortSignal
 from aalis_agent.services.tools import Tool, ToolCallContext
@@ -351,6 +355,7 @@ def tool_from(
             forbid_unknown_fields=True,
         )
         parameters = _schema(arguments)
+        nested = _nested_check(arguments)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"tool {tool_name!r}: unsupported parameter type: {exc}") from None
     text = description
@@ -359,7 +364,7 @@ def tool_from(
         text = "\n\n".join(p.strip() for p in parts if p and p.strip())
 
     def handler(args: Mapping[str, Any], ctx: ToolCallContext) -> str:
-        kwargs = _validate(arguments, args)
+        kwargs = _validate(arguments, args, nested)
         if context_param is not None:
             kwargs[context_param] = ctx
         value = fn(**kwargs)
@@ -422,12 +427,20 @@ def tool(
 
 
 def _schema(arguments: type[msgspec.Struct]) -> dict[str, Any]:
-    """The arguments' JSON schema: an object, with ``$defs`` for nested types."""
+    """The arguments' JSON schema: an object, with ``$defs`` for nested types.
+
+    A nested object takes no other keys than its fields (``additionalProperties: false``),
+    nor an array-like struct more items than its fields, as the checks below refuse them."""
     template = "#/$defs/{name}"
     (_,), components = msgspec.json.schema_components([arguments], ref_template=template)
     schema = dict(components.pop(arguments.__name__))
     schema.pop("title", None)
     schema.setdefault("properties", {})
+    for component in components.values():
+        if component.get("type") == "object" and "properties" in component:
+            component.setdefault("additionalProperties", False)
+        elif component.get("type") == "array" and "prefixItems" in component:
+            component.setdefault("maxItems", len(component["prefixItems"]))
     if components:
         schema["$defs"] = components
     return schema
@@ -437,12 +450,25 @@ _AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>.*)`)?$", re.S)
 _FIELD = re.compile(r"^Object (?P<how>contains unknown|missing required) field `(?P<name>.*)`$")
 
 
-def _validate(arguments: type[msgspec.Struct], args: Mapping[str, Any]) -> dict[str, Any]:
-    """The checked arguments as keyword arguments, or a ToolError naming the bad one."""
+def _validate(
+    arguments: type[msgspec.Struct], args: Mapping[str, Any], nested: _Check | None = None
+) -> dict[str, Any]:
+    """The checked arguments as keyword arguments, or a ToolError naming the bad one;
+    ``nested`` (from :func:`_nested_check`) refuses unknown fields in nested objects.
+
+    An unknown nested field is named before any other problem: a misspelt one is most
+    often also a required one missing (``{"where": {"citty": ...}}``), and its name tells
+    the model what to fix."""
+    raw = dict(args)
     try:
-        value = msgspec.convert(dict(args), arguments, strict=False)
+        value = msgspec.convert(raw, arguments, strict=False)
     except msgspec.ValidationError as exc:
-        raise ToolError(_explain(str(exc))) from None
+        unknown = _unknown_nested(nested, raw) if nested is not None else None
+        raise ToolError(_explain(unknown or str(exc))) from None
+    if nested is not None:
+        unknown = _unknown_nested(nested, raw)
+        if unknown is not None:
+            raise ToolError(_explain(unknown))
     checked = {
         name: getattr(value, name)
         for name in arguments.__struct_fields__
@@ -469,6 +495,235 @@ def _explain(error: str) -> str:
     if not prefix:
         return f"invalid arguments: {message}"
     return f"invalid argument `{prefix}`: {message}"
+
+
+# --- unknown fields in nested objects ------------------------------------------------------
+#
+# msgspec drops the unknown keys of an object it converts to a Struct, a dataclass or a
+# TypedDict, unless the Struct sets ``forbid_unknown_fields`` (the arguments' own Struct
+# does): a nested field the model misspelt would pass unnoticed and the tool run with the
+# field's default. The user's classes stay as they are; each tool gets instead, once, a
+# check that walks the arguments along the parameters' types (msgspec.inspect) after they
+# convert, and words what it finds as msgspec words an unknown argument, with its path.
+# A tool whose parameters hold no such object gets no check at all.
+
+
+@dataclass(slots=True, eq=False)
+class _Object:
+    """An object converted to a Struct, a dataclass or a TypedDict."""
+
+    known: frozenset[Any] | None  # the keys it takes; None: msgspec refuses others itself
+    fields: dict[Any, _Check] = field(default_factory=dict)  # key -> check of its value
+
+
+@dataclass(slots=True, eq=False)
+class _Items:
+    """Every item of a list, set or ``tuple[X, ...]``, or (``values``) of a dict."""
+
+    item: _Check | None = None
+    values: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Positions:
+    """The item at each position of a tuple, NamedTuple or array-like Struct."""
+
+    items: tuple[_Check | None, ...] = ()
+    at_most: int | None = None  # an array-like Struct's length (msgspec ignores extra items)
+
+
+@dataclass(slots=True, eq=False)
+class _Either:
+    """A union: the member a JSON object (or array) converted to."""
+
+    obj: _Check | None = None
+    array: _Check | None = None
+    tag_field: str | None = None  # tagged Structs: the member by the value of this key
+    obj_tags: dict[Any, _Check | None] = field(default_factory=dict)
+    array_tags: dict[Any, _Check | None] = field(default_factory=dict)  # the first item
+
+
+_Check = _Object | _Items | _Positions | _Either
+_OBJECTS = (mi.StructType, mi.TypedDictType, mi.DataclassType)
+_ARRAYS = (mi.ListType, mi.SetType, mi.FrozenSetType, mi.VarTupleType)
+
+
+def _nested_check(arguments: type[msgspec.Struct]) -> _Check | None:
+    """The check of the unknown fields in the arguments' nested objects, or None when
+    no parameter's type holds an object msgspec would let unknown fields through in."""
+    root = mi.type_info(arguments)
+    nodes: dict[int, mi.Type] = {}
+    todo: list[mi.Type] = [root]
+    while todo:  # every type reachable (a recursive type refers back to the same node)
+        node = todo.pop()
+        if id(node) not in nodes:
+            nodes[id(node)] = node
+            todo.extend(_inner(node))
+    needy = {i for i, node in nodes.items() if _lets_unknown_in(node)}
+    grew = True
+    while grew:  # and the types holding one of those, at any depth
+        grew = False
+        for i, node in nodes.items():
+            if i not in needy and any(id(inner) in needy for inner in _inner(node)):
+                needy.add(i)
+                grew = True
+    return _compile(root, needy, {})
+
+
+def _bare(node: mi.Type) -> mi.Type:
+    while isinstance(node, mi.Metadata):
+        node = node.type
+    return node
+
+
+def _inner(node: mi.Type) -> list[mi.Type]:
+    if isinstance(node, (*_OBJECTS, mi.NamedTupleType)):
+        return [_bare(f.type) for f in node.fields]
+    if isinstance(node, _ARRAYS):
+        return [_bare(node.item_type)]
+    if isinstance(node, mi.TupleType):
+        return [_bare(t) for t in node.item_types]
+    if isinstance(node, mi.DictType):
+        return [_bare(node.value_type)]
+    if isinstance(node, mi.UnionType):
+        return [_bare(t) for t in node.types]
+    return []
+
+
+def _lets_unknown_in(node: mi.Type) -> bool:
+    if isinstance(node, mi.StructType):
+        return not node.forbid_unknown_fields
+    return isinstance(node, (mi.TypedDictType, mi.DataclassType))
+
+
+def _compile(node: mi.Type, needy: set[int], made: dict[int, _Check]) -> _Check | None:
+    if id(node) not in needy:
+        return None
+    if id(node) in made:  # a recursive type: the check being made
+        return made[id(node)]
+
+    def inner(t: mi.Type) -> _Check | None:
+        return _compile(_bare(t), needy, made)
+
+    if isinstance(node, mi.StructType) and node.array_like:
+        tag: tuple[None, ...] = (None,) if node.tag is not None else ()
+        at_most = None if node.forbid_unknown_fields else len(tag) + len(node.fields)
+        positions = made[id(node)] = _Positions(at_most=at_most)
+        positions.items = tag + tuple(inner(f.type) for f in node.fields)
+        return positions
+    if isinstance(node, _OBJECTS):
+        known: frozenset[Any] | None = None
+        if _lets_unknown_in(node):
+            keys = {f.encode_name for f in node.fields}
+            if isinstance(node, mi.StructType) and node.tag_field is not None:
+                keys.add(node.tag_field)
+            known = frozenset(keys)
+        obj = made[id(node)] = _Object(known)
+        for f in node.fields:
+            check = inner(f.type)
+            if check is not None:
+                obj.fields[f.encode_name] = check
+        return obj
+    if isinstance(node, mi.NamedTupleType):
+        positions = made[id(node)] = _Positions()
+        positions.items = tuple(inner(f.type) for f in node.fields)
+        return positions
+    if isinstance(node, mi.TupleType):
+        positions = made[id(node)] = _Positions()
+        positions.items = tuple(inner(t) for t in node.item_types)
+        return positions
+    if isinstance(node, _ARRAYS):
+        items = made[id(node)] = _Items()
+        items.item = inner(node.item_type)
+        return items
+    if isinstance(node, mi.DictType):
+        values = made[id(node)] = _Items(values=True)
+        values.item = inner(node.value_type)
+        return values
+    if isinstance(node, mi.UnionType):
+        either = made[id(node)] = _Either()
+        for member in (_bare(t) for t in node.types):
+            check = inner(member)
+            array = isinstance(member, (*_ARRAYS, mi.TupleType, mi.NamedTupleType)) or (
+                isinstance(member, mi.StructType) and member.array_like
+            )
+            if isinstance(member, mi.StructType) and member.tag is not None:
+                (either.array_tags if array else either.obj_tags)[member.tag] = check
+                either.tag_field = member.tag_field
+            elif array:
+                either.array = check
+            elif isinstance(member, (*_OBJECTS, mi.DictType)):
+                either.obj = check
+        if len(either.obj_tags) == 1 and either.obj is None:  # its tag may be left out
+            (either.obj,) = either.obj_tags.values()
+        return either
+    return None  # pragma: no cover - every type holding another is listed above
+
+
+def _unknown_nested(check: _Check, args: Mapping[str, Any]) -> str | None:
+    """The first unknown field (in the arguments' order) of a nested object in ``args``,
+    in msgspec's words (``Object contains unknown field `x` - at `$.where```), or None.
+    A value of another shape than its type's (arguments that did not convert) is passed
+    over: msgspec names what is wrong with it."""
+    todo: list[tuple[_Check, Any, tuple[Any, ...]]] = [(check, args, ())]
+    while todo:  # no recursion: an object as deep as msgspec takes is walked too
+        node, value, path = todo.pop()
+        if isinstance(node, _Either):
+            picked = _member(node, value)
+            if picked is None:
+                continue
+            node = picked
+        if isinstance(node, _Object):
+            if not isinstance(value, Mapping):
+                continue
+            if node.known is not None:
+                for key in value:
+                    if key not in node.known:
+                        return f"Object contains unknown field `{key}` - at `{_path(path)}`"
+            for key, field_check in reversed(node.fields.items()):
+                if key in value:
+                    todo.append((field_check, value[key], (path, f".{key}")))
+        elif isinstance(node, _Items):
+            item = node.item
+            if item is None:
+                continue
+            if node.values:
+                if isinstance(value, Mapping):
+                    todo.extend((item, v, (path, "[...]")) for v in reversed(list(value.values())))
+            elif isinstance(value, (list, tuple)):
+                todo.extend((item, value[i], (path, f"[{i}]")) for i in reversed(range(len(value))))
+        elif isinstance(node, _Positions) and isinstance(value, (list, tuple)):
+            if node.at_most is not None and len(value) > node.at_most:
+                return (
+                    f"Expected `array` of at most length {node.at_most}, got {len(value)}"
+                    f" - at `{_path(path)}`"
+                )
+            for i in reversed(range(min(len(node.items), len(value)))):
+                position = node.items[i]
+                if position is not None:
+                    todo.append((position, value[i], (path, f"[{i}]")))
+    return None
+
+
+def _member(either: _Either, value: Any) -> _Check | None:
+    if isinstance(value, Mapping):
+        tags, tag, untagged = either.obj_tags, value.get(either.tag_field or ""), either.obj
+    elif isinstance(value, (list, tuple)):
+        tags, tag, untagged = either.array_tags, value[0] if value else None, either.array
+    else:
+        return None
+    try:
+        return tags.get(tag, untagged)
+    except TypeError:  # a tag no member has (a list, say)
+        return untagged
+
+
+def _path(path: tuple[Any, ...]) -> str:
+    steps: list[str] = []
+    while path:
+        path, step = path
+        steps.append(step)
+    return "$" + "".join(reversed(steps))
 
 
 def _await(

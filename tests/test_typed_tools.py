@@ -471,3 +471,283 @@ def test_a_number_argument_is_a_finite_one(raw: str, problem: str) -> None:
         scale.handler(args, context())
     assert str(info.value) == problem
     assert json.loads(scale.handler({"x": "1.5"}, context())) == 3.0
+
+
+# --- unknown fields in nested objects ------------------------------------------------------
+
+
+class Where(msgspec.Struct):
+    city: str
+    country: str = "FR"
+
+
+class Strict(msgspec.Struct, forbid_unknown_fields=True):
+    """The user's own choice: msgspec refuses its unknown fields itself."""
+
+    name: str
+    where: Where | None = None
+
+
+class Cat(msgspec.Struct, tag=True):
+    meows: int
+
+
+class Dog(msgspec.Struct, tag=True):
+    barks: int
+
+
+class Tree(msgspec.Struct):
+    name: str
+    children: list[Tree] = []
+    parent: Tree | None = None
+
+
+class Pair(msgspec.Struct, array_like=True):
+    left: int
+    right: int = 0
+
+
+@dataclass
+class Stop:
+    where: Where
+    minutes: int = 0
+
+
+class Leg(TypedDict):
+    to: Where
+    by: str
+
+
+def nested_tool() -> tuple[TypedTool, list[dict[str, Any]]]:
+    """A tool taking nested objects of every kind, and the arguments it was called with."""
+    seen: list[dict[str, Any]] = []
+
+    @tool
+    def trip(
+        where: Where | None = None,
+        stops: list[Where] = [],  # noqa: B006 - never mutated
+        by_day: dict[str, Where] = {},  # noqa: B006 - never mutated
+        pet: Cat | Dog | None = None,
+        cat: Cat | None = None,
+        stop: Stop | None = None,
+        legs: list[Leg] = [],  # noqa: B006 - never mutated
+        tree: Tree | None = None,
+        strict: Strict | None = None,
+        pair: Pair | None = None,
+        route: tuple[str, Where] | None = None,
+    ) -> str:
+        seen.append(dict(locals()))
+        return "ok"
+
+    return trip, seen
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        pytest.param({"where": {"citty": "Paris"}}, "unknown argument `where.citty`", id="struct"),
+        pytest.param(
+            {"where": {"city": "Paris", "citty": "Paris"}},
+            "unknown argument `where.citty`",
+            id="struct-beside-a-known-field",
+        ),
+        pytest.param(
+            {"stops": [{"city": "Lyon"}, {"city": "Nice", "contry": "FR"}]},
+            "unknown argument `stops[1].contry`",
+            id="list-of-structs",
+        ),
+        pytest.param(
+            {"by_day": {"mon": {"city": "Lyon"}, "tue": {"town": "Nice", "city": "Nice"}}},
+            "unknown argument `by_day[...].town`",
+            id="dict-of-structs",
+        ),
+        pytest.param(
+            {"pet": {"type": "Dog", "barks": 2, "meows": 1}},
+            "unknown argument `pet.meows`",
+            id="tagged-union",
+        ),
+        pytest.param(
+            {"cat": {"meows": 1, "purrs": 2}},
+            "unknown argument `cat.purrs`",
+            id="tagged-struct-its-tag-left-out",
+        ),
+        pytest.param(
+            {"stop": {"where": {"city": "Lyon"}, "mins": 5}},
+            "unknown argument `stop.mins`",
+            id="dataclass",
+        ),
+        pytest.param(
+            {"stop": {"where": {"city": "Lyon", "zip": 69000}}},
+            "unknown argument `stop.where.zip`",
+            id="struct-in-a-dataclass",
+        ),
+        pytest.param(
+            {"legs": [{"to": {"city": "Lyon"}, "by": "train", "via": "Dijon"}]},
+            "unknown argument `legs[0].via`",
+            id="typeddict",
+        ),
+        pytest.param(
+            {"legs": [{"to": {"city": "Lyon", "cty": "x"}, "by": "train"}]},
+            "unknown argument `legs[0].to.cty`",
+            id="struct-in-a-typeddict",
+        ),
+        pytest.param(
+            {"tree": {"name": "a", "children": [{"name": "b", "parent": {"name": "a", "x": 1}}]}},
+            "unknown argument `tree.children[0].parent.x`",
+            id="recursive-struct",
+        ),
+        pytest.param(
+            {"route": ["Lyon", {"city": "Nice", "citty": "Nice"}]},
+            "unknown argument `route[1].citty`",
+            id="tuple",
+        ),
+        pytest.param(
+            {"strict": {"name": "n", "where": {"city": "Lyon", "cit": "x"}}},
+            "unknown argument `strict.where.cit`",
+            id="struct-in-a-forbidding-struct",
+        ),
+        pytest.param(
+            {"pair": [1, 2, 3]},
+            "invalid argument `pair`: Expected `array` of at most length 2, got 3",
+            id="array-like-struct",
+        ),
+    ],
+)
+def test_an_unknown_field_in_a_nested_object_is_refused_with_its_path(
+    args: dict[str, Any], problem: str
+) -> None:
+    """msgspec drops the unknown keys of a nested object unless its class forbids them:
+    a misspelt nested field ran the tool with the field's default, the model never told."""
+    trip, seen = nested_tool()
+    with pytest.raises(ToolError) as info:
+        trip.handler(args, context())
+    assert str(info.value) == problem
+    assert seen == []
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        ({"stops": {"city": "Lyon"}}, "invalid argument `stops`: Expected `array`, got `object`"),
+        ({"by_day": [{"city": "L"}]}, "invalid argument `by_day`: Expected `object`, got `array`"),
+        ({"pet": {"type": ["Cat"]}}, "invalid argument `pet.type`: Expected `str`, got `list`"),
+        ({"pet": {"type": "Fish"}}, "invalid argument `pet.type`: Invalid value 'Fish'"),
+        ({"pet": {"barks": 1, "x": 2}}, "missing required argument `pet.type`"),
+        ({"route": ["Lyon"]}, "invalid argument `route`: Expected `array` of length 2, got 1"),
+        (
+            {"tree": {"children": [{"name": "b"}]}, "where": {"city": 1, "ctry": "FR"}},
+            "unknown argument `where.ctry`",
+        ),
+    ],
+)
+def test_nested_arguments_of_the_wrong_shape_are_named_as_msgspec_names_them(
+    args: dict[str, Any], problem: str
+) -> None:
+    """Arguments that do not convert are looked into for an unknown field first (a
+    misspelt field is often a required one missing as well), then msgspec's error."""
+    trip, seen = nested_tool()
+    with pytest.raises(ToolError) as info:
+        trip.handler(args, context())
+    assert str(info.value) == problem
+    assert seen == []
+
+
+def test_the_model_hears_of_its_misspelt_nested_field() -> None:
+    from aalis_agent.request.limits import parse_tool_arguments
+
+    @tool
+    def weather(where: Where, days: int = 1) -> str:
+        return f"{where.city}: sunny"
+
+    args, error = parse_tool_arguments('{"where": {"citty": "Paris"}}')
+    assert error is None
+    with pytest.raises(ToolError, match=r"^unknown argument `where.citty`$"):
+        weather.handler(args, context())
+
+
+def test_valid_nested_arguments_are_accepted_unchanged() -> None:
+    trip, seen = nested_tool()
+    args = {
+        "where": {"city": "Paris"},
+        "stops": [{"city": "Lyon", "country": "FR"}, {"city": "Nice"}],
+        "by_day": {"mon": {"city": "Lyon"}},
+        "pet": {"type": "Cat", "meows": 3},
+        "cat": {"meows": 4},
+        "stop": {"where": {"city": "Lyon"}, "minutes": "5"},
+        "legs": [{"to": {"city": "Lyon"}, "by": "train"}],
+        "tree": {"name": "a", "children": [{"name": "b", "parent": {"name": "a"}}]},
+        "strict": {"name": "n", "where": {"city": "Lyon"}},
+        "pair": [1, 2],
+        "route": ["Lyon", {"city": "Nice"}],
+    }
+    assert trip.handler(args, context()) == "ok"
+    (got,) = seen
+    assert got["where"] == Where("Paris")
+    assert got["stops"] == [Where("Lyon"), Where("Nice")]
+    assert got["by_day"] == {"mon": Where("Lyon")}
+    assert got["pet"] == Cat(3)
+    assert got["cat"] == Cat(4)
+    assert got["stop"] == Stop(Where("Lyon"), 5)
+    assert got["legs"] == [{"to": Where("Lyon"), "by": "train"}]
+    assert got["tree"] == Tree("a", [Tree("b", parent=Tree("a"))])
+    assert got["strict"] == Strict("n", Where("Lyon"))
+    assert got["pair"] == Pair(1, 2)
+    assert got["route"] == ("Lyon", Where("Nice"))
+    # Absent or null nested arguments are not looked into.
+    assert trip.handler({"where": None, "pet": None}, context()) == "ok"
+
+
+def test_a_struct_forbidding_unknown_fields_itself_is_refused_as_before_and_left_as_it_is() -> None:
+    trip, _ = nested_tool()
+    with pytest.raises(ToolError) as info:
+        trip.handler({"strict": {"name": "n", "nmae": "m"}}, context())
+    assert str(info.value) == "unknown argument `strict.nmae`"
+    # The user's classes keep their own configuration.
+    assert Strict.__struct_config__.forbid_unknown_fields is True
+    assert Where.__struct_config__.forbid_unknown_fields is False
+    assert msgspec.convert({"city": "Lyon", "zip": 1}, Where) == Where("Lyon")
+
+
+def test_a_deep_recursive_argument_is_walked_without_recursing() -> None:
+    @tool
+    def grow(tree: Tree) -> int:
+        depth, node = 0, tree
+        while node.children:
+            depth, node = depth + 1, node.children[0]
+        return depth
+
+    root: dict[str, Any] = {"name": "0"}
+    node = root
+    for i in range(1, 400):
+        child: dict[str, Any] = {"name": str(i)}
+        node["children"] = [child]
+        node = child
+    assert grow.handler({"tree": root}, context()) == "399"
+    node["nmae"] = "x"
+    with pytest.raises(ToolError) as info:
+        grow.handler({"tree": root}, context())
+    message = str(info.value)
+    assert message.startswith("unknown argument `tree.children[0].children[0].")
+    assert message.endswith(".nmae`") and message.count("children[0]") == 399
+
+
+def test_the_schema_refuses_unknown_fields_in_nested_objects_too() -> None:
+    p = params(nested_tool()[0])
+    defs = p["$defs"]
+    assert p["additionalProperties"] is False
+    for name in ("Where", "Strict", "Cat", "Dog", "Tree", "Stop", "Leg"):
+        assert defs[name]["additionalProperties"] is False, name
+    assert defs["Pair"]["maxItems"] == 2  # an array-like Struct takes no extra items
+    assert defs["Cat"]["properties"]["type"] == {"enum": ["Cat"]}  # the tag is a field
+
+
+def test_flat_arguments_get_no_nested_check() -> None:
+    from aalis_agent.services.typed_tools import _nested_check
+
+    @tool
+    def flat(a: int, tags: list[str], scores: dict[str, float] | None = None) -> str:
+        return "ok"
+
+    trip, _ = nested_tool()
+    assert flat.arguments is not None and _nested_check(flat.arguments) is None
+    assert trip.arguments is not None and _nested_check(trip.arguments) is not None
