@@ -19,6 +19,9 @@ Routes (``<id>`` is the session id, percent-encoded as one path segment):
 * ``/api/sessions/<id>/request?turn=T&index=K`` one model call as the log records it.
 * ``/api/sessions/<id>/usage`` the token-usage series, one point per recorded call.
 * ``/api/sessions/<id>/state?seq=N`` the fold of the log up to N: history, queue, turn.
+* ``/api/session/<what>?id=<id>&...`` each of the five above with the session id in the
+  query (what the page asks): a browser takes an id of ``.`` or ``..`` in a path as a
+  step of the path, even written ``%2E``.
 
 Every answer is bounded in bytes whatever the log holds (a text of 50 MB, a turn of
 30,000 tool calls): long texts come as previews, long lists as their first or newest
@@ -150,9 +153,18 @@ def route(inspector: Inspector, path: str, query: dict[str, list[str]]) -> dict[
     parts = path.strip("/").split("/")
     if parts == ["api", "sessions"]:
         return inspector.sessions()
-    if len(parts) != 4 or parts[:2] != ["api", "sessions"]:
+    if len(parts) == 3 and parts[:2] == ["api", "session"]:
+        # The session named in the query (``/api/session/timeline?id=...``), as the page
+        # asks: an id in the path that is "." or ".." is taken by browsers as a step of
+        # the path (even written %2E), and never reaches the server.
+        ids = query.get("id")
+        if not ids:
+            raise BadRequest("missing parameter 'id'")
+        session_id, what = ids[0], parts[2]
+    elif len(parts) == 4 and parts[:2] == ["api", "sessions"]:
+        session_id, what = unquote(parts[2]), parts[3]
+    else:
         raise NotFound(f"no route {path!r}")
-    session_id, what = unquote(parts[2]), parts[3]
     if what == "timeline":
         offset = _int(query, "offset", 0)
         limit = min(max(_int(query, "limit", 50), 1), MAX_PAGE)

@@ -246,6 +246,24 @@ def test_unknown_session_and_route_are_404(server: InspectorServer) -> None:
     assert get(server, f"/api/sessions/{quote(SESSION, safe='')}/state?seq=x")[0] == 400
 
 
+def test_the_session_id_in_the_query_answers_as_in_the_path(server: InspectorServer) -> None:
+    """``/api/session/<what>?id=...`` (what the page asks) answers as the path form."""
+    sid = quote(SESSION, safe="")
+    for what, query in (
+        ("timeline", "&offset=0&limit=5"),
+        ("events", "&from=3&to=6"),
+        ("usage", ""),
+        ("state", "&seq=10"),
+        ("request", "&turn=turn-1&index=1"),
+    ):
+        by_path = get(server, f"/api/sessions/{sid}/{what}?{query.lstrip('&')}")
+        by_query = get(server, f"/api/session/{what}?id={sid}{query}")
+        assert by_query == by_path and by_path[0] == 200, what
+    assert get(server, "/api/session/timeline")[0] == 400  # no id
+    assert get(server, "/api/session/timeline?id=nope")[0] == 404
+    assert get(server, f"/api/session/nothing?id={sid}")[0] == 404
+
+
 def _usage(sid: str, turn: str, used: int, trimmed: bool) -> UsageRecorded:
     return UsageRecorded(
         usage=TokenUsage(

@@ -263,7 +263,7 @@ def test_a_cut_text_and_a_capped_list_are_shown_with_what_is_left_out(
         note = turn.locator("li.reply .cut")
         assert note.inner_text().startswith(f" ({100_000 - index.PREVIEW + 1:,} more characters)")
         href = note.locator("a").get_attribute("href")
-        assert href == f"/api/sessions/big/events?from={saved.seq}&to={saved.seq}&whole=1"
+        assert href == f"/api/session/events?id=big&from={saved.seq}&to={saved.seq}&whole=1"
         whole = pg.evaluate(f"fetch({href!r}).then(r => r.json())")
         assert whole["events"][0]["data"]["message"]["content"] == reply
         # The state at the end: the reply in the history, cut the same way.
@@ -274,6 +274,40 @@ def test_a_cut_text_and_a_capped_list_are_shown_with_what_is_left_out(
             .startswith(f" ({100_000 - index.PREVIEW + 1:,} more characters)")
         )
         assert errors == [] and index.TURN_ITEMS == 50
+    finally:
+        pg.close()
+        srv.stop()
+
+
+def test_sessions_named_dot_and_dot_dot_open(page: Any, tmp_path: Path) -> None:
+    """A session id of "." or ".." in a URL's path is a step a browser resolves (even as
+    %2E): the page asks with the id in the query, so such a session opens like any."""
+    from aalis_agent.events import FixedClock, MessageSaved
+    from aalis_agent.events.schema import ChatMessage
+    from aalis_agent.testing.sample import SampleWriter
+
+    db = tmp_path / "dots.db"
+    with SqliteEventStore(db) as store:
+        for sid in (".", ".."):
+            writer = SampleWriter(store, sid, FixedClock(1_767_225_600_000, step_ms=1))
+            b = writer.batch()
+            b.add(MessageSaved(message=ChatMessage(id="m1", role="user", content=f"in {sid}")))
+            writer.commit(b)
+    srv = make_server(db)
+    srv.start()
+    pg = page.context.browser.new_page(bypass_csp=True)  # the module's browser
+    try:
+        errors: list[str] = []
+        pg.on("pageerror", lambda exc: errors.append(str(exc)))
+        for sid in (".", ".."):
+            pg.goto(srv.url + "#session=" + sid.replace(".", "%2E"), wait_until="load")
+            pg.wait_for_function(
+                "window.inspector && window.inspector.ready === true "
+                f"&& window.inspector.session === {sid!r}",
+                timeout=30_000,
+            )
+            pg.wait_for_function("document.body.innerText.includes('in " + sid + "')")
+        assert errors == []
     finally:
         pg.close()
         srv.stop()

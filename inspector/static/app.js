@@ -41,8 +41,9 @@ async function api(path) {
 }
 
 function sessionPath(id, what, params) {
-  const q = params ? "?" + new URLSearchParams(params).toString() : "";
-  return `/api/sessions/${encodeURIComponent(id)}/${what}${q}`;
+  // The id travels in the query: in the path, "." and ".." are steps a browser resolves.
+  const q = new URLSearchParams({ id, ...(params || {}) }).toString();
+  return `/api/session/${what}?${q}`;
 }
 
 // --- what an answer left out ------------------------------------------------------
