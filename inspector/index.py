@@ -61,6 +61,7 @@ __all__ = [
     "TURN_ITEMS",
     "TURN_LIST_BYTES",
     "USAGE_ID",
+    "USAGE_POINTS",
     "VALUE_BYTES",
     "SessionIndex",
     "TurnSpan",
@@ -122,6 +123,13 @@ EVENTS_BYTES = 2_000_000
 USAGE_ID = 100
 """Characters of a turn id in the token-usage series."""
 
+USAGE_POINTS = 6_000
+"""Points of the token-usage series an answer carries at most. Past it, the recorded
+calls are split into ``USAGE_POINTS // 3`` stretches of equal length and each stretch
+keeps its points of least and most ``used`` and its first trimmed one, in log order: the
+chart keeps its peaks, troughs and trims. ``points_total`` counts every call and
+``index`` numbers the calls shown (1 is the first recorded)."""
+
 CUT_PLACES = 100
 """Cut places one value's ``cut`` map names at most; past them, its ``"…"`` entry counts
 the others."""
@@ -166,10 +174,10 @@ most. On logs built to hit every cap (every text of control characters, six JSON
 each; every list long) the largest answers measured are an events page of 1.99 MB, a
 timeline page with its tail of 1.5 MB, a state of 1.25 MB and a request of 1.07 MB.
 
-Two answers are left out: the events page with ``whole=1`` carries one event whole, as
-large as the log made it (the way to a whole value), and the token-usage series grows
-with the number of recorded calls (about 100 bytes a point; turn ids cut to
-:data:`USAGE_ID`)."""
+The token-usage series carries at most :data:`USAGE_POINTS` points of about 20 numbers
+and a turn id cut to :data:`USAGE_ID` characters: about 1 MB, 4 MB if every turn id were
+100 control characters. One answer is left out: the events page with ``whole=1`` carries
+one event whole, as large as the log made it (the way to a whole value)."""
 
 
 def _preview(text: str | None, width: int = PREVIEW) -> str | None:
@@ -788,11 +796,40 @@ class SessionIndex:
             "cut": cut,
         }
 
+    def _usage_shown(self) -> list[int]:
+        """Which recorded usages the series shows (positions in :attr:`usage_seqs`): all
+        of them, or past :data:`USAGE_POINTS` each stretch's least, most and first
+        trimmed (see there)."""
+        n = len(self.usage_seqs)
+        if n <= USAGE_POINTS:
+            return list(range(n))
+        usages: list[Any] = []
+        for seq in self.usage_seqs:
+            e = self.event_at(seq)
+            assert isinstance(e, UsageRecorded)
+            usages.append(e.usage)
+        stretches = USAGE_POINTS // 3
+        shown: list[int] = []
+        for k in range(stretches):
+            lo, hi = k * n // stretches, (k + 1) * n // stretches
+            least = most = lo
+            trimmed = -1
+            for i in range(lo, hi):
+                used = usages[i].used
+                if used < usages[least].used:
+                    least = i
+                if used > usages[most].used:
+                    most = i
+                if trimmed < 0 and usages[i].trimmed:
+                    trimmed = i
+            shown.extend(sorted({least, most, *([trimmed] if trimmed >= 0 else [])}))
+        return shown
+
     def usage_series(self) -> dict[str, Any]:
-        """Every recorded ``token:usage`` in order, as columns: one point per model call
-        that recorded one (used, budget, the stacked parts, whether trimming cut in).
-        Turn ids are cut to :data:`USAGE_ID` characters; the series is not otherwise
-        bounded (about 100 bytes a point)."""
+        """The recorded ``token:usage`` points in order, as columns: one point per model
+        call that recorded one (used, budget, the stacked parts, whether trimming cut
+        in), at most :data:`USAGE_POINTS` of them (see there: ``points_total``,
+        ``index``). Turn ids are cut to :data:`USAGE_ID` characters."""
         cols: dict[str, list[Any]] = {
             k: []
             for k in (
@@ -808,7 +845,9 @@ class SessionIndex:
             )
         }
         parts: dict[str, list[int]] = {k: [] for k in BREAKDOWN_PARTS}
-        for seq in self.usage_seqs:
+        shown = self._usage_shown()
+        for i in shown:
+            seq = self.usage_seqs[i]
             e = self.event_at(seq)
             assert isinstance(e, UsageRecorded)
             u = e.usage
@@ -828,7 +867,9 @@ class SessionIndex:
                 parts[k].append(getattr(b, k))
         return {
             "session_id": self.session_id,
-            "points": len(self.usage_seqs),
+            "points": len(shown),
+            "points_total": len(self.usage_seqs),
+            "index": [i + 1 for i in shown],
             **cols,
             "parts": {k: v for k, v in parts.items() if any(v)},
         }

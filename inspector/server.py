@@ -17,7 +17,8 @@ Routes (``<id>`` is the session id, percent-encoded as one path segment):
 * ``/api/sessions/<id>/events?from=A&to=B&limit=500`` events A..B as lines and as data;
   ``&whole=1``: the first of them alone, whole.
 * ``/api/sessions/<id>/request?turn=T&index=K`` one model call as the log records it.
-* ``/api/sessions/<id>/usage`` the token-usage series, one point per recorded call.
+* ``/api/sessions/<id>/usage`` the token-usage series, one point per recorded call (past
+  ``index.USAGE_POINTS`` calls, each stretch's least, most and first trimmed).
 * ``/api/sessions/<id>/state?seq=N`` the fold of the log up to N: history, queue, turn.
 * ``/api/session/<what>?id=<id>&...`` each of the five above with the session id in the
   query (what the page asks): a browser takes an id of ``.`` or ``..`` in a path as a

@@ -367,3 +367,44 @@ def test_clip_cuts_texts_lists_and_depth_and_says_where() -> None:
     # Text that is not valid Unicode comes out valid.
     text, cut = index.clip("\ud800 lone")
     assert text == "\ufffd lone" and cut == {}
+
+
+def test_a_long_usage_series_keeps_each_stretchs_least_most_and_first_trim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past ``USAGE_POINTS`` recorded calls, each stretch of the series keeps its points
+    of least and most ``used`` and its first trimmed one (numbered by call, in order);
+    below it, every point."""
+    monkeypatch.setattr(index, "USAGE_POINTS", 30)  # 10 stretches
+    sid = "u"
+    used = [(i * 7919) % 1000 for i in range(1_000)]  # up and down, no order
+    trimmed = {i for i in range(1_000) if i % 137 == 5}
+    events = [
+        UsageRecorded(
+            session_id=sid,
+            seq=i + 1,
+            usage=TokenUsage(session_id=sid, used=u, token_budget=900, trimmed=i in trimmed),
+        )
+        for i, u in enumerate(used)
+    ]
+    ix = index.SessionIndex(sid)
+    ix.feed(events)
+    series = ix.usage_series()
+    assert series["points_total"] == 1_000
+    calls = series["index"]
+    assert calls == sorted(set(calls)) and series["points"] == len(calls) <= 30
+    assert series["used"] == [used[c - 1] for c in calls]
+    assert series["seq"] == calls  # seq i + 1 is call i + 1 here
+    for k in range(10):
+        stretch = range(k * 100, (k + 1) * 100)
+        mine = {c - 1 for c in calls if c - 1 in stretch}
+        # The first of the least and of the most (min and max keep the first of ties).
+        want = {min(stretch, key=lambda i: used[i]), max(stretch, key=lambda i: used[i])}
+        first_trim = next((i for i in stretch if i in trimmed), None)
+        if first_trim is not None:
+            want.add(first_trim)
+        assert mine == want, k
+    monkeypatch.setattr(index, "USAGE_POINTS", 1_000)
+    whole = ix.usage_series()
+    assert whole["points"] == whole["points_total"] == 1_000
+    assert whole["index"] == list(range(1, 1_001)) and whole["used"] == used

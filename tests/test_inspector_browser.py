@@ -176,9 +176,12 @@ def test_slider_shows_the_state_at_an_event(
 
 
 def test_a_chart_of_100k_usage_points_loads(page: Any, tmp_path: Path) -> None:
-    """The chart's scale is found with a loop: ``Math.max(...points)`` overflowed the call
-    stack past about 100k points, and the page never became ready."""
+    """100k recorded calls: the answer carries at most ``index.USAGE_POINTS`` of them,
+    each stretch's least and most, numbered by call; the chart draws them up to the last
+    call and says how many it shows. (Its scale is found with a loop: ``Math.max(...)``
+    overflowed the call stack past about 100k points.)"""
     from aalis_agent.events import FixedClock, TokenUsage
+    from aalis_agent.inspector import index
     from aalis_agent.testing.sample import SampleWriter
 
     db = tmp_path / "usage.db"
@@ -202,7 +205,16 @@ def test_a_chart_of_100k_usage_points_loads(page: Any, tmp_path: Path) -> None:
             timeout=60_000,
         )
         assert errors == []
-        assert pg.evaluate("window.inspector.chart.data[0].length") == 100_000
+        shown = pg.evaluate("window.inspector.usage.points")
+        assert pg.evaluate("window.inspector.usage.points_total") == 100_000
+        assert 0 < shown <= index.USAGE_POINTS
+        assert pg.evaluate("window.inspector.chart.data[0].length") == shown
+        xs = pg.evaluate("Array.from(window.inspector.chart.data[0])")
+        assert xs[0] == 1 and xs[-1] == 100_000 and xs == sorted(set(xs))
+        used = pg.evaluate("window.inspector.usage.used")
+        assert used[-1] == 99_999 and used == [x - 1 for x in xs]  # used = call - 1 here
+        note = pg.locator("#chart-note")
+        assert note.is_visible() and f"{shown:,} of 100,000 model calls shown" in note.inner_text()
     finally:
         pg.close()
         srv.stop()

@@ -348,8 +348,13 @@ async function loadUsage() {
   if (inspector.chart) { inspector.chart.destroy(); inspector.chart = null; }
   $("chart").replaceChildren();
   $("chart-empty").hidden = u.points > 0;
+  const note = $("chart-note");
+  note.hidden = !(u.points_total > u.points);
+  note.textContent = note.hidden ? "" :
+    `${fmtCount(u.points)} of ${fmtCount(u.points_total)} model calls shown: in each stretch ` +
+    "the least and most used and the first trimmed (the timeline has every call).";
   if (!u.points) return;
-  const x = u.used.map((_, i) => i + 1);
+  const x = u.index || u.used.map((_, i) => i + 1);
   const names = Object.keys(u.parts);
   // Stack: cumulative sums, drawn largest first so each lower band paints over it.
   const cum = [];
