@@ -10,7 +10,8 @@ the database (a SQLite file, or a ``postgresql://`` URL) is opened read-only.
 Routes (``<id>`` is the session id, percent-encoded as one path segment):
 
 * ``/`` the page; ``/static/<file>`` its script, styles and the chart library.
-* ``/api/sessions`` every session with its event count.
+* ``/api/sessions?offset=0&limit=500`` a page of the sessions with their event counts
+  (``total``, ``next_offset``).
 * ``/api/sessions/<id>/timeline?offset=0&limit=50`` a page of turns (negative offset:
   from the end), with the session's summary; the events after the last turn on the last
   page.
@@ -55,6 +56,11 @@ __all__ = ["LOOPBACK", "Inspector", "InspectorServer", "make_server"]
 LOOPBACK = "127.0.0.1"
 STATIC = Path(__file__).resolve().parent / "static"
 MAX_PAGE = 500  # turns in one timeline page
+SESSIONS_PAGE = 500
+"""Sessions one ``/api/sessions`` answer lists at most (``?offset=&limit=`` pages on)."""
+SESSION_ID_SHOWN = 1_000
+"""Characters of a session id the session list shows; a longer one is cut there (such a
+session opens from its URL, ``#session=<id>``)."""
 MAX_EVENTS = 2000  # events in one events answer
 CACHED_SESSIONS = 4  # decoded logs kept in memory
 
@@ -86,17 +92,35 @@ class Inspector:
         )
         self._read_to: dict[str, int] = {}
 
-    def sessions(self) -> dict[str, Any]:
+    def sessions(self, offset: int = 0, limit: int = SESSIONS_PAGE) -> dict[str, Any]:
+        """A page of the sessions, in the store's order, each with its event count and
+        whether it has open work: ``limit`` from the ``offset``-th; ``total`` counts all,
+        ``next_offset`` is where the next page starts (None after the last). An id longer
+        than :data:`SESSION_ID_SHOWN` characters is cut (its whole length in ``cut``)."""
         names = self.store.sessions()
+        offset = min(max(offset, 0), len(names))
+        page = names[offset : offset + limit]
         try:
             open_ = set(self.store.open_sessions())
         except StoreError:
             open_ = set(names)
+        listed: list[dict[str, Any]] = []
+        for n in page:
+            entry: dict[str, Any] = {
+                "session_id": n,
+                "events": self.store.last_seq(n),
+                "open": n in open_,
+            }
+            if len(n) > SESSION_ID_SHOWN:
+                entry["session_id"] = n[: SESSION_ID_SHOWN - 1] + "…"
+                entry["cut"] = {"session_id": len(n)}
+            listed.append(entry)
+        end = offset + len(page)
         return {
-            "sessions": [
-                {"session_id": n, "events": self.store.last_seq(n), "open": n in open_}
-                for n in names
-            ]
+            "sessions": listed,
+            "total": len(names),
+            "offset": offset,
+            "next_offset": end if end < len(names) else None,
         }
 
     def session(self, session_id: str) -> tuple[threading.Lock, SessionIndex, list[Any]]:
@@ -153,7 +177,9 @@ def route(inspector: Inspector, path: str, query: dict[str, list[str]]) -> dict[
     """The JSON answer for an ``/api/...`` path (raw, still percent-encoded)."""
     parts = path.strip("/").split("/")
     if parts == ["api", "sessions"]:
-        return inspector.sessions()
+        offset = _int(query, "offset", 0)
+        limit = min(max(_int(query, "limit", SESSIONS_PAGE), 1), SESSIONS_PAGE)
+        return inspector.sessions(offset, limit)
     if len(parts) == 3 and parts[:2] == ["api", "session"]:
         # The session named in the query (``/api/session/timeline?id=...``), as the page
         # asks: an id in the path that is "." or ".." is taken by browsers as a step of

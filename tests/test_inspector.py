@@ -109,7 +109,12 @@ def test_refuses_requests_not_addressed_to_a_loopback_name(server: InspectorServ
 def test_sessions_list_the_log(server: InspectorServer, demo_db: Path) -> None:
     status, data = get(server, "/api/sessions")
     assert status == 200
-    assert data == {"sessions": [{"session_id": SESSION, "events": 56, "open": False}]}
+    assert data == {
+        "sessions": [{"session_id": SESSION, "events": 56, "open": False}],
+        "total": 1,
+        "offset": 0,
+        "next_offset": None,
+    }
     assert len(log_of(demo_db)) == 56
 
 

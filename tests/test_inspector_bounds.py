@@ -408,3 +408,57 @@ def test_a_long_usage_series_keeps_each_stretchs_least_most_and_first_trim(
     whole = ix.usage_series()
     assert whole["points"] == whole["points_total"] == 1_000
     assert whole["index"] == list(range(1, 1_001)) and whole["used"] == used
+
+
+def _many_sessions(path: Any, n: int, long_id: str) -> list[str]:
+    names = [f"room:{i:05d}" for i in range(n)] + [long_id]
+    with SqliteEventStore(path) as store:
+        for sid in names:
+            writer = SampleWriter(store, sid, FixedClock(1_767_225_600_000, step_ms=1))
+            b = writer.batch()
+            b.add(MessageSaved(message=ChatMessage(id="m", role="user", content="hi")))
+            writer.commit(b)
+    return names
+
+
+def test_the_session_list_is_paged_and_cuts_a_huge_id(tmp_path: Any) -> None:
+    """1,200 sessions and one whose id is 5,000 characters: the list comes a page at a
+    time (``total``, ``next_offset``), each page within its limit; the long id is cut,
+    its length in ``cut``, and its session still opens by its whole id."""
+    from aalis_agent.inspector import server as inspector_server
+
+    long_id = "x" * 5_000
+    names = _many_sessions(tmp_path / "many.db", 1_200, long_id)
+    srv = make_server(tmp_path / "many.db")
+    srv.start()
+    try:
+        seen: list[dict[str, Any]] = []
+        offset: int | None = 0
+        pages = 0
+        while offset is not None:
+            status, data = _get(srv, f"/api/sessions?offset={offset}")
+            assert status == 200 and data["total"] == len(names)
+            assert len(data["sessions"]) <= inspector_server.SESSIONS_PAGE
+            seen += data["sessions"]
+            offset = data["next_offset"]
+            pages += 1
+        assert pages == 3 and len(seen) == len(names)
+        by_cut = [s for s in seen if "cut" in s]
+        assert len(by_cut) == 1 and by_cut[0]["cut"] == {"session_id": 5_000}
+        assert len(by_cut[0]["session_id"]) == inspector_server.SESSION_ID_SHOWN
+        shown = {s["session_id"] for s in seen if "cut" not in s}
+        assert shown == set(names) - {long_id}
+        assert _get(srv, "/api/sessions?limit=7&offset=1195")[1]["sessions"][0]["events"] == 1
+        status, timeline = _get(srv, f"/api/session/timeline?id={long_id}")
+        assert status == 200 and timeline["session_id"] == long_id
+    finally:
+        srv.stop()
+
+
+def _get(srv: InspectorServer, path: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(srv.url + path.lstrip("/"), timeout=120) as res:
+            return res.status, json.loads(res.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read())

@@ -323,3 +323,41 @@ def test_sessions_named_dot_and_dot_dot_open(page: Any, tmp_path: Path) -> None:
     finally:
         pg.close()
         srv.stop()
+
+
+def test_the_session_list_loads_a_page_at_a_time(page: Any, tmp_path: Path) -> None:
+    """600 sessions: the list shows the first 500 and a button for the rest, which adds
+    them; the first session opens."""
+    from aalis_agent.events import FixedClock, MessageSaved
+    from aalis_agent.events.schema import ChatMessage
+    from aalis_agent.testing.sample import SampleWriter
+
+    db = tmp_path / "many.db"
+    with SqliteEventStore(db) as store:
+        for i in range(600):
+            writer = SampleWriter(store, f"room:{i:03d}", FixedClock(1_767_225_600_000))
+            b = writer.batch()
+            b.add(MessageSaved(message=ChatMessage(id="m", role="user", content=f"hi {i}")))
+            writer.commit(b)
+    srv = make_server(db)
+    srv.start()
+    pg = page.context.browser.new_page(bypass_csp=True)  # the module's browser
+    try:
+        errors: list[str] = []
+        pg.on("pageerror", lambda exc: errors.append(str(exc)))
+        pg.goto(srv.url, wait_until="load")
+        pg.wait_for_function("window.inspector && window.inspector.ready === true")
+        links = pg.locator("#sessions a[data-session]")
+        assert links.count() == 500
+        more = pg.locator("#sessions li.more button")
+        assert more.inner_text() == "more sessions (100 not shown)"
+        more.click()
+        pg.wait_for_function(
+            "document.querySelectorAll('#sessions a[data-session]').length === 600"
+        )
+        assert pg.locator("#sessions li.more").count() == 0
+        assert pg.evaluate("window.inspector.session") == links.nth(0).get_attribute("data-session")
+        assert errors == []
+    finally:
+        pg.close()
+        srv.stop()

@@ -94,20 +94,29 @@ function fmtTime(ms) {
 
 // --- sessions ----------------------------------------------------------------------
 
-async function loadSessions() {
-  const data = await api("/api/sessions");
+// A page at a time (the store may hold millions); "more sessions" asks for the next.
+async function loadSessions(offset = 0) {
+  const data = await api("/api/sessions?" + new URLSearchParams({ offset }).toString());
   const list = $("sessions");
-  list.replaceChildren();
-  if (!data.sessions.length) list.append(el("li", { class: "muted" }, "no sessions"));
+  if (!offset) list.replaceChildren();
+  for (const old of list.querySelectorAll("li.more")) old.remove();
+  if (!data.total) list.append(el("li", { class: "muted" }, "no sessions"));
   for (const s of data.sessions) {
-    list.append(
-      el("li", {},
-        el("a", {
-          href: "#session=" + encodeURIComponent(s.session_id),
-          "data-session": s.session_id,
-        }, s.session_id, el("span", { class: "count" }, `${s.events} ev${s.open ? " · open" : ""}`)),
-      ),
-    );
+    const count = el("span", { class: "count" }, `${s.events} ev${s.open ? " · open" : ""}`);
+    // An id cut in the list cannot be opened from it (its URL can: #session=<id>).
+    list.append(el("li", {}, s.cut
+      ? el("span", { class: "muted", title: `${fmtCount(s.cut.session_id)} characters` },
+        s.session_id, count)
+      : el("a", {
+        href: "#session=" + encodeURIComponent(s.session_id),
+        "data-session": s.session_id,
+      }, s.session_id, count)));
+  }
+  if (data.next_offset !== null && data.next_offset !== undefined) {
+    const left = data.total - data.next_offset;
+    const more = el("button", { type: "button" }, `more sessions (${fmtCount(left)} not shown)`);
+    more.onclick = () => loadSessions(data.next_offset).catch(showError);
+    list.append(el("li", { class: "more" }, more));
   }
   return data.sessions;
 }
@@ -496,7 +505,8 @@ async function main() {
   });
   const sessions = await loadSessions();
   const wanted = currentHashSession();
-  const first = wanted ?? (sessions.length ? sessions[0].session_id : null);
+  const openable = sessions.find((s) => !s.cut);
+  const first = wanted ?? (openable ? openable.session_id : null);
   if (first !== null) await openSession(first);
 }
 
