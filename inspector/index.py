@@ -13,6 +13,7 @@ Pure: no I/O. The server feeds it what the store reads.
 
 from __future__ import annotations
 
+import base64
 import bisect
 import itertools
 from collections import deque
@@ -241,6 +242,8 @@ def clip(
         if isinstance(into, dict) and level > 0:
             spent += _json_len(key) + 1
         shown: Any
+        if not isinstance(v, str | dict | list | tuple):
+            v = _plain(v)
         if isinstance(v, str):
             shown = clean_text(v if len(v) <= text else v[: text - 1] + "…")
             spent += _json_len(shown)
@@ -256,23 +259,66 @@ def clip(
             if room < n:
                 mark(path, n)
             pairs: Iterable[tuple[Any, Any]] = v.items() if isinstance(v, dict) else enumerate(v)
+            taken: set[str] = set()
             for k, x in itertools.islice(pairs, room):
                 if mapping:
-                    k = clean_text(_preview(k if isinstance(k, str) else str(k), 40) or "")
-                    name = f"{path}.{k}" if path else k
+                    # A key is shown as a text is (cut past ``text`` characters, its whole
+                    # length in ``cut``); two that come out the same are told apart by
+                    # " #2", " #3"..., so no entry is lost. Paths cut keys to 40.
+                    whole = k if isinstance(k, str) else _key_text(k)
+                    k = clean_text(whole if len(whole) <= text else whole[: text - 1] + "…")
+                    if k in taken:
+                        base = k
+                        k = next(
+                            f"{base} #{i}"
+                            for i in itertools.count(2)
+                            if f"{base} #{i}" not in taken
+                        )
+                    taken.add(k)
+                    label = _preview(k, 40) or ""
+                    name = f"{path}.{label}" if path else label
+                    if len(whole) > text:
+                        mark(f"{name} (key)", len(whole))
                 else:
                     name = f"{path}[{k}]"
                 if len(name) > PATH_CHARS:
                     name = name[: PATH_CHARS - 1] + "…"
                 todo.append((x, shown, k, name, level + 1, path, n))
         else:
-            shown = v
-            spent += 8
+            shown = v  # None, a bool or a number of at most 32 JSON bytes (see _plain)
+            spent += _json_len(v)
         if isinstance(into, list):
             into.append(shown)
         else:
             into[key] = shown
     return top[""], cut
+
+
+def _plain(v: Any) -> Any:
+    """A value neither text nor a list or mapping as :func:`clip` shows it: None, a bool or
+    a number whose JSON is at most 32 bytes as it is; anything else as text, cut as a
+    text is: bytes in base64 (as the JSON encoder writes them), a longer number as its
+    digits, another type as its JSON text, or its ``repr`` when it has none."""
+    if v is None or isinstance(v, bool):
+        return v
+    if isinstance(v, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(v)).decode("ascii")
+    try:
+        encoded = msgspec.json.encode(v)
+    except (TypeError, ValueError, OverflowError):
+        try:
+            return repr(v)
+        except ValueError:  # an int past the interpreter's digit limit
+            return f"<{type(v).__name__}>"
+    if isinstance(v, int | float):
+        return v if len(encoded) <= 32 else encoded.decode()
+    return msgspec.json.decode(encoded)
+
+
+def _key_text(key: Any) -> str:
+    """A mapping's key that is not text, as JSON writes it (a key must be text there)."""
+    plain = _plain(key)
+    return plain if isinstance(plain, str) else msgspec.json.encode(plain).decode()
 
 
 def _clip_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:

@@ -15,7 +15,11 @@ log = structlog.get_logger("aalis.bus")
 
 
 class EventBus:
-    """Topic subscriptions; a subscriber that raises is logged and the rest still run."""
+    """Topic subscriptions; a subscriber that raises is logged and the rest still run.
+
+    The runtime builds an event's payload only when :meth:`wants` says someone listens
+    to its topic, and publishes it only then: a subclass that forwards events on its own
+    says so in ``wants`` too."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

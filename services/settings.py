@@ -208,9 +208,18 @@ class SettingsLayers:
                     )
                 checked[key] = {k: validate_setting(k, v, layer=where) for k, v in values.items()}
             object.__setattr__(self, _ATTR[name], checked)
+        # Its own copy: a mapping changed by its caller afterwards changes nothing here.
+        object.__setattr__(self, "platform_types", dict(self.platform_types))
         # The layers below the session's never change: what they give a platform and a
-        # venue is worked out once (a turn asks twice: its settings, its locale).
-        object.__setattr__(self, "_fixed_cache", {})
+        # venue is worked out once (a turn asks twice: its settings, its locale). Not in
+        # a subclass that words them otherwise (its own ``layers``, ``effective`` or
+        # ``type_of``): it is asked each time, as it would be without this.
+        cls = type(self)
+        own = all(
+            getattr(cls, name) is getattr(SettingsLayers, name)
+            for name in ("layers", "effective", "type_of")
+        )
+        object.__setattr__(self, "_fixed_cache", {} if own else None)
 
     def type_of(self, platform: str | None) -> str | None:
         if platform is None:
@@ -258,6 +267,15 @@ class SettingsLayers:
             hit = cache[key] = (labelled, {k: v for k, (v, _) in labelled.items()})
         return hit
 
+    def _effective_by_layers(
+        self, platform: str | None, session_layer: Mapping[str, Any], venue: str | None
+    ) -> dict[str, tuple[Any, str]]:
+        out: dict[str, tuple[Any, str]] = {}
+        for label, values in self.layers(platform, venue, session_layer):
+            for key, value in values.items():
+                out[key] = (value, label)
+        return out
+
     def effective(
         self,
         platform: str | None,
@@ -265,6 +283,8 @@ class SettingsLayers:
         venue: str | None = None,
     ) -> dict[str, tuple[Any, str]]:
         """Each set key's value and the label of the layer it comes from."""
+        if self._fixed_cache is None:  # type: ignore[attr-defined]
+            return self._effective_by_layers(platform, session_layer, venue)
         out = dict(self._fixed(platform, venue)[0])
         for key, value in session_layer.items():
             out[key] = (value, "session")
@@ -277,13 +297,19 @@ class SettingsLayers:
         session_layer: Mapping[str, Any],
         venue: str | None = None,
     ) -> TurnSettings:
+        if self._fixed_cache is None:  # type: ignore[attr-defined]
+            eff = self.effective(platform, session_layer, venue)
+            return _turn_settings({k: v for k, (v, _) in eff.items()})
         return _turn_settings({**self._fixed(platform, venue)[1], **session_layer})
 
     def locale_for(self, platform: str | None, venue: str | None = None) -> str | None:
         """The ``locale`` the highest layer that sets one gives ``platform`` and ``venue``
         (platform profile, then platform type, then venue); None when none sets it (the
         runtime's own, ``AgentConfig.locale``, applies)."""
-        found = self._fixed(platform, venue)[0].get("locale")
+        if self._fixed_cache is None:  # type: ignore[attr-defined]
+            found = self.effective(platform, {}, venue).get("locale")
+        else:
+            found = self._fixed(platform, venue)[0].get("locale")
         return found[0] if found is not None else None
 
 

@@ -341,8 +341,9 @@ def test_clip_cuts_texts_lists_and_depth_and_says_where() -> None:
     }
     shown, cut = index.clip(value, text=10, budget=5_000)
     assert shown["short"] == "ok" and shown["long"] == "a" * 9 + "…" and cut["long"] == 1_000
-    assert shown["k" * 39 + "…"] == 1  # a long key is cut too
-    assert cut["many"] == 100_000 and 0 < len(shown["many"]) < 1_000
+    assert shown["k" * 9 + "…"] == 1  # a long key is cut as a text is
+    assert cut["k" * 9 + "… (key)"] == 100
+    assert cut["many"] == 100_000 and 0 < len(shown["many"]) < 5_000
     assert shown["many"] == list(range(len(shown["many"])))
     assert shown["after"] == "x"  # breadth first: the long list does not crowd it out
     assert len(msgspec.json.encode([shown, cut])) < 5_000 + 100
@@ -367,6 +368,30 @@ def test_clip_cuts_texts_lists_and_depth_and_says_where() -> None:
     # Text that is not valid Unicode comes out valid.
     text, cut = index.clip("\ud800 lone")
     assert text == "\ufffd lone" and cut == {}
+
+
+def test_clip_keeps_every_key_and_counts_what_numbers_and_bytes_spend() -> None:
+    """Keys longer than 40 characters stay whole (up to ``text``), and keys that come out
+    the same (a long shared start, ``1`` and ``"1"``) are told apart, none lost; numbers
+    spend their JSON's bytes, bytes are shown as base64 text and cut as a text is."""
+    a, b = "memory/user-profile-summary-injector", "memory/user-profile-summary-refresher"
+    shown, cut = index.clip({"injectors": {a: 10, b: 20}})
+    assert shown == {"injectors": {a: 10, b: 20}} and cut == {}
+    shown, cut = index.clip({"k" * 41: 1, "k" * 42: 2, 1: "int", "1": "str"}, text=10)
+    assert sorted(shown.values(), key=str) == sorted([1, 2, "int", "str"], key=str)
+    assert set(shown) == {"k" * 9 + "…", "k" * 9 + "… #2", "1", "1 #2"}
+    assert cut == {"k" * 9 + "… (key)": 41, "k" * 9 + "… #2 (key)": 42}
+    # 100,000 big numbers: the budget is spent by their bytes, not 8 a number.
+    for number in (2**62, 1.2345678901234567e-300):
+        shown, cut = index.clip([number] * 100_000, budget=64_000)
+        assert 60_000 < len(msgspec.json.encode(shown)) <= 64_000 + 100
+        assert cut == {"": 100_000}
+    shown, cut = index.clip({"n": 10**100})  # past 32 JSON bytes: its digits, as text
+    assert shown == {"n": "1" + "0" * 100} and cut == {}
+    shown, cut = index.clip({"blob": b"\x00" * 3_000_000, "small": b"ab"})
+    assert shown["small"] == "YWI=" and shown["blob"] == "A" * (index.PREVIEW - 1) + "…"
+    assert cut == {"blob": 4_000_000}  # base64's length
+    assert len(msgspec.json.encode(shown)) < 2_000
 
 
 def test_a_long_usage_series_keeps_each_stretchs_least_most_and_first_trim(

@@ -201,6 +201,31 @@ def test_effective_is_the_layers_folded_in_order_each_time() -> None:
     assert layers == SettingsLayers(**full)  # what it worked out is not part of its value
 
 
+def test_a_subclass_wording_the_layers_otherwise_is_asked_each_time() -> None:
+    """What the lower layers give is kept only for the class's own wording: a subclass's
+    ``effective`` is what ``for_turn`` and ``locale_for`` follow; and the platform types
+    are the layers' own copy (the caller's mapping changed later changes nothing)."""
+
+    class Site(SettingsLayers):
+        def effective(
+            self, platform: str | None, session_layer: Any, venue: str | None = None
+        ) -> dict[str, tuple[Any, str]]:
+            out = super().effective(platform, session_layer, venue)
+            out["historyLimit"] = (42, "site")
+            out["locale"] = ("en", "site")
+            return out
+
+    site = Site(**FULL)
+    assert site.for_turn("s", "onebot:main", {}).history_limit == 42
+    assert site.locale_for("onebot:main") == "en"
+    types = {"qq": "onebot"}
+    layers = SettingsLayers(types={"onebot": {"historyLimit": 3}}, platform_types=types)
+    assert layers.for_turn("s", "qq", {}).history_limit == 3
+    types["qq"] = "other"
+    assert layers.type_of("qq") == "onebot"
+    assert layers.for_turn("s", "qq", {}).history_limit == 3
+
+
 def test_platform_type_from_the_mapping_or_the_part_before_the_colon() -> None:
     layers = SettingsLayers(
         types={"onebot": {"historyLimit": 3}, "qq": {"historyLimit": 9}},
