@@ -182,11 +182,23 @@ def to_builtins(event: Any) -> Any:
     """The event as plain dicts and lists (the shape ``--json`` prints), with string
     keys throughout, so that JSON can always hold it: a key of another kind (a tuple in
     a tool's metadata, from a log written before such metadata was dropped) becomes its
-    ``repr``."""
+    ``repr``, and so does a value of a kind JSON has no form for (a MessagePack extension
+    in a hand-written row)."""
     try:
-        return msgspec.to_builtins(event, str_keys=True)
+        return msgspec.to_builtins(event, str_keys=True, enc_hook=_as_repr)
     except (TypeError, ValueError):
-        return _str_keys(msgspec.to_builtins(event))
+        return _str_keys(msgspec.to_builtins(event, enc_hook=_as_repr))
+
+
+def _as_repr(value: Any) -> str:
+    """A value ``to_builtins`` has no plain form for, as its ``repr`` (a MessagePack
+    extension as its code and data)."""
+    if isinstance(value, msgspec.msgpack.Ext):
+        return f"msgpack.Ext(code={value.code}, data={bytes(value.data)!r})"
+    try:
+        return repr(value)
+    except Exception:  # a repr that fails: the type still names it
+        return f"<{type(value).__name__}>"
 
 
 def _str_keys(value: Any) -> Any:

@@ -487,3 +487,26 @@ def _get(srv: InspectorServer, path: str) -> tuple[int, Any]:
     except urllib.error.HTTPError as exc:
         with exc:
             return exc.code, json.loads(exc.read())
+
+
+def test_a_value_json_has_no_form_for_is_answered_as_its_repr(tmp_path: Any) -> None:
+    """A setting whose value is a MessagePack extension (a hand-written row): every answer
+    shows it as its repr instead of failing with 500."""
+    db = tmp_path / "ext.db"
+    with SqliteEventStore(db) as store:
+        writer = SampleWriter(store, "s", FixedClock(1_767_225_600_000, step_ms=1))
+        b = writer.batch()
+        b.add(SettingsChanged(key="x", value=msgspec.msgpack.Ext(5, b"abc")))
+        writer.commit(b)
+    srv = make_server(db)
+    srv.start()
+    try:
+        status, page = _get(srv, "/api/session/events?id=s&from=1&to=1")
+        assert status == 200
+        assert page["events"][0]["data"]["value"] == "msgpack.Ext(code=5, data=b'abc')"
+        status, whole = _get(srv, "/api/session/events?id=s&from=1&to=1&whole=1")
+        assert status == 200 and whole["events"][0]["data"]["value"].startswith("msgpack.Ext")
+        for what in ("state?seq=1&", "timeline?", "usage?"):
+            assert _get(srv, f"/api/session/{what}id=s")[0] == 200, what
+    finally:
+        srv.stop()
