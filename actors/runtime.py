@@ -7,7 +7,8 @@
 Sessions come up on their first input (rebuilt from their log) and are passivated when
 idle, so threads stay bounded by active sessions, not by all sessions (ES4). With
 ``max_live_sessions``, memory is bounded too: past that many live sessions, the least
-recently used idle ones are passivated as new ones come up.
+recently used idle ones are passivated as new ones come up. An input's text is at most
+``max_input_bytes`` of UTF-8 (16 MiB by default), refused at submit past it.
 """
 
 from __future__ import annotations
@@ -78,10 +79,23 @@ from aalis_agent.services.typed_tools import (
 if TYPE_CHECKING:
     from aalis_agent.actors.ownership import SessionOwnership
 
-__all__ = ["InputBefore", "Quarantined", "Runtime", "RuntimeClosed", "SubmitHandle"]
+__all__ = [
+    "MAX_INPUT_BYTES",
+    "InputBefore",
+    "Quarantined",
+    "Runtime",
+    "RuntimeClosed",
+    "SubmitHandle",
+]
 
 log = structlog.get_logger("aalis.runtime")
 _SIGINT = int(signal.SIGINT)
+
+MAX_INPUT_BYTES = 16 * 2**20
+"""The default of ``Runtime(max_input_bytes=...)``: 16 MiB of UTF-8 text in one input,
+several times what the largest context windows hold (two million tokens are about 8 MB
+of English), while an input this long still takes seconds, not minutes, to count and
+store. A longer text is refused at submit (``InvalidInput``), before anything is written."""
 
 
 @dataclass
@@ -232,6 +246,7 @@ class Runtime:
         ownership: SessionOwnership | None = None,
         max_live_sessions: int | None = None,
         gate_wait_s: float | None = 0.05,
+        max_input_bytes: int | None = MAX_INPUT_BYTES,
     ) -> None:
         if max_live_sessions is not None and (
             isinstance(max_live_sessions, bool)
@@ -241,6 +256,19 @@ class Runtime:
             raise ValueError(
                 f"max_live_sessions must be a positive int or None, not {max_live_sessions!r}"
             )
+        if max_input_bytes is not None and (
+            isinstance(max_input_bytes, bool)
+            or not isinstance(max_input_bytes, int)
+            or max_input_bytes < 1
+        ):
+            raise ValueError(
+                f"max_input_bytes must be a positive int or None, not {max_input_bytes!r}"
+            )
+        # The most UTF-8 bytes an input's text may have: a longer one is refused at
+        # submit (InvalidInput, naming both sizes) before anything is written (None: no
+        # limit). Counting and storing a text takes time that grows with it, and more so
+        # for long runs without spaces, all the while holding its session.
+        self.max_input_bytes = max_input_bytes
         self.store = store
         # Past this many live sessions, the least recently used idle ones are passivated
         # as new ones come up (None: only the janitor passivates, after idle_s).
@@ -563,7 +591,8 @@ class Runtime:
         if self._closed:
             raise RuntimeClosed("the runtime is shut down")
         session_id = checked_session_id(session_id)
-        inp = checked_input(inp)  # a wrong type is refused here, naming the field
+        # A wrong type is refused here, naming the field, and a text over max_input_bytes.
+        inp = checked_input(inp, max_text_bytes=self.max_input_bytes)
         if not inp.id:
             inp = msgspec.structs.replace(inp, id=self.ids.new("in"))
         if inp.timestamp is None:
@@ -582,7 +611,8 @@ class Runtime:
             if not ran:  # FLOW1: a middleware that does not call next() drops the input
                 done.set_result(InputOutcome(inp.id, None, "dropped", "agent:input:before"))
                 return SubmitHandle(inp.id, "dropped", done), None
-            inp = checked_input(ctx.message)  # as the preprocessors and middleware left it
+            # as the preprocessors and middleware left it
+            inp = checked_input(ctx.message, max_text_bytes=self.max_input_bytes)
         # else: nothing can change the input checked above
         for attempt in (1, 2):
             with self._lock:

@@ -90,14 +90,20 @@ def decode(data: bytes, *, session_id: str = "?", seq: int = 0) -> SessionEvent:
         raise CorruptEvent(session_id, seq, f"data is {type(data).__name__}, not bytes") from None
 
 
-def checked_input(inp: Input) -> Input:
+def checked_input(inp: Input, *, max_text_bytes: int | None = None) -> Input:
     """``inp`` as the log will store it, or :class:`InvalidInput` naming the field that
     is wrong: it is encoded and decoded as its event row would be, so a wrong type (``None``
     or ``123`` for ``content``), an integer past 64 bits or an object msgpack cannot hold
     is refused here, before anything is written. Text with lone surrogates (half an
-    emoji) is cleaned first: a split pair joined, a lone half replaced by U+FFFD."""
+    emoji) is cleaned first: a split pair joined, a lone half replaced by U+FFFD.
+
+    ``max_text_bytes``: the most UTF-8 bytes its ``content`` may have (None: no limit);
+    a longer text is refused first, before any work is done on it, naming its size and
+    the limit (``Runtime(max_input_bytes=...)``)."""
     if not isinstance(inp, Input):
         raise InvalidInput(f"expected an Input, got {type(inp).__name__}")
+    if max_text_bytes is not None:
+        _check_text_size(inp, max_text_bytes)
     try:
         data = _encoder.encode(inp)
     except UnicodeEncodeError:
@@ -109,6 +115,22 @@ def checked_input(inp: Input) -> Input:
         return _input_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise InvalidInput(f"input {inp.id!r}: {exc}") from None
+
+
+def _check_text_size(inp: Input, limit: int) -> None:
+    """:class:`InvalidInput` when ``inp``'s text has more than ``limit`` UTF-8 bytes.
+    A character is one to four bytes: the text's length decides most texts unencoded."""
+    text = inp.content
+    if not isinstance(text, str) or len(text) <= limit // 4:
+        return  # not text (the encoding names that), or within the limit whatever it holds
+    size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    if size <= limit:
+        return
+    who = f"input {inp.id!r}" if inp.id else "input"
+    raise InvalidInput(
+        f"{who}: its text is {size:,} bytes (UTF-8), over the limit of "
+        f"{limit:,} bytes (Runtime max_input_bytes)"
+    )
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -12,14 +12,17 @@ import re
 from collections.abc import Callable
 
 from aalis_agent.request.texts import TRUNCATED_SUFFIX
-from aalis_agent.request.tokens import TokenCounter
+from aalis_agent.request.tokens import EstimateCounter, TiktokenCounter, TokenCounter
 
 __all__ = ["strip_leaked_special_tokens", "truncate", "truncate_to_tokens"]
 
 _CHARS_PER_TOKEN = 8
-"""How far ``truncate_to_tokens`` looks before encoding a whole text: natural text and
-code run well under eight characters a token, so a start this long, ``max_tokens`` + 1
-tokens' worth, usually proves an over-long text over budget by itself."""
+"""How far ``truncate_to_tokens`` looks first before encoding a whole text: natural text
+and code run well under eight characters a token, so a start this long, ``max_tokens`` +
+1 tokens' worth, usually proves an over-long text over budget by itself. A start that
+does not is doubled, while it is at most half the text: a text of more characters a
+token (a run of 64-byte tokens such as dashes) is then proven over budget by a start a
+few times its budget's worth, never by encoding all of it."""
 
 # Tool-call markup that some servers leak into the text of an OpenAI-compatible reply:
 # whole tool-call sections first, then stray special tokens. Nothing else is rewritten.
@@ -72,16 +75,20 @@ def truncate_to_tokens(
     keeps 200 characters of a shrunk block); without one, when even the bare suffix is
     over budget the result is the longest plain start that fits.
     """
-    if max_tokens < 0:
+    if max_tokens < 0 or _fits_unencoded(text, max_tokens, counter):
         return text
     n = len(text)
     window = _CHARS_PER_TOKEN * (max_tokens + 1)
-    start = counter.count(text[:window]) if n > 2 * window else 0
-    if start > max_tokens:
-        # Over budget within its first ``window`` characters, with more than as much
-        # again after them: cut inside that start, never encoding the whole text.
-        end, total = window, start
-    else:
+    end = total = 0
+    while n > 2 * window:
+        start = counter.count(text[:window])
+        if start > max_tokens:
+            # Over budget within its first ``window`` characters, with more than as much
+            # again after them: cut inside that start, never encoding the whole text.
+            end, total = window, start
+            break
+        window *= 2
+    if not end:
         total = counter.count(text)
         if total <= max_tokens:
             return text
@@ -101,6 +108,19 @@ def truncate_to_tokens(
         return text[: _longest(lambda k: counter.count(text[:k]) <= max_tokens, 0, end, 0)]
     share = max(max_tokens - counter.count(suffix), 0) / total
     return text[: _longest(fits, floor, end, int(end * share))] + suffix
+
+
+def _fits_unencoded(text: str, max_tokens: int, counter: TokenCounter) -> bool:
+    """Whether ``text`` is known to cost at most ``max_tokens`` without counting it: by
+    the counters that never count more tokens than the text has UTF-8 bytes. Every token
+    of a tiktoken encoding is at least one byte (cl100k_base: 1 to 128), and the
+    estimate's 1.5 a CJK character (three bytes) and ⌈len/3.5⌉ a run of others are at
+    most that too. A character is at least one byte: a text longer than the budget in
+    characters is not decided here."""
+    if len(text) > max_tokens or not isinstance(counter, TiktokenCounter | EstimateCounter):
+        return False
+    size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    return size <= max_tokens
 
 
 def _longest(fits: Callable[[int], bool], lo: int, hi: int, guess: int) -> int:

@@ -36,6 +36,7 @@ from aalis_agent.request.textnorm import truncate, truncate_to_tokens
 from aalis_agent.request.texts import CONTINUATION_HINT, TRUNCATED_SUFFIX
 from aalis_agent.request.tokens import (
     EstimateCounter,
+    TiktokenCounter,
     TokenCounter,
     count_messages,
     default_counter,
@@ -340,6 +341,80 @@ def test_a_text_that_must_be_counted_is_counted_once_in_full() -> None:
     truncate_to_tokens(text, 10_000, counter)
     assert counter.lengths.count(30_000) == 1
     assert sorted(counter.lengths)[-2] < 11_000  # every other count is of a candidate cut
+
+
+class Wide:
+    """64 characters a token (a run of dashes in cl100k_base), remembering the length of
+    every text it counted."""
+
+    name = "wide"
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+
+    @property
+    def encodes(self) -> int:
+        return len(self.lengths)
+
+    def count(self, text: str) -> int:
+        self.lengths.append(len(text))
+        return -(-len(text) // 64)
+
+
+class CountingTiktoken(TiktokenCounter):
+    """The offline tiktoken counter, remembering the length of every text it encoded."""
+
+    def __init__(self) -> None:
+        super().__init__(TIKTOKEN._encoding)  # type: ignore[attr-defined]
+        self.lengths: list[int] = []
+
+    def _encode(self, text: str) -> int:
+        self.lengths.append(len(text))
+        return super()._encode(text)
+
+
+def test_a_long_text_of_many_characters_a_token_is_never_encoded_whole() -> None:
+    # Its first 8 characters a token of the budget fit: the start doubles until it is
+    # over, so what is counted follows the budget, not the text (two million here).
+    counter = Wide()
+    text = "-" * 2_000_000
+    cut = truncate_to_tokens(text, 1000, counter)
+    kept = 64 * 1000 - len(suffix(text))  # the longest start that fits, with the suffix
+    assert cut == cut_text(text, kept)
+    assert max(counter.lengths) < 200_000 and sum(counter.lengths) < 2_000_000
+
+
+def test_a_long_text_of_many_characters_a_token_by_tiktoken() -> None:
+    counter = CountingTiktoken()
+    text = "-" * 300_000  # 64 dashes a token in cl100k_base: 4,688 tokens in all
+    cut = truncate_to_tokens(text, 500, counter)
+    assert cut.endswith(suffix(text)) and TIKTOKEN.count(cut) <= 500
+    kept = len(cut) - len(suffix(text))
+    assert TIKTOKEN.count(cut_text(text, kept + 1)) > 500  # the longest that fits
+    assert 300_000 not in counter.lengths and max(counter.lengths) < 70_000
+
+
+def test_every_cl100k_token_is_one_to_128_bytes() -> None:
+    # What lets a text of at most ``max_tokens`` UTF-8 bytes go uncounted: no token of
+    # the encoding is empty (and none is longer than 128 bytes).
+    sizes = {len(t) for t in TIKTOKEN._encoding.token_byte_values()}  # type: ignore[attr-defined]
+    assert min(sizes) == 1 and max(sizes) == 128
+
+
+def test_a_text_that_fits_by_its_bytes_is_not_counted() -> None:
+    counter = CountingTiktoken()
+    text = "好" * 100  # 300 bytes
+    assert truncate_to_tokens(text, 300, counter) == text
+    assert truncate_to_tokens("w" * 300, 300, counter) == "w" * 300
+    assert counter.lengths == []
+    # a byte over: counted, and it still fits (100 characters, far fewer tokens)
+    assert truncate_to_tokens(text, 299, counter) == text
+    assert counter.lengths == [100]
+    # the estimate is bounded by the bytes too; any other counter is asked
+    estimate = EstimateCounter()
+    assert truncate_to_tokens(text, 300, estimate) == text and estimate.encodes == 0
+    recording = Recording()
+    assert truncate_to_tokens("abc", 3, recording) == "abc" and recording.lengths == [3]
 
 
 TEXTS = st.text(

@@ -14,8 +14,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
-from aalis_agent.actors.runtime import Runtime
+from aalis_agent.actors.hooks import Hooks
+from aalis_agent.actors.runtime import MAX_INPUT_BYTES, Runtime
 from aalis_agent.events import (
     ChatMessage,
     FixedClock,
@@ -87,6 +89,88 @@ def test_a_wrong_type_is_refused_at_submit_naming_the_field(
 def test_submit_refuses_what_is_not_an_input(runtime: Runtime) -> None:
     with pytest.raises(InvalidInput, match="expected an Input, got dict"):
         runtime.submit(SID, {"content": "hi"})  # type: ignore[arg-type]
+
+
+def test_a_text_over_max_input_bytes_is_refused_before_anything_is_written() -> None:
+    model = ScriptedModel()
+    services = Services(llm=model)
+    rt = Runtime(
+        InMemoryEventStore(),
+        services,
+        FixedClock(),
+        SequentialIds(),
+        janitor=False,
+        max_input_bytes=300,
+    )
+    try:
+        assert rt.run(SID, Input(id="", content="早")).outcome == "replied"
+        before, calls = rt.store.read(SID), model.calls
+        # UTF-8 bytes, not characters: 101 ideographs are 303 bytes
+        for call, text, size in [(rt.submit, "好" * 101, 303), (rt.run, "w" * 301, 301)]:
+            with pytest.raises(InvalidInput) as info:
+                call(SID, Input(id="big", content=text))
+            assert str(info.value) == (
+                f"input 'big': its text is {size} bytes (UTF-8), over the limit of 300 "
+                "bytes (Runtime max_input_bytes)"
+            )
+        # a new session is not even started for it
+        with pytest.raises(InvalidInput, match="over the limit of 300 bytes"):
+            rt.submit("other", Input(id="", content="w" * 301))
+        assert rt.store.read(SID) == before and rt.store.read("other") == []
+        assert model.calls == calls
+        # at the limit, it is accepted
+        assert rt.run(SID, Input(id="", content="好" * 100)).outcome == "replied"
+        assert rt.run(SID, Input(id="", content="w" * 300)).outcome == "replied"
+    finally:
+        rt.shutdown(timeout=10)
+
+
+def test_a_middleware_that_lengthens_an_input_past_the_limit_is_refused_too() -> None:
+    hooks = Hooks()
+
+    def longer(ctx: Any, call_next: Any) -> Any:
+        ctx.message = msgspec.structs.replace(ctx.message, content=ctx.message.content * 100)
+        return call_next()
+
+    hooks.use("agent:input:before", longer)
+    rt = Runtime(
+        InMemoryEventStore(),
+        Services(llm=ScriptedModel()),
+        janitor=False,
+        hooks=hooks,
+        max_input_bytes=1000,
+    )
+    try:
+        with pytest.raises(InvalidInput, match="its text is 2,000 bytes"):
+            rt.submit(SID, Input(id="", content="ab" * 10))
+        assert rt.store.read(SID) == []
+    finally:
+        rt.shutdown(timeout=10)
+
+
+def test_the_default_limit_is_16_mib_and_none_is_no_limit() -> None:
+    store = InMemoryEventStore()
+    rt = Runtime(store, Services(llm=ScriptedModel()), janitor=False)
+    unlimited = Runtime(store, Services(llm=ScriptedModel()), janitor=False, max_input_bytes=None)
+    try:
+        assert rt.max_input_bytes == MAX_INPUT_BYTES == 16 * 2**20
+        with pytest.raises(InvalidInput, match=r"16,777,217 bytes .* limit of 16,777,216"):
+            rt.submit(SID, Input(id="", content="w" * (MAX_INPUT_BYTES + 1)))
+        # a text far longer than any context window is well within it
+        text = "The quarterly report shows revenue grew, mostly overseas. " * 20_000
+        assert rt.run(SID, Input(id="", content=text)).outcome == "replied"
+        assert unlimited.max_input_bytes is None
+        checked = unlimited.submit("s2", Input(id="", content="w" * 100))
+        assert checked.result(10).outcome == "replied"
+    finally:
+        rt.shutdown(timeout=10)
+        unlimited.shutdown(timeout=10)
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "1000"])
+def test_max_input_bytes_must_be_a_positive_int_or_none(value: Any) -> None:
+    with pytest.raises(ValueError, match="max_input_bytes must be a positive int or None"):
+        Runtime(InMemoryEventStore(), janitor=False, max_input_bytes=value)
 
 
 @pytest.mark.parametrize(
