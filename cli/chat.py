@@ -29,7 +29,7 @@ from typing import IO, Any, TextIO
 from aalis_agent.actors.commands import COMMANDS, handle_command
 from aalis_agent.actors.runtime import Runtime, SubmitHandle
 from aalis_agent.actors.scheduler import Where
-from aalis_agent.events import Input, Sender, UsageError
+from aalis_agent.events import Input, InvalidInput, Sender, UsageError
 from aalis_agent.events.open import open_store
 from aalis_agent.request.texts import ZH, Texts
 from aalis_agent.services import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, Services
@@ -207,8 +207,9 @@ def run_chat(
     UTF-8 bytes; a line that is not valid UTF-8 is reported on ``err`` (default:
     ``sys.stderr``) and skipped. At a terminal, lines are edited with prompt_toolkit
     (history, the reply printed above the input line), and each shows where it went.
-    Returns 1 when a turn failed (its error in one line on ``err``), 130 when a Ctrl-C
-    left piped lines unsent, else 0."""
+    Returns 1 when a turn failed (its error in one line on ``err``) or a line was
+    refused (too long for ``Runtime.max_input_bytes``: its reason on ``err``, the next
+    lines go on), 130 when a Ctrl-C left piped lines unsent, else 0."""
     stdin = sys.stdin if stdin is None else stdin
     err = sys.stderr if err is None else err
     if stdin is None or (out is None and sys.stdout is None):
@@ -235,6 +236,7 @@ def run_chat(
     held: list[str] = []  # command answers waiting for the streaming reply to end
     handles: list[SubmitHandle] = []
     errors: list[str] = []  # the failed turns' errors, each shown once
+    refused_lines: list[str] = []  # lines the runtime refused (too long, say)
     cut = False
     at_line_start = [True]
     paused: list[list[str] | None] = [None]  # output held while a typed line is sent
@@ -341,29 +343,46 @@ def run_chat(
             answer(texts("chat.unknown_command", command=word) + "\n")
             return
         if not echo:
-            handles.append(
-                runtime.submit(
-                    session_id, Input(id="", content=line, sender=CONSOLE, platform="cli")
+            try:
+                handles.append(
+                    runtime.submit(
+                        session_id, Input(id="", content=line, sender=CONSOLE, platform="cli")
+                    )
                 )
-            )
+            except InvalidInput as exc:  # refused (too long, say): said, the next goes on
+                refuse(exc)
             return
         # The line and where it went are shown before anything its turn prints: output
         # that comes while it is being sent waits (never a lock held across the submit).
         with lock:
             paused[0] = []
         where = "?"
+        refused: InvalidInput | None = None
         try:
             handle = runtime.submit(
                 session_id, Input(id="", content=line, sender=CONSOLE, platform="cli")
             )
             handles.append(handle)
             where = handle.where
+        except InvalidInput as exc:
+            refused = exc
         finally:
             with lock:
                 waiting, paused[0] = paused[0] or [], None
                 note = _where_text(texts, where)
-                emit(("" if at_line_start[0] else "\n") + f"{shown}  {note}\n")
+                shown_line = shown if len(shown) <= 2_000 else shown[:1_999] + "…"
+                emit(("" if at_line_start[0] else "\n") + f"{shown_line}  {note}\n")
                 emit("".join(waiting))
+        if refused is not None:
+            refuse(refused)
+
+    def refuse(exc: InvalidInput) -> None:
+        """A line the runtime refused: the reason on stderr, the chat goes on, and it
+        ends with status 1 (a line was not sent)."""
+        with lock:
+            refused_lines.append(str(exc))
+            err.write(f"chat: line not sent: {exc}\n")
+            err.flush()
 
     runtime.subscribe("*", on_event)
     previous_handler = None
@@ -419,4 +438,4 @@ def run_chat(
     # Quoted for a shell: it can be pasted whatever the path or the id holds.
     replay = shlex.join(["aalis-agent", "replay", str(db_path), "--session", session_id])
     write(f"Replay: {replay}\n")
-    return 130 if cut else 1 if errors else 0
+    return 130 if cut else 1 if errors or refused_lines else 0

@@ -384,3 +384,19 @@ def test_sync_full_makes_the_chats_commits_survive_a_power_cut(
     assert done.returncode == 0 and "收到：你好" in done.stdout, done.stderr
     done = run_cli("chat", "--db", str(tmp_path / "cli.db"), "--sync", "fast", stdin="你好\n")
     assert done.returncode == 2 and "invalid choice: 'fast'" in done.stderr
+
+
+def test_a_line_the_runtime_refuses_is_reported_and_the_chat_goes_on(tmp_path: Path) -> None:
+    """A piped line past the runtime's input limit (16 MiB) is not sent: its reason on
+    stderr, the lines after it answered, the status 1; nothing of it is in the log."""
+    db = tmp_path / "chat.db"
+    huge = "长" * (6 * 2**20)  # 18 MiB of UTF-8
+    stdin = io.BytesIO(f"你好\n{huge}\n再见\n".encode())
+    out, err = io.StringIO(), io.StringIO()
+    assert run_chat(str(db), "s", stdin=stdin, out=out, err=err, tools=False) == 1
+    assert "chat: line not sent: input: its text is 18,874,368 bytes (UTF-8)" in err.getvalue()
+    replies = [x for x in out.getvalue().splitlines() if x.startswith("（脚本模型）收到：")]
+    assert " / ".join(r.removeprefix("（脚本模型）收到：") for r in replies) == "你好 / 再见"
+    with SqliteEventStore(db) as store:
+        received = [e.input.content for e in store.read("s") if isinstance(e, InputReceived)]
+    assert received == ["你好", "再见"]
