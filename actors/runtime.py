@@ -98,6 +98,12 @@ of English), while an input this long still takes seconds, not minutes, to count
 store. A longer text is refused at submit (``InvalidInput``), before anything is written."""
 
 
+def _positive_or_none(name: str, value: object) -> None:
+    """ValueError naming ``name`` unless ``value`` is a positive int (not a bool) or None."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+
+
 @dataclass
 class InputBefore:
     """The ``agent:input:before`` payload: the input and its metadata."""
@@ -248,22 +254,8 @@ class Runtime:
         gate_wait_s: float | None = 0.05,
         max_input_bytes: int | None = MAX_INPUT_BYTES,
     ) -> None:
-        if max_live_sessions is not None and (
-            isinstance(max_live_sessions, bool)
-            or not isinstance(max_live_sessions, int)
-            or max_live_sessions < 1
-        ):
-            raise ValueError(
-                f"max_live_sessions must be a positive int or None, not {max_live_sessions!r}"
-            )
-        if max_input_bytes is not None and (
-            isinstance(max_input_bytes, bool)
-            or not isinstance(max_input_bytes, int)
-            or max_input_bytes < 1
-        ):
-            raise ValueError(
-                f"max_input_bytes must be a positive int or None, not {max_input_bytes!r}"
-            )
+        _positive_or_none("max_live_sessions", max_live_sessions)
+        _positive_or_none("max_input_bytes", max_input_bytes)
         # The most UTF-8 bytes an input's text may have: a longer one is refused at
         # submit (InvalidInput, naming both sizes) before anything is written (None: no
         # limit). Counting and storing a text takes time that grows with it, and more so

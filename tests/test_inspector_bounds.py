@@ -38,6 +38,8 @@ from aalis_agent.inspector import index
 from aalis_agent.inspector.server import InspectorServer, make_server
 from aalis_agent.testing.sample import SampleWriter
 
+from tests.test_inspector import get
+
 BIG_TURN = "big-turn"
 PERSONA = "人设" * 600_000  # 1.2M characters
 GROUPS = tuple(f"group-{n}" for n in range(20_000))
@@ -461,7 +463,7 @@ def test_the_session_list_is_paged_and_cuts_a_huge_id(tmp_path: Any) -> None:
         offset: int | None = 0
         pages = 0
         while offset is not None:
-            status, data = _get(srv, f"/api/sessions?offset={offset}")
+            status, data = get(srv, f"/api/sessions?offset={offset}")
             assert status == 200 and data["total"] == len(names)
             assert len(data["sessions"]) <= inspector_server.SESSIONS_PAGE
             seen += data["sessions"]
@@ -473,20 +475,11 @@ def test_the_session_list_is_paged_and_cuts_a_huge_id(tmp_path: Any) -> None:
         assert len(by_cut[0]["session_id"]) == inspector_server.SESSION_ID_SHOWN
         shown = {s["session_id"] for s in seen if "cut" not in s}
         assert shown == set(names) - {long_id}
-        assert _get(srv, "/api/sessions?limit=7&offset=1195")[1]["sessions"][0]["events"] == 1
-        status, timeline = _get(srv, f"/api/session/timeline?id={long_id}")
+        assert get(srv, "/api/sessions?limit=7&offset=1195")[1]["sessions"][0]["events"] == 1
+        status, timeline = get(srv, f"/api/session/timeline?id={long_id}")
         assert status == 200 and timeline["session_id"] == long_id
     finally:
         srv.stop()
-
-
-def _get(srv: InspectorServer, path: str) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(srv.url + path.lstrip("/"), timeout=120) as res:
-            return res.status, json.loads(res.read())
-    except urllib.error.HTTPError as exc:
-        with exc:
-            return exc.code, json.loads(exc.read())
 
 
 def test_a_value_json_has_no_form_for_is_answered_as_its_repr(tmp_path: Any) -> None:
@@ -501,12 +494,12 @@ def test_a_value_json_has_no_form_for_is_answered_as_its_repr(tmp_path: Any) -> 
     srv = make_server(db)
     srv.start()
     try:
-        status, page = _get(srv, "/api/session/events?id=s&from=1&to=1")
+        status, page = get(srv, "/api/session/events?id=s&from=1&to=1")
         assert status == 200
         assert page["events"][0]["data"]["value"] == "msgpack.Ext(code=5, data=b'abc')"
-        status, whole = _get(srv, "/api/session/events?id=s&from=1&to=1&whole=1")
+        status, whole = get(srv, "/api/session/events?id=s&from=1&to=1&whole=1")
         assert status == 200 and whole["events"][0]["data"]["value"].startswith("msgpack.Ext")
         for what in ("state?seq=1&", "timeline?", "usage?"):
-            assert _get(srv, f"/api/session/{what}id=s")[0] == 200, what
+            assert get(srv, f"/api/session/{what}id=s")[0] == 200, what
     finally:
         srv.stop()

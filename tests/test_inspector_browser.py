@@ -9,6 +9,7 @@ else to the test's temporary folder.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
@@ -90,6 +91,37 @@ def page(server: InspectorServer) -> Iterator[Any]:
 def _log(db: Path) -> list[Any]:
     with SqliteEventStore(db, read_only=True) as store:
         return store.read(SESSION)
+
+
+@contextlib.contextmanager
+def _opened(page: Any, db: Path, fragment: str = "") -> Iterator[tuple[Any, list[str]]]:
+    """``db`` served by an inspector of its own and opened (``fragment``: the part after
+    ``#``) in a new page of the module's browser; the page and the errors it raised."""
+    srv = make_server(db)
+    srv.start()
+    pg = page.context.browser.new_page(bypass_csp=True)
+    errors: list[str] = []
+    pg.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        pg.goto(srv.url + (f"#{fragment}" if fragment else ""), wait_until="load")
+        yield pg, errors
+    finally:
+        pg.close()
+        srv.stop()
+
+
+def _one_message_sessions(db: Path, texts: dict[str, str]) -> None:
+    """A log of sessions each holding one user message: ``{session id: its text}``."""
+    from aalis_agent.events import FixedClock, MessageSaved
+    from aalis_agent.events.schema import ChatMessage
+    from aalis_agent.testing.sample import SampleWriter
+
+    with SqliteEventStore(db) as store:
+        for sid, text in texts.items():
+            writer = SampleWriter(store, sid, FixedClock(1_767_225_600_000, step_ms=1))
+            b = writer.batch()
+            b.add(MessageSaved(message=ChatMessage(id="m", role="user", content=text)))
+            writer.commit(b)
 
 
 def test_timeline_shows_the_turns_of_the_log(page: Any, demo_db: Path) -> None:
@@ -193,13 +225,7 @@ def test_a_chart_of_100k_usage_points_loads(page: Any, tmp_path: Path) -> None:
                 used = block * 1_000 + n
                 b.add(UsageRecorded(usage=TokenUsage(session_id="u", used=used, token_budget=10)))
             writer.commit(b)
-    srv = make_server(db)
-    srv.start()
-    pg = page.context.browser.new_page(bypass_csp=True)  # the module's browser
-    try:
-        errors: list[str] = []
-        pg.on("pageerror", lambda exc: errors.append(str(exc)))
-        pg.goto(srv.url + "#session=u", wait_until="load")
+    with _opened(page, db, "session=u") as (pg, errors):
         pg.wait_for_function(
             "window.inspector && window.inspector.ready === true && window.inspector.chart",
             timeout=60_000,
@@ -215,9 +241,6 @@ def test_a_chart_of_100k_usage_points_loads(page: Any, tmp_path: Path) -> None:
         assert used[-1] == 99_999 and used == [x - 1 for x in xs]  # used = call - 1 here
         note = pg.locator("#chart-note")
         assert note.is_visible() and f"{shown:,} of 100,000 model calls shown" in note.inner_text()
-    finally:
-        pg.close()
-        srv.stop()
 
 
 def test_a_cut_text_and_a_capped_list_are_shown_with_what_is_left_out(
@@ -257,13 +280,7 @@ def test_a_cut_text_and_a_capped_list_are_shown_with_what_is_left_out(
         )
         b.add(TurnRecorded(turn_id="t1", outcome="replied"))
         writer.commit(b)
-    srv = make_server(db)
-    srv.start()
-    pg = page.context.browser.new_page(bypass_csp=True)  # the module's browser
-    try:
-        errors: list[str] = []
-        pg.on("pageerror", lambda exc: errors.append(str(exc)))
-        pg.goto(srv.url + "#session=big", wait_until="load")
+    with _opened(page, db, "session=big") as (pg, errors):
         pg.wait_for_function("window.inspector && window.inspector.ready === true")
         turn = pg.locator('li.turn[data-turn-id="t1"]')
         tools = turn.locator("li.tool")
@@ -286,33 +303,17 @@ def test_a_cut_text_and_a_capped_list_are_shown_with_what_is_left_out(
             .startswith(f" ({100_000 - index.PREVIEW + 1:,} more characters)")
         )
         assert errors == [] and index.TURN_ITEMS == 50
-    finally:
-        pg.close()
-        srv.stop()
 
 
 def test_sessions_named_dot_and_dot_dot_open(page: Any, tmp_path: Path) -> None:
     """A session id of "." or ".." in a URL's path is a step a browser resolves (even as
     %2E): the page asks with the id in the query, so such a session opens like any."""
-    from aalis_agent.events import FixedClock, MessageSaved
-    from aalis_agent.events.schema import ChatMessage
-    from aalis_agent.testing.sample import SampleWriter
-
     db = tmp_path / "dots.db"
-    with SqliteEventStore(db) as store:
+    _one_message_sessions(db, {sid: f"in {sid}" for sid in (".", "..")})
+    with _opened(page, db) as (pg, errors):
+        url = pg.url.split("#")[0]
         for sid in (".", ".."):
-            writer = SampleWriter(store, sid, FixedClock(1_767_225_600_000, step_ms=1))
-            b = writer.batch()
-            b.add(MessageSaved(message=ChatMessage(id="m1", role="user", content=f"in {sid}")))
-            writer.commit(b)
-    srv = make_server(db)
-    srv.start()
-    pg = page.context.browser.new_page(bypass_csp=True)  # the module's browser
-    try:
-        errors: list[str] = []
-        pg.on("pageerror", lambda exc: errors.append(str(exc)))
-        for sid in (".", ".."):
-            pg.goto(srv.url + "#session=" + sid.replace(".", "%2E"), wait_until="load")
+            pg.goto(url + "#session=" + sid.replace(".", "%2E"), wait_until="load")
             pg.wait_for_function(
                 "window.inspector && window.inspector.ready === true "
                 f"&& window.inspector.session === {sid!r}",
@@ -320,32 +321,14 @@ def test_sessions_named_dot_and_dot_dot_open(page: Any, tmp_path: Path) -> None:
             )
             pg.wait_for_function("document.body.innerText.includes('in " + sid + "')")
         assert errors == []
-    finally:
-        pg.close()
-        srv.stop()
 
 
 def test_the_session_list_loads_a_page_at_a_time(page: Any, tmp_path: Path) -> None:
     """600 sessions: the list shows the first 500 and a button for the rest, which adds
     them; the first session opens."""
-    from aalis_agent.events import FixedClock, MessageSaved
-    from aalis_agent.events.schema import ChatMessage
-    from aalis_agent.testing.sample import SampleWriter
-
     db = tmp_path / "many.db"
-    with SqliteEventStore(db) as store:
-        for i in range(600):
-            writer = SampleWriter(store, f"room:{i:03d}", FixedClock(1_767_225_600_000))
-            b = writer.batch()
-            b.add(MessageSaved(message=ChatMessage(id="m", role="user", content=f"hi {i}")))
-            writer.commit(b)
-    srv = make_server(db)
-    srv.start()
-    pg = page.context.browser.new_page(bypass_csp=True)  # the module's browser
-    try:
-        errors: list[str] = []
-        pg.on("pageerror", lambda exc: errors.append(str(exc)))
-        pg.goto(srv.url, wait_until="load")
+    _one_message_sessions(db, {f"room:{i:03d}": f"hi {i}" for i in range(600)})
+    with _opened(page, db) as (pg, errors):
         pg.wait_for_function("window.inspector && window.inspector.ready === true")
         links = pg.locator("#sessions a[data-session]")
         assert links.count() == 500
@@ -358,6 +341,3 @@ def test_the_session_list_loads_a_page_at_a_time(page: Any, tmp_path: Path) -> N
         assert pg.locator("#sessions li.more").count() == 0
         assert pg.evaluate("window.inspector.session") == links.nth(0).get_attribute("data-session")
         assert errors == []
-    finally:
-        pg.close()
-        srv.stop()
