@@ -772,7 +772,11 @@ def bench_turns_workload(tmp: Path, turns: int) -> None:
 class _FloorWork:
     """The floor's workload: a runtime whose session "s" has 12 history messages (4 tool
     turns), the rows of its last turn and the history before it, and a second store the
-    floor writes those rows to raw, each time as a new session."""
+    floor writes those rows to raw: on into one session of its own, as a turn's rows go
+    on into its session (the first commits with work open, the last with none: the store
+    marks the session idle and drops its row compressor, as after a turn); or, for
+    comparison, each time as a new session (which adds the session's own row, its first
+    lookup and a new compressor: about 60 us)."""
 
     def __init__(self, tmp: Path) -> None:
         _quiet_logs()
@@ -803,33 +807,45 @@ class _FloorWork:
         assert self.cuts4[-1] == len(self.rows), (sizes, len(self.rows))
         self.sizes = sizes
         self.raw = SqliteEventStore(tmp / "floor-raw.db")
-        self._seq = 0
+        self._seq = 0  # new sessions written
+        self._raw_seq = 0  # the last seq of the session the floor goes on into
 
     def turn(self) -> None:
         """One more turn of session "s" through the runtime (``Runtime.run``)."""
         self.runtime.run("s", Input(id="", content=f"{self.turns}: {USER_TEXT}"))
         self.turns += 1
 
-    def raw_turn(self, cuts: Sequence[int]) -> None:
-        """The turn's rows, written raw in commits ending at ``cuts``, and its two
-        request lists."""
+    def raw_turn(self, cuts: Sequence[int], *, new_session: bool = False) -> None:
+        """The turn's rows, written raw in commits ending at ``cuts`` (on into the
+        floor's session, or as a new one), and its two request lists."""
         rows, history = self.rows, self.history
-        session = f"raw{self._seq}"
+        if new_session:
+            session, base, open_work = f"raw{self._seq}", 0, None
+            self._seq += 1
+        else:
+            session, base, open_work = "raw", self._raw_seq, True
         batch = [msgspec.structs.replace(e, session_id=session) for e in rows]
         for i, e in enumerate(batch):
-            batch[i] = msgspec.structs.replace(e, seq=i + 1)
+            batch[i] = msgspec.structs.replace(e, seq=base + i + 1)
         start = 0
         for end in cuts:
-            self.raw.append(session, batch[start:end], start)
+            last = end == cuts[-1]
+            work = False if last and open_work else open_work  # the turn's end: idle
+            self.raw.append(session, batch[start:end], base + start, open_work=work)
             start = end
         for _ in range(2):  # the two calls' request lists
             request = [history[0], *history, rows[0]]
             assert request
-        self._seq += 1
+        if not new_session:
+            self._raw_seq = base + len(rows)
 
     def floor(self) -> None:
-        """The floor: the turn's rows in two commits."""
+        """The floor: the turn's rows in two commits, on into the floor's session."""
         self.raw_turn((len(self.rows) // 2, len(self.rows)))
+
+    def floor_new_session(self) -> None:
+        """The same, each time as a new session (what the floor was until stop 32)."""
+        self.raw_turn((len(self.rows) // 2, len(self.rows)), new_session=True)
 
     def floor_4(self) -> None:
         """The same rows in the turn's own four commits."""
@@ -850,7 +866,9 @@ def bench_floor(tmp: Path) -> None:
     machine weighs on both alike and each is timed warm, as it runs back to back.
     Beside it, not the target's: the same rows in the four commits the turn makes
     (persist-then-act: before each model call, before the tool, before the outcome),
-    timed the same way after each block's floors.
+    timed the same way after each block's floors; and the floor as it was until stop 32,
+    written each time as a new session (``floor_new_session_ms``): that adds work no turn
+    of a session does, and flattered the ratio by about half (4.2 where it is 6).
 
     The process is warmed first: 200 turns and floors of a workload of its own, closed
     before the timed one starts. CPython specializes a function's bytecode only once it
@@ -868,13 +886,15 @@ def bench_floor(tmp: Path) -> None:
             cold.append(time.perf_counter() - t0)
         warm.floor()
         warm.floor_4()
+        warm.floor_new_session()
     warm.close()
     work = _FloorWork(tmp)
-    one_turn, one_turn_4 = work.floor, work.floor_4
+    one_turn, one_turn_4, one_new = work.floor, work.floor_4, work.floor_new_session
     samples: list[float] = []
     floors: list[float] = []
     after_turns: list[float] = []  # the floor's first run in a block, straight after turns
     floors4: list[float] = []
+    floors_new: list[float] = []
     for _ in range(4):
         for k in range(11):
             t0 = time.perf_counter()
@@ -885,6 +905,8 @@ def bench_floor(tmp: Path) -> None:
         floors += [_timed(one_turn) for _ in range(10)]
         _timed(one_turn_4)
         floors4 += [_timed(one_turn_4) for _ in range(10)]
+        _timed(one_new)
+        floors_new += [_timed(one_new) for _ in range(10)]
     work.close()
     floor = min(floors)
     turn = statistics.median(samples)
@@ -902,6 +924,9 @@ def bench_floor(tmp: Path) -> None:
         floor_4_commits_ms=round(min(floors4) * 1000, 3),
         over_floor_4_commits=round(turn / min(floors4), 2),
         cold_turn_ms=round(statistics.median(cold) * 1000, 3),
+        # Nor this: the floor written each time as a new session (the floor until stop 32).
+        floor_new_session_ms=round(min(floors_new) * 1000, 3),
+        over_floor_new_session=round(turn / min(floors_new), 2),
         commits=len(work.sizes),
         rows=len(work.rows),
         history=len(work.history),
