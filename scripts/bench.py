@@ -868,7 +868,7 @@ def bench_floor(tmp: Path) -> None:
     (persist-then-act: before each model call, before the tool, before the outcome),
     timed the same way after each block's floors; and the floor as it was until stop 32,
     written each time as a new session (``floor_new_session_ms``): that adds work no turn
-    of a session does, and flattered the ratio by about half (4.2 where it is 6).
+    of a session does (about 60 us) and put the ratio at about 4.2 where it is about 6.
 
     The process is warmed first: 200 turns and floors of a workload of its own, closed
     before the timed one starts. CPython specializes a function's bytecode only once it
