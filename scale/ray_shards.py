@@ -14,7 +14,11 @@ embedded :class:`~aalis_agent.actors.runtime.Runtime` over the shared PostgreSQL
   gone, and a zombie would be fenced by the store's sequence check, though an action it
   had under way may run twice: see docs/scaling.md) and
   ``Runtime.recover()`` resumes its sessions from the log: a cut turn is recorded, its
-  inputs that no model call carried run again, queued inputs run.
+  inputs that no model call carried run again, queued inputs run. With
+  ``incarnation_owners=True`` each incarnation owns under a name of its own
+  (``shard-<n>@<random>``): it takes a session of its predecessor only once that lease
+  has expired (up to ``ttl_s`` after the crash; a submit meanwhile waits for it), so a
+  process Ray took for dead but still running keeps what it holds and nothing runs twice.
 - Handles: ``submit`` returns once the input is durably accepted (as ``Runtime.submit``);
   ``result`` waits for the input's outcome, and when the shard died meanwhile it asks the
   restarted shard, which reads the outcome from the log. Submitting is never retried
@@ -29,13 +33,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
+import uuid
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
+import structlog
 from aalis_agent.actors.messages import InputOutcome
+from aalis_agent.actors.ownership import SessionOwnedElsewhere
 from aalis_agent.actors.runtime import Runtime, SubmitHandle
 from aalis_agent.events import (
     Input,
@@ -54,6 +62,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 __all__ = ["RayHandle", "RuntimeShard", "ShardedRuntime", "logged_outcome"]
 
 _RETRYABLE = (RayActorError, ActorUnavailableError)
+log = structlog.get_logger("aalis.ray")
 
 
 def logged_outcome(events: Sequence[SessionEvent], input_id: str) -> InputOutcome | None:
@@ -86,26 +95,73 @@ class RuntimeShard:
         *,
         ttl_s: float = 15.0,
         runtime_options: dict[str, Any] | None = None,
+        incarnation_owner: bool = False,
     ) -> None:
         self.index = index
+        self.ttl_s = ttl_s
+        # The owner name of this shard's incarnations: all the same (``shard-<n>``), or
+        # one each (``shard-<n>@<random>``), which waits out a predecessor's leases.
+        self._mine = f"shard-{index}@"
+        own = f"{self._mine}{uuid.uuid4().hex[:12]}"
+        self.owner = own if incarnation_owner else f"shard-{index}"
         self.store = PostgresEventStore(url)
-        self.leases = PostgresLeases(self.store, owner=f"shard-{index}", ttl_s=ttl_s)
+        self.leases = PostgresLeases(self.store, owner=self.owner, ttl_s=ttl_s)
         ownership = ShardOwnership(self.leases, index, shards)
         self.runtime = Runtime(
             self.store, services(), ownership=ownership, **(runtime_options or {})
         )
         self._handles: dict[str, SubmitHandle] = {}
+        self._closed = threading.Event()
         self.recovered = self.runtime.recover()
+        if incarnation_owner:
+            # A predecessor's sessions with work open are refused until their leases
+            # expire: recovered again once they can have (twice: a renewal may have
+            # landed just before the crash).
+            threading.Thread(
+                target=self._recover_later, name=f"shard-{index}-recover", daemon=True
+            ).start()
+
+    def _recover_later(self) -> None:
+        for _ in range(2):
+            if self._closed.wait(self.ttl_s + 1.0):
+                return
+            try:
+                found = self.runtime.recover()
+            except Exception:  # the next round, or the next submit, tries again
+                log.exception("recovering the shard's sessions again failed", shard=self.index)
+                continue
+            self.recovered.extend(s for s in found if s not in self.recovered)
 
     def info(self) -> dict[str, Any]:
-        """The shard's index, process id and the sessions it recovered when it started."""
+        """The shard's index, owner name, process id and the sessions it recovered since
+        it started."""
         import os
 
-        return {"index": self.index, "pid": os.getpid(), "recovered": self.recovered}
+        return {
+            "index": self.index,
+            "owner": self.owner,
+            "pid": os.getpid(),
+            "recovered": list(self.recovered),
+        }
 
     def submit(self, session_id: str, inp: Input) -> tuple[str, str]:
-        """``Runtime.submit``: (input id, where), once the input is durably accepted."""
-        handle = self.runtime.submit(session_id, inp)
+        """``Runtime.submit``: (input id, where), once the input is durably accepted. A
+        session an earlier incarnation of this shard still holds (``incarnation_owner``)
+        is waited for until its lease expires (at most twice ``ttl_s``); one held by
+        another name is refused at once (``SessionOwnedElsewhere``)."""
+        deadline = time.monotonic() + 2 * self.ttl_s + 1.0
+        while True:
+            try:
+                handle = self.runtime.submit(session_id, inp)
+                break
+            except SessionOwnedElsewhere as exc:
+                earlier = exc.owner.startswith(self._mine) and exc.owner != self.owner
+                left = deadline - time.monotonic()
+                if not earlier or left <= 0:
+                    raise
+                wait = exc.expires_in_s if exc.expires_in_s is not None else 0.2
+                if self._closed.wait(min(max(wait, 0.05) + 0.05, left)):
+                    raise
         self._handles[handle.input_id] = handle
         return handle.input_id, handle.where
 
@@ -131,6 +187,7 @@ class RuntimeShard:
         return self.runtime.wait_idle(timeout)
 
     def shutdown(self) -> None:
+        self._closed.set()
         self.runtime.shutdown(timeout=30)
         self.leases.close()
         self.store.close()
@@ -171,7 +228,10 @@ class ShardedRuntime:
         num_cpus: float = 0.5,
         max_concurrency: int = 64,
         runtime_options: dict[str, Any] | None = None,
+        incarnation_owners: bool = False,
     ) -> None:
+        """``incarnation_owners``: each incarnation of a shard owns under a name of its
+        own and waits out its predecessor's leases (see the module docstring)."""
         shard_class: Any = ray.remote(RuntimeShard)
         remote = shard_class.options(
             max_restarts=max_restarts,
@@ -181,7 +241,15 @@ class ShardedRuntime:
         )
         self.shards = shards
         self.actors: list[Any] = [
-            remote.remote(i, shards, url, services, ttl_s=ttl_s, runtime_options=runtime_options)
+            remote.remote(
+                i,
+                shards,
+                url,
+                services,
+                ttl_s=ttl_s,
+                runtime_options=runtime_options,
+                incarnation_owner=incarnation_owners,
+            )
             for i in range(shards)
         ]
 

@@ -123,14 +123,20 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.mark.parametrize("incarnation_owners", [False, True], ids=["same-owner", "own-owner"])
 def test_a_shard_killed_mid_turn_is_restarted_and_nothing_is_lost_or_run_twice(
     ray_cluster: str,
     pg_url: str,  # noqa: F811
+    incarnation_owners: bool,
 ) -> None:
+    """With ``incarnation_owners`` the restarted shard owns under a new name: it takes the
+    killed one's sessions once their leases expire (ttl 5 s), recovering them then."""
     from aalis_agent.scale.ray_shards import ShardedRuntime
 
     assert len(ray.nodes()) == 3
-    client = ShardedRuntime(pg_url, 2, slow_services, ttl_s=5.0, num_cpus=0.5)
+    client = ShardedRuntime(
+        pg_url, 2, slow_services, ttl_s=5.0, num_cpus=0.5, incarnation_owners=incarnation_owners
+    )
     try:
         before = client.info()
         sessions = [f"room-{i}" for i in range(6)]
@@ -148,6 +154,8 @@ def test_a_shard_killed_mid_turn_is_restarted_and_nothing_is_lost_or_run_twice(
         assert {o.outcome for o in outcomes} <= {"replied", "aborted"}, outcomes
         after = client.info()
         assert after[victim]["pid"] != before[victim]["pid"]  # restarted by Ray
+        renamed = after[victim]["owner"] != before[victim]["owner"]
+        assert renamed == incarnation_owners, (before, after)
         victims = sorted(s for s in sessions if shard_of(s, 2) == victim)
         assert set(after[victim]["recovered"]) <= set(victims)
         assert after[victim]["recovered"], after  # it found cut turns in the log
@@ -174,3 +182,34 @@ def test_a_shard_killed_mid_turn_is_restarted_and_nothing_is_lost_or_run_twice(
         assert any(k.endswith("/crash") for k in outcomes_seen), outcomes_seen
     finally:
         client.shutdown()
+
+
+def test_an_incarnation_does_not_take_the_sessions_of_one_still_running(
+    pg_url: str,  # noqa: F811
+) -> None:
+    """Two incarnations of shard 0 at once (Ray took the first for dead, but it runs on):
+    with owners of their own, the second waits for the first's lease, which the first
+    keeps renewing, and is refused naming it; the first's turn runs to its end, once."""
+    from aalis_agent.actors.ownership import SessionOwnedElsewhere
+    from aalis_agent.scale.ray_shards import RuntimeShard
+
+    first = RuntimeShard(0, 1, pg_url, slow_services, ttl_s=1.0, incarnation_owner=True)
+    second = None
+    try:
+        input_id, _ = first.submit("room-p", Input(id="p-1", content="你好"))
+        second = RuntimeShard(0, 1, pg_url, slow_services, ttl_s=1.0, incarnation_owner=True)
+        assert second.owner != first.owner and second.owner.startswith("shard-0@")
+        started = time.monotonic()
+        with pytest.raises(SessionOwnedElsewhere) as refused:
+            second.submit("room-p", Input(id="p-2", content="再来"))
+        assert refused.value.owner == first.owner
+        assert time.monotonic() - started >= 2.0  # waited for it to expire, in vain
+        assert first.outcome("room-p", input_id, 30).outcome == "replied"
+        with PostgresEventStore(pg_url, read_only=True) as store:
+            events = store.read("room-p")
+        assert not any(audit_log(events, acked=["p-1"]).values())
+        assert [e.outcome for e in events if isinstance(e, TurnRecorded)] == ["replied"]
+    finally:
+        for shard in (second, first):
+            if shard is not None:
+                shard.shutdown()
