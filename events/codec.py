@@ -99,7 +99,8 @@ def checked_input(inp: Input, *, max_text_bytes: int | None = None) -> Input:
 
     ``max_text_bytes``: the most UTF-8 bytes its ``content`` may have (None: no limit);
     a longer text is refused first, before any work is done on it, naming its size and
-    the limit (``Runtime(max_input_bytes=...)``)."""
+    the limit (``Runtime(max_input_bytes=...)``); with it, its other fields (a
+    nickname, the mentions, ids) may take :data:`OTHER_FIELDS_BYTES` as stored."""
     if not isinstance(inp, Input):
         raise InvalidInput(f"expected an Input, got {type(inp).__name__}")
     if max_text_bytes is not None:
@@ -108,13 +109,34 @@ def checked_input(inp: Input, *, max_text_bytes: int | None = None) -> Input:
         data = _encoder.encode(inp)
     except UnicodeEncodeError:
         inp = _cleaned(inp)
-        return checked_input(inp)
+        return checked_input(inp, max_text_bytes=max_text_bytes)
     except (msgspec.EncodeError, OverflowError, TypeError, ValueError) as exc:
-        raise InvalidInput(f"input {inp.id!r}: {exc}") from None
+        raise InvalidInput(f"input {_shown_id(inp)}: {exc}") from None
+    if max_text_bytes is not None and len(data) > OTHER_FIELDS_BYTES:
+        content = inp.content
+        text = len(content) if content.isascii() else len(content.encode("utf-8", "surrogatepass"))
+        if len(data) - text > OTHER_FIELDS_BYTES:
+            raise InvalidInput(
+                f"{'input ' + _shown_id(inp) if inp.id else 'input'}: it is {len(data):,} "
+                f"bytes as stored, its text {text:,} of them: its other fields (a nickname, "
+                f"mentions, ids) are over their limit of {OTHER_FIELDS_BYTES:,} bytes"
+            )
     try:
         return _input_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise InvalidInput(f"input {inp.id!r}: {exc}") from None
+        raise InvalidInput(f"input {_shown_id(inp)}: {exc}") from None
+
+
+OTHER_FIELDS_BYTES = 65_536
+"""What an input's fields besides its text may take as stored, wherever its text is
+limited (``checked_input``'s ``max_text_bytes``, ``Runtime(max_input_bytes=...)``)."""
+
+
+def _shown_id(inp: Input) -> str:
+    """An input's id for an error message, cut past 200 characters (whatever its type:
+    the message may be about it)."""
+    shown = repr(inp.id)
+    return shown if len(shown) <= 200 else shown[:199] + "…"
 
 
 def _check_text_size(inp: Input, limit: int) -> None:
@@ -126,7 +148,7 @@ def _check_text_size(inp: Input, limit: int) -> None:
     size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
     if size <= limit:
         return
-    who = f"input {inp.id!r}" if inp.id else "input"
+    who = f"input {_shown_id(inp)}" if inp.id else "input"
     raise InvalidInput(
         f"{who}: its text is {size:,} bytes (UTF-8), over the limit of "
         f"{limit:,} bytes (Runtime max_input_bytes)"

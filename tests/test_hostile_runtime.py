@@ -148,6 +148,33 @@ def test_a_middleware_that_lengthens_an_input_past_the_limit_is_refused_too() ->
         rt.shutdown(timeout=10)
 
 
+def test_the_other_fields_of_an_input_are_bounded_too() -> None:
+    """A small text with a nickname of 100 kB, or 20,000 mentions: past 64 KiB for its
+    fields besides the text as stored, refused before anything is written, naming the
+    sizes; a long id is cut in the message. A nickname of 10 kB goes through."""
+    from aalis_agent.events import Sender
+    from aalis_agent.events.codec import OTHER_FIELDS_BYTES
+
+    rt = Runtime(InMemoryEventStore(), Services(llm=ScriptedModel()), janitor=False)
+    try:
+        huge_nick = Input(id="n", content="hi", sender=Sender(user_id="u", nickname="N" * 100_000))
+        many = Input(
+            id="m" * 1_000, content="hi", mentions=tuple(f"u{i:08d}" for i in range(20_000))
+        )
+        for inp in (huge_nick, many):
+            with pytest.raises(InvalidInput) as info:
+                rt.submit(SID, inp)
+            message = str(info.value)
+            assert "bytes as stored, its text 2 of them" in message, message
+            assert f"over their limit of {OTHER_FIELDS_BYTES:,} bytes" in message
+            assert len(message) < 600  # the 1,000-character id is cut
+        assert rt.store.read(SID) == []
+        fine = Input(id="", content="hi", sender=Sender(user_id="u", nickname="N" * 10_000))
+        assert rt.run(SID, fine).outcome == "replied"
+    finally:
+        rt.shutdown(timeout=10)
+
+
 def test_the_default_limit_is_16_mib_and_none_is_no_limit() -> None:
     store = InMemoryEventStore()
     rt = Runtime(store, Services(llm=ScriptedModel()), janitor=False)
