@@ -341,3 +341,44 @@ def test_the_session_list_loads_a_page_at_a_time(page: Any, tmp_path: Path) -> N
         assert pg.locator("#sessions li.more").count() == 0
         assert pg.evaluate("window.inspector.session") == links.nth(0).get_attribute("data-session")
         assert errors == []
+
+
+def test_prev_goes_back_to_where_the_page_before_started(page: Any, tmp_path: Path) -> None:
+    """Turns large enough that a page holds fewer than it asks for (its byte budget):
+    "next" follows where each page ends, and "prev" returns to where the page before
+    started, not a fixed number of turns back."""
+    from aalis_agent.events import FixedClock, ToolFinished, ToolStarted, TurnRecorded
+    from aalis_agent.testing.sample import SampleWriter
+
+    db = tmp_path / "pages.db"
+    with SqliteEventStore(db) as store:
+        writer = SampleWriter(store, "p", FixedClock(1_767_225_600_000, step_ms=1))
+        for t in range(40):
+            b = writer.batch()
+            b.add(TurnOpened(turn_id=f"t{t}", input_ids=()))
+            for n in range(50):
+                call = f"c{t}-{n}"
+                b.add(
+                    ToolStarted(turn_id=f"t{t}", call_id=call, name="look", arguments="a" * 1_000)
+                )
+                b.add(ToolFinished(turn_id=f"t{t}", call_id=call, name="look", result="r" * 1_000))
+            b.add(TurnRecorded(turn_id=f"t{t}", outcome="silent"))
+            writer.commit(b)
+    with _opened(page, db, "session=p") as (pg, errors):
+        pg.wait_for_function("window.inspector && window.inspector.ready === true")
+
+        def at(offset: int) -> None:
+            pg.wait_for_function(f"window.inspector.timeline.offset === {offset}")
+
+        starts = [0]
+        for _ in range(2):
+            following = pg.evaluate("window.inspector.timeline.next_offset")
+            assert following is not None and 0 < following - starts[-1] < 50  # cut by bytes
+            pg.click("#page-next")
+            at(following)
+            starts.append(following)
+        pg.click("#page-prev")
+        at(starts[1])
+        pg.click("#page-prev")
+        at(0)
+        assert errors == []

@@ -13,6 +13,9 @@ const PART_COLORS = {
 const inspector = (window.inspector = {
   session: null, offset: 0, total: 0, lastSeq: 0, chart: null, usage: null, timeline: null,
   state: null, ready: false,
+  // Where each page before this one started, for "prev": a page cut by its byte budget
+  // holds fewer turns than asked, so the one before it does not start PAGE turns back.
+  pageStarts: [],
 });
 
 function el(tag, attrs, ...children) {
@@ -124,6 +127,7 @@ async function loadSessions(offset = 0) {
 async function openSession(id) {
   inspector.ready = false;
   inspector.session = id;
+  inspector.pageStarts = [];
   for (const a of document.querySelectorAll("#sessions a")) {
     a.classList.toggle("current", a.dataset.session === id);
   }
@@ -490,10 +494,17 @@ function currentHashSession() {
 }
 
 async function main() {
-  $("page-first").onclick = () => loadPage(0);
-  $("page-prev").onclick = () => loadPage(Math.max(inspector.offset - PAGE, 0));
-  $("page-next").onclick = () => loadPage(inspector.nextOffset ?? inspector.offset + PAGE);
-  $("page-last").onclick = () => loadPage(Math.max(inspector.total - PAGE, 0));
+  $("page-first").onclick = () => { inspector.pageStarts = []; loadPage(0); };
+  $("page-prev").onclick = () => loadPage(inspector.pageStarts.length
+    ? inspector.pageStarts.pop() : Math.max(inspector.offset - PAGE, 0));
+  $("page-next").onclick = () => {
+    inspector.pageStarts.push(inspector.offset);
+    loadPage(inspector.nextOffset ?? inspector.offset + PAGE);
+  };
+  $("page-last").onclick = () => {
+    inspector.pageStarts = [];
+    loadPage(Math.max(inspector.total - PAGE, 0));
+  };
   $("chart-fit").onchange = fitChart;
   $("seq-slider").oninput = (e) => scheduleState(e.target.value);
   $("seq-input").onchange = (e) => showState(e.target.value);
