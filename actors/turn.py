@@ -36,7 +36,14 @@ from aalis_agent.actors.request import (
     base_prompt,
 )
 from aalis_agent.actors.scheduler import archived_input_message
-from aalis_agent.actors.turn_base import NotRecorded, OwnershipLost, TurnBase, _Call, deliver
+from aalis_agent.actors.turn_base import (
+    NotRecorded,
+    OwnershipLost,
+    TurnBase,
+    _Call,
+    deliver,
+    reply_limit,
+)
 from aalis_agent.actors.turn_reply import ReplyStep
 from aalis_agent.actors.turn_tools import ToolBatch
 from aalis_agent.events import (
@@ -428,11 +435,14 @@ class TurnRunner(ToolBatch, ReplyStep):
             if services.bus.wants("llm:call"):
                 announced = True
                 self._call_event("start", index, model, entry)
+            limit = reply_limit(model)
+            received = 0  # characters of text and reasoning so far
             with self._outside(("model", started.model)):  # waited on with the gate open
                 for chunk in model.chat_stream(request, self.abort):
                     if self.abort.aborted:
                         break
                     if chunk.content_delta:
+                        received += len(chunk.content_delta)
                         text.append(chunk.content_delta)
                         if services.bus.wants("outbound:stream"):  # else no payload built
                             services.bus.publish(
@@ -444,6 +454,7 @@ class TurnRunner(ToolBatch, ReplyStep):
                                 },
                             )
                     if chunk.reasoning_delta:
+                        received += len(chunk.reasoning_delta)
                         reasoning.append(chunk.reasoning_delta)
                     progress = chunk.tool_call_progress
                     if progress is not None:
@@ -469,6 +480,17 @@ class TurnRunner(ToolBatch, ReplyStep):
                         call.tool_calls.extend(chunk.tool_calls)
                     if chunk.cut:
                         call.cut = True
+                    if received > limit:
+                        # More than the model's output limit can hold: the rest is not read.
+                        log.warning(
+                            "model reply cut: longer than its output limit can hold",
+                            session=self.session_id,
+                            turn=self.turn_id,
+                            chars=received,
+                            limit=limit,
+                        )
+                        call.cut = True
+                        break
                     if chunk.usage is not None:
                         if not isinstance(chunk.usage, Usage):
                             raise TypeError(
@@ -513,8 +535,12 @@ class TurnRunner(ToolBatch, ReplyStep):
         )
         # Text enters here: a surrogate pair split across chunks is joined, a lone half
         # replaced, so what is sent and saved can always be stored.
-        call.text = clean_text("".join(text))
-        call.reasoning = clean_text("".join(reasoning)) or None
+        if received > limit:  # each part kept within the limit (together at most twice)
+            call.text = clean_text("".join(text)[:limit])
+            call.reasoning = clean_text("".join(reasoning)[:limit]) or None
+        else:
+            call.text = clean_text("".join(text))
+            call.reasoning = clean_text("".join(reasoning)) or None
         if call.tool_calls:
             # Its record rides in the batch that starts the first tool (one commit fewer
             # per batch); it changes nothing the scheduler decides.

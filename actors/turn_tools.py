@@ -12,7 +12,7 @@ from aalis_agent.actors.hooks import (
     ToolAfter,
     ToolBefore,
 )
-from aalis_agent.actors.turn_base import TurnBase, _Call, log
+from aalis_agent.actors.turn_base import TurnBase, _Call, log, reply_limit
 from aalis_agent.events import (
     ChatMessage,
     MessageMeta,
@@ -92,7 +92,11 @@ class ToolBatch(TurnBase):
             # Arguments must be a JSON object, nested no deeper than the log can hold;
             # otherwise the call does not run and the model gets the error (FLOW13).
             raw = clean_text(tc.arguments)
-            args, error = parse_tool_arguments(raw, texts=self.texts)
+            # No longer than the model's output limit can hold (a broken endpoint's 50 MB
+            # would be stored and counted): refused as too long, naming the limit.
+            args, error = parse_tool_arguments(
+                raw, max_chars=reply_limit(self.model), texts=self.texts
+            )
             if error is not None and call.cut and n == last:
                 # Cut off at the output limit while the model wrote them: say so, so
                 # that it writes them shorter rather than the same again.

@@ -528,3 +528,54 @@ def test_an_input_accepted_before_a_restart_is_known_again_after_it() -> None:
         second.shutdown(timeout=10)
         gate1.set()
         first.shutdown(timeout=10)
+
+
+def test_a_reply_past_what_the_output_limit_can_hold_is_cut_there() -> None:
+    """A model (a broken or hostile endpoint) streaming far more than its
+    max_output_tokens can hold: the stream is read no further than 128 characters a token,
+    the reply saved is cut there, the call marked cut; tool-call arguments past it are
+    refused as too long, and the tool does not run."""
+    from aalis_agent.actors.turn_base import REPLY_CHARS_PER_TOKEN, reply_limit
+    from aalis_agent.events import MessageSaved, ToolCall
+    from aalis_agent.services import ScriptedReply, Tool, ToolRegistry
+
+    ran: list[object] = []
+    huge = ScriptedReply(text="长" * 300_000, chunks=300)  # 300 chunks of 1,000
+    calls = [
+        ScriptedReply(
+            tool_calls=(ToolCall(id="c1", name="t", arguments='{"a":"' + "x" * 70_000 + '"}'),)
+        ),
+        ScriptedReply(text="好的"),
+    ]
+    model = ScriptedModel([huge, *calls], max_output_tokens=500)
+    services = Services(
+        llm=model, tools=ToolRegistry([Tool("t", lambda a, c: ran.append(a) or "ok")])
+    )
+    rt = Runtime(InMemoryEventStore(), services, FixedClock(), SequentialIds(), janitor=False)
+    limit = 500 * REPLY_CHARS_PER_TOKEN
+    try:
+        assert reply_limit(model) == limit == 64_000
+        assert rt.run(SID, Input(id="", content="说")).outcome == "replied"
+        replies = [
+            e.message.content
+            for e in rt.store.read(SID)
+            if isinstance(e, MessageSaved) and e.message.role == "assistant"
+        ]
+        assert replies == ["长" * limit]
+        assert rt.run(SID, Input(id="", content="再说")).outcome == "replied"
+        assert ran == []  # its arguments were refused: the tool never ran
+        results = [
+            e.message.content
+            for e in rt.store.read(SID)
+            if isinstance(e, MessageSaved) and e.message.role == "tool"
+        ]
+        assert len(results) == 1 and "64000" in results[0].replace(",", ""), results
+        stored = [
+            c.arguments
+            for e in rt.store.read(SID)
+            if isinstance(e, MessageSaved)
+            for c in e.message.tool_calls
+        ]
+        assert stored == ["{}"]
+    finally:
+        rt.shutdown(timeout=10)
