@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import random
 import threading
 import time
 from typing import Protocol
@@ -50,20 +49,13 @@ class IdSource(Protocol):
     def new(self, prefix: str) -> str: ...
 
 
-# Ids need to be unique, not secret: 64 bits from a generator seeded from the OS (a
-# system call per id cost ~0.5 us, several times a turn). Seeded again in a forked child,
-# which would otherwise repeat its parent's ids.
-_random = random.Random(os.urandom(32))
-os.register_at_fork(after_in_child=lambda: _random.seed(os.urandom(32)))
-
-
 class UuidIds:
     """Random ids for production."""
 
     def new(self, prefix: str) -> str:
         # 64 random bits as 16 hex digits (what uuid4's hex began with, without
         # building the UUID): ids are made several times a turn.
-        return f"{prefix}-{_random.getrandbits(64):016x}"
+        return f"{prefix}-{os.urandom(8).hex()}"
 
 
 class SequentialIds:
