@@ -411,6 +411,8 @@ class SessionActor(pykka.ThreadingActor):
         write. When recording that fails too, the actor is fenced (see :meth:`_fence`)
         and every message it gets is answered with the error."""
         try:
+            if self.view.seq == 0:
+                return  # an empty log: nothing to recover (the first use of a session)
             with self._lock:
                 step = self._step()
                 decide_recover(

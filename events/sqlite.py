@@ -115,6 +115,13 @@ def _reads(
     return reading
 
 
+_SID = (
+    "SELECT id FROM sessions WHERE name = ?1 UNION ALL "
+    "SELECT id FROM sessions WHERE name = ?2 ORDER BY 1 LIMIT 1"
+)
+"""A session's number by its name, as text or as a blob of the same bytes: the first."""
+
+
 def _room(cache: dict[Any, Any]) -> None:
     """Make room in a per-session cache that is full: the older half goes (what is let
     go is read again from the database when it is next needed). A host that serves new
@@ -539,9 +546,9 @@ class SqliteEventStore:
             except UnicodeEncodeError:
                 raw = session_id.encode("utf-8", "surrogateescape")
                 key = (raw, raw)
-            row = self._conn.execute(
-                "SELECT id FROM sessions WHERE name = ? OR name = ? ORDER BY id LIMIT 1", key
-            ).fetchone()
+            # Two lookups in the name index (``name = ? OR name = ?`` sorted its matches
+            # in a temporary B-tree: about 4 times as long, on every new session).
+            row = self._conn.execute(_SID, key).fetchone()
             if row is not None:
                 sid = row[0]
                 _room(self._sids)

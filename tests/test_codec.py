@@ -639,3 +639,31 @@ def test_session_names_edited_by_hand_into_blobs_still_read(tmp_path: Any) -> No
     conn = sqlite3.connect(path)
     assert conn.execute("SELECT count(*) FROM sessions").fetchone()[0] == 2  # no second "b"
     conn.close()
+
+
+def test_a_name_held_as_text_and_as_a_blob_reads_the_first_numbered(tmp_path: Any) -> None:
+    """Both forms of one name in the sessions table (a hand edit): the session is the one
+    numbered first, whichever form it has (the lookup reads both from the name index)."""
+    import sqlite3
+
+    from aalis_agent.events import SqliteEventStore
+
+    path = tmp_path / "log.db"
+    with SqliteEventStore(path) as store:
+        for name in ("x", "y"):
+            store.append(name, [InputQueued(session_id=name, seq=1, at=1, input_id=name)], 0)
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE sessions SET name = CAST('y' AS BLOB) WHERE name = 'x'")
+    conn.commit()
+    conn.close()
+    with SqliteEventStore(path) as store:  # "y" as a blob is number 1, as text number 2
+        assert [e.input_id for e in store.read("y")] == ["x"]
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE sessions SET name = 'x' WHERE id = 1")
+    conn.execute("INSERT INTO sessions (id, name) VALUES (0, CAST('y' AS BLOB))")
+    conn.execute("UPDATE log SET sid = 0 WHERE sid = 1")
+    conn.commit()
+    conn.close()
+    with SqliteEventStore(path) as store:  # now the blob is number 0: its rows are read
+        assert [e.input_id for e in store.read("y")] == ["x"]
+        assert store.read("x") == []
