@@ -545,6 +545,18 @@ class PostgresEventStore:
         rows = self._query("SELECT name FROM aalis_sessions WHERE NOT idle ORDER BY name")
         return [bytes(r[0]).decode("utf-8", "surrogatepass") for r in rows]
 
+    def session_page(self, offset: int, limit: int) -> tuple[int, list[tuple[str, int, bool]]]:
+        """A page of :meth:`sessions`, for a listing that pages through many: how many
+        sessions there are, and ``limit`` from the ``offset``-th, each as (id, last seq,
+        open work as :meth:`open_sessions` says), counted and sorted by the server."""
+        total = int(self._query("SELECT count(*) FROM aalis_sessions")[0][0])
+        rows = self._query(
+            "SELECT name, last_seq, NOT idle FROM aalis_sessions ORDER BY name LIMIT %s OFFSET %s",
+            (max(limit, 0), max(offset, 0)),
+        )
+        page = [(bytes(n).decode("utf-8", "surrogatepass"), int(s), bool(o)) for n, s, o in rows]
+        return total, page
+
     def count(self, session_id: str | None = None) -> int:
         """How many events the store holds (for one session, or all): a log holds seqs
         1 to its last, so this is the last seq, summed over sessions."""

@@ -261,5 +261,15 @@ class InMemoryEventStore:
         with self._lock:
             return sorted(self._logs)
 
+    def session_page(self, offset: int, limit: int) -> tuple[int, list[tuple[str, int, bool]]]:
+        """A page of :meth:`sessions`: how many there are, and ``limit`` from the
+        ``offset``-th, each as (id, last seq, open work as :meth:`open_sessions` says)."""
+        offset, limit = max(offset, 0), max(limit, 0)
+        with self._lock:
+            names = sorted(self._logs)
+            return len(names), [
+                (n, len(self._logs[n]), n not in self._idle) for n in names[offset : offset + limit]
+            ]
+
     def close(self) -> None:
         """Nothing to release."""

@@ -97,20 +97,24 @@ class Inspector:
         whether it has open work: ``limit`` from the ``offset``-th; ``total`` counts all,
         ``next_offset`` is where the next page starts (None after the last). An id longer
         than :data:`SESSION_ID_SHOWN` characters is cut (its whole length in ``cut``)."""
-        names = self.store.sessions()
-        offset = min(max(offset, 0), len(names))
-        page = names[offset : offset + limit]
-        try:
-            open_ = set(self.store.open_sessions())
-        except StoreError:
-            open_ = set(names)
+        offset = max(offset, 0)
+        paged = getattr(self.store, "session_page", None)  # the stores here have it
+        if paged is not None:
+            total, page = paged(offset, limit)
+            if offset > total:  # past the end: the last place there is
+                offset = total
+        else:  # another store: every name, then the page
+            names = self.store.sessions()
+            total = len(names)
+            offset = min(offset, total)
+            try:
+                open_ = set(self.store.open_sessions())
+            except StoreError:
+                open_ = set(names)
+            page = [(n, self.store.last_seq(n), n in open_) for n in names[offset : offset + limit]]
         listed: list[dict[str, Any]] = []
-        for n in page:
-            entry: dict[str, Any] = {
-                "session_id": n,
-                "events": self.store.last_seq(n),
-                "open": n in open_,
-            }
+        for n, last, is_open in page:
+            entry: dict[str, Any] = {"session_id": n, "events": last, "open": is_open}
             if len(n) > SESSION_ID_SHOWN:
                 entry["session_id"] = n[: SESSION_ID_SHOWN - 1] + "…"
                 entry["cut"] = {"session_id": len(n)}
@@ -118,9 +122,9 @@ class Inspector:
         end = offset + len(page)
         return {
             "sessions": listed,
-            "total": len(names),
+            "total": total,
             "offset": offset,
-            "next_offset": end if end < len(names) else None,
+            "next_offset": end if end < total else None,
         }
 
     def session(self, session_id: str) -> tuple[threading.Lock, SessionIndex, list[Any]]:

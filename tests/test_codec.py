@@ -633,6 +633,11 @@ def test_session_names_edited_by_hand_into_blobs_still_read(tmp_path: Any) -> No
         assert len(store.read("b")) == 2
         assert sorted(store.sessions(), key=len)[0] == "b"
         [bad] = [s for s in store.sessions() if s != "b"]
+        open_ = set(store.open_sessions())
+        assert store.session_page(0, 10) == (
+            2,
+            [(n, store.last_seq(n), n in open_) for n in store.sessions()],
+        )
         seen: list[CorruptEvent] = []
         assert store.read(bad, on_corrupt=seen.append) == []
         assert [(c.session_id, c.seq) for c in seen] == [(bad, 1)]

@@ -50,6 +50,9 @@ def test_sqlite_golden_reads_and_matches_jsonl(path: Path, tmp_path: Path) -> No
     assert [encode_json(e) for e in events] == jsonl.read_bytes().splitlines()
     with SqliteEventStore(path, read_only=True) as reader:  # read in place, as it is
         assert reader.read(session) == events
+        # A page of its sessions, as the inspector lists them, in any of the formats.
+        assert reader.session_page(0, 10) == (1, [(session, len(events), True)])
+        assert reader.session_page(1, 10) == (1, [])
 
 
 def _rows(path: Path) -> list[bytes]:

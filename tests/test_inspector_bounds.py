@@ -482,6 +482,41 @@ def test_the_session_list_is_paged_and_cuts_a_huge_id(tmp_path: Any) -> None:
         srv.stop()
 
 
+def test_a_page_of_sessions_is_read_without_listing_them_all(tmp_path: Any) -> None:
+    """The session list asks the store for one page (``session_page``): it never loads
+    every name to cut a page from them (a million sessions took 3 s a page). A store
+    without it is paged from its whole listing, with the same answer."""
+    from aalis_agent.inspector.server import Inspector
+
+    names = _many_sessions(tmp_path / "many.db", 30, "last")
+    with SqliteEventStore(tmp_path / "many.db", read_only=True) as store:
+        ins = Inspector(store)
+        whole = ins.sessions(0, 100)
+        assert whole["total"] == len(names) == len(whole["sessions"])
+
+        def listed() -> list[str]:
+            raise AssertionError("every session listed for one page")
+
+        store.sessions = listed  # type: ignore[method-assign]
+        store.open_sessions = listed  # type: ignore[method-assign]
+        page = ins.sessions(10, 7)
+        assert page["sessions"] == whole["sessions"][10:17]
+        assert (page["total"], page["offset"], page["next_offset"]) == (len(names), 10, 17)
+        assert ins.sessions(99, 7)["offset"] == len(names)  # past the end: at the end
+
+    class Plain:  # a store of another kind: no session_page
+        def __init__(self, inner: SqliteEventStore) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "session_page":
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    with SqliteEventStore(tmp_path / "many.db", read_only=True) as store:
+        assert Inspector(Plain(store)).sessions(10, 7) == page  # type: ignore[arg-type]
+
+
 def test_a_value_json_has_no_form_for_is_answered_as_its_repr(tmp_path: Any) -> None:
     """A setting whose value is a MessagePack extension (a hand-written row): every answer
     shows it as its repr instead of failing with 500."""

@@ -554,6 +554,22 @@ class StoreContract:
         assert store.open_sessions() == ["a", "b", "c"]
         assert store.sessions() == ["a", "b", "c"]
 
+    def test_a_page_of_sessions_is_the_listing_cut(self, store: EventStore) -> None:
+        """``session_page`` (what the inspector pages with) gives what ``sessions``,
+        ``last_seq`` and ``open_sessions`` give, cut at ``offset`` and ``limit``."""
+        names = ["b", "a", "会话", "Z", "c", "a b"]
+        for i, name in enumerate(names):
+            store.append(name, batch(name, 1, i + 1), 0, open_work=i % 2 == 0 if i < 4 else None)
+        store.mark_idle([("a b", 6)])
+        listed, open_ = store.sessions(), set(store.open_sessions())
+        whole = [(n, store.last_seq(n), n in open_) for n in listed]
+        assert sorted(n for n, _, o in whole if not o) == ["Z", "a", "a b"]
+        page = store.session_page  # type: ignore[attr-defined]
+        for offset in range(len(names) + 2):
+            for limit in (0, 1, 2, 5, 100):
+                assert page(offset, limit) == (6, whole[offset : offset + limit]), (offset, limit)
+        assert page(-3, 2) == (6, whole[:2])
+
     def test_a_refused_append_leaves_the_mark_alone(self, store: EventStore) -> None:
         store.append("a", [queued("a", 1)], 0, open_work=False)
         with pytest.raises(ConcurrencyConflict):
