@@ -782,7 +782,16 @@ class SessionIndex:
         ordinal = self._by_turn.get(turn_id)
         if ordinal is None:
             return None
+        return self.request_at(ordinal, index)
+
+    def request_at(self, ordinal: int, index: int) -> dict[str, Any] | None:
+        """:meth:`request` of the turn at ``ordinal`` (its place in the timeline, as
+        ``ordinal`` there says): the page asks this way, since an id too long to be
+        shown whole is cut in the timeline and could not be asked for by it."""
+        if not 0 <= ordinal < len(self.spans):
+            return None
         span = self.spans[ordinal]
+        turn_id = span.turn_id
         opened: TurnOpened | None = None
         started: ModelCallStarted | None = None
         ended: ModelCallEnded | None = None

@@ -17,7 +17,8 @@ Routes (``<id>`` is the session id, percent-encoded as one path segment):
   page.
 * ``/api/sessions/<id>/events?from=A&to=B&limit=500`` events A..B as lines and as data;
   ``&whole=1``: the first of them alone, whole.
-* ``/api/sessions/<id>/request?turn=T&index=K`` one model call as the log records it.
+* ``/api/sessions/<id>/request?turn=T&index=K`` one model call as the log records it
+  (``ordinal=N`` instead of ``turn``: the turn at that place in the timeline).
 * ``/api/sessions/<id>/usage`` the token-usage series, one point per recorded call (past
   ``index.USAGE_POINTS`` calls, each stretch's least, most and first trimmed).
 * ``/api/sessions/<id>/state?seq=N`` the fold of the log up to N: history, queue, turn.
@@ -215,10 +216,13 @@ def route(inspector: Inspector, path: str, query: dict[str, list[str]]) -> dict[
             session_id, lambda ix: ix.events_page(first, last, limit, whole=whole)
         )
     if what == "request":
+        index = _int(query, "index")
+        if query.get("ordinal"):  # the turn by its place in the timeline
+            ordinal = _int(query, "ordinal")
+            return inspector.call(session_id, lambda ix: ix.request_at(ordinal, index))
         turn = (query.get("turn") or [""])[0]
         if not turn:
-            raise BadRequest("missing parameter 'turn'")
-        index = _int(query, "index")
+            raise BadRequest("missing parameter 'turn' (or 'ordinal')")
         return inspector.call(session_id, lambda ix: ix.request(turn, index))
     if what == "usage":
         return inspector.call(session_id, lambda ix: ix.usage_series())

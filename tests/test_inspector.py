@@ -204,6 +204,15 @@ def test_request_is_the_call_as_recorded(server: InspectorServer, demo_db: Path)
     assert status == 404 and "no such record" in data["error"]
     status, data = get(server, f"/api/sessions/{quote(SESSION, safe='')}/request?turn=turn-1")
     assert status == 400 and "index" in data["error"]
+    # By its place in the timeline (as the page asks): the same answer.
+    assert api(server, "request", ordinal=0, index=2) == r
+    for bad in (4, -1):
+        status, data = get(
+            server, f"/api/sessions/{quote(SESSION, safe='')}/request?ordinal={bad}&index=1"
+        )
+        assert status == 404, bad
+    status, data = get(server, f"/api/sessions/{quote(SESSION, safe='')}/request?index=1")
+    assert status == 400 and "'turn' (or 'ordinal')" in data["error"]
 
 
 def test_usage_series_is_every_recorded_usage(server: InspectorServer, demo_db: Path) -> None:

@@ -382,3 +382,35 @@ def test_prev_goes_back_to_where_the_page_before_started(page: Any, tmp_path: Pa
         pg.click("#page-prev")
         at(0)
         assert errors == []
+
+
+def test_a_call_of_a_turn_whose_id_is_cut_opens(page: Any, tmp_path: Path) -> None:
+    """A turn id of 2,000 characters is shown cut in the timeline; its model call's
+    request still opens (the page asks for the turn by its place, not by the cut id)."""
+    from aalis_agent.events import FixedClock, ModelCallEnded, TurnRecorded
+    from aalis_agent.inspector import index
+    from aalis_agent.testing.sample import SampleWriter
+
+    db = tmp_path / "long.db"
+    long_id = "turn-" + "长" * 2_000
+    with SqliteEventStore(db) as store:
+        writer = SampleWriter(store, "s", FixedClock(1_767_225_600_000, step_ms=1))
+        b = writer.batch()
+        b.add(TurnOpened(turn_id=long_id, input_ids=()))
+        started = b.add(ModelCallStarted(turn_id=long_id, index=1, model="m"))
+        b.add(ModelCallEnded(turn_id=long_id, index=1))
+        b.add(TurnRecorded(turn_id=long_id, outcome="replied"))
+        writer.commit(b)
+    with _opened(page, db, "session=s") as (pg, errors):
+        pg.wait_for_function("window.inspector && window.inspector.ready === true")
+        turn = pg.locator("li.turn").first
+        shown = turn.get_attribute("data-turn-id")
+        assert shown is not None and len(shown) <= index.PREVIEW < len(long_id)
+        call = turn.locator('li.call[data-index="1"]')
+        call.locator("button.expand-request").click()
+        box = call.locator(".request")
+        box.locator("table.call-facts").wait_for()
+        facts = box.locator("table.call-facts").inner_text()
+        assert f"#{started.seq}" in facts and "not ended" not in facts
+        assert "no such record" not in box.inner_text()
+        assert errors == []

@@ -228,7 +228,7 @@ function renderTurn(t) {
       c.error ? el("div", { class: "error" }, c.error, cutNote(c.cut, "error", c.error, c.ended_seq)) : "",
       el("span", { class: "muted" }, ` #${c.started_seq}`), " ",
       el("button", { class: "link expand-request", type: "button",
-        onclick: (ev) => toggleRequest(ev.target.closest("li"), t.turn_id, c.index) }, "request"));
+        onclick: (ev) => toggleRequest(ev.target.closest("li"), t.ordinal, c.index) }, "request"));
     items.push(call);
   }
   items.push(omittedNote(t.model_calls_omitted, "model calls"));
@@ -297,12 +297,13 @@ function renderLine(e) {
 
 // --- one model call's request ------------------------------------------------------
 
-async function toggleRequest(li, turnId, index) {
+// The turn by its place in the timeline: a turn id too long to show is cut there.
+async function toggleRequest(li, ordinal, index) {
   const open = li.querySelector(".request");
   if (open) { open.remove(); return; }
   const box = el("div", { class: "request" }, "loading…");
   li.append(box);
-  const r = await api(sessionPath(inspector.session, "request", { turn: turnId, index }));
+  const r = await api(sessionPath(inspector.session, "request", { ordinal, index }));
   box.replaceChildren(...renderRequest(r));
 }
 
