@@ -48,7 +48,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 from aalis_agent.events.codec import RowReader, pack_row, row_header
-from aalis_agent.events.errors import ConcurrencyConflict, CorruptEvent, StoreError
+from aalis_agent.events.errors import (
+    ConcurrencyConflict,
+    CorruptEvent,
+    InvalidBatch,
+    StoreError,
+)
 from aalis_agent.events.schema import SessionEvent
 from aalis_agent.events.store import (
     CorruptHandler,
@@ -148,6 +153,26 @@ def keepalive_options(url: str) -> dict[str, Any]:
     URL sets itself (``psycopg.ProgrammingError`` when ``url`` does not parse)."""
     given = conninfo_to_dict(url)
     return {k: v for k, v in _KEEPALIVES.items() if k not in given}
+
+
+class _OverLimit(Exception):
+    """The server refused a statement as past one of its limits (an index row too big):
+    nothing was written, and the same would be refused again."""
+
+    def __init__(self, error: psycopg.Error) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _over_limit(session_id: str, name: bytes, error: psycopg.Error) -> InvalidBatch:
+    """The refusal of a batch the server cannot hold, naming the id's size when that is
+    what is too long (a name is indexed: at most 2,704 bytes a b-tree row, compressed)."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    size = f"; its session id is {len(name):,} bytes (UTF-8), too long" if len(name) > 1000 else ""
+    return InvalidBatch(
+        f"session {session_id!r:.80}: the PostgreSQL store cannot hold this batch "
+        f"({first}){size}: nothing was written"
+    )
 
 
 class _Lost(Exception):
@@ -382,13 +407,20 @@ class PostgresEventStore:
         parts = [blob for _, blob in encode_batch(events, keyless=True)]
         data, _ = pack_row(session_id, parts, last, None)
         params = (name, expected_seq, n, open_work is False, data)
+
+        def write(conn: psycopg.Connection[Any]) -> tuple[Any, ...] | None:
+            try:
+                return conn.execute(_APPEND, params).fetchone()
+            except psycopg.errors.ProgramLimitExceeded as exc:
+                raise _OverLimit(exc) from None
+
         try:
-            row = self._call(
-                "append", lambda conn: conn.execute(_APPEND, params).fetchone(), retry=False
-            )
+            row = self._call("append", write, retry=False)
         except _Lost as lost:
             # It may have committed before the connection broke: settle it, then answer.
             return self._settle(session_id, params, last, lost.error)
+        except _OverLimit as over:
+            raise _over_limit(session_id, name, over.error) from None
         assert row is not None
         position = int(row[0])
         if position < 0:

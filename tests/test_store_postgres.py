@@ -4,6 +4,7 @@ same ``EventStore`` contract as every store, then what only a shared server show
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from aalis_agent.events import (
     ConcurrencyConflict,
     CorruptEvent,
     Input,
+    InvalidBatch,
     SqliteEventStore,
     StoreError,
     ToolCall,
@@ -271,6 +273,41 @@ def test_a_batch_is_one_compressed_row(pg_url: str, store: PostgresEventStore) -
 
 
 # --- read-only, reopening, opening -------------------------------------------------------
+
+
+def _unindexable_id() -> str:
+    """A session id whose UTF-8 bytes (about 4,000, not compressible) are more than a
+    PostgreSQL b-tree index holds (2,704 bytes a row)."""
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    rng = random.Random(7)
+    return "".join(rng.choice(letters) for _ in range(4000))
+
+
+def test_a_session_id_too_long_to_index_is_refused_naming_its_size(
+    store: PostgresEventStore,
+) -> None:
+    long_id = _unindexable_id()
+    with pytest.raises(InvalidBatch) as info:
+        store.append(long_id, batch(long_id, 1, 2), 0)
+    message = str(info.value)
+    assert "session id is 4,000 bytes" in message and "too long" in message
+    assert len(message) < 1000  # the id is not repeated whole
+    assert store.last_seq(long_id) == 0 and store.sessions() == []
+    assert store.append("s", batch("s", 1, 1), 0) == 1  # the store goes on
+
+
+def test_a_runtime_refuses_an_input_whose_session_id_is_too_long_to_index(
+    store: PostgresEventStore,
+) -> None:
+    long_id = _unindexable_id()
+    runtime = Runtime(store, Services(llm=ScriptedModel([ScriptedReply(text="好")])), janitor=False)
+    try:
+        with pytest.raises(InvalidBatch, match="session id is 4,000 bytes"):
+            runtime.submit(long_id, Input(id="i1", content="在吗")).result(timeout=30)
+        assert store.sessions() == []
+    finally:
+        runtime.shutdown(timeout=10)
+        pykka.ActorRegistry.stop_all()
 
 
 def test_read_only_reads_and_refuses_writes(pg_url: str) -> None:  # noqa: F811
