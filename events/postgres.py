@@ -57,6 +57,7 @@ from aalis_agent.events.errors import (
 from aalis_agent.events.schema import SessionEvent
 from aalis_agent.events.store import (
     CorruptHandler,
+    FollowOn,
     Recorded,
     check_batch,
     check_limit,
@@ -119,9 +120,9 @@ _TABLES = ("aalis_head", "aalis_sessions", "aalis_log")
 _APPEND = "SELECT aalis_append(%s, %s, %s, %s, %s)"
 _SID = "SELECT sid FROM aalis_sessions WHERE name = %s"
 _LAST_SEQ = "SELECT last_seq FROM aalis_sessions WHERE name = %s"
-_ROWS = (
-    "SELECT l.seq, l.data FROM aalis_log l JOIN aalis_sessions s ON s.sid = l.sid "
-    "WHERE s.name = %s AND l.seq > %s ORDER BY l.seq"
+_ROWS = (  # one row of NULLs and the last seq when the session has no rows past after_seq
+    "SELECT l.seq, l.data, s.last_seq FROM aalis_sessions s "
+    "LEFT JOIN aalis_log l ON l.sid = s.sid AND l.seq > %s WHERE s.name = %s ORDER BY l.seq"
 )
 _GROUP_BEFORE = (
     "SELECT seq, data FROM aalis_log WHERE sid = %s AND seq <= %s ORDER BY seq DESC LIMIT %s"
@@ -498,13 +499,22 @@ class PostgresEventStore:
     def read(
         self, session_id: str, after_seq: int = 0, *, on_corrupt: CorruptHandler | None = None
     ) -> list[SessionEvent]:
-        rows: list[Row] = [
-            (seq, bytes(data)) for seq, data in self._query(_ROWS, (_name(session_id), after_seq))
-        ]
+        found = self._query(_ROWS, (after_seq, _name(session_id)))
+        if not found:
+            return []  # no such session
+        last_seq = int(found[0][2])
+        rows: list[Row] = [(seq, bytes(data)) for seq, data, _ in found if seq is not None]
         if rows and (header := row_header(rows[0][1])) is not None and header[0]:
             rows[:0] = self._group_before(session_id, rows[0][0], header)
         out: list[SessionEvent] = []
         reader = RowReader(session_id)
+        follow = FollowOn(session_id, after_seq)  # rows deleted or overlapping by hand
+
+        def report(exc: CorruptEvent) -> None:
+            if on_corrupt is None:
+                raise exc
+            on_corrupt(exc)
+
         for seq, data in rows:
             try:
                 if seq <= after_seq:  # an earlier row of the first one's group
@@ -514,13 +524,18 @@ class PostgresEventStore:
             except CorruptEvent as exc:
                 if seq <= after_seq:
                     continue  # the row that needs it will say so
-                if on_corrupt is None:
-                    raise
-                on_corrupt(exc)
+                follow.skip(seq)
+                report(exc)
                 continue
+            if (fault := follow.fault(events[0].seq, seq)) is not None:
+                report(fault)
+                if fault.seq == events[0].seq:  # the row repeats seqs: not read
+                    continue
             if events[0].seq <= after_seq:  # the row holds events from before too
                 events = [e for e in events if e.seq > after_seq]
             out += events
+        if (fault := follow.end(last_seq)) is not None:  # the last rows are gone
+            report(fault)
         return out
 
     def _group_before(

@@ -250,6 +250,57 @@ def test_on_corrupt_receives_bad_rows_and_the_rest_are_returned(
     assert all(c.reason for c in seen)
 
 
+def test_rows_deleted_by_hand_are_reported_missing_not_read_past(
+    pg_url: str,  # noqa: F811
+    store: PostgresEventStore,
+) -> None:
+    for at in (0, 2, 4):
+        store.append("s", batch("s", at + 1, 2), at)  # rows ending at seqs 2, 4, 6
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("DELETE FROM aalis_log WHERE seq = 4")
+    with pytest.raises(CorruptEvent) as info:
+        store.read("s")
+    assert info.value.seq == 3 and "seqs 3-4 missing" in str(info.value)
+    seen: list[CorruptEvent] = []
+    assert store.read("s", on_corrupt=seen.append) == batch("s", 1, 2) + batch("s", 5, 2)
+    assert [c.seq for c in seen] == [3]
+    assert store.read("s", after_seq=4) == batch("s", 5, 2)
+    seen.clear()
+    assert store.read("s", after_seq=3, on_corrupt=seen.append) == batch("s", 5, 2)
+    assert [c.reason for c in seen] == ["seq 4 missing: no row holds it"]
+    # The last row gone: the session's row still says where its log ends.
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("DELETE FROM aalis_log WHERE seq = 6")
+    seen.clear()
+    assert store.read("s", on_corrupt=seen.append) == batch("s", 1, 2)
+    assert [c.reason for c in seen] == ["seqs 3-6 missing: no row holds them"]
+    with pytest.raises(CorruptEvent, match="seqs 5-6 missing"):
+        store.read("s", after_seq=4)
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("DELETE FROM aalis_log")
+    with pytest.raises(CorruptEvent, match="seqs 1-6 missing"):
+        store.read("s")
+
+
+def test_a_row_repeating_seqs_read_before_is_reported_and_skipped(
+    pg_url: str,  # noqa: F811
+    store: PostgresEventStore,
+) -> None:
+    store.append("s", batch("s", 1, 2), 0)
+    # Three events in a row keyed seq 3: it says it holds seqs 1-3, two of them read.
+    parts = [codec.encode_keyless(e) for e in batch("s", 1, 3)]
+    _raw_append(pg_url, "s", 2, 1, codec.pack_row("s", parts, 3, None)[0])
+    store.append("s", batch("s", 4, 1), 3)
+    with pytest.raises(CorruptEvent) as info:
+        store.read("s")
+    assert info.value.seq == 1 and "repeats seqs up to 2" in str(info.value)
+    seen: list[CorruptEvent] = []
+    assert store.read("s", on_corrupt=seen.append) == batch("s", 1, 2) + batch("s", 4, 1)
+    assert [c.seq for c in seen] == [1]
+    # Read from past the repeated seqs, the row holds the one asked for.
+    assert [e.seq for e in store.read("s", after_seq=2)] == [3, 4]
+
+
 def test_rows_in_format_1_are_read_with_the_others(
     pg_url: str,  # noqa: F811
     store: PostgresEventStore,
