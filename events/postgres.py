@@ -48,10 +48,16 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 from aalis_agent.events.codec import RowReader, pack_row, row_header
-from aalis_agent.events.errors import ConcurrencyConflict, CorruptEvent, StoreError
+from aalis_agent.events.errors import (
+    ConcurrencyConflict,
+    CorruptEvent,
+    InvalidBatch,
+    StoreError,
+)
 from aalis_agent.events.schema import SessionEvent
 from aalis_agent.events.store import (
     CorruptHandler,
+    FollowOn,
     Recorded,
     check_batch,
     check_limit,
@@ -114,9 +120,9 @@ _TABLES = ("aalis_head", "aalis_sessions", "aalis_log")
 _APPEND = "SELECT aalis_append(%s, %s, %s, %s, %s)"
 _SID = "SELECT sid FROM aalis_sessions WHERE name = %s"
 _LAST_SEQ = "SELECT last_seq FROM aalis_sessions WHERE name = %s"
-_ROWS = (
-    "SELECT l.seq, l.data FROM aalis_log l JOIN aalis_sessions s ON s.sid = l.sid "
-    "WHERE s.name = %s AND l.seq > %s ORDER BY l.seq"
+_ROWS = (  # one row of NULLs and the last seq when the session has no rows past after_seq
+    "SELECT l.seq, l.data, s.last_seq FROM aalis_sessions s "
+    "LEFT JOIN aalis_log l ON l.sid = s.sid AND l.seq > %s WHERE s.name = %s ORDER BY l.seq"
 )
 _GROUP_BEFORE = (
     "SELECT seq, data FROM aalis_log WHERE sid = %s AND seq <= %s ORDER BY seq DESC LIMIT %s"
@@ -148,6 +154,26 @@ def keepalive_options(url: str) -> dict[str, Any]:
     URL sets itself (``psycopg.ProgrammingError`` when ``url`` does not parse)."""
     given = conninfo_to_dict(url)
     return {k: v for k, v in _KEEPALIVES.items() if k not in given}
+
+
+class _OverLimit(Exception):
+    """The server refused a statement as past one of its limits (an index row too big):
+    nothing was written, and the same would be refused again."""
+
+    def __init__(self, error: psycopg.Error) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _over_limit(session_id: str, name: bytes, error: psycopg.Error) -> InvalidBatch:
+    """The refusal of a batch the server cannot hold, naming the id's size when that is
+    what is too long (a name is indexed: at most 2,704 bytes a b-tree row, compressed)."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    size = f"; its session id is {len(name):,} bytes (UTF-8), too long" if len(name) > 1000 else ""
+    return InvalidBatch(
+        f"session {session_id!r:.80}: the PostgreSQL store cannot hold this batch "
+        f"({first}){size}: nothing was written"
+    )
 
 
 class _Lost(Exception):
@@ -382,13 +408,20 @@ class PostgresEventStore:
         parts = [blob for _, blob in encode_batch(events, keyless=True)]
         data, _ = pack_row(session_id, parts, last, None)
         params = (name, expected_seq, n, open_work is False, data)
+
+        def write(conn: psycopg.Connection[Any]) -> tuple[Any, ...] | None:
+            try:
+                return conn.execute(_APPEND, params).fetchone()
+            except psycopg.errors.ProgramLimitExceeded as exc:
+                raise _OverLimit(exc) from None
+
         try:
-            row = self._call(
-                "append", lambda conn: conn.execute(_APPEND, params).fetchone(), retry=False
-            )
+            row = self._call("append", write, retry=False)
         except _Lost as lost:
             # It may have committed before the connection broke: settle it, then answer.
             return self._settle(session_id, params, last, lost.error)
+        except _OverLimit as over:
+            raise _over_limit(session_id, name, over.error) from None
         assert row is not None
         position = int(row[0])
         if position < 0:
@@ -466,13 +499,22 @@ class PostgresEventStore:
     def read(
         self, session_id: str, after_seq: int = 0, *, on_corrupt: CorruptHandler | None = None
     ) -> list[SessionEvent]:
-        rows: list[Row] = [
-            (seq, bytes(data)) for seq, data in self._query(_ROWS, (_name(session_id), after_seq))
-        ]
+        found = self._query(_ROWS, (after_seq, _name(session_id)))
+        if not found:
+            return []  # no such session
+        last_seq = int(found[0][2])
+        rows: list[Row] = [(seq, bytes(data)) for seq, data, _ in found if seq is not None]
         if rows and (header := row_header(rows[0][1])) is not None and header[0]:
             rows[:0] = self._group_before(session_id, rows[0][0], header)
         out: list[SessionEvent] = []
         reader = RowReader(session_id)
+        follow = FollowOn(session_id, after_seq)  # rows deleted or overlapping by hand
+
+        def report(exc: CorruptEvent) -> None:
+            if on_corrupt is None:
+                raise exc
+            on_corrupt(exc)
+
         for seq, data in rows:
             try:
                 if seq <= after_seq:  # an earlier row of the first one's group
@@ -482,13 +524,18 @@ class PostgresEventStore:
             except CorruptEvent as exc:
                 if seq <= after_seq:
                     continue  # the row that needs it will say so
-                if on_corrupt is None:
-                    raise
-                on_corrupt(exc)
+                follow.skip(seq)
+                report(exc)
                 continue
+            if (fault := follow.fault(events[0].seq, seq)) is not None:
+                report(fault)
+                if fault.seq == events[0].seq:  # the row repeats seqs: not read
+                    continue
             if events[0].seq <= after_seq:  # the row holds events from before too
                 events = [e for e in events if e.seq > after_seq]
             out += events
+        if (fault := follow.end(last_seq)) is not None:  # the last rows are gone
+            report(fault)
         return out
 
     def _group_before(

@@ -62,6 +62,7 @@ from aalis_agent.events.ownership import acquire_writer, release_writer
 from aalis_agent.events.schema import SessionEvent
 from aalis_agent.events.store import (
     CorruptHandler,
+    FollowOn,
     Recorded,
     check_batch,
     check_limit,
@@ -641,6 +642,7 @@ class SqliteEventStore:
         out: list[SessionEvent] = []
         reader = RowReader(session_id)
         read = reader.read
+        follow = FollowOn(session_id, after_seq)  # rows deleted or overlapping by hand
         for seq, data in rows:
             if type(seq) is not int:  # edited by hand: no place in the log to read it at
                 bad = CorruptEvent(session_id, 0, f"a row whose seq is {seq!r:.40}, not a number")
@@ -656,10 +658,17 @@ class SqliteEventStore:
             except CorruptEvent as exc:
                 if seq <= after_seq:
                     continue  # the row that needs it will say so
+                follow.skip(seq)
                 if on_corrupt is None:
                     raise
                 on_corrupt(exc)
                 continue
+            if (fault := follow.fault(events[0].seq, seq)) is not None:
+                if on_corrupt is None:
+                    raise fault
+                on_corrupt(fault)
+                if fault.seq == events[0].seq:  # the row repeats seqs: not read
+                    continue
             if events[0].seq <= after_seq:  # the row holds events from before too
                 events = [e for e in events if e.seq > after_seq]
             out += events

@@ -20,6 +20,7 @@ from aalis_agent.events.schema import Event, SessionEvent
 __all__ = [
     "CorruptHandler",
     "EventStore",
+    "FollowOn",
     "InMemoryEventStore",
     "Recorded",
     "check_batch",
@@ -174,6 +175,53 @@ def check_batch(session_id: str, events: Iterable[Event], expected_seq: int) -> 
                 f"session {session_id!r}: event seq {event.seq} does not follow on; "
                 f"expected seq {want}"
             )
+
+
+class FollowOn:
+    """Checks that the rows of one read follow on from each other, as appends leave them:
+    a row deleted by hand leaves seqs no row holds, a row whose count says more than its
+    place allows repeats seqs read before. Either is a :class:`CorruptEvent`."""
+
+    __slots__ = ("_leading", "_next", "session_id")
+
+    def __init__(self, session_id: str, after_seq: int) -> None:
+        self.session_id = session_id
+        self._next = max(after_seq, 0) + 1
+        self._leading = True  # the read's first row may hold seqs from before, too
+
+    def fault(self, first: int, last: int) -> CorruptEvent | None:
+        """What is wrong with the row of seqs ``first`` to ``last`` read next, None when
+        it follows on. A fault at a seq before ``first`` says seqs are missing before the
+        row (its events are good); one at ``first`` is the row itself, which repeats seqs
+        read before (its events are not to be read)."""
+        expected, leading = self._next, self._leading
+        self.skip(last)
+        if first > expected:
+            return self.missing(expected, first - 1)
+        if first < expected and not leading:
+            return CorruptEvent(
+                self.session_id,
+                first,
+                f"a row of seqs {first}-{last} repeats seqs up to {expected - 1}, read before",
+            )
+        return None
+
+    def skip(self, last: int) -> None:
+        """A row ending at ``last`` that could not be read (reported as corrupt)."""
+        self._next = max(self._next, last + 1)
+        self._leading = False
+
+    def end(self, last_seq: int) -> CorruptEvent | None:
+        """Seqs missing at the end when the log says it ends at ``last_seq``."""
+        if last_seq < self._next:
+            return None
+        return self.missing(self._next, last_seq)
+
+    def missing(self, first: int, last: int) -> CorruptEvent:
+        span = f"seq {first} missing: no row holds it"
+        if last > first:
+            span = f"seqs {first}-{last} missing: no row holds them"
+        return CorruptEvent(self.session_id, first, span)
 
 
 class InMemoryEventStore:

@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 
 import psycopg
 import structlog
-from aalis_agent.events.errors import StoreError
+from aalis_agent.events.errors import InvalidInput, StoreError
 from aalis_agent.events.postgres import (
     PostgresEventStore,
     keepalive_options,
@@ -189,7 +189,15 @@ class PostgresLeases:
 
         def take(conn: psycopg.Connection[Any]) -> tuple[str, float | None] | None:
             for _ in range(3):  # the holder may release between the two statements
-                if conn.execute(_ACQUIRE, params).fetchone() is not None:
+                try:
+                    taken = conn.execute(_ACQUIRE, params).fetchone()
+                except psycopg.errors.ProgramLimitExceeded as exc:  # an index row too big
+                    first = (str(exc).strip().splitlines() or ["refused"])[0]
+                    raise InvalidInput(
+                        f"session {session_id!r:.80}: no lease can be taken on it ({first}); "
+                        f"its session id is {len(key):,} bytes (UTF-8), too long"
+                    ) from None
+                if taken is not None:
                     return None
                 row = conn.execute(_HOLDER, (key,)).fetchone()
                 if row is not None:

@@ -35,7 +35,7 @@ pytest.importorskip("psycopg", reason="psycopg is not installed (pip install -e 
 import msgspec
 import psycopg
 from aalis_agent.actors.runtime import Runtime, RuntimeClosed
-from aalis_agent.events import Input, StoreError, TurnRecorded
+from aalis_agent.events import Input, InvalidInput, StoreError, TurnRecorded
 from aalis_agent.events.errors import RunError
 from aalis_agent.events.postgres import PostgresEventStore
 from aalis_agent.projections import queue
@@ -172,6 +172,20 @@ def test_a_runtime_paused_past_its_lease_does_not_act_for_the_session_after(
         a.shutdown(timeout=10)
         for closing in (leases_a, leases_b, store_a, store_b):
             closing.close()
+
+
+def test_a_session_id_too_long_for_a_lease_is_refused_naming_its_size(
+    two: Any,
+) -> None:
+    a, _, leases_a, _ = two
+    rng = random.Random(7)  # about 4,000 bytes that do not compress: no index holds them
+    long_id = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(4000))
+    with pytest.raises(InvalidInput, match="session id is 4,000 bytes") as info:
+        a.submit(long_id, Input(id="i1", content="一"))
+    assert len(str(info.value)) < 1000  # the id is not repeated whole
+    assert leases_a.held() == [] and leases_a.holders() == {}
+    assert a.store.sessions() == []
+    assert a.submit("s", Input(id="i2", content="二")).result(timeout=30).outcome == "replied"
 
 
 def test_shard_ownership_and_the_stable_hash() -> None:

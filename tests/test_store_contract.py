@@ -952,6 +952,23 @@ class TestSqliteStore(StoreContract):
             store.read_all()
         assert (info_all.value.session_id, info_all.value.seq) == ("s", 2)
 
+    def test_rows_deleted_by_hand_are_reported_missing_not_read_past(self, tmp_path: Path) -> None:
+        path = tmp_path / "events.db"
+        for at in (0, 2, 4):  # each by a writer of its own: each row starts its own group
+            with SqliteEventStore(path) as writer:
+                writer.append("s", batch("s", at + 1, 2), at)
+        with sqlite3.connect(path) as conn:
+            conn.execute("DELETE FROM log WHERE seq = 4")
+        conn.close()
+        with SqliteEventStore(path) as store:
+            with pytest.raises(CorruptEvent) as info:
+                store.read("s")
+            assert info.value.seq == 3 and "seqs 3-4 missing" in str(info.value)
+            seen: list[CorruptEvent] = []
+            assert store.read("s", on_corrupt=seen.append) == batch("s", 1, 2) + batch("s", 5, 2)
+            assert [c.seq for c in seen] == [3]
+            assert store.read("s", after_seq=4) == batch("s", 5, 2)
+
     def test_on_corrupt_receives_bad_rows_and_the_rest_are_returned(
         self, tmp_path: Path, store: EventStore
     ) -> None:

@@ -4,6 +4,7 @@ same ``EventStore`` contract as every store, then what only a shared server show
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from aalis_agent.events import (
     ConcurrencyConflict,
     CorruptEvent,
     Input,
+    InvalidBatch,
     SqliteEventStore,
     StoreError,
     ToolCall,
@@ -248,6 +250,57 @@ def test_on_corrupt_receives_bad_rows_and_the_rest_are_returned(
     assert all(c.reason for c in seen)
 
 
+def test_rows_deleted_by_hand_are_reported_missing_not_read_past(
+    pg_url: str,  # noqa: F811
+    store: PostgresEventStore,
+) -> None:
+    for at in (0, 2, 4):
+        store.append("s", batch("s", at + 1, 2), at)  # rows ending at seqs 2, 4, 6
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("DELETE FROM aalis_log WHERE seq = 4")
+    with pytest.raises(CorruptEvent) as info:
+        store.read("s")
+    assert info.value.seq == 3 and "seqs 3-4 missing" in str(info.value)
+    seen: list[CorruptEvent] = []
+    assert store.read("s", on_corrupt=seen.append) == batch("s", 1, 2) + batch("s", 5, 2)
+    assert [c.seq for c in seen] == [3]
+    assert store.read("s", after_seq=4) == batch("s", 5, 2)
+    seen.clear()
+    assert store.read("s", after_seq=3, on_corrupt=seen.append) == batch("s", 5, 2)
+    assert [c.reason for c in seen] == ["seq 4 missing: no row holds it"]
+    # The last row gone: the session's row still says where its log ends.
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("DELETE FROM aalis_log WHERE seq = 6")
+    seen.clear()
+    assert store.read("s", on_corrupt=seen.append) == batch("s", 1, 2)
+    assert [c.reason for c in seen] == ["seqs 3-6 missing: no row holds them"]
+    with pytest.raises(CorruptEvent, match="seqs 5-6 missing"):
+        store.read("s", after_seq=4)
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("DELETE FROM aalis_log")
+    with pytest.raises(CorruptEvent, match="seqs 1-6 missing"):
+        store.read("s")
+
+
+def test_a_row_repeating_seqs_read_before_is_reported_and_skipped(
+    pg_url: str,  # noqa: F811
+    store: PostgresEventStore,
+) -> None:
+    store.append("s", batch("s", 1, 2), 0)
+    # Three events in a row keyed seq 3: it says it holds seqs 1-3, two of them read.
+    parts = [codec.encode_keyless(e) for e in batch("s", 1, 3)]
+    _raw_append(pg_url, "s", 2, 1, codec.pack_row("s", parts, 3, None)[0])
+    store.append("s", batch("s", 4, 1), 3)
+    with pytest.raises(CorruptEvent) as info:
+        store.read("s")
+    assert info.value.seq == 1 and "repeats seqs up to 2" in str(info.value)
+    seen: list[CorruptEvent] = []
+    assert store.read("s", on_corrupt=seen.append) == batch("s", 1, 2) + batch("s", 4, 1)
+    assert [c.seq for c in seen] == [1]
+    # Read from past the repeated seqs, the row holds the one asked for.
+    assert [e.seq for e in store.read("s", after_seq=2)] == [3, 4]
+
+
 def test_rows_in_format_1_are_read_with_the_others(
     pg_url: str,  # noqa: F811
     store: PostgresEventStore,
@@ -271,6 +324,41 @@ def test_a_batch_is_one_compressed_row(pg_url: str, store: PostgresEventStore) -
 
 
 # --- read-only, reopening, opening -------------------------------------------------------
+
+
+def _unindexable_id() -> str:
+    """A session id whose UTF-8 bytes (about 4,000, not compressible) are more than a
+    PostgreSQL b-tree index holds (2,704 bytes a row)."""
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    rng = random.Random(7)
+    return "".join(rng.choice(letters) for _ in range(4000))
+
+
+def test_a_session_id_too_long_to_index_is_refused_naming_its_size(
+    store: PostgresEventStore,
+) -> None:
+    long_id = _unindexable_id()
+    with pytest.raises(InvalidBatch) as info:
+        store.append(long_id, batch(long_id, 1, 2), 0)
+    message = str(info.value)
+    assert "session id is 4,000 bytes" in message and "too long" in message
+    assert len(message) < 1000  # the id is not repeated whole
+    assert store.last_seq(long_id) == 0 and store.sessions() == []
+    assert store.append("s", batch("s", 1, 1), 0) == 1  # the store goes on
+
+
+def test_a_runtime_refuses_an_input_whose_session_id_is_too_long_to_index(
+    store: PostgresEventStore,
+) -> None:
+    long_id = _unindexable_id()
+    runtime = Runtime(store, Services(llm=ScriptedModel([ScriptedReply(text="好")])), janitor=False)
+    try:
+        with pytest.raises(InvalidBatch, match="session id is 4,000 bytes"):
+            runtime.submit(long_id, Input(id="i1", content="在吗")).result(timeout=30)
+        assert store.sessions() == []
+    finally:
+        runtime.shutdown(timeout=10)
+        pykka.ActorRegistry.stop_all()
 
 
 def test_read_only_reads_and_refuses_writes(pg_url: str) -> None:  # noqa: F811
