@@ -76,6 +76,11 @@ MAX_RETRY_WAIT_S = 30.0
 MAX_REPLY_S = 1800.0
 """The longest a reply may stream (by default): half an hour, past any real reply."""
 
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+"""The most bytes one event (or any one line) of the stream may take, 16 MiB: far past a
+chunk any server streams. A line that does not end, or an event that is not ended, is
+not gathered further (it would fill the memory): the call ends with an ``APIError``."""
+
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error answer read for its message
 _MESSAGE_LIMIT = 500  # characters of an error answer that is not an error object
 _HEAD_LIMIT = 4096  # the start of an answer kept to say what it was
@@ -494,13 +499,15 @@ class _Events:
     """The data of the Server-Sent Events in a byte stream, however it was split: bytes
     are cut into lines only at line ends (CR, LF or CRLF), so a character split across
     two reads is joined before it is decoded. An event's ``data:`` lines are joined by
-    LF; other fields and comments carry nothing a chat completion uses."""
+    LF; other fields and comments carry nothing a chat completion uses. An event or a line
+    longer than :data:`MAX_EVENT_BYTES` is a ProviderError."""
 
-    __slots__ = ("_cr", "_data", "_partial")
+    __slots__ = ("_cr", "_data", "_data_bytes", "_partial", "_partial_bytes")
 
     def __init__(self) -> None:
         self._partial: list[bytes] = []  # the start of a line whose end has not come
         self._data: list[bytes] = []  # the data lines of the event being read
+        self._partial_bytes = self._data_bytes = 0  # the bytes in each
         self._cr = False  # the last piece ended in CR: a LF starting the next belongs to it
 
     def feed(self, piece: bytes) -> list[bytes]:
@@ -513,6 +520,8 @@ class _Events:
         if b"\n" not in piece:
             if piece:
                 self._partial.append(piece)
+                self._partial_bytes += len(piece)
+                self._check()
             return []
         lines = piece.split(b"\n")
         if self._partial:
@@ -529,17 +538,37 @@ class _Events:
                 if data:
                     joined = data[0] if len(data) == 1 else b"\n".join(data)
                     data.clear()
+                    self._data_bytes = 0
                     if joined:
                         out.append(joined)
             elif line.startswith(b"data:"):
                 data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+                self._data_bytes += len(line)
+                if self._data_bytes > MAX_EVENT_BYTES:
+                    raise _too_long()
             elif line == b"data":
                 data.append(b"")
+            elif len(line) > MAX_EVENT_BYTES:
+                raise _too_long()
+        self._partial_bytes = len(tail)
+        self._check()
         return out
+
+    def _check(self) -> None:
+        if self._data_bytes + self._partial_bytes > MAX_EVENT_BYTES:
+            raise _too_long()
 
     def end(self) -> list[bytes]:
         """At the end of the body: an event the server did not close with a blank line."""
         return self.feed(b"\n\n")
+
+
+def _too_long() -> ProviderError:
+    return ProviderError(
+        f"APIError: an event in the stream is longer than {MAX_EVENT_BYTES >> 20} MiB "
+        "(a line or an event that does not end)",
+        kind="APIError",
+    )
 
 
 def _malformed(data: bytes, reason: str) -> ProviderError:

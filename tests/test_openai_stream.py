@@ -416,6 +416,32 @@ def test_a_finish_reason_without_done_is_a_whole_reply(server: Server) -> None:
     assert text(chunks) == "好" and chunks[-1].done
 
 
+MIB = b"x" * (1 << 20)
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [b'data: {"choices": [{"delta": {"content": "', *[MIB] * 17],
+        [b": keep-alive ", *[MIB] * 17],
+        [b"data: " + MIB[7:] + b"\n"] * 17,
+    ],
+    ids=["a data line without end", "a comment line without end", "an event without end"],
+)
+def test_an_event_past_16_mib_is_an_error_and_not_gathered_further(
+    server: Server, pieces: list[bytes]
+) -> None:
+    """A line that does not end, or an event whose data lines are never followed by the
+    blank line ending it, is not gathered past 16 MiB (a server's endless line would fill
+    the memory): the call ends there with an error naming the limit."""
+    server.replies.append(Reply(pieces=[sse(chunk({"content": "好"})), *pieces], done=False))
+    stream = model(server).chat_stream(REQ, AbortSignal())
+    assert next(stream).content_delta == "好"
+    with pytest.raises(ProviderError, match=r"^APIError: an event in the stream is longer") as e:
+        next(stream)
+    assert "16 MiB" in str(e.value) and e.value.kind == "APIError"
+
+
 # --- connections -----------------------------------------------------------------------
 
 
