@@ -499,16 +499,18 @@ class _Events:
     """The data of the Server-Sent Events in a byte stream, however it was split: bytes
     are cut into lines only at line ends (CR, LF or CRLF), so a character split across
     two reads is joined before it is decoded. An event's ``data:`` lines are joined by
-    LF; other fields and comments carry nothing a chat completion uses. An event or a line
-    longer than :data:`MAX_EVENT_BYTES` is a ProviderError."""
+    LF; other fields and comments carry nothing a chat completion uses. A byte order mark
+    starting the stream is left out. An event or a line longer than
+    :data:`MAX_EVENT_BYTES` is a ProviderError."""
 
-    __slots__ = ("_cr", "_data", "_data_bytes", "_partial", "_partial_bytes")
+    __slots__ = ("_cr", "_data", "_data_bytes", "_partial", "_partial_bytes", "_started")
 
     def __init__(self) -> None:
         self._partial: list[bytes] = []  # the start of a line whose end has not come
         self._data: list[bytes] = []  # the data lines of the event being read
         self._partial_bytes = self._data_bytes = 0  # the bytes in each
         self._cr = False  # the last piece ended in CR: a LF starting the next belongs to it
+        self._started = False  # the first line has come (a byte order mark is left out)
 
     def feed(self, piece: bytes) -> list[bytes]:
         """The data of the events this piece completes."""
@@ -528,6 +530,9 @@ class _Events:
             self._partial.append(lines[0])
             lines[0] = b"".join(self._partial)
             self._partial = []
+        if not self._started:
+            self._started = True
+            lines[0] = lines[0].removeprefix(b"\xef\xbb\xbf")
         tail = lines.pop()
         if tail:
             self._partial.append(tail)

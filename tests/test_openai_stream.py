@@ -442,6 +442,18 @@ def test_an_event_past_16_mib_is_an_error_and_not_gathered_further(
     assert "16 MiB" in str(e.value) and e.value.kind == "APIError"
 
 
+def test_a_byte_order_mark_before_the_stream_is_left_out(server: Server) -> None:
+    """A UTF-8 byte order mark starting the body (a server's text encoder adds it) is not
+    part of the first line, however the bytes are cut: its event is read, not dropped."""
+    bom = b"\xef\xbb\xbf"
+    first = sse(chunk({"content": "你"}))
+    pieces = [bom[:2], bom[2:] + first[:2], first[2:], sse(chunk({"content": "好"}, "stop"))]
+    server.replies.append(Reply(pieces=pieces))
+    assert text(list(model(server).chat_stream(REQ, AbortSignal()))) == "你好"
+    later = _Events()  # only at the start: elsewhere it is a line's own text
+    assert later.feed(b"data: a\n\n" + bom + b"data: b\n\n") == [b"a"]
+
+
 # --- connections -----------------------------------------------------------------------
 
 
