@@ -8,7 +8,9 @@ network reads is whole again. Streams text, reasoning (``reasoning_content`` /
 chunk by chunk: each call is announced with its callId in a ``ToolCallProgress`` as soon
 as it starts. Usage is requested in the stream; counts a server leaves out are completed.
 A body that ends with neither ``[DONE]`` nor a ``finish_reason`` was cut short: that is
-an ``APIConnectionError``, never a reply saved as whole.
+an ``APIConnectionError``, never a reply saved as whole. A tool call's arguments past what
+the model's output limit can hold (:func:`services.llm.reply_limit`) are read no further:
+the reply ends there, cut as at the output limit.
 An abort closes the HTTP stream at once (its socket is shut down, so a read blocked on a
 silent server returns), also while the request is still waiting for the server's answer
 (a server still reading a long prompt), and ends a wait between retries at once.
@@ -62,7 +64,14 @@ import msgspec
 from aalis_agent.events.errors import ConfigError, ProviderError
 from aalis_agent.events.schema import ChatMessage, ToolCall
 from aalis_agent.services.abort import AbortSignal
-from aalis_agent.services.llm import ChatRequest, StreamChunk, ThinkLevel, ToolCallProgress, Usage
+from aalis_agent.services.llm import (
+    ChatRequest,
+    StreamChunk,
+    ThinkLevel,
+    ToolCallProgress,
+    Usage,
+    reply_limit,
+)
 from aalis_agent.services.secrets import register_secret
 
 __all__ = ["OpenAICompatibleModel", "ProviderError", "list_server_models", "to_openai_message"]
@@ -1044,6 +1053,8 @@ class OpenAICompatibleModel:
         ending = _Ending()
         finished = False  # a choice said why it finished (finish_reason)
         cut = False  # ... and that was the output limit (finish_reason "length")
+        limit = reply_limit(self)  # a tool call's arguments past it: cut there
+        over = False  # one was: the stream is read no further
         try:
             pieces = self._open(request, abort, exchange)
             if pieces is None:
@@ -1092,6 +1103,9 @@ class OpenAICompatibleModel:
                             if name := _text(function.get("name")):
                                 call.name += name
                             if arguments := _text(function.get("arguments")):
+                                room = limit - call.chars
+                                over = len(arguments) > room
+                                arguments = arguments[:room]
                                 call.arguments.append(arguments)
                                 call.chars += len(arguments)
                         yield StreamChunk(
@@ -1106,9 +1120,18 @@ class OpenAICompatibleModel:
                         )
                         if abort.aborted:
                             return
+                        if over:
+                            break
+                    if over:
+                        break
+                if over:
+                    # More than the output limit can hold: a broken or hostile server. The
+                    # reply is cut there, as at the output limit, and the rest not read.
+                    cut = True
+                    break
             if abort.aborted:
                 return  # the stream ended because a stop closed it
-            if not ending.done and not finished:
+            if not over and not ending.done and not finished:
                 # The body ended (a connection closed, a length reached) before the reply
                 # said it was whole: what came is a cut reply, not one to save as whole.
                 raise ProviderError(

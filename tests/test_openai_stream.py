@@ -454,6 +454,25 @@ def test_a_byte_order_mark_before_the_stream_is_left_out(server: Server) -> None
     assert later.feed(b"data: a\n\n" + bom + b"data: b\n\n") == [b"a"]
 
 
+def test_tool_call_arguments_past_what_the_output_limit_holds_are_not_read_further(
+    server: Server,
+) -> None:
+    """``max_output_tokens`` 10: a call's arguments can hold 1,280 characters (128 a
+    token). A server streaming more ends the reply there, cut at the output limit, the
+    arguments kept to the 1,280; what it sends after is not read (nor held in memory)."""
+    start = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "echo"}}
+    more = {"index": 0, "function": {"arguments": "a" * 100}}
+    pieces = [sse(chunk({"tool_calls": [start]})), *[sse(chunk({"tool_calls": [more]}))] * 100]
+    server.replies.append(Reply(pieces=[*pieces, sse(chunk({}, "tool_calls"))]))
+    out = list(model(server, max_output_tokens=10).chat_stream(REQ, AbortSignal()))
+    assert out[-1].done and out[-1].cut
+    assert [(c.id, c.name, c.arguments) for c in out[-1].tool_calls] == [
+        ("call_1", "echo", "a" * 1280)
+    ]
+    progress = [c.tool_call_progress for c in out if c.tool_call_progress is not None]
+    assert len(progress) == 1 + 13 and progress[-1].chars_accumulated == 1280
+
+
 # --- connections -----------------------------------------------------------------------
 
 
