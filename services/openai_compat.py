@@ -10,7 +10,8 @@ as it starts. Usage is requested in the stream; counts a server leaves out are c
 A body that ends with neither ``[DONE]`` nor a ``finish_reason`` was cut short: that is
 an ``APIConnectionError``, never a reply saved as whole. A tool call's arguments past what
 the model's output limit can hold (:func:`services.llm.reply_limit`) are read no further:
-the reply ends there, cut as at the output limit.
+the reply ends there, cut as at the output limit. A tool call's name past 1,024
+characters (each delta may add to it) is an ``APIError``.
 An abort closes the HTTP stream at once (its socket is shut down, so a read blocked on a
 silent server returns), also while the request is still waiting for the server's answer
 (a server still reading a long prompt), and ends a wait between retries at once.
@@ -90,6 +91,7 @@ MAX_EVENT_BYTES = 16 * 1024 * 1024
 chunk any server streams. A line that does not end, or an event that is not ended, is
 not gathered further (it would fill the memory): the call ends with an ``APIError``."""
 
+_NAME_LIMIT = 1024  # characters of a tool call's name: past any tool's
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error answer read for its message
 _MESSAGE_LIMIT = 500  # characters of an error answer that is not an error object
 _HEAD_LIMIT = 4096  # the start of an answer kept to say what it was
@@ -581,6 +583,14 @@ def _too_long() -> ProviderError:
     return ProviderError(
         f"APIError: an event in the stream is longer than {MAX_EVENT_BYTES >> 20} MiB "
         "(a line or an event that does not end)",
+        kind="APIError",
+    )
+
+
+def _name_too_long(name: str) -> ProviderError:
+    return ProviderError(
+        f"APIError: a tool call's name in the stream is longer than {_NAME_LIMIT} "
+        f"characters: {name[:100]!r}...",
         kind="APIError",
     )
 
@@ -1101,6 +1111,8 @@ class OpenAICompatibleModel:
                         function = tc.get("function")
                         if isinstance(function, dict):
                             if name := _text(function.get("name")):
+                                if len(call.name) + len(name) > _NAME_LIMIT:
+                                    raise _name_too_long(call.name + name)
                                 call.name += name
                             if arguments := _text(function.get("arguments")):
                                 room = limit - call.chars

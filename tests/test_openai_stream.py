@@ -473,6 +473,19 @@ def test_tool_call_arguments_past_what_the_output_limit_holds_are_not_read_furth
     assert len(progress) == 1 + 13 and progress[-1].chars_accumulated == 1280
 
 
+def test_a_tool_call_name_past_1024_characters_is_an_error(server: Server) -> None:
+    """A name growing without end (each delta adds to it) names no tool: the call ends
+    with an error saying so, rather than the name growing (and being announced whole with
+    each delta) for as long as the server sends."""
+    more = {"index": 0, "id": "call_1", "function": {"name": "n" * 100}}
+    server.replies.append(Reply(pieces=[sse(chunk({"tool_calls": [more]}))] * 100))
+    stream = model(server).chat_stream(REQ, AbortSignal())
+    names = [next(stream).tool_call_progress for _ in range(10)]
+    assert [p.name for p in names if p is not None] == ["n" * 100 * k for k in range(1, 11)]
+    with pytest.raises(ProviderError, match=r"^APIError: a tool call's name in the stream is"):
+        next(stream)
+
+
 # --- connections -----------------------------------------------------------------------
 
 
