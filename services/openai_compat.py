@@ -95,6 +95,7 @@ _NAME_LIMIT = 1024  # characters of a tool call's name: past any tool's
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error answer read for its message
 _MESSAGE_LIMIT = 500  # characters of an error answer that is not an error object
 _HEAD_LIMIT = 4096  # the start of an answer kept to say what it was
+_INFLATE_PIECE = 64 * 1024  # the most bytes a compressed body is inflated to at a time
 _DRAIN_LIMIT = 64 * 1024  # bytes after [DONE] read so that the connection can be kept
 _DRAIN_TIMEOUT_S = 0.1  # the longest a server may take to end its reply after [DONE]
 
@@ -806,21 +807,26 @@ def _body_pieces(response: httpx.Response) -> tuple[Iterator[bytes], bool]:
 
 def _inflated(pieces: Iterator[bytes], *, gzip: bool) -> Iterator[bytes]:
     """Compressed body bytes inflated as they come: gzip (member after member), or
-    ``deflate``, zlib-wrapped or raw as servers send it either way."""
+    ``deflate``, zlib-wrapped or raw as servers send it either way; at most
+    :data:`_INFLATE_PIECE` bytes at a time (a few kilobytes may hold gigabytes)."""
     inflate = zlib.decompressobj(zlib.MAX_WBITS | 16 if gzip else zlib.MAX_WBITS)
     first = True
     for piece in pieces:
         while piece:
             try:
-                out = inflate.decompress(piece)
+                out = inflate.decompress(piece, _INFLATE_PIECE)
             except zlib.error:
                 if gzip or not first:
                     raise
                 inflate = zlib.decompressobj(-zlib.MAX_WBITS)  # deflate sent raw
-                out = inflate.decompress(piece)
+                out = inflate.decompress(piece, _INFLATE_PIECE)
             first = False
-            if out:
+            while out:
                 yield out
+                if inflate.eof or (len(out) < _INFLATE_PIECE and not inflate.unconsumed_tail):
+                    break
+                # more to inflate from this piece, or held in the inflater
+                out = inflate.decompress(inflate.unconsumed_tail, _INFLATE_PIECE)
             piece = inflate.unused_data
             if piece and inflate.eof and gzip:
                 inflate = zlib.decompressobj(zlib.MAX_WBITS | 16)  # the next member

@@ -24,6 +24,7 @@ from aalis_agent.services.openai_compat import (
     OpenAICompatibleModel,
     ProviderError,
     _Events,
+    _inflated,
     list_server_models,
 )
 
@@ -484,6 +485,20 @@ def test_a_tool_call_name_past_1024_characters_is_an_error(server: Server) -> No
     assert [p.name for p in names if p is not None] == ["n" * 100 * k for k in range(1, 11)]
     with pytest.raises(ProviderError, match=r"^APIError: a tool call's name in the stream is"):
         next(stream)
+
+
+def test_a_compressed_body_is_inflated_a_little_at_a_time() -> None:
+    """A few kilobytes of gzip can hold gigabytes: each piece is inflated at most 64 KiB at
+    a time, so an endless line in it ends at the event limit, not past the memory."""
+    packer = zlib.compressobj(wbits=31)
+    body = packer.compress(b"data: " + b"x" * (64 << 20)) + packer.flush()
+    assert len(body) < 100_000  # one read of the connection
+    sizes = [len(piece) for piece in _inflated(iter([body]), gzip=True)]
+    assert max(sizes) <= 64 * 1024 and sum(sizes) == 6 + (64 << 20)
+    second = zlib.compressobj(wbits=31)  # a member after one inflated in many pieces
+    two = body + second.compress(b"data: more\n\n") + second.flush()
+    whole = b"".join(_inflated(iter([two[:5000], two[5000:]]), gzip=True))
+    assert whole == b"data: " + b"x" * (64 << 20) + b"data: more\n\n"
 
 
 # --- connections -----------------------------------------------------------------------
