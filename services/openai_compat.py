@@ -316,6 +316,8 @@ def _watch_streams(client: httpx.Client) -> None:
 
 def _transport_failure(exc: BaseException) -> ProviderError:
     """The masked stand-in for a failure to reach the server or to read its reply."""
+    if isinstance(exc, ProviderError):
+        return exc  # already said (a compressed answer that cannot be inflated)
     detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
         return ProviderError(
@@ -813,13 +815,20 @@ def _inflated(pieces: Iterator[bytes], *, gzip: bool) -> Iterator[bytes]:
     first = True
     for piece in pieces:
         while piece:
+            failure: ProviderError | None = None
             try:
                 out = inflate.decompress(piece, _INFLATE_PIECE)
-            except zlib.error:
+            except zlib.error as exc:
                 if gzip or not first:
-                    raise
-                inflate = zlib.decompressobj(-zlib.MAX_WBITS)  # deflate sent raw
-                out = inflate.decompress(piece, _INFLATE_PIECE)
+                    failure = _corrupt(exc, gzip=gzip)
+                else:
+                    inflate = zlib.decompressobj(-zlib.MAX_WBITS)  # deflate sent raw
+                    try:
+                        out = inflate.decompress(piece, _INFLATE_PIECE)
+                    except zlib.error as again:
+                        failure = _corrupt(again, gzip=gzip)
+            if failure is not None:
+                raise failure from None  # outside the handler: no __context__ either
             first = False
             while out:
                 yield out
@@ -835,6 +844,14 @@ def _inflated(pieces: Iterator[bytes], *, gzip: bool) -> Iterator[bytes]:
     tail = inflate.flush()
     if tail:
         yield tail
+
+
+def _corrupt(exc: zlib.error, *, gzip: bool) -> ProviderError:
+    return ProviderError(
+        f"APIError: the server's compressed answer cannot be inflated "
+        f"({'gzip' if gzip else 'deflate'}: {exc})",
+        kind="APIError",
+    )
 
 
 def _drain(pieces: Iterator[bytes], exchange: _Exchange) -> None:

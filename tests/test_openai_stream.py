@@ -118,6 +118,8 @@ class Server(LoopbackServer):
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
+                for name, value in reply.headers.items():
+                    self.send_header(name, value)
                 packer = zlib.compressobj(wbits=31) if reply.gzip else None
                 if packer is not None:
                     self.send_header("Content-Encoding", "gzip")
@@ -499,6 +501,16 @@ def test_a_compressed_body_is_inflated_a_little_at_a_time() -> None:
     two = body + second.compress(b"data: more\n\n") + second.flush()
     whole = b"".join(_inflated(iter([two[:5000], two[5000:]]), gzip=True))
     assert whole == b"data: " + b"x" * (64 << 20) + b"data: more\n\n"
+
+
+def test_a_compressed_body_that_cannot_be_inflated_is_a_clear_provider_error(
+    server: Server,
+) -> None:
+    gzipped = {"Content-Encoding": "gzip"}
+    server.replies.append(Reply(pieces=[b"\x1f\x8b\x08\x00 not gzip at all"], headers=gzipped))
+    with pytest.raises(ProviderError, match=r"^APIError: the server's compressed answer") as e:
+        list(model(server).chat_stream(REQ, AbortSignal()))
+    assert "gzip" in str(e.value) and e.value.kind == "APIError"
 
 
 # --- connections -----------------------------------------------------------------------
