@@ -812,24 +812,26 @@ def _inflated(pieces: Iterator[bytes], *, gzip: bool) -> Iterator[bytes]:
     ``deflate``, zlib-wrapped or raw as servers send it either way; at most
     :data:`_INFLATE_PIECE` bytes at a time (a few kilobytes may hold gigabytes)."""
     inflate = zlib.decompressobj(zlib.MAX_WBITS | 16 if gzip else zlib.MAX_WBITS)
-    first = True
+    begun: bytes | None = None if gzip else b""  # deflate's bytes read while nothing came
     for piece in pieces:
         while piece:
             failure: ProviderError | None = None
             try:
                 out = inflate.decompress(piece, _INFLATE_PIECE)
             except zlib.error as exc:
-                if gzip or not first:
+                if begun is None:
                     failure = _corrupt(exc, gzip=gzip)
-                else:
-                    inflate = zlib.decompressobj(-zlib.MAX_WBITS)  # deflate sent raw
+                else:  # deflate sent raw: read again from its start
+                    piece, begun = begun + piece, None
+                    inflate = zlib.decompressobj(-zlib.MAX_WBITS)
                     try:
                         out = inflate.decompress(piece, _INFLATE_PIECE)
                     except zlib.error as again:
                         failure = _corrupt(again, gzip=gzip)
             if failure is not None:
                 raise failure from None  # outside the handler: no __context__ either
-            first = False
+            if begun is not None:  # kept until something came (at most 64 KiB of it)
+                begun = None if out or len(begun) > _INFLATE_PIECE else begun + piece
             while out:
                 yield out
                 if inflate.eof or (len(out) < _INFLATE_PIECE and not inflate.unconsumed_tail):

@@ -513,6 +513,16 @@ def test_a_compressed_body_that_cannot_be_inflated_is_a_clear_provider_error(
     assert "gzip" in str(e.value) and e.value.kind == "APIError"
 
 
+def test_a_raw_deflate_body_is_inflated_however_its_first_bytes_are_cut() -> None:
+    """``deflate`` sent raw (without its zlib wrapping) is told apart when the wrapped
+    reading fails, also when that is only at its second read."""
+    packer = zlib.compressobj(wbits=-15)
+    body = packer.compress(b"data: hello\n\n" * 100) + packer.flush()
+    for cut in range(4):
+        pieces = iter([body[:cut], body[cut:]])
+        assert b"".join(_inflated(pieces, gzip=False)) == b"data: hello\n\n" * 100, cut
+
+
 # --- connections -----------------------------------------------------------------------
 
 
