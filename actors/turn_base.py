@@ -52,28 +52,19 @@ from aalis_agent.services import (
     OutboundMessage,
     Services,
 )
-from aalis_agent.services.llm import ChatModel, Usage
+from aalis_agent.services.llm import REPLY_CHARS_PER_TOKEN, ChatModel, Usage, reply_limit
 from aalis_agent.services.logging_setup import dropped
 from aalis_agent.services.outbound import OutboundKind
 
-__all__ = ["FirstCall", "NotRecorded", "OwnershipLost", "TurnBase", "deliver", "reply_limit"]
-
-REPLY_CHARS_PER_TOKEN = 128
-"""Characters a model's output token can hold at most (cl100k's longest token is 128
-bytes, and a character at least one): :func:`reply_limit` allows that many a token."""
-
-
-def reply_limit(model: Any) -> int:
-    """The most characters a call's reply (its text and reasoning together), or one tool
-    call's arguments, may take: what the model's output limit can hold
-    (``max_output_tokens`` × :data:`REPLY_CHARS_PER_TOKEN`; 4,096 tokens: 524,288). A
-    stream past it is a broken or hostile endpoint: it is cut there (the call ``cut``, as
-    at the output limit), so that counting and storing it stays bounded."""
-    tokens = getattr(model, "max_output_tokens", None)
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        tokens = 4096
-    return tokens * REPLY_CHARS_PER_TOKEN
-
+__all__ = [
+    "REPLY_CHARS_PER_TOKEN",
+    "FirstCall",
+    "NotRecorded",
+    "OwnershipLost",
+    "TurnBase",
+    "deliver",
+    "reply_limit",
+]
 
 _LOG = "aalis.turn"
 log = structlog.get_logger(_LOG)

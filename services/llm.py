@@ -24,6 +24,9 @@ MAX_CHUNKS = 100_000
 """Most pieces a scripted reply may be streamed in (a file's ``chunks``)."""
 MAX_CHUNK_DELAY_S = 3600.0
 """Longest wait between two chunks of a scripted reply (a file's ``chunk_delay_s``)."""
+REPLY_CHARS_PER_TOKEN = 128
+"""Characters a model's output token can hold at most (cl100k's longest token is 128
+bytes, and a character at least one): :func:`reply_limit` allows that many a token."""
 
 __all__ = [
     "ChatModel",
@@ -34,7 +37,20 @@ __all__ = [
     "ThinkLevel",
     "ToolCallProgress",
     "Usage",
+    "reply_limit",
 ]
+
+
+def reply_limit(model: Any) -> int:
+    """The most characters a call's reply (its text and reasoning together), or one tool
+    call's arguments, may take: what the model's output limit can hold
+    (``max_output_tokens`` × :data:`REPLY_CHARS_PER_TOKEN`; 4,096 tokens: 524,288). A
+    stream past it is a broken or hostile endpoint: it is cut there (the call ``cut``, as
+    at the output limit), so that counting and storing it stays bounded."""
+    tokens = getattr(model, "max_output_tokens", None)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        tokens = 4096
+    return tokens * REPLY_CHARS_PER_TOKEN
 
 
 class ThinkLevel(msgspec.Struct, frozen=True, kw_only=True):

@@ -8,7 +8,10 @@ network reads is whole again. Streams text, reasoning (``reasoning_content`` /
 chunk by chunk: each call is announced with its callId in a ``ToolCallProgress`` as soon
 as it starts. Usage is requested in the stream; counts a server leaves out are completed.
 A body that ends with neither ``[DONE]`` nor a ``finish_reason`` was cut short: that is
-an ``APIConnectionError``, never a reply saved as whole.
+an ``APIConnectionError``, never a reply saved as whole. A tool call's arguments past what
+the model's output limit can hold (:func:`services.llm.reply_limit`) are read no further:
+the reply ends there, cut as at the output limit. A tool call's name past 1,024
+characters (each delta may add to it) is an ``APIError``.
 An abort closes the HTTP stream at once (its socket is shut down, so a read blocked on a
 silent server returns), also while the request is still waiting for the server's answer
 (a server still reading a long prompt), and ends a wait between retries at once.
@@ -62,7 +65,14 @@ import msgspec
 from aalis_agent.events.errors import ConfigError, ProviderError
 from aalis_agent.events.schema import ChatMessage, ToolCall
 from aalis_agent.services.abort import AbortSignal
-from aalis_agent.services.llm import ChatRequest, StreamChunk, ThinkLevel, ToolCallProgress, Usage
+from aalis_agent.services.llm import (
+    ChatRequest,
+    StreamChunk,
+    ThinkLevel,
+    ToolCallProgress,
+    Usage,
+    reply_limit,
+)
 from aalis_agent.services.secrets import register_secret
 
 __all__ = ["OpenAICompatibleModel", "ProviderError", "list_server_models", "to_openai_message"]
@@ -76,9 +86,16 @@ MAX_RETRY_WAIT_S = 30.0
 MAX_REPLY_S = 1800.0
 """The longest a reply may stream (by default): half an hour, past any real reply."""
 
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+"""The most bytes one event (or any one line) of the stream may take, 16 MiB: far past a
+chunk any server streams. A line that does not end, or an event that is not ended, is
+not gathered further (it would fill the memory): the call ends with an ``APIError``."""
+
+_NAME_LIMIT = 1024  # characters of a tool call's name: past any tool's
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error answer read for its message
 _MESSAGE_LIMIT = 500  # characters of an error answer that is not an error object
 _HEAD_LIMIT = 4096  # the start of an answer kept to say what it was
+_INFLATE_PIECE = 64 * 1024  # the most bytes a compressed body is inflated to at a time
 _DRAIN_LIMIT = 64 * 1024  # bytes after [DONE] read so that the connection can be kept
 _DRAIN_TIMEOUT_S = 0.1  # the longest a server may take to end its reply after [DONE]
 
@@ -299,6 +316,8 @@ def _watch_streams(client: httpx.Client) -> None:
 
 def _transport_failure(exc: BaseException) -> ProviderError:
     """The masked stand-in for a failure to reach the server or to read its reply."""
+    if isinstance(exc, ProviderError):
+        return exc  # already said (a compressed answer that cannot be inflated)
     detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
         return ProviderError(
@@ -494,14 +513,18 @@ class _Events:
     """The data of the Server-Sent Events in a byte stream, however it was split: bytes
     are cut into lines only at line ends (CR, LF or CRLF), so a character split across
     two reads is joined before it is decoded. An event's ``data:`` lines are joined by
-    LF; other fields and comments carry nothing a chat completion uses."""
+    LF; other fields and comments carry nothing a chat completion uses. A byte order mark
+    starting the stream is left out. An event or a line longer than
+    :data:`MAX_EVENT_BYTES` is a ProviderError."""
 
-    __slots__ = ("_cr", "_data", "_partial")
+    __slots__ = ("_cr", "_data", "_data_bytes", "_partial", "_partial_bytes", "_started")
 
     def __init__(self) -> None:
         self._partial: list[bytes] = []  # the start of a line whose end has not come
         self._data: list[bytes] = []  # the data lines of the event being read
+        self._partial_bytes = self._data_bytes = 0  # the bytes in each
         self._cr = False  # the last piece ended in CR: a LF starting the next belongs to it
+        self._started = False  # the first line has come (a byte order mark is left out)
 
     def feed(self, piece: bytes) -> list[bytes]:
         """The data of the events this piece completes."""
@@ -513,12 +536,17 @@ class _Events:
         if b"\n" not in piece:
             if piece:
                 self._partial.append(piece)
+                self._partial_bytes += len(piece)
+                self._check()
             return []
         lines = piece.split(b"\n")
         if self._partial:
             self._partial.append(lines[0])
             lines[0] = b"".join(self._partial)
             self._partial = []
+        if not self._started:
+            self._started = True
+            lines[0] = lines[0].removeprefix(b"\xef\xbb\xbf")
         tail = lines.pop()
         if tail:
             self._partial.append(tail)
@@ -529,17 +557,45 @@ class _Events:
                 if data:
                     joined = data[0] if len(data) == 1 else b"\n".join(data)
                     data.clear()
+                    self._data_bytes = 0
                     if joined:
                         out.append(joined)
             elif line.startswith(b"data:"):
                 data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+                self._data_bytes += len(line)
+                if self._data_bytes > MAX_EVENT_BYTES:
+                    raise _too_long()
             elif line == b"data":
                 data.append(b"")
+            elif len(line) > MAX_EVENT_BYTES:
+                raise _too_long()
+        self._partial_bytes = len(tail)
+        self._check()
         return out
+
+    def _check(self) -> None:
+        if self._data_bytes + self._partial_bytes > MAX_EVENT_BYTES:
+            raise _too_long()
 
     def end(self) -> list[bytes]:
         """At the end of the body: an event the server did not close with a blank line."""
         return self.feed(b"\n\n")
+
+
+def _too_long() -> ProviderError:
+    return ProviderError(
+        f"APIError: an event in the stream is longer than {MAX_EVENT_BYTES >> 20} MiB "
+        "(a line or an event that does not end)",
+        kind="APIError",
+    )
+
+
+def _name_too_long(name: str) -> ProviderError:
+    return ProviderError(
+        f"APIError: a tool call's name in the stream is longer than {_NAME_LIMIT} "
+        f"characters: {name[:100]!r}...",
+        kind="APIError",
+    )
 
 
 def _malformed(data: bytes, reason: str) -> ProviderError:
@@ -753,21 +809,35 @@ def _body_pieces(response: httpx.Response) -> tuple[Iterator[bytes], bool]:
 
 def _inflated(pieces: Iterator[bytes], *, gzip: bool) -> Iterator[bytes]:
     """Compressed body bytes inflated as they come: gzip (member after member), or
-    ``deflate``, zlib-wrapped or raw as servers send it either way."""
+    ``deflate``, zlib-wrapped or raw as servers send it either way; at most
+    :data:`_INFLATE_PIECE` bytes at a time (a few kilobytes may hold gigabytes)."""
     inflate = zlib.decompressobj(zlib.MAX_WBITS | 16 if gzip else zlib.MAX_WBITS)
-    first = True
+    begun: bytes | None = None if gzip else b""  # deflate's bytes read while nothing came
     for piece in pieces:
         while piece:
+            failure: ProviderError | None = None
             try:
-                out = inflate.decompress(piece)
-            except zlib.error:
-                if gzip or not first:
-                    raise
-                inflate = zlib.decompressobj(-zlib.MAX_WBITS)  # deflate sent raw
-                out = inflate.decompress(piece)
-            first = False
-            if out:
+                out = inflate.decompress(piece, _INFLATE_PIECE)
+            except zlib.error as exc:
+                if begun is None:
+                    failure = _corrupt(exc, gzip=gzip)
+                else:  # deflate sent raw: read again from its start
+                    piece, begun = begun + piece, None
+                    inflate = zlib.decompressobj(-zlib.MAX_WBITS)
+                    try:
+                        out = inflate.decompress(piece, _INFLATE_PIECE)
+                    except zlib.error as again:
+                        failure = _corrupt(again, gzip=gzip)
+            if failure is not None:
+                raise failure from None  # outside the handler: no __context__ either
+            if begun is not None:  # kept until something came (at most 64 KiB of it)
+                begun = None if out or len(begun) > _INFLATE_PIECE else begun + piece
+            while out:
                 yield out
+                if inflate.eof or (len(out) < _INFLATE_PIECE and not inflate.unconsumed_tail):
+                    break
+                # more to inflate from this piece, or held in the inflater
+                out = inflate.decompress(inflate.unconsumed_tail, _INFLATE_PIECE)
             piece = inflate.unused_data
             if piece and inflate.eof and gzip:
                 inflate = zlib.decompressobj(zlib.MAX_WBITS | 16)  # the next member
@@ -776,6 +846,14 @@ def _inflated(pieces: Iterator[bytes], *, gzip: bool) -> Iterator[bytes]:
     tail = inflate.flush()
     if tail:
         yield tail
+
+
+def _corrupt(exc: zlib.error, *, gzip: bool) -> ProviderError:
+    return ProviderError(
+        f"APIError: the server's compressed answer cannot be inflated "
+        f"({'gzip' if gzip else 'deflate'}: {exc})",
+        kind="APIError",
+    )
 
 
 def _drain(pieces: Iterator[bytes], exchange: _Exchange) -> None:
@@ -1010,6 +1088,8 @@ class OpenAICompatibleModel:
         ending = _Ending()
         finished = False  # a choice said why it finished (finish_reason)
         cut = False  # ... and that was the output limit (finish_reason "length")
+        limit = reply_limit(self)  # a tool call's arguments past it: cut there
+        over = False  # one was: the stream is read no further
         try:
             pieces = self._open(request, abort, exchange)
             if pieces is None:
@@ -1056,8 +1136,13 @@ class OpenAICompatibleModel:
                         function = tc.get("function")
                         if isinstance(function, dict):
                             if name := _text(function.get("name")):
+                                if len(call.name) + len(name) > _NAME_LIMIT:
+                                    raise _name_too_long(call.name + name)
                                 call.name += name
                             if arguments := _text(function.get("arguments")):
+                                room = limit - call.chars
+                                over = len(arguments) > room
+                                arguments = arguments[:room]
                                 call.arguments.append(arguments)
                                 call.chars += len(arguments)
                         yield StreamChunk(
@@ -1072,9 +1157,18 @@ class OpenAICompatibleModel:
                         )
                         if abort.aborted:
                             return
+                        if over:
+                            break
+                    if over:
+                        break
+                if over:
+                    # More than the output limit can hold: a broken or hostile server. The
+                    # reply is cut there, as at the output limit, and the rest not read.
+                    cut = True
+                    break
             if abort.aborted:
                 return  # the stream ended because a stop closed it
-            if not ending.done and not finished:
+            if not over and not ending.done and not finished:
                 # The body ended (a connection closed, a length reached) before the reply
                 # said it was whole: what came is a cut reply, not one to save as whole.
                 raise ProviderError(

@@ -636,3 +636,29 @@ def test_the_last_chunk_says_whether_the_reply_was_cut_at_the_output_limit(
         server.scripts.append([sse(chunk({"content": "好"}, reason))])
         out = list(model(server).chat_stream(REQ, AbortSignal()))
         assert out[-1].done and out[-1].cut is cut
+
+
+def test_tool_call_arguments_without_end_are_cut_at_the_output_limit_in_a_turn(
+    server: Server,
+) -> None:
+    """A server streaming a call's arguments past what ``max_output_tokens`` can hold
+    (10 tokens: 1,280 characters): the turn reads no more of it, the call does not run and
+    the model reads that its reply was cut off; nothing longer is stored."""
+    start = {"index": 0, "id": "call_A", "function": {"name": "echo", "arguments": '{"x": "'}}
+    more = {"index": 0, "function": {"arguments": "长" * 100}}
+    server.scripts.append(
+        [sse(chunk({"tool_calls": [start]})), *[sse(chunk({"tool_calls": [more]}))] * 100]
+    )
+    server.scripts.append([sse(chunk({"content": "好"}, "stop"))])
+    ran: list[Any] = []
+    tools = ToolRegistry([Tool("echo", lambda a, c: ran.append(a) or "x")])
+    with running(Services(llm=model(server, max_output_tokens=10), tools=tools)) as runtime:
+        assert runtime.run("s", Input(id="", content="说")).outcome == "replied"
+        log = runtime.store.read("s")
+    assert ran == []
+    [finished] = [e for e in log if isinstance(e, ToolFinished)]
+    assert finished.error is not None
+    assert finished.error.startswith("[错误] 回复在输出长度上限处被截断")
+    assert [e.arguments for e in log if isinstance(e, ToolStarted)] == ["{}"]
+    assert max(len(m["content"] or "") for m in server.requests[1]["messages"]) < 1280
+    assert len(json.dumps(server.requests[1], ensure_ascii=False)) < 2 * 1280 + 4096

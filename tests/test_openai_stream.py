@@ -24,6 +24,7 @@ from aalis_agent.services.openai_compat import (
     OpenAICompatibleModel,
     ProviderError,
     _Events,
+    _inflated,
     list_server_models,
 )
 
@@ -117,6 +118,8 @@ class Server(LoopbackServer):
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
+                for name, value in reply.headers.items():
+                    self.send_header(name, value)
                 packer = zlib.compressobj(wbits=31) if reply.gzip else None
                 if packer is not None:
                     self.send_header("Content-Encoding", "gzip")
@@ -414,6 +417,110 @@ def test_a_finish_reason_without_done_is_a_whole_reply(server: Server) -> None:
     server.replies.append(Reply(pieces=[sse(chunk({"content": "好"}, "stop"))], done=False))
     chunks = list(model(server).chat_stream(REQ, AbortSignal()))
     assert text(chunks) == "好" and chunks[-1].done
+
+
+MIB = b"x" * (1 << 20)
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [b'data: {"choices": [{"delta": {"content": "', *[MIB] * 17],
+        [b": keep-alive ", *[MIB] * 17],
+        [b"data: " + MIB[7:] + b"\n"] * 17,
+    ],
+    ids=["a data line without end", "a comment line without end", "an event without end"],
+)
+def test_an_event_past_16_mib_is_an_error_and_not_gathered_further(
+    server: Server, pieces: list[bytes]
+) -> None:
+    """A line that does not end, or an event whose data lines are never followed by the
+    blank line ending it, is not gathered past 16 MiB (a server's endless line would fill
+    the memory): the call ends there with an error naming the limit."""
+    server.replies.append(Reply(pieces=[sse(chunk({"content": "好"})), *pieces], done=False))
+    stream = model(server).chat_stream(REQ, AbortSignal())
+    assert next(stream).content_delta == "好"
+    with pytest.raises(ProviderError, match=r"^APIError: an event in the stream is longer") as e:
+        next(stream)
+    assert "16 MiB" in str(e.value) and e.value.kind == "APIError"
+
+
+def test_a_byte_order_mark_before_the_stream_is_left_out(server: Server) -> None:
+    """A UTF-8 byte order mark starting the body (a server's text encoder adds it) is not
+    part of the first line, however the bytes are cut: its event is read, not dropped."""
+    bom = b"\xef\xbb\xbf"
+    first = sse(chunk({"content": "你"}))
+    pieces = [bom[:2], bom[2:] + first[:2], first[2:], sse(chunk({"content": "好"}, "stop"))]
+    server.replies.append(Reply(pieces=pieces))
+    assert text(list(model(server).chat_stream(REQ, AbortSignal()))) == "你好"
+    later = _Events()  # only at the start: elsewhere it is a line's own text
+    assert later.feed(b"data: a\n\n" + bom + b"data: b\n\n") == [b"a"]
+
+
+def test_tool_call_arguments_past_what_the_output_limit_holds_are_not_read_further(
+    server: Server,
+) -> None:
+    """``max_output_tokens`` 10: a call's arguments can hold 1,280 characters (128 a
+    token). A server streaming more ends the reply there, cut at the output limit, the
+    arguments kept to the 1,280; what it sends after is not read (nor held in memory)."""
+    start = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "echo"}}
+    more = {"index": 0, "function": {"arguments": "a" * 100}}
+    pieces = [sse(chunk({"tool_calls": [start]})), *[sse(chunk({"tool_calls": [more]}))] * 100]
+    server.replies.append(Reply(pieces=[*pieces, sse(chunk({}, "tool_calls"))]))
+    out = list(model(server, max_output_tokens=10).chat_stream(REQ, AbortSignal()))
+    assert out[-1].done and out[-1].cut
+    assert [(c.id, c.name, c.arguments) for c in out[-1].tool_calls] == [
+        ("call_1", "echo", "a" * 1280)
+    ]
+    progress = [c.tool_call_progress for c in out if c.tool_call_progress is not None]
+    assert len(progress) == 1 + 13 and progress[-1].chars_accumulated == 1280
+
+
+def test_a_tool_call_name_past_1024_characters_is_an_error(server: Server) -> None:
+    """A name growing without end (each delta adds to it) names no tool: the call ends
+    with an error saying so, rather than the name growing (and being announced whole with
+    each delta) for as long as the server sends."""
+    more = {"index": 0, "id": "call_1", "function": {"name": "n" * 100}}
+    server.replies.append(Reply(pieces=[sse(chunk({"tool_calls": [more]}))] * 100))
+    stream = model(server).chat_stream(REQ, AbortSignal())
+    names = [next(stream).tool_call_progress for _ in range(10)]
+    assert [p.name for p in names if p is not None] == ["n" * 100 * k for k in range(1, 11)]
+    with pytest.raises(ProviderError, match=r"^APIError: a tool call's name in the stream is"):
+        next(stream)
+
+
+def test_a_compressed_body_is_inflated_a_little_at_a_time() -> None:
+    """A few kilobytes of gzip can hold gigabytes: each piece is inflated at most 64 KiB at
+    a time, so an endless line in it ends at the event limit, not past the memory."""
+    packer = zlib.compressobj(wbits=31)
+    body = packer.compress(b"data: " + b"x" * (64 << 20)) + packer.flush()
+    assert len(body) < 100_000  # one read of the connection
+    sizes = [len(piece) for piece in _inflated(iter([body]), gzip=True)]
+    assert max(sizes) <= 64 * 1024 and sum(sizes) == 6 + (64 << 20)
+    second = zlib.compressobj(wbits=31)  # a member after one inflated in many pieces
+    two = body + second.compress(b"data: more\n\n") + second.flush()
+    whole = b"".join(_inflated(iter([two[:5000], two[5000:]]), gzip=True))
+    assert whole == b"data: " + b"x" * (64 << 20) + b"data: more\n\n"
+
+
+def test_a_compressed_body_that_cannot_be_inflated_is_a_clear_provider_error(
+    server: Server,
+) -> None:
+    gzipped = {"Content-Encoding": "gzip"}
+    server.replies.append(Reply(pieces=[b"\x1f\x8b\x08\x00 not gzip at all"], headers=gzipped))
+    with pytest.raises(ProviderError, match=r"^APIError: the server's compressed answer") as e:
+        list(model(server).chat_stream(REQ, AbortSignal()))
+    assert "gzip" in str(e.value) and e.value.kind == "APIError"
+
+
+def test_a_raw_deflate_body_is_inflated_however_its_first_bytes_are_cut() -> None:
+    """``deflate`` sent raw (without its zlib wrapping) is told apart when the wrapped
+    reading fails, also when that is only at its second read."""
+    packer = zlib.compressobj(wbits=-15)
+    body = packer.compress(b"data: hello\n\n" * 100) + packer.flush()
+    for cut in range(4):
+        pieces = iter([body[:cut], body[cut:]])
+        assert b"".join(_inflated(pieces, gzip=False)) == b"data: hello\n\n" * 100, cut
 
 
 # --- connections -----------------------------------------------------------------------
