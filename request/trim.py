@@ -133,9 +133,12 @@ class _State:
         self.turn = list(req.turn)
         self.dropped = 0
         self.result = TrimResult(messages=[])
-        # Head, turn and tool definitions are only changed by steps 2 to 5: until then
-        # their tokens are counted once (``touched`` turns the recount on).
+        # Head, turn and tool definitions are only changed by steps 2 to 5 (``touched``),
+        # each change noted with the tokens it saved: their tokens are counted once, and
+        # what the changes saved is taken off (a recount after each change made a trim of
+        # a turn of thousands of tool results take seconds to minutes).
         self.touched = False
+        self.saved = 0  # tokens the changes to head and turn saved so far
         self.head_counts = [message_tokens(counter, m) for m in self.head]
         self.turn_counts = [message_tokens(counter, m) for m in self.turn]  # as req.turn
         self.head_tokens = sum(self.head_counts)
@@ -157,20 +160,17 @@ class _State:
         return self.prefix[-1] - self.prefix[self.dropped]
 
     def total(self) -> int:
-        if not self.touched:
-            return self.fixed + self.history_tokens()
-        return (
-            self.tokens(self.head)
-            + self.history_tokens()
-            + self.tokens(self.turn)
-            + self.req.tool_tokens
-        )
+        return self.fixed - self.saved + self.history_tokens()
 
     def over(self) -> bool:
         return self.total() > self.req.budget
 
     def note(self, step: int, action: str, ids: Sequence[str], saved: int) -> None:
+        """Record a change: ``saved`` is exactly what it took off the request's tokens
+        (negative for a message added)."""
         self.result.trace.append(TrimAction(step, action, tuple(ids), saved))
+        if action != "dropped":  # history drops are counted by the prefix sums
+            self.saved += saved
 
 
 def _cut_at(state: _State, units: int, unit: int) -> int:
@@ -204,10 +204,17 @@ def _drop_to(state: _State, step: int, cut: int) -> None:
 def _last_group(turn: Sequence[ChatMessage]) -> set[int]:
     """Indexes of the turn's last tool group: its last assistant with calls and the
     results right after it (matched within that message, never by id across the turn)."""
+    start, end = _last_group_span(turn)
+    return set(range(start, end))
+
+
+def _last_group_span(turn: Sequence[ChatMessage]) -> tuple[int, int]:
+    """The turn's last tool group as ``turn[start:end]`` (its results follow its
+    assistant message without a gap); empty when the turn has none."""
     for i in range(len(turn) - 1, -1, -1):
         if turn[i].role == "assistant" and turn[i].tool_calls:
-            return {i, *group_results(turn, i)}
-    return set()
+            return i, i + 1 + len(group_results(turn, i))
+    return 0, 0
 
 
 def _replace(message: ChatMessage, **changes: object) -> ChatMessage:
@@ -278,11 +285,12 @@ def _step2(state: _State) -> bool:
         if not state.over():
             return True
     # c) earlier tool groups collapse into one assistant line, when that saves tokens
+    start, end = _last_group_span(turn)  # moved back as earlier groups collapse
     i = 0
     while i < len(turn):
         m = turn[i]
-        locked = _last_group(turn) | {len(turn) - 1}  # indexes move as groups collapse
-        if i in locked or m.role != "assistant" or not m.tool_calls or m.id in protected:
+        locked = start <= i < end or i == len(turn) - 1
+        if locked or m.role != "assistant" or not m.tool_calls or m.id in protected:
             i += 1
             continue
         # the group: this message and the results right after it, never a later batch's
@@ -306,8 +314,9 @@ def _step2(state: _State) -> bool:
             i += 1
             continue
         group_ids = [turn[j].id for j in members]
-        for j in reversed(members[1:]):
-            del turn[j]
+        del turn[i + 1 : members[-1] + 1]  # its results, right after it
+        if start > i:  # the last group comes after it (it is never before)
+            start, end = start - (len(members) - 1), end - (len(members) - 1)
         turn[i] = collapsed
         state.note(2, "collapsed", group_ids, before - after)
         if not state.over():

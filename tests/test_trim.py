@@ -907,3 +907,64 @@ def test_with_an_empty_turn_the_last_message_is_left_alone_in_step4() -> None:
     assert 4 in r.steps
     assert "vol" not in named(r, (1, 2, 3, 4))
     assert enc(r.messages[-1]) == enc(head[-1])
+
+
+class _Counted:
+    """One token per character, counting the texts it is asked about."""
+
+    name = "counted"
+    encodes = 0
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def count(self, text: str) -> int:
+        self.asked += 1
+        return len(text)
+
+
+def _asked_for(groups: int, results: int) -> tuple[int, TrimResult]:
+    """Texts counted by a trim of a turn of ``groups`` earlier tool groups, each with a
+    long result (cut at step 2a, then collapsed at 2c), and a last group of ``results``
+    results (left as they are: step 2 never changes the last group)."""
+    turn: list[ChatMessage] = [user("u", "go")]
+    for g in range(groups):
+        call = ToolCall(id=f"g{g}", name="look", arguments="{}")
+        turn += [assistant(f"a{g}", calls=[call]), result(f"r{g}", call, t(2_000))]
+    calls = [ToolCall(id=f"c{k}", name="look", arguments="{}") for k in range(results)]
+    turn.append(assistant("last", calls=calls))
+    turn += [result(f"l{k}", c, t(20)) for k, c in enumerate(calls)]
+    counter = _Counted()
+    req = TrimRequest(
+        head=[system("sys", "s")], history=[], turn=turn, budget=100, protected=frozenset({"u"})
+    )
+    r = trim(req, counter)  # type: ignore[arg-type]
+    return counter.asked, r
+
+
+def test_a_turn_of_many_tool_results_trims_in_linear_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 2 over a turn of thousands of tool results and groups counts each text and
+    walks each group a bounded number of times: twice the messages, about twice the work
+    (each change was followed by a recount of the whole turn, and each message looked
+    for the last group again: 4,000 results took 19 s to trim)."""
+    from aalis_agent.request import trim as trim_module
+
+    walked = [0]  # results a group's walk went over
+    group_results = trim_module.group_results
+
+    def counted(messages: Sequence[ChatMessage], index: int) -> list[int]:
+        found = group_results(messages, index)
+        walked[0] += len(found) + 1
+        return found
+
+    monkeypatch.setattr(trim_module, "group_results", counted)
+    small, r_small = _asked_for(100, 200)
+    walked_small, walked[0] = walked[0], 0
+    large, r_large = _asked_for(200, 400)
+    assert 0 < walked[0] <= 2.2 * walked_small, (walked_small, walked[0])
+    for r, groups in ((r_small, 100), (r_large, 200)):
+        actions = [a.action for a in r.trace]
+        assert actions.count("truncated") >= groups and actions.count("collapsed") == groups
+        assert r.steps[:2] == [1, 2]
+    assert 0 < large <= 2.2 * small, (small, large)
+    assert r_large.tokens_after == count_messages(CHARS, r_large.messages)
