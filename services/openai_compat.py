@@ -658,22 +658,23 @@ class _Pending:
     """A tool call being streamed: its id, name and the argument text so far."""
 
     id: str
+    place: int = 0  # its place among the calls, in the order they began
     name: str = ""
     arguments: list[str] = field(default_factory=list)
     chars: int = 0
 
 
-def _index_of(tc: Mapping[str, Any], pending: dict[int, _Pending]) -> int:
+def _index_of(tc: Mapping[str, Any], pending: dict[int, _Pending], last: int | None) -> int:
     """The slot of a tool-call delta: its ``index``; without one (some servers leave it
-    out), a delta with a new id starts the next call and one without continues the last."""
+    out), a delta with a new id starts the next call and one without continues the last
+    (``last``: the highest slot so far, None before the first)."""
     index = tc.get("index")
     if isinstance(index, int) and not isinstance(index, bool):
         return index
     if isinstance(index, str) and index.isascii() and index.isdigit() and len(index) < 10:
         return int(index)
-    if not pending:
+    if last is None:
         return 0
-    last = max(pending)
     call_id = _text(tc.get("id"))
     if call_id and call_id != pending[last].id:
         return last + 1
@@ -1084,6 +1085,7 @@ class OpenAICompatibleModel:
         exchange = _Exchange()
         abort.add_callback(exchange.interrupt)
         pending: dict[int, _Pending] = {}
+        top: int | None = None  # the highest slot in pending
         usage: Usage | None = None
         ending = _Ending()
         finished = False  # a choice said why it finished (finish_reason)
@@ -1128,11 +1130,12 @@ class OpenAICompatibleModel:
                     for tc in tool_calls if isinstance(tool_calls, list) else ():
                         if not isinstance(tc, dict):
                             continue
-                        index = _index_of(tc, pending)
+                        index = _index_of(tc, pending, top)
                         call = pending.get(index)
                         if call is None:
                             call_id = _text(tc.get("id")) or f"call-{uuid.uuid4().hex[:12]}"
-                            call = pending[index] = _Pending(call_id)
+                            call = pending[index] = _Pending(call_id, len(pending))
+                            top = index if top is None else max(top, index)
                         function = tc.get("function")
                         if isinstance(function, dict):
                             if name := _text(function.get("name")):
@@ -1149,7 +1152,7 @@ class OpenAICompatibleModel:
                             tool_call_progress=ToolCallProgress(
                                 # Its place among the calls (the order they began in): the
                                 # server's index need not start at 0 nor be contiguous.
-                                index=list(pending).index(index),
+                                index=call.place,
                                 name=call.name,
                                 call_id=call.id,
                                 chars_accumulated=call.chars,
