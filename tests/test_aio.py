@@ -483,6 +483,40 @@ def test_an_async_tool_raising_systemexit_fails_its_turn_and_leaves_the_loop_run
     asyncio.run(main())
 
 
+def test_an_async_tool_whose_own_timeout_runs_out_fails_that_call_and_the_turn_goes_on() -> None:
+    """``asyncio.timeout`` inside an async tool raises TimeoutError: its turn's thread
+    took it for its own wait running out and spun for good (a stop did not end it)."""
+
+    async def lookup(args: Mapping[str, Any], ctx: ToolCallContext) -> str:
+        async with asyncio.timeout(0.001):
+            await asyncio.Event().wait()
+        return "never"
+
+    model = ScriptedModel(
+        [
+            ScriptedReply(tool_calls=(ToolCall(id="c1", name="lookup", arguments="{}"),)),
+            ScriptedReply(text="查不到"),
+        ]
+    )
+    runtime = Runtime(
+        InMemoryEventStore(),
+        Services(llm=model, tools=ToolRegistry([Tool("lookup", lookup)])),
+        janitor=False,
+    )
+
+    async def main() -> None:
+        aruntime = await AsyncRuntime(runtime).start()
+        try:
+            result = await (await aruntime.asubmit(SID, "查一下")).result(timeout=10)
+            assert (result.outcome, result.reply) == ("replied", "查不到")
+            sent = [m.content for m in model.requests[-1].messages if m.role == "tool"]
+            assert sent == ["TimeoutError: "]
+        finally:
+            await aruntime.ashutdown(5)
+
+    asyncio.run(main())
+
+
 def test_shutting_one_runtime_down_leaves_another_runtimes_async_tools_running() -> None:
     started, go = threading.Event(), threading.Event()
 
