@@ -16,7 +16,7 @@ from typing import Any
 
 from aalis_agent.actors.aio import AsyncRuntime, EventsDropped, StreamEvent, TurnResult
 from aalis_agent.actors.runtime import Runtime
-from aalis_agent.events import InMemoryEventStore, Input, Sender, ToolCall
+from aalis_agent.events import InMemoryEventStore, Input, RuntimeClosed, Sender, ToolCall
 from aalis_agent.services import (
     ScriptedModel,
     ScriptedReply,
@@ -363,6 +363,48 @@ def test_a_wait_that_times_out_leaves_the_handle_to_be_awaited_again() -> None:
             assert handle.threaded.result(timeout=1).outcome == "replied"
 
     asyncio.run(main())
+
+
+def test_a_wait_that_timed_out_leaves_no_unretrieved_error_when_the_turn_fails() -> None:
+    """Each wait that timed out (or was cancelled) left a future behind that took the
+    turn's error later: asyncio logged it as "Future exception was never retrieved",
+    with a traceback, once per abandoned wait."""
+    import gc
+
+    from tests.harness import GatedTool
+
+    tool = GatedTool()  # ignores the stop: the shutdown gives up on its turn
+    reported: list[str] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda loop, context: reported.append(context["message"]))
+        model = ScriptedModel(
+            [ScriptedReply(tool_calls=(ToolCall(id="c1", name=tool.name, arguments="{}"),))]
+        )
+        runtime = Runtime(
+            InMemoryEventStore(),
+            Services(llm=model, tools=ToolRegistry([Tool(tool.name, tool)])),
+            janitor=False,
+        )
+        aruntime = await AsyncRuntime(runtime).start()
+        try:
+            handle = await aruntime.asubmit(SID, "hi")
+            await asyncio.to_thread(tool.wait_running)
+            with contextlib.suppress(TimeoutError):
+                await handle.result(timeout=0.01)
+            waiting = asyncio.create_task(handle.result())
+            await asyncio.sleep(0)
+            waiting.cancel()
+            await aruntime.ashutdown(0.1)  # the turn is left running: its input fails
+            with contextlib.suppress(RuntimeClosed):
+                await handle.result()  # the error reached this wait (and the others')
+        finally:
+            tool.release(10)
+
+    asyncio.run(main())
+    gc.collect()
+    assert reported == []
 
 
 def test_a_closed_async_runtime_refuses_calls_as_closed_and_still_shuts_down() -> None:
