@@ -216,6 +216,8 @@ def run_chat(
     if stdin is None or (out is None and sys.stdout is None):
         # Started with its input (or output) closed: nothing to read lines from.
         raise UsageError("chat needs its standard input and output open")
+    if not db_path:  # SQLite would keep the chat in a temporary file, gone at its end
+        raise UsageError("--db must name a database file (or a postgresql:// URL)")
     # Refused here, before the database is opened: else every line would be, one by one.
     session_id = checked_session_id(session_id)
     interactive = stdin.isatty()

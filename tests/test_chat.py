@@ -421,3 +421,13 @@ def test_a_session_id_no_log_can_hold_is_refused_before_any_line(
     result = run_cli("chat", "--db", str(db), "--session", "", stdin="hi\nthere\n")
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == "aalis-agent chat: error: session id must not be empty\n"
+
+
+def test_an_empty_db_is_refused_not_kept_in_a_temporary_file() -> None:
+    """``--db ''`` is SQLite's temporary database, deleted when closed: the chat ran,
+    answered, and pointed at ``aalis-agent replay ''``, with nothing kept."""
+    result = run_cli("chat", "--db", "", stdin="你好\n")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        "aalis-agent chat: error: --db must name a database file (or a postgresql:// URL)\n"
+    )
