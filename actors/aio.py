@@ -53,7 +53,7 @@ from typing import Any, TypeAlias, TypeVar
 from aalis_agent.actors.commands import handle_command
 from aalis_agent.actors.messages import InputOutcome
 from aalis_agent.actors.runtime import Runtime, SubmitHandle
-from aalis_agent.events import Input, RuntimeClosed
+from aalis_agent.events import Input, InvalidInput, RuntimeClosed
 from aalis_agent.projections import SessionView
 from aalis_agent.request.tokens import default_counter
 from aalis_agent.services.bus_events import TypedEvent, typed_event
@@ -541,12 +541,16 @@ class AsyncRuntime:
         ``topics``), subscribed now. Call it on the loop that will read it."""
         if self._closed:
             raise RuntimeError("the AsyncRuntime is closed")
+        if isinstance(topics, str):  # would be read letter by letter: no event, ever
+            raise InvalidInput(
+                f"topics must be a collection of topic names, like ({topics!r:.80},), not a str"
+            )
         stream = EventStream(
             self.runtime,
             asyncio.get_running_loop(),
             session_id=session_id,
             topics=topics,
-            maxsize=maxsize or self.event_queue_size,
+            maxsize=self.event_queue_size if maxsize is None else maxsize,
             on_close=self._streams.discard,
         )
         self._streams.add(stream)

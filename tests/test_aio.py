@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import pytest
 from aalis_agent.actors.aio import AsyncRuntime, EventsDropped, StreamEvent, TurnResult
 from aalis_agent.actors.runtime import Runtime
 from aalis_agent.events import InMemoryEventStore, Input, RuntimeClosed, Sender, ToolCall
@@ -405,6 +406,24 @@ def test_a_wait_that_timed_out_leaves_no_unretrieved_error_when_the_turn_fails()
     asyncio.run(main())
     gc.collect()
     assert reported == []
+
+
+def test_events_refuses_a_bare_topic_string_and_a_maxsize_of_zero() -> None:
+    """``topics="turn:ended"`` was read letter by letter (topics ``t``, ``u``, ...): the
+    stream yielded nothing, ever; ``maxsize=0`` became the default size unsaid."""
+    from aalis_agent.events import InvalidInput
+
+    async def main() -> None:
+        async with AsyncRuntime(make_runtime(ScriptedModel())) as aruntime:
+            with pytest.raises(InvalidInput, match="topics must be a collection of topic"):
+                aruntime.events(topics="turn:ended")
+            with pytest.raises(ValueError, match="maxsize >= 2"):
+                aruntime.events(maxsize=0)
+            async with aruntime.events(SID, topics=["turn:ended"]) as stream:
+                await (await aruntime.asubmit(SID, "hi")).result(timeout=10)
+                assert isinstance(await stream.next(10), TurnEnded)
+
+    asyncio.run(main())
 
 
 def test_a_closed_async_runtime_refuses_calls_as_closed_and_still_shuts_down() -> None:
