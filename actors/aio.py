@@ -53,7 +53,7 @@ from typing import Any, TypeAlias, TypeVar
 from aalis_agent.actors.commands import handle_command
 from aalis_agent.actors.messages import InputOutcome
 from aalis_agent.actors.runtime import Runtime, SubmitHandle
-from aalis_agent.events import Input, RuntimeClosed
+from aalis_agent.events import Input, InvalidInput, RuntimeClosed
 from aalis_agent.projections import SessionView
 from aalis_agent.request.tokens import default_counter
 from aalis_agent.services.bus_events import TypedEvent, typed_event
@@ -144,7 +144,7 @@ class AsyncHandle:
         if self._result is None:
             # Shielded: cancelling the wait (a timeout) must not cancel the runtime's
             # future, which every later wait on this handle reads.
-            waiting = asyncio.shield(asyncio.wrap_future(self._handle.future))
+            waiting = _shielded(self._handle.future)
             outcome = await (asyncio.wait_for(waiting, timeout) if timeout is not None else waiting)
             self._result = self._replies.result(outcome)
         return self._result
@@ -351,7 +351,22 @@ _IDLE_STEP_S = 0.25
 async def _waited(done: concurrent.futures.Future[T], timeout: float | None) -> T:
     """``done``'s result, awaited on the loop without a thread; a cancelled or timed-out
     wait leaves ``done`` alone (whoever resolves it still can)."""
-    return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), timeout)
+    return await asyncio.wait_for(_shielded(done), timeout)
+
+
+def _shielded(done: concurrent.futures.Future[T]) -> asyncio.Future[T]:
+    """``done`` awaitable on the running loop, shielded: a wait on it that is cancelled
+    or times out leaves ``done`` alone. The error ``done`` may get afterwards counts as
+    retrieved: nobody awaits the shield's inner future once the wait is gone, and asyncio
+    would log it ("Future exception was never retrieved") for every abandoned wait."""
+    inner = asyncio.wrap_future(done)
+    inner.add_done_callback(_retrieved)
+    return asyncio.shield(inner)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class AsyncRuntime:
@@ -436,7 +451,7 @@ class AsyncRuntime:
         if handle.accepted is not None:
             # Held back while the session winds down a deletion or clear: acknowledged
             # once it is in the log, waited for here without holding a thread.
-            where = await asyncio.shield(asyncio.wrap_future(handle.accepted))
+            where = await _shielded(handle.accepted)
             handle = SubmitHandle(handle.input_id, where, handle.future)
         return AsyncHandle(handle, self._replies)
 
@@ -526,12 +541,16 @@ class AsyncRuntime:
         ``topics``), subscribed now. Call it on the loop that will read it."""
         if self._closed:
             raise RuntimeError("the AsyncRuntime is closed")
+        if isinstance(topics, str):  # would be read letter by letter: no event, ever
+            raise InvalidInput(
+                f"topics must be a collection of topic names, like ({topics!r:.80},), not a str"
+            )
         stream = EventStream(
             self.runtime,
             asyncio.get_running_loop(),
             session_id=session_id,
             topics=topics,
-            maxsize=maxsize or self.event_queue_size,
+            maxsize=self.event_queue_size if maxsize is None else maxsize,
             on_close=self._streams.discard,
         )
         self._streams.add(stream)

@@ -11,6 +11,7 @@ and one that raises or outlives ``promptBuildTimeoutMs`` is absent this turn (CF
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +60,20 @@ Anchor = Literal["identity", "knowledge", "context", "turn-context", "turn-hint"
 ANCHORS: tuple[Anchor, ...] = ("identity", "knowledge", "context", "turn-context", "turn-hint")
 
 Middleware = Callable[[Any, Callable[[], Any]], Any]
+
+
+def _refuse_async(fn: object, what: str) -> None:
+    """TypeError naming ``what`` when ``fn`` is an ``async`` function (or an object with
+    an ``async def __call__``): hooks are called synchronously, and its coroutine would
+    never run (an ``agent:input:before`` middleware would drop every input unseen)."""
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - the method, not callable()
+    ):
+        raise TypeError(
+            f"{what}: {fn!r} is async; hooks are called synchronously (their coroutine "
+            "would never run): pass a plain function (run async work with "
+            "asyncio.run_coroutine_threadsafe on your loop and wait for it there)"
+        )
 
 
 @dataclass(frozen=True)
@@ -111,6 +126,7 @@ class Hooks:
         """Add a middleware to ``key``'s chain (higher priority runs outer); returns a remover."""
         if key not in HOOK_KEYS:
             raise ValueError(f"unknown hook {key!r}; known: {', '.join(HOOK_KEYS)}")
+        _refuse_async(middleware, key)
         with self._lock:
             self._order += 1
             entry = (-priority, self._order, middleware)
@@ -167,11 +183,13 @@ class Hooks:
             raise ValueError(
                 f"contribution {contribution.injector}: unknown anchor {contribution.anchor!r}"
             )
+        _refuse_async(contribution.build, contribution.injector)
         with self._lock:
             self._contributions.append(contribution)
 
     def add_preprocessor(self, fn: Callable[[Any], Any]) -> None:
         """A function applied to every input before ``agent:input:before``."""
+        _refuse_async(fn, "input preprocessor")
         with self._lock:
             self._preprocessors.append(fn)
 
@@ -215,7 +233,17 @@ class Hooks:
                 continue
             if value is None:
                 continue
-            blocks = (value,) if isinstance(value, str) else tuple(v for v in value if v)
+            built_blocks = (value,) if isinstance(value, str) else value
+            if not isinstance(built_blocks, list | tuple) or not all(
+                isinstance(v, str) for v in built_blocks
+            ):  # left out, as a build that raises is
+                log.error(
+                    "prompt contribution built other than text",
+                    injector=contribution.injector,
+                    value=repr(value)[:200],
+                )
+                continue
+            blocks = tuple(v for v in built_blocks if v)
             if blocks:
                 built.append(BuiltContribution(contribution, blocks))
         pool.shutdown(wait=False, cancel_futures=True)

@@ -30,6 +30,7 @@ from aalis_agent.actors.commands import COMMANDS, handle_command
 from aalis_agent.actors.runtime import Runtime, SubmitHandle
 from aalis_agent.actors.scheduler import Where
 from aalis_agent.events import Input, InvalidInput, Sender, UsageError
+from aalis_agent.events.codec import checked_session_id
 from aalis_agent.events.open import open_store
 from aalis_agent.request.texts import ZH, Texts
 from aalis_agent.services import ChatModel, ChatRequest, ScriptedModel, ScriptedReply, Services
@@ -215,6 +216,10 @@ def run_chat(
     if stdin is None or (out is None and sys.stdout is None):
         # Started with its input (or output) closed: nothing to read lines from.
         raise UsageError("chat needs its standard input and output open")
+    if not db_path:  # SQLite would keep the chat in a temporary file, gone at its end
+        raise UsageError("--db must name a database file (or a postgresql:// URL)")
+    # Refused here, before the database is opened: else every line would be, one by one.
+    session_id = checked_session_id(session_id)
     interactive = stdin.isatty()
     # At a terminal, output goes through prompt_toolkit's stdout proxy (set below), so it
     # prints above the line being typed; ``sink`` is the stream of the moment.

@@ -307,6 +307,7 @@ class SqliteEventStore:
             if read_only:
                 self._check_schema_read_only()
                 return
+            self._refuse_foreign()  # before anything is written, the journal mode too
             if exclusive:
                 conn.execute("PRAGMA locking_mode=EXCLUSIVE")
             conn.execute("PRAGMA journal_mode=WAL")
@@ -341,6 +342,17 @@ class SqliteEventStore:
             "SELECT name, type FROM sqlite_master WHERE type IN ('table', 'view')"
         ).fetchall()
         return {name: kind for name, kind in rows}
+
+    def _refuse_foreign(self) -> None:
+        """StoreError when the file holds tables, but neither ``log`` nor ``events``: it
+        is another program's database, and none of ours is added to it."""
+        tables = [name for name in self._tables() if not name.startswith("sqlite_")]
+        if tables and "log" not in tables and "events" not in tables:
+            shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+            raise StoreError(
+                f"{self.path!r} is not an event database: it holds another program's "
+                f"tables ({shown})"
+            )
 
     def _check_schema_read_only(self) -> None:
         """The checks of :meth:`_ensure_schema` without its writes: an older format is

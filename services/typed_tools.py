@@ -276,7 +276,9 @@ def _result(
         try:
             return future.result(1.0)
         except TimeoutError:
-            if not loop.is_running() and not future.done():
+            if future.done():  # the coroutine's own TimeoutError, not this poll's
+                raise
+            if not loop.is_running():
                 future.cancel()
                 raise RuntimeError("the event loop running this coroutine stopped") from None
 

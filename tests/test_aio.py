@@ -14,9 +14,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import pytest
 from aalis_agent.actors.aio import AsyncRuntime, EventsDropped, StreamEvent, TurnResult
 from aalis_agent.actors.runtime import Runtime
-from aalis_agent.events import InMemoryEventStore, Input, Sender, ToolCall
+from aalis_agent.events import InMemoryEventStore, Input, RuntimeClosed, Sender, ToolCall
 from aalis_agent.services import (
     ScriptedModel,
     ScriptedReply,
@@ -365,6 +366,66 @@ def test_a_wait_that_times_out_leaves_the_handle_to_be_awaited_again() -> None:
     asyncio.run(main())
 
 
+def test_a_wait_that_timed_out_leaves_no_unretrieved_error_when_the_turn_fails() -> None:
+    """Each wait that timed out (or was cancelled) left a future behind that took the
+    turn's error later: asyncio logged it as "Future exception was never retrieved",
+    with a traceback, once per abandoned wait."""
+    import gc
+
+    from tests.harness import GatedTool
+
+    tool = GatedTool()  # ignores the stop: the shutdown gives up on its turn
+    reported: list[str] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda loop, context: reported.append(context["message"]))
+        model = ScriptedModel(
+            [ScriptedReply(tool_calls=(ToolCall(id="c1", name=tool.name, arguments="{}"),))]
+        )
+        runtime = Runtime(
+            InMemoryEventStore(),
+            Services(llm=model, tools=ToolRegistry([Tool(tool.name, tool)])),
+            janitor=False,
+        )
+        aruntime = await AsyncRuntime(runtime).start()
+        try:
+            handle = await aruntime.asubmit(SID, "hi")
+            await asyncio.to_thread(tool.wait_running)
+            with contextlib.suppress(TimeoutError):
+                await handle.result(timeout=0.01)
+            waiting = asyncio.create_task(handle.result())
+            await asyncio.sleep(0)
+            waiting.cancel()
+            await aruntime.ashutdown(0.1)  # the turn is left running: its input fails
+            with contextlib.suppress(RuntimeClosed):
+                await handle.result()  # the error reached this wait (and the others')
+        finally:
+            tool.release(10)
+
+    asyncio.run(main())
+    gc.collect()
+    assert reported == []
+
+
+def test_events_refuses_a_bare_topic_string_and_a_maxsize_of_zero() -> None:
+    """``topics="turn:ended"`` was read letter by letter (topics ``t``, ``u``, ...): the
+    stream yielded nothing, ever; ``maxsize=0`` became the default size unsaid."""
+    from aalis_agent.events import InvalidInput
+
+    async def main() -> None:
+        async with AsyncRuntime(make_runtime(ScriptedModel())) as aruntime:
+            with pytest.raises(InvalidInput, match="topics must be a collection of topic"):
+                aruntime.events(topics="turn:ended")
+            with pytest.raises(ValueError, match="maxsize >= 2"):
+                aruntime.events(maxsize=0)
+            async with aruntime.events(SID, topics=["turn:ended"]) as stream:
+                await (await aruntime.asubmit(SID, "hi")).result(timeout=10)
+                assert isinstance(await stream.next(10), TurnEnded)
+
+    asyncio.run(main())
+
+
 def test_a_closed_async_runtime_refuses_calls_as_closed_and_still_shuts_down() -> None:
     from aalis_agent.events import RuntimeClosed
 
@@ -479,6 +540,40 @@ def test_an_async_tool_raising_systemexit_fails_its_turn_and_leaves_the_loop_run
             for session in ("b", "c"):
                 ok = await (await aruntime.asubmit(session, "good")).result(timeout=10)
                 assert (ok.outcome, ok.reply) == ("replied", "done: pong")
+
+    asyncio.run(main())
+
+
+def test_an_async_tool_whose_own_timeout_runs_out_fails_that_call_and_the_turn_goes_on() -> None:
+    """``asyncio.timeout`` inside an async tool raises TimeoutError: its turn's thread
+    took it for its own wait running out and spun for good (a stop did not end it)."""
+
+    async def lookup(args: Mapping[str, Any], ctx: ToolCallContext) -> str:
+        async with asyncio.timeout(0.001):
+            await asyncio.Event().wait()
+        return "never"
+
+    model = ScriptedModel(
+        [
+            ScriptedReply(tool_calls=(ToolCall(id="c1", name="lookup", arguments="{}"),)),
+            ScriptedReply(text="查不到"),
+        ]
+    )
+    runtime = Runtime(
+        InMemoryEventStore(),
+        Services(llm=model, tools=ToolRegistry([Tool("lookup", lookup)])),
+        janitor=False,
+    )
+
+    async def main() -> None:
+        aruntime = await AsyncRuntime(runtime).start()
+        try:
+            result = await (await aruntime.asubmit(SID, "查一下")).result(timeout=10)
+            assert (result.outcome, result.reply) == ("replied", "查不到")
+            sent = [m.content for m in model.requests[-1].messages if m.role == "tool"]
+            assert sent == ["TimeoutError: "]
+        finally:
+            await aruntime.ashutdown(5)
 
     asyncio.run(main())
 

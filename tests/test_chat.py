@@ -19,6 +19,7 @@ from aalis_agent.events import (
     InputJoined,
     InputQueued,
     InputReceived,
+    InvalidInput,
     SqliteEventStore,
     StopRequested,
     TurnRecorded,
@@ -400,3 +401,33 @@ def test_a_line_the_runtime_refuses_is_reported_and_the_chat_goes_on(tmp_path: P
     with SqliteEventStore(db) as store:
         received = [e.input.content for e in store.read("s") if isinstance(e, InputReceived)]
     assert received == ["你好", "再见"]
+
+
+@pytest.mark.parametrize(
+    ("session", "problem"),
+    [("", "session id must not be empty"), ("\udcff", "is not valid Unicode")],
+)
+def test_a_session_id_no_log_can_hold_is_refused_before_any_line(
+    tmp_path: Path, session: str, problem: str
+) -> None:
+    """``--session ''`` was taken, then every line was refused with the same error (one
+    per line, the chat read to its end) and a replay hint for a session that cannot be."""
+    db = tmp_path / "chat.db"
+    err = io.StringIO()
+    with pytest.raises(InvalidInput, match=problem):
+        run_chat(str(db), session, stdin=io.BytesIO(b"hi\nthere\n"), out=io.StringIO(), err=err)
+    assert err.getvalue() == ""
+    assert not db.exists()  # refused before the database is opened
+    result = run_cli("chat", "--db", str(db), "--session", "", stdin="hi\nthere\n")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == "aalis-agent chat: error: session id must not be empty\n"
+
+
+def test_an_empty_db_is_refused_not_kept_in_a_temporary_file() -> None:
+    """``--db ''`` is SQLite's temporary database, deleted when closed: the chat ran,
+    answered, and pointed at ``aalis-agent replay ''``, with nothing kept."""
+    result = run_cli("chat", "--db", "", stdin="你好\n")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        "aalis-agent chat: error: --db must name a database file (or a postgresql:// URL)\n"
+    )

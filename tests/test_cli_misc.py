@@ -336,3 +336,26 @@ def test_a_database_path_that_is_a_directory_says_so(tmp_path: Path) -> None:
     assert result.stderr == (
         f"aalis-agent chat: error: cannot open event database {str(folder)!r}: it is a directory\n"
     )
+
+
+def test_another_programs_database_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    """A SQLite file of another program (its own tables, none of ours) was taken as an
+    empty event database: the demo wrote its tables into it and switched its journal to
+    WAL."""
+    import sqlite3
+
+    other = tmp_path / "app.db"
+    with contextlib.closing(sqlite3.connect(other)) as conn:
+        conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+        conn.execute("INSERT INTO users (name) VALUES ('alice')")
+        conn.commit()
+    before = other.read_bytes()
+    for command in (("demo", "--db", str(other)), ("chat", "--db", str(other))):
+        result = run_cli(*command, stdin="你好\n")
+        assert result.returncode == 2, result.stdout
+        assert result.stderr == (
+            f"aalis-agent {command[0]}: error: {str(other)!r} is not an event database: it "
+            "holds another program's tables (users)\n"
+        )
+    assert other.read_bytes() == before
+    assert not Path(f"{other}-wal").exists()

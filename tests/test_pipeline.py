@@ -299,6 +299,51 @@ def test_contributions_at_their_anchors_and_a_slow_one_is_absent(
     assert messages[-2].content == "提示块" and messages[-1].role == "user"
 
 
+def test_a_contribution_building_other_than_text_is_absent_and_the_turn_goes_on(
+    envs: list[Env],
+) -> None:  # CFG3
+    """A build that returned a number, or a list holding one, failed every turn of every
+    session (TypeError), where one that raises is only left out."""
+    env = make(envs)
+    env.hooks.contribute(Contribution("num", "n", "context", lambda v: 42))  # type: ignore[arg-type,return-value]
+    env.hooks.contribute(Contribution("mixed", "m", "context", lambda v: ["块", 7]))  # type: ignore[arg-type,list-item]
+    env.hooks.contribute(Contribution("mem", "summary", "knowledge", lambda v: "摘要块"))
+    handle = env.say("你好", **ALICE)
+    assert handle.result(10).outcome == "replied"
+    injected = [(m.meta.injector, m.content) for m in env.requests()[0].messages if m.meta.injector]
+    assert injected == [("mem/summary", "摘要块")]
+
+
+def test_async_middleware_contributions_and_preprocessors_are_refused_when_added() -> None:
+    """Each runs synchronously: an ``async def`` one returned a coroutine that never ran,
+    so an ``agent:input:before`` one dropped every input and an ``agent:turn:before``
+    one silenced every turn, with no error anywhere (an async build failed every turn)."""
+    hooks = Hooks()
+
+    async def middleware(ctx: Any, next_: Any) -> Any:
+        return next_()
+
+    class Callable_:
+        async def __call__(self, ctx: Any, next_: Any) -> Any:
+            return next_()
+
+    async def build(view: ContributionView) -> str:
+        return "块"
+
+    async def preprocess(inp: Input) -> Input:
+        return inp
+
+    for fn in (middleware, Callable_()):
+        with pytest.raises(TypeError, match=r"agent:input:before: .*async"):
+            hooks.use("agent:input:before", fn)
+    with pytest.raises(TypeError, match=r"mem/summary: .*async"):
+        hooks.contribute(Contribution("mem", "summary", "knowledge", build))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"input preprocessor: .*async"):
+        hooks.add_preprocessor(preprocess)
+    assert not hooks.has_middleware("agent:input:before")
+    assert not hooks.has_contributions() and not hooks.has_preprocessors()
+
+
 # --- FLOW7-FLOW8 ---------------------------------------------------------------------
 
 

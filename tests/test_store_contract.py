@@ -1151,6 +1151,17 @@ class TestSqliteStore(StoreContract):
             SqliteEventStore(path)
         assert "format 0" in str(info.value)
 
+    def test_another_programs_database_is_refused_untouched(self, tmp_path: Path) -> None:
+        path = tmp_path / "app.db"
+        conn = sqlite3.connect(path)
+        conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY)")
+        conn.commit()
+        conn.close()
+        before = path.read_bytes()
+        with pytest.raises(StoreError, match=r"not an event database: .*tables \(users\)"):
+            SqliteEventStore(path)
+        assert path.read_bytes() == before  # not even its journal mode changed
+
 
 # --- one writing process per database (events.ownership) ------------------------------
 

@@ -419,6 +419,35 @@ def test_a_systemexit_in_a_coroutine_reaches_its_waiter_and_the_loop_goes_on() -
         thread.close()
 
 
+def test_a_timeouterror_raised_by_a_coroutine_reaches_its_waiter() -> None:
+    """A coroutine's own TimeoutError (an ``asyncio.timeout`` inside an async tool) was
+    taken for the waiter's one-second poll running out: the wait spun for good, and the
+    turn with it, a stop included."""
+    from aalis_agent.services.typed_tools import run_awaitable
+
+    thread = EventLoopThread("test-timeout")
+
+    async def gives_up() -> None:
+        await asyncio.wait_for(asyncio.Event().wait(), 0.001)
+
+    raised: list[BaseException] = []
+    done = threading.Event()
+
+    def wait() -> None:
+        try:
+            run_awaitable(gives_up(), thread.loop, abort=AbortSignal())
+        except BaseException as exc:
+            raised.append(exc)
+        done.set()
+
+    try:
+        threading.Thread(target=wait, daemon=True).start()
+        assert done.wait(10), "the wait never ended"
+        assert [type(e) for e in raised] == [TimeoutError]
+    finally:
+        thread.close()
+
+
 @pytest.mark.parametrize(
     ("raw", "problem"),
     [
