@@ -123,6 +123,33 @@ _SID = (
 """A session's number by its name, as text or as a blob of the same bytes: the first."""
 
 
+def _refuse_foreign(path: str) -> None:
+    """StoreError when the file at ``path`` is a database holding tables, but neither
+    ``log`` nor ``events``: it is another program's, and none of ours is added to it.
+    Read-only; a file that is not a database is left for the open to report."""
+    if not os.path.isfile(path):
+        return
+    try:
+        conn = sqlite3.connect(f"file:{quote(os.fsencode(path))}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return
+    try:
+        names = [
+            r[0]
+            for r in conn.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")
+        ]
+    except sqlite3.Error:
+        return  # not a database, or locked: the open says so
+    finally:
+        conn.close()
+    tables = [n for n in names if isinstance(n, str) and not n.startswith("sqlite_")]
+    if tables and "log" not in tables and "events" not in tables:
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        raise StoreError(
+            f"{path!r} is not an event database: it holds another program's tables ({shown})"
+        )
+
+
 def _encodable(name: str) -> bool:
     try:
         name.encode("utf-8")
@@ -248,6 +275,9 @@ class SqliteEventStore:
         if read_only and self.path == ":memory:":
             raise StoreError("a read-only event database must be a file")
         self._owner: str | None = None
+        if not read_only and self.path != ":memory:":
+            # Before the writer's lock file is made beside it, or anything is written.
+            _refuse_foreign(self.path)
         if single_writer and not read_only and self.path != ":memory:":
             self._owner = acquire_writer(self.path)
         try:
@@ -307,7 +337,6 @@ class SqliteEventStore:
             if read_only:
                 self._check_schema_read_only()
                 return
-            self._refuse_foreign()  # before anything is written, the journal mode too
             if exclusive:
                 conn.execute("PRAGMA locking_mode=EXCLUSIVE")
             conn.execute("PRAGMA journal_mode=WAL")
@@ -342,17 +371,6 @@ class SqliteEventStore:
             "SELECT name, type FROM sqlite_master WHERE type IN ('table', 'view')"
         ).fetchall()
         return {name: kind for name, kind in rows}
-
-    def _refuse_foreign(self) -> None:
-        """StoreError when the file holds tables, but neither ``log`` nor ``events``: it
-        is another program's database, and none of ours is added to it."""
-        tables = [name for name in self._tables() if not name.startswith("sqlite_")]
-        if tables and "log" not in tables and "events" not in tables:
-            shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
-            raise StoreError(
-                f"{self.path!r} is not an event database: it holds another program's "
-                f"tables ({shown})"
-            )
 
     def _check_schema_read_only(self) -> None:
         """The checks of :meth:`_ensure_schema` without its writes: an older format is

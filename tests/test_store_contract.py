@@ -1161,6 +1161,7 @@ class TestSqliteStore(StoreContract):
         with pytest.raises(StoreError, match=r"not an event database: .*tables \(users\)"):
             SqliteEventStore(path)
         assert path.read_bytes() == before  # not even its journal mode changed
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]  # no lock file left
 
 
 # --- one writing process per database (events.ownership) ------------------------------
