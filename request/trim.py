@@ -289,8 +289,8 @@ def _step2(state: _State) -> bool:
     i = 0
     while i < len(turn):
         m = turn[i]
-        locked = start <= i < end or i == len(turn) - 1
-        if locked or m.role != "assistant" or not m.tool_calls or m.id in protected:
+        last = start <= i < end or i == len(turn) - 1
+        if last or m.role != "assistant" or not m.tool_calls or m.id in protected:
             i += 1
             continue
         # the group: this message and the results right after it, never a later batch's
