@@ -38,7 +38,7 @@ from aalis_agent.events import (
     TurnSettings,
 )
 from aalis_agent.events.schema import ReleaseReason, TurnEntry
-from aalis_agent.projections import SessionView, evolve, queue
+from aalis_agent.projections import SessionView, evolve, project, queue
 from aalis_agent.projections.turns import TurnLog, input_origin
 from aalis_agent.request.texts import ZH, Texts
 
@@ -98,6 +98,11 @@ class Where(StrEnum):
 _WHERE_WORDS = {ZH.where(w): w for w in Where}
 
 
+_FOLD_TOGETHER = 16
+"""Events :meth:`Step.add_all` folds one by one below this many (a fold of its own
+costs more than a few single ones)."""
+
+
 @dataclass(slots=True)
 class Step:
     """A view and the batch of events a decision adds, folded as they are added."""
@@ -111,6 +116,17 @@ class Step:
         """Stamp ``event`` into the batch and fold it into the view."""
         stamped = self.batch.add(event)
         self.view = evolve(self.view, stamped)
+        return stamped
+
+    def add_all(self, events: list[SessionEvent]) -> list[SessionEvent]:
+        """:meth:`add` each of ``events``, for events none of which is decided from the
+        view the ones before leave: folded together (``project``), so that a run of
+        thousands (the inputs an insertion point takes, and their archive) costs its
+        length, where folding each into a view of its own copies the queue each time."""
+        if len(events) < _FOLD_TOGETHER:
+            return [self.add(e) for e in events]
+        stamped = [self.batch.add(e) for e in events]
+        self.view = project(stamped, self.view)
         return stamped
 
     @property
@@ -249,8 +265,12 @@ def decide_insertion(step: Step, turn_id: str) -> list[Input]:
     if running is None or running.turn_id != turn_id or not running.accepts_inserts:
         return []
     joined = [w.input for w in step.view.queue.pending if w.held_for == turn_id]
-    for inp in joined:
-        step.add(_joined(step, inp, turn_id, "joined"))
+    if any(inp.from_turn is not None for inp in joined):
+        # Its origin is read from the turns as the joins before it leave them.
+        for inp in joined:
+            step.add(_joined(step, inp, turn_id, "joined"))
+    else:  # each joins as it would alone: they are folded together
+        step.add_all([_joined(step, inp, turn_id, "joined") for inp in joined])
     return joined
 
 
@@ -271,12 +291,12 @@ def archive_joined(
         for e in step.events
         if isinstance(e, InputJoined) and e.turn_id == turn_id and e.entry == "joined"
     }
-    messages = []
-    for inp in joined:
-        message = archived_input_message(inp, turn_id, "joined", message_id(), at.get(inp.id))
-        if save:
-            step.add(MessageSaved(message=message))
-        messages.append(message)
+    messages = [
+        archived_input_message(inp, turn_id, "joined", message_id(), at.get(inp.id))
+        for inp in joined
+    ]
+    if save:
+        step.add_all([MessageSaved(message=m) for m in messages])
     return messages
 
 

@@ -329,6 +329,17 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
         r_carried,
         r_reply,
     ) = _queue_fields(view.queue)
+    # Gathered as a run of inputs joins (a turn's insertion point may take thousands):
+    # inputs carried and joined since ``r_carried`` and ``r_joined`` were last built, and
+    # the inputs taken from ``pending`` (by id: it is rebuilt without them once, where it
+    # is next read), found through ``p_first`` (the first waiting under each id) unless
+    # ``queued`` holds them (``q_ids``). Each run costs its length, not its length times
+    # the queue's (a fold of a tuple or a frozenset per input copied the whole).
+    c_more: set[str] = set()
+    j_more: list[Waiting] = []
+    p_drop: set[str] = set()
+    p_first: dict[str, Waiting] | None = None
+    q_ids: frozenset[str] | None = None
     event: SessionEvent | None = None
     for event in events:
         code = codes[type(event)]
@@ -346,8 +357,12 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                     c_append(event)
                 if m_turn == r_id:
                     input_id = meta.input_id
-                    if input_id is not None and input_id not in r_carried:
-                        r_carried = r_carried | {input_id}
+                    if (
+                        input_id is not None
+                        and input_id not in r_carried
+                        and input_id not in c_more
+                    ):
+                        c_more.add(input_id)
                         r_obj = q_obj = None
                     if meta.turn_record is not None and message.role == "assistant":
                         r_reply = True
@@ -364,6 +379,10 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
             turn_id = event.turn_id  # type: ignore[union-attr]
             if turn_id == c_id:
                 c_append(event)
+            if c_more:
+                r_carried, c_more = r_carried | c_more, set()
+            if j_more:
+                r_joined, j_more = (*r_joined, *j_more), []
             if (
                 r_id is not None
                 and turn_id == r_id
@@ -398,6 +417,7 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
             r_source = event.source  # type: ignore[union-attr]
             r_stop = r_final = r_reply = False
             r_joined, r_carried = (), _NO_CARRIED
+            c_more, j_more = set(), []
             r_obj = q_obj = None
         elif code == _RECORDED:
             turn_id = event.turn_id  # type: ignore[union-attr]
@@ -419,16 +439,41 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                     if w.input.id == input_id:
                         if w.held_for is not None or w.front:
                             w = replace(w, held_for=None, front=False)
-                        r_joined = (*r_joined, w)
+                        j_more.append(w)
                         # (w is the only one when it arrived alone)
                         arrived = () if len(arrived) == 1 else _without(arrived, input_id)
                         r_obj = q_obj = None
                         break
                 else:
-                    code = _QUEUE_CALL
+                    # Taken from where it waits, as the queue's handler takes it: from
+                    # ``queued`` (by that handler), else from ``pending``.
+                    if q_ids is None:
+                        q_ids = frozenset([w.input.id for w in queued])
+                    if input_id in q_ids:
+                        code = _QUEUE_CALL
+                    elif input_id not in p_drop:
+                        if p_first is None:
+                            p_first = {}
+                            for w in pending:
+                                p_first.setdefault(w.input.id, w)
+                        w = p_first.get(input_id)  # type: ignore[assignment]
+                        if w is not None:
+                            p_drop.add(input_id)
+                            if w.held_for is not None or w.front:
+                                w = replace(w, held_for=None, front=False)
+                            j_more.append(w)
+                            r_obj = q_obj = None
             else:
                 code = _QUEUE_CALL
             if code == _QUEUE_CALL:
+                if c_more:
+                    r_carried, c_more = r_carried | c_more, set()
+                if j_more:
+                    r_joined, j_more = (*r_joined, *j_more), []
+                if p_drop:
+                    pending = tuple([w for w in pending if w.input.id not in p_drop])
+                    p_drop = set()
+                p_first = q_ids = None  # the handler may change both
                 if q_obj is None:
                     if r_id is not None and r_obj is None:
                         r_obj = RunningTurn(
@@ -493,6 +538,12 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
         else:
             turns_state = TurnsState(finished, TurnLog(c_opened, Chain(c_list)))
     if q_obj is None:
+        if c_more:
+            r_carried = r_carried | c_more
+        if j_more:
+            r_joined = (*r_joined, *j_more)
+        if p_drop:
+            pending = tuple([w for w in pending if w.input.id not in p_drop])
         if r_id is None:
             r_obj = None
         elif r_obj is None:

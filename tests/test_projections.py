@@ -183,6 +183,17 @@ class LogBuilder:
         elif name == "release_waiting":
             if self.waiting:
                 b.add(InputReleased(input_id=self.waiting.pop(0), reason="stop-all", archived=True))
+        elif name == "join_waiting":
+            for input_id in self.waiting[: op[1]]:
+                b.add(InputJoined(input_id=input_id, turn_id=self._turn(), entry="joined"))
+                inp = Input(id=input_id, content="hello")
+                b.add(MessageSaved(message=self._user(inp, self.current)))
+            del self.waiting[: op[1]]
+        elif name == "again":
+            if self.waiting:
+                inp = Input(id=self.waiting[-1 if op[1] else 0], content="again")
+                b.add(InputReceived(input=inp, generation=self.generation))
+                b.add(InputHeld(input_id=inp.id, turn_id=self._turn()))
         elif name == "settings":
             b.add(SettingsChanged(key=op[1], value=op[2], reset=op[3], by="u1"))
         elif name == "deleted":
@@ -221,6 +232,11 @@ OPS = st.one_of(
         st.booleans(),
     ),
     st.tuples(st.just("release_waiting")),
+    # Waiting inputs joining the current turn (the first k, as an insertion point takes
+    # them), and one received again under a waiting input's id and held (a log written by
+    # hand or by another tool: two waiting under one id).
+    st.tuples(st.just("join_waiting"), st.integers(1, 20)),
+    st.tuples(st.just("again"), st.booleans()),
     st.tuples(
         st.just("settings"),
         st.sampled_from(["model", "historyLimit", "persona"]),

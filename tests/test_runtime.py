@@ -168,6 +168,31 @@ def test_human_inserts_join_before_the_next_call_after_the_tool_batch(rig: Rig) 
     assert inserted.result(1).turn_id == "turn-1"
 
 
+def test_forty_inserts_join_at_one_insertion_point_as_one_at_a_time_would(rig: Rig) -> None:
+    """Forty inputs pending while a tool runs all join before the next call, in arrival
+    order, each archived (SCH2, SAVE1): the actor's view after that commit (its events
+    folded together) is the fold of its log, and the request carries them all."""
+    rig.submit("查一下", **human("a"))
+    rig.model.answer(tool_calls=(CALL,))
+    rig.tool.wait_running()
+    inserted = [rig.submit(f"插入{n}", **human(f"u{n}", addressed=False)) for n in range(40)]
+    assert {h.where for h in inserted} == {"pending"}
+    rig.tool.release()
+    rig.settle()
+    second = rig.model.wait_call().request
+    assert [m.content.rsplit(": ", 1)[-1] for m in second.messages[-40:]] == [
+        f"插入{n}" for n in range(40)
+    ]
+    joined = [e for e in rig.of(InputJoined) if e.entry == "joined"]
+    assert [e.input_id for e in joined] == [h.input_id for h in inserted]
+    assert rig.runtime.view(SID) == project(rig.log())
+    running = rig.runtime.view(SID).queue.running
+    assert running is not None and running.carried >= {h.input_id for h in inserted}
+    rig.model.answer("好了")
+    rig.settle()
+    assert {h.result(1).turn_id for h in inserted} == {"turn-1"}
+
+
 def test_input_that_misses_the_final_call_waits_for_the_next_turn(rig: Rig) -> None:  # SCH2
     rig.submit("你好", **human("a"))
     late = rig.submit("还有一件事", **human("b"))
