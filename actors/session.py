@@ -584,7 +584,12 @@ class SessionActor(pykka.ThreadingActor):
             info = self.services.sessions.info(self.session_id)
         except Exception:
             return  # the runner meets it and reports it as it always does
-        known = self._known_inputs(self.view, step.events)
+        # The inputs as they joined (the queue's fold took each from where it waited):
+        # the turn's own few, however many others wait.
+        running = step.view.queue.running
+        if running is None or running.turn_id != opened.turn_id:
+            return
+        known = {w.input.id: w.input for w in running.joined}
         inputs = [
             known[e.input_id]
             for e in step.events
@@ -642,10 +647,15 @@ class SessionActor(pykka.ThreadingActor):
 
         def lookup(input_id: str) -> Input | None:
             # Built on first use (most commits move no input): the inputs this batch
-            # received first, as a rule the one asked for; all that wait only if not.
+            # received first, as a rule the one asked for; then those the running turn
+            # took (an input joining from the queue); all that wait only if not.
             nonlocal received, known
             if received is None:
                 received = {e.input.id: e.input for e in events if type(e) is InputReceived}
+                running = self.view.queue.running
+                if running is not None:
+                    for w in running.joined:
+                        received.setdefault(w.input.id, w.input)
             found = received.get(input_id)
             if found is None:
                 if known is None:
