@@ -427,11 +427,13 @@ def decide_open_next(step: Step, ctx: OpenContext) -> str | None:
     queued human input in arrival order; an injection opens alone."""
     if step.view.queue.running is not None:
         return None
-    waiting = queue.waiting(step.view.queue)
-    if not waiting:
+    first = queue.head(step.view.queue)
+    if first is None:
         return None
-    head = waiting[0].input
-    batch = [w.input for w in waiting if w.input.source is None] if head.source is None else [head]
+    head = first.input
+    if head.source is not None:  # an injection: alone (the rest need not be ordered)
+        return _open(step, [head], ctx, from_queue=True)
+    batch = [w.input for w in queue.waiting(step.view.queue) if w.input.source is None]
     return _open(step, batch, ctx, from_queue=True)
 
 

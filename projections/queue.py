@@ -44,6 +44,7 @@ __all__ = [
     "Waiting",
     "evolve",
     "has_open_work",
+    "head",
     "project",
     "waiting",
 ]
@@ -281,10 +282,21 @@ def project(events: Iterable[SessionEvent], state: QueueState | None = None) -> 
     return fold(HANDLERS, QueueState() if state is None else state, events)
 
 
+def _order(w: Waiting) -> tuple[bool, int]:
+    return not w.front, w.arrival
+
+
 def waiting(state: QueueState) -> list[Waiting]:
     """Queued and pending inputs together, in arrival order (what ``agent:queue`` reports);
     inputs put back by recovery come first."""
-    return sorted((*state.queued, *state.pending), key=lambda w: (not w.front, w.arrival))
+    return sorted((*state.queued, *state.pending), key=_order)
+
+
+def head(state: QueueState) -> Waiting | None:
+    """The first of :func:`waiting` (None when nothing waits), without ordering the rest."""
+    if not state.queued and not state.pending:
+        return None
+    return min((*state.queued, *state.pending), key=_order)
 
 
 def has_open_work(state: QueueState) -> bool:

@@ -844,3 +844,14 @@ def test_project_folds_as_the_handler_tables_do(
     assert dict(got.settings) == dict(want.settings)
     assert start == before  # the view folded from is untouched
     assert project((), start) is start
+
+
+@settings(max_examples=60)
+@given(ops=st.lists(OPS, max_size=30))
+def test_the_head_of_the_queue_is_the_first_waiting(ops: list[tuple[Any, ...]]) -> None:
+    """``queue.head`` (what opens the next turn) is the very input ``queue.waiting``
+    puts first, however the inputs were queued, held and taken."""
+    state = project(build_log(ops)).queue
+    ordered = queue.waiting(state)
+    assert queue.head(state) == (ordered[0] if ordered else None)
+    assert queue.head(state) is (ordered[0] if ordered else None)
