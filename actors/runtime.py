@@ -149,6 +149,14 @@ def _optional_text(name: str, value: object) -> None:
         raise InvalidInput(f"{name} must be a str or None, not {type(value).__name__}")
 
 
+def _who(name: str, value: object) -> str | None:
+    """Who asks (a platform, a user id) as the log records it: checked as
+    :func:`_optional_text` does, lone surrogates cleaned as an input's sender is (the
+    same account then matches the one its inputs brought)."""
+    _optional_text(name, value)
+    return None if value is None else clean_text(value)  # type: ignore[arg-type]
+
+
 def _refuse_own_turn(session_id: str, what: str, instead: str | None = None) -> None:
     """Raise RuntimeError when called within a turn of ``session_id`` (its tool, its
     middleware, a callback of it): ``what`` waits for that turn to end, which waits for
@@ -728,23 +736,22 @@ class Runtime:
         self, session_id: str, *, platform: str | None = None, user_id: str | None = None
     ) -> str | None:
         """Stop the session's running turn (the stop button); returns its id, if any."""
-        return self._ask(session_id, Stop(platform=platform, user_id=user_id))  # type: ignore[no-any-return]
+        who = Stop(platform=_who("platform", platform), user_id=_who("user_id", user_id))
+        return self._ask(session_id, who)  # type: ignore[no-any-return]
 
     def stop_command(
         self, session_id: str, platform: str | None, user_id: str | None
     ) -> str | None:
         """``/stop`` (CMD3): None when the turn was stopped, else the reply to send."""
-        _optional_text("platform", platform)
-        _optional_text("user_id", user_id)
-        return self._ask(session_id, StopCommand(platform, user_id))  # type: ignore[no-any-return]
+        who = StopCommand(_who("platform", platform), _who("user_id", user_id))
+        return self._ask(session_id, who)  # type: ignore[no-any-return]
 
     def stop_all(
         self, session_id: str, *, platform: str | None = None, user_id: str | None = None
     ) -> str | None:
         """Stop the running turn and release queued and pending inputs (archived)."""
-        _optional_text("platform", platform)
-        _optional_text("user_id", user_id)
-        return self._ask(session_id, Release("stop-all", platform, user_id))  # type: ignore[no-any-return]
+        who = Release("stop-all", _who("platform", platform), _who("user_id", user_id))
+        return self._ask(session_id, who)  # type: ignore[no-any-return]
 
     def mute(self, session_id: str) -> str | None:
         """Muted: stop the running turn and release queued and pending inputs (archived)."""
@@ -910,9 +917,11 @@ class Runtime:
     ) -> None:
         """Set (or ``reset``) a setting in the session's own layer (SET3), validated to
         the type and range the log holds (ConfigError naming the key otherwise). Who may
-        change which key is the caller's to check (``/session.set`` does, SET4)."""
+        change which key is the caller's to check (``/session.set`` does, SET4). ``by``
+        (who changed it, recorded) is a str or None, as the stops' ``platform`` and
+        ``user_id`` are (InvalidInput otherwise); lone surrogates in them are cleaned."""
         stored = None if reset else validate_setting(key, value)
-        self._ask(session_id, SetSetting(key, stored, reset, by))
+        self._ask(session_id, SetSetting(key, stored, reset, _who("by", by)))
 
     def active_sessions(self) -> list[str]:
         with self._lock:

@@ -1,0 +1,132 @@
+"""Commands and settings from careless callers and racing users: who stopped, odd ids,
+the locale of the room, a setting changed while its session is being deleted."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pykka
+import pytest
+from aalis_agent.actors.commands import handle_command
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import (
+    InMemoryEventStore,
+    Input,
+    InvalidInput,
+    Sender,
+    SettingsChanged,
+    StopMarkerSaved,
+    StopRequested,
+    ToolCall,
+    TurnRecorded,
+)
+from aalis_agent.projections import project
+from aalis_agent.services import (
+    ScriptedModel,
+    ScriptedReply,
+    Services,
+    StaticAuthority,
+    Tool,
+    ToolRegistry,
+)
+
+SID = "qq:group:7"
+
+
+class Rig:
+    """A runtime whose first turn waits in its tool until released."""
+
+    def __init__(self, services: dict[str, Any] | None = None) -> None:
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+        def slow(args: Any, ctx: Any) -> str:
+            self.entered.set()
+            self.gate.wait(30)
+            return "ok"
+
+        model = ScriptedModel(
+            [
+                ScriptedReply(tool_calls=(ToolCall(id="c1", name="slow", arguments="{}"),)),
+                ScriptedReply(text="done"),
+            ]
+        )
+        self.store = InMemoryEventStore()
+        self.runtime = Runtime(
+            self.store,
+            Services(
+                llm=model,
+                tools=ToolRegistry([Tool("slow", slow)]),
+                authority=StaticAuthority([("qq", "boss")]),
+                **(services or {}),
+            ),
+            janitor=False,
+        )
+
+    def start_turn(self, user: str = "u1", **kw: Any) -> Any:
+        handle = self.runtime.submit(
+            SID, Input(id="", content="hi", platform="qq", sender=Sender(user_id=user), **kw)
+        )
+        assert self.entered.wait(10)
+        return handle
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    r = Rig()
+    yield r
+    r.gate.set()
+    r.runtime.shutdown(timeout=10)
+    pykka.ActorRegistry.stop_all()
+
+
+@pytest.mark.parametrize("how", ["stop", "stop_all", "stop_command"])
+def test_a_stop_by_an_id_with_a_lone_surrogate_is_recorded_cleaned(rig: Rig, how: str) -> None:
+    # The account of a client that sent half an emoji: the input's sender is cleaned as
+    # it enters, and so is the same account stopping the turn (it used to fail the write
+    # of the stop and stop the session, its turn's handle raising SessionFailed).
+    handle = rig.start_turn(user="a\ud83d")
+    if how == "stop_command":
+        assert rig.runtime.stop_command(SID, "qq", "a\ud83d") is None  # a participant
+    else:
+        getattr(rig.runtime, how)(SID, platform="qq", user_id="a\ud83d")
+    rig.gate.set()
+    outcome = handle.result(10)
+    assert (outcome.outcome, outcome.reason) == (
+        "aborted",
+        "stop" if how != "stop_all" else "stop-all",
+    )
+    events = rig.store.read(SID)
+    assert [e.by for e in events if isinstance(e, StopRequested)] == ["a\ufffd"]
+    marker = next(e for e in events if isinstance(e, StopMarkerSaved))
+    assert "a\ufffd" in marker.message.content
+    assert rig.runtime.submit(SID, Input(id="", content="again")).result(10).outcome == "replied"
+
+
+@pytest.mark.parametrize("field", ["platform", "user_id"])
+def test_a_stop_naming_who_with_a_wrong_type_is_refused_and_the_turn_runs_on(
+    rig: Rig, field: str
+) -> None:
+    handle = rig.start_turn()
+    who: dict[str, Any] = {"platform": "qq", "user_id": "boss", field: 123}
+    with pytest.raises(InvalidInput, match=field):
+        rig.runtime.stop(SID, **who)
+    rig.gate.set()
+    assert handle.result(10).outcome == "replied"
+    assert not [e for e in rig.store.read(SID) if isinstance(e, StopRequested)]
+
+
+def test_a_setting_by_an_id_with_a_lone_surrogate_is_recorded_cleaned(rig: Rig) -> None:
+    reply = handle_command(
+        rig.runtime, SID, "/session.set think high", platform="qq", user_id="x\udc00"
+    )
+    assert reply is not None and reply.startswith("已设置深度思考（think）= high")
+    changed = [e for e in rig.store.read(SID) if isinstance(e, SettingsChanged)]
+    assert [(e.key, e.value, e.by) for e in changed] == [("think", "high", "x\ufffd")]
+    with pytest.raises(InvalidInput, match="by"):
+        rig.runtime.set_setting(SID, "think", "low", by=5)  # type: ignore[arg-type]
+    assert len([e for e in rig.store.read(SID) if isinstance(e, SettingsChanged)]) == 1
+    assert [e.outcome for e in rig.store.read(SID) if isinstance(e, TurnRecorded)] == []
+    assert project(rig.store.read(SID)).settings == {"think": "high"}
