@@ -919,9 +919,16 @@ class Runtime:
         the type and range the log holds (ConfigError naming the key otherwise). Who may
         change which key is the caller's to check (``/session.set`` does, SET4). ``by``
         (who changed it, recorded) is a str or None, as the stops' ``platform`` and
-        ``user_id`` are (InvalidInput otherwise); lone surrogates in them are cleaned."""
+        ``user_id`` are (InvalidInput otherwise); lone surrogates in them are cleaned.
+        While a deletion of the session winds down, the change is written after the
+        deletion (which would wipe it), and this returns then."""
         stored = None if reset else validate_setting(key, value)
-        self._ask(session_id, SetSetting(key, stored, reset, _who("by", by)))
+        held = self._ask(session_id, SetSetting(key, stored, reset, _who("by", by)))
+        if held is not None and not in_a_turn():
+            # A deletion winds down: the change is written once it is (it would wipe the
+            # change), and acknowledged then. Not waited for from inside a turn, which
+            # the wind-down may wait for (as a submit from there is not).
+            held.result()
 
     def active_sessions(self) -> list[str]:
         with self._lock:

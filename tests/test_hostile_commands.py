@@ -10,7 +10,9 @@ from typing import Any
 import pykka
 import pytest
 from aalis_agent.actors.commands import handle_command
+from aalis_agent.actors.messages import SetSetting
 from aalis_agent.actors.runtime import Runtime
+from aalis_agent.actors.session import SessionActor
 from aalis_agent.events import (
     InMemoryEventStore,
     Input,
@@ -130,3 +132,41 @@ def test_a_setting_by_an_id_with_a_lone_surrogate_is_recorded_cleaned(rig: Rig) 
     assert len([e for e in rig.store.read(SID) if isinstance(e, SettingsChanged)]) == 1
     assert [e.outcome for e in rig.store.read(SID) if isinstance(e, TurnRecorded)] == []
     assert project(rig.store.read(SID)).settings == {"think": "high"}
+
+
+def test_a_setting_changed_while_its_session_is_deleted_outlives_the_deletion(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DEL1-DEL2: an input that arrives while a deletion winds down is handed on after it,
+    # into the new generation. A setting changed in that window was acknowledged, then
+    # written before the deletion and wiped by it: the user was told "set", and it was not.
+    handled = threading.Event()
+    handler = SessionActor._HANDLERS[SetSetting]
+
+    def noted(actor: SessionActor, msg: SetSetting) -> Any:
+        try:
+            return handler(actor, msg)
+        finally:
+            handled.set()
+
+    monkeypatch.setitem(SessionActor._HANDLERS, SetSetting, noted)
+    handle = rig.start_turn()
+    deleted = rig.runtime._begin_delete(SID)
+    answers: list[str | None] = []
+    setter = threading.Thread(
+        target=lambda: answers.append(
+            handle_command(
+                rig.runtime, SID, "/session.set historyLimit 7", platform="qq", user_id="boss"
+            )
+        )
+    )
+    setter.start()
+    assert handled.wait(10)  # the session has the change, its deletion still winding down
+    assert not deleted.done()
+    rig.gate.set()  # the tool returns, the turn winds down, the deletion is written
+    assert deleted.result(10) == 1
+    setter.join(10)
+    assert answers == ["已设置历史条数上限（historyLimit）= 7"]
+    assert handle.result(10).outcome == "aborted"
+    assert rig.runtime.view(SID).settings == {"historyLimit": 7}
+    assert project(rig.store.read(SID)).settings == {"historyLimit": 7}
