@@ -68,6 +68,7 @@ from aalis_agent.events import (
 )
 from aalis_agent.events.codec import checked_input, checked_session_id, clean_text
 from aalis_agent.projections import SessionView, project, queue, turns
+from aalis_agent.request.texts import Texts
 from aalis_agent.request.usage import wire
 from aalis_agent.services import Services
 from aalis_agent.services.settings import validate_setting
@@ -740,11 +741,18 @@ class Runtime:
         return self._ask(session_id, who)  # type: ignore[no-any-return]
 
     def stop_command(
-        self, session_id: str, platform: str | None, user_id: str | None
+        self,
+        session_id: str,
+        platform: str | None,
+        user_id: str | None,
+        venue: str | None = None,
     ) -> str | None:
-        """``/stop`` (CMD3): None when the turn was stopped, else the reply to send."""
-        who = StopCommand(_who("platform", platform), _who("user_id", user_id))
-        return self._ask(session_id, who)  # type: ignore[no-any-return]
+        """``/stop`` (CMD3): None when the turn was stopped, else the reply to send, in
+        the locale of ``platform`` and ``venue`` (default: the session's, see
+        :meth:`texts_for`)."""
+        platform, user_id = _who("platform", platform), _who("user_id", user_id)
+        texts = self.texts_for(session_id, platform, venue)
+        return self._ask(session_id, StopCommand(platform, user_id, texts))  # type: ignore[no-any-return]
 
     def stop_all(
         self, session_id: str, *, platform: str | None = None, user_id: str | None = None
@@ -879,18 +887,35 @@ class Runtime:
         the layer it comes from and the UI text; the model field reports the model in
         use. ``platform`` and ``venue`` default to those the latest turn read its settings
         for, else the session's origin."""
+        view, platform, venue = self._place(session_id, platform, venue)
+        return session_fields(
+            self.services, session_id, view.settings, platform=platform, venue=venue
+        )
+
+    def texts_for(
+        self, session_id: str, platform: str | None = None, venue: str | None = None
+    ) -> Texts:
+        """The texts a reply to the session speaks: the locale of ``platform`` and
+        ``venue``, which default as :meth:`fields` has them (the room of its latest turn,
+        else its origin), so a reply and the settings it shows are in one language."""
+        _view, platform, venue = self._place(session_id, platform, venue)
+        return self.services.texts_for(platform, venue)
+
+    def _place(
+        self, session_id: str, platform: str | None, venue: str | None
+    ) -> tuple[SessionView, str | None, str | None]:
+        """The session's view, and ``platform`` and ``venue`` defaulting to those the
+        latest turn read its settings for, else the session's origin."""
         session_id = checked_session_id(session_id)
         _optional_text("platform", platform)
         _optional_text("venue", venue)
         info = self.services.sessions.info(session_id)
         view = self.view(session_id)
         last = turns.last_opened(view.turns)  # where the latest turn read its settings
-        return session_fields(
-            self.services,
-            session_id,
-            view.settings,
-            platform=platform or (last.platform if last else None) or info.origin_platform,
-            venue=venue or (last.venue if last else None) or info.venue,
+        return (
+            view,
+            platform or (last.platform if last else None) or info.origin_platform,
+            venue or (last.venue if last else None) or info.venue,
         )
 
     def assign_model(self, session_id: str, model: ModelRef | str) -> None:

@@ -1093,16 +1093,17 @@ class SessionActor(pykka.ThreadingActor):
 
     def _on_stop_command(self, msg: StopCommand) -> str | None:
         """``/stop`` (CMD3): the reply to send, or None when the turn was stopped."""
+        texts = msg.texts or self.services.texts_for(msg.platform)
         running = self.view.queue.running
         if running is None or not running.stoppable:
-            return self.services.texts_for(msg.platform)("stop.no_running_turn")
+            return texts("stop.no_running_turn")
         current = self.view.turns.current
         participants = turn_participants(current) if current is not None else ()
         allowed = self.services.authority.is_owner(msg.platform, msg.user_id) or (
             msg.user_id is not None and (msg.platform, msg.user_id) in participants
         )
         if not allowed:
-            return self.services.texts_for(msg.platform)("stop.denied")
+            return texts("stop.denied")
         self._on_stop(Stop(platform=msg.platform, user_id=msg.user_id))
         return None
 

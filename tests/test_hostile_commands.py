@@ -25,11 +25,15 @@ from aalis_agent.events import (
     TurnRecorded,
 )
 from aalis_agent.projections import project
+from aalis_agent.request.texts import texts_for
 from aalis_agent.services import (
     ScriptedModel,
     ScriptedReply,
     Services,
+    SessionInfo,
+    SettingsLayers,
     StaticAuthority,
+    StaticSessions,
     Tool,
     ToolRegistry,
 )
@@ -170,3 +174,41 @@ def test_a_setting_changed_while_its_session_is_deleted_outlives_the_deletion(
     assert handle.result(10).outcome == "aborted"
     assert rig.runtime.view(SID).settings == {"historyLimit": 7}
     assert project(rig.store.read(SID)).settings == {"historyLimit": 7}
+
+
+def test_commands_answer_in_the_locale_of_the_sessions_room() -> None:
+    # A venue layer picks en for its room. /stop answered in zh there, with or without the
+    # venue given; other commands given no venue mixed zh labels with en values.
+    room = "qq:g1"
+    r = Rig(
+        {
+            "settings": SettingsLayers(venues={room: {"locale": "en"}}),
+            "sessions": StaticSessions({SID: SessionInfo(SID, origin_platform="qq", venue=room)}),
+        }
+    )
+    en = texts_for("en")
+    rt = r.runtime
+    try:
+        for venue in (None, room):
+
+            def cmd(text: str, venue: str | None = venue) -> str | None:
+                return handle_command(rt, SID, text, platform="qq", user_id="u2", venue=venue)
+
+            assert cmd("/stop") == en("stop.no_running_turn")
+            assert cmd("/help") == en("command.help")
+            shown = cmd("/session")
+            assert shown is not None and shown.startswith("Model (llm): follows")
+            assert cmd("/session.set historyLimit 3") == en(
+                "command.owner_only", label=en("setting.historyLimit"), key="historyLimit"
+            )
+            assert cmd("/model -p x") == "/model: the page must be a positive integer, not 'x'"
+        handle = r.start_turn(user="u1", group_id="g1")
+        assert rt.stop_command(SID, "qq", "u2") == en("stop.denied")
+        assert handle_command(rt, SID, "/stop", platform="qq", user_id="u2") == en("stop.denied")
+        assert handle_command(rt, SID, "/stop", platform="qq", user_id="u1") is None
+        r.gate.set()
+        assert handle.result(10).outcome == "aborted"
+    finally:
+        r.gate.set()
+        rt.shutdown(timeout=10)
+        pykka.ActorRegistry.stop_all()
