@@ -620,6 +620,8 @@ class Runtime:
                 entry = self._entry(session_id)
                 entry.calling += 1
                 generation = arrived_in if arrived_in is not None else entry.generation
+                if attempt == 2:  # a deletion the stopped actor did not write did not happen
+                    generation = min(generation, entry.generation)
             handed_on: Future[str] = Future()
             try:  # on this thread, under the actor's lock: no hop to its mailbox
                 where = entry.actor.call(

@@ -925,9 +925,11 @@ class SessionActor(pykka.ThreadingActor):
             return None
 
     def _on_submit(self, msg: Submit) -> str:
-        if self._winding_down:
-            # Handled once the deletion or clear is done; its submitter waits for that
-            # (``handed_on``): nothing is acknowledged before it is in the log.
+        if self._winding_down or msg.generation > self.view.queue.generation:
+            # Handled once the deletion or clear is done (or, for an input of the
+            # generation a deletion still on its way here raised, once that deletion is);
+            # its submitter waits for that (``handed_on``): nothing is acknowledged
+            # before it is in the log.
             self._deferred.append(msg)
             return "deferred"
         input_id = msg.input.id
@@ -1162,6 +1164,8 @@ class SessionActor(pykka.ThreadingActor):
                 continue
             try:
                 where = self._on_submit(submit)
+                if where == "deferred":
+                    continue  # for a later deletion still on its way: held again
             except Exception as exc:
                 for future in (submit.done, submit.handed_on):
                     if future is not None and not future.done():

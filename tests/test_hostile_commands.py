@@ -10,7 +10,7 @@ from typing import Any
 import pykka
 import pytest
 from aalis_agent.actors.commands import handle_command
-from aalis_agent.actors.messages import SetSetting
+from aalis_agent.actors.messages import SetSetting, Submit
 from aalis_agent.actors.runtime import Runtime
 from aalis_agent.actors.session import SessionActor
 from aalis_agent.events import (
@@ -210,5 +210,51 @@ def test_commands_answer_in_the_locale_of_the_sessions_room() -> None:
         assert handle.result(10).outcome == "aborted"
     finally:
         r.gate.set()
+        rt.shutdown(timeout=10)
+        pykka.ActorRegistry.stop_all()
+
+
+def test_an_input_sent_after_a_deletion_was_asked_is_not_dropped_as_stale(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # DEL2 drops inputs of a generation before the deletion. delete() raises the
+    # generation at once and tells the session; an input submitted right after, handled
+    # before the session took the deletion from its mailbox, carries the new generation
+    # and was dropped as stale (released, never run).
+    mailbox = threading.Event()
+    start = SessionActor._start_mailbox
+
+    def held_mailbox(actor: SessionActor) -> None:  # the deletion waits in the mailbox
+        threading.Thread(target=lambda: (mailbox.wait(30), start(actor))).start()
+
+    handled = threading.Event()
+    submit = SessionActor._HANDLERS[Submit]
+
+    def noted(actor: SessionActor, msg: Submit) -> Any:
+        try:
+            return submit(actor, msg)
+        finally:
+            handled.set()
+
+    monkeypatch.setattr(SessionActor, "_start_mailbox", held_mailbox)
+    rt = Runtime(InMemoryEventStore(), Services(llm=ScriptedModel()), janitor=False)
+    try:
+        rt.submit(SID, Input(id="", content="before")).result(10)
+        monkeypatch.setitem(SessionActor._HANDLERS, Submit, noted)
+        deleted = rt._begin_delete(SID)
+        handles: list[Any] = []
+        sender = threading.Thread(
+            target=lambda: handles.append(rt.submit(SID, Input(id="", content="after")))
+        )
+        sender.start()
+        assert handled.wait(10)  # the session has the input, not yet the deletion
+        mailbox.set()
+        assert deleted.result(10) == 1
+        sender.join(10)
+        outcome = handles[0].result(10)
+        assert (handles[0].where, outcome.outcome) == ("opened", "replied")
+        assert [m.content for m in rt.view(SID).history.messages if m.role == "user"] == ["after"]
+    finally:
+        mailbox.set()
         rt.shutdown(timeout=10)
         pykka.ActorRegistry.stop_all()
