@@ -485,10 +485,14 @@ class AsyncRuntime:
         return await self._call(self.runtime.stop, session_id, platform=platform, user_id=user_id)
 
     async def astop_command(
-        self, session_id: str, platform: str | None, user_id: str | None
+        self,
+        session_id: str,
+        platform: str | None,
+        user_id: str | None,
+        venue: str | None = None,
     ) -> str | None:
         """``/stop`` (only participants and the owner): None when stopped, else the reply."""
-        return await self._call(self.runtime.stop_command, session_id, platform, user_id)
+        return await self._call(self.runtime.stop_command, session_id, platform, user_id, venue)
 
     async def astop_all(
         self, session_id: str, *, platform: str | None = None, user_id: str | None = None

@@ -94,7 +94,7 @@ def set_setting(
     """Set or reset a session-layer setting; owner-only keys refuse anyone else (SET3,
     SET4). Returns the reply (in the locale of ``platform`` and ``venue``); a bad key or
     value raises ConfigError naming it."""
-    texts = runtime.services.texts_for(platform, venue)
+    texts = runtime.texts_for(session_id, platform, venue)
     refusal = _refusal(runtime, key, platform, user_id, texts)
     if refusal is not None:
         return refusal
@@ -167,11 +167,13 @@ def handle_command(
     if not words:
         return None
     name = words[0]
-    texts = runtime.services.texts_for(platform, venue)
+    if name not in COMMANDS:
+        return None
+    texts = runtime.texts_for(session_id, platform, venue)
     if name == "/help":
         return texts("command.help")
     if name == "/stop":
-        return runtime.stop_command(session_id, platform, user_id)
+        return runtime.stop_command(session_id, platform, user_id, venue)
     if name == "/session":
         return "\n".join(f.line(texts) for f in runtime.fields(session_id, platform, venue))
     if name in ("/model", "/persona"):
@@ -244,7 +246,7 @@ def _listing(
     venue: str | None,
 ) -> str:
     services = runtime.services
-    texts = services.texts_for(platform, venue)
+    texts = runtime.texts_for(session_id, platform, venue)
     if name == "/model":
         what, current = texts("listing.models"), None
         with contextlib.suppress(ConfigError):

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import msgspec
 from aalis_agent.events import Input, ModelCallStarted, SessionEvent, TurnOutcome
 from aalis_agent.events.schema import ReleaseReason
+from aalis_agent.request.texts import Texts
 from aalis_agent.services.outbound import OutboundMessage
 
 __all__ = [
@@ -70,6 +71,7 @@ class StopCommand:
 
     platform: str | None
     user_id: str | None
+    texts: Texts | None = None  # the locale of the reply; default: the platform's
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,6 +68,7 @@ from aalis_agent.events import (
 )
 from aalis_agent.events.codec import checked_input, checked_session_id, clean_text
 from aalis_agent.projections import SessionView, project, queue, turns
+from aalis_agent.request.texts import Texts
 from aalis_agent.request.usage import wire
 from aalis_agent.services import Services
 from aalis_agent.services.settings import validate_setting
@@ -147,6 +148,14 @@ def _optional_text(name: str, value: object) -> None:
     :class:`InvalidInput` naming it."""
     if value is not None and not isinstance(value, str):
         raise InvalidInput(f"{name} must be a str or None, not {type(value).__name__}")
+
+
+def _who(name: str, value: object) -> str | None:
+    """Who asks (a platform, a user id) as the log records it: checked as
+    :func:`_optional_text` does, lone surrogates cleaned as an input's sender is (the
+    same account then matches the one its inputs brought)."""
+    _optional_text(name, value)
+    return None if value is None else clean_text(value)  # type: ignore[arg-type]
 
 
 def _refuse_own_turn(session_id: str, what: str, instead: str | None = None) -> None:
@@ -611,6 +620,8 @@ class Runtime:
                 entry = self._entry(session_id)
                 entry.calling += 1
                 generation = arrived_in if arrived_in is not None else entry.generation
+                if attempt == 2:  # a deletion the stopped actor did not write did not happen
+                    generation = min(generation, entry.generation)
             handed_on: Future[str] = Future()
             try:  # on this thread, under the actor's lock: no hop to its mailbox
                 where = entry.actor.call(
@@ -728,23 +739,29 @@ class Runtime:
         self, session_id: str, *, platform: str | None = None, user_id: str | None = None
     ) -> str | None:
         """Stop the session's running turn (the stop button); returns its id, if any."""
-        return self._ask(session_id, Stop(platform=platform, user_id=user_id))  # type: ignore[no-any-return]
+        who = Stop(platform=_who("platform", platform), user_id=_who("user_id", user_id))
+        return self._ask(session_id, who)  # type: ignore[no-any-return]
 
     def stop_command(
-        self, session_id: str, platform: str | None, user_id: str | None
+        self,
+        session_id: str,
+        platform: str | None,
+        user_id: str | None,
+        venue: str | None = None,
     ) -> str | None:
-        """``/stop`` (CMD3): None when the turn was stopped, else the reply to send."""
-        _optional_text("platform", platform)
-        _optional_text("user_id", user_id)
-        return self._ask(session_id, StopCommand(platform, user_id))  # type: ignore[no-any-return]
+        """``/stop`` (CMD3): None when the turn was stopped, else the reply to send, in
+        the locale of ``platform`` and ``venue`` (default: the session's, see
+        :meth:`texts_for`)."""
+        platform, user_id = _who("platform", platform), _who("user_id", user_id)
+        texts = self.texts_for(session_id, platform, venue)
+        return self._ask(session_id, StopCommand(platform, user_id, texts))  # type: ignore[no-any-return]
 
     def stop_all(
         self, session_id: str, *, platform: str | None = None, user_id: str | None = None
     ) -> str | None:
         """Stop the running turn and release queued and pending inputs (archived)."""
-        _optional_text("platform", platform)
-        _optional_text("user_id", user_id)
-        return self._ask(session_id, Release("stop-all", platform, user_id))  # type: ignore[no-any-return]
+        who = Release("stop-all", _who("platform", platform), _who("user_id", user_id))
+        return self._ask(session_id, who)  # type: ignore[no-any-return]
 
     def mute(self, session_id: str) -> str | None:
         """Muted: stop the running turn and release queued and pending inputs (archived)."""
@@ -872,18 +889,35 @@ class Runtime:
         the layer it comes from and the UI text; the model field reports the model in
         use. ``platform`` and ``venue`` default to those the latest turn read its settings
         for, else the session's origin."""
+        view, platform, venue = self._place(session_id, platform, venue)
+        return session_fields(
+            self.services, session_id, view.settings, platform=platform, venue=venue
+        )
+
+    def texts_for(
+        self, session_id: str, platform: str | None = None, venue: str | None = None
+    ) -> Texts:
+        """The texts a reply to the session speaks: the locale of ``platform`` and
+        ``venue``, which default as :meth:`fields` has them (the room of its latest turn,
+        else its origin), so a reply and the settings it shows are in one language."""
+        _view, platform, venue = self._place(session_id, platform, venue)
+        return self.services.texts_for(platform, venue)
+
+    def _place(
+        self, session_id: str, platform: str | None, venue: str | None
+    ) -> tuple[SessionView, str | None, str | None]:
+        """The session's view, and ``platform`` and ``venue`` defaulting to those the
+        latest turn read its settings for, else the session's origin."""
         session_id = checked_session_id(session_id)
         _optional_text("platform", platform)
         _optional_text("venue", venue)
         info = self.services.sessions.info(session_id)
         view = self.view(session_id)
         last = turns.last_opened(view.turns)  # where the latest turn read its settings
-        return session_fields(
-            self.services,
-            session_id,
-            view.settings,
-            platform=platform or (last.platform if last else None) or info.origin_platform,
-            venue=venue or (last.venue if last else None) or info.venue,
+        return (
+            view,
+            platform or (last.platform if last else None) or info.origin_platform,
+            venue or (last.venue if last else None) or info.venue,
         )
 
     def assign_model(self, session_id: str, model: ModelRef | str) -> None:
@@ -910,9 +944,18 @@ class Runtime:
     ) -> None:
         """Set (or ``reset``) a setting in the session's own layer (SET3), validated to
         the type and range the log holds (ConfigError naming the key otherwise). Who may
-        change which key is the caller's to check (``/session.set`` does, SET4)."""
+        change which key is the caller's to check (``/session.set`` does, SET4). ``by``
+        (who changed it, recorded) is a str or None, as the stops' ``platform`` and
+        ``user_id`` are (InvalidInput otherwise); lone surrogates in them are cleaned.
+        While a deletion of the session winds down, the change is written after the
+        deletion (which would wipe it), and this returns then."""
         stored = None if reset else validate_setting(key, value)
-        self._ask(session_id, SetSetting(key, stored, reset, by))
+        held = self._ask(session_id, SetSetting(key, stored, reset, _who("by", by)))
+        if held is not None and not in_a_turn():
+            # A deletion winds down: the change is written once it is (it would wipe the
+            # change), and acknowledged then. Not waited for from inside a turn, which
+            # the wind-down may wait for (as a submit from there is not).
+            held.result()
 
     def active_sessions(self) -> list[str]:
         with self._lock:

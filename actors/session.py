@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import queue as queue_module
@@ -160,6 +161,16 @@ class _Mailbox(queue_module.Queue[Any]):
             start()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _HeldSetting:
+    """A setting change that arrived while a deletion winds down: written once the
+    deletion is, so the deletion does not wipe it; ``done`` answers its caller then."""
+
+    message: SetSetting
+    done: Future[None]
+    handed_on: None = None  # as a held-back Submit's, for the answers in _fail_waiting
+
+
 def _comparable(inp: Input) -> Input:
     """What must match for an input to be the same one sent again: all of it but the
     time it was stamped with and the gateway's delivery number."""
@@ -224,7 +235,7 @@ class SessionActor(pykka.ThreadingActor):
         # The history part of this session's requests, extended turn by turn.
         self._history_cache = HistoryCache(default_counter())
         self._winding_down: list[tuple[str, Future[Any], tuple[str, ...]]] = []
-        self._deferred: list[Submit] = []
+        self._deferred: list[Submit | _HeldSetting] = []
         self._last_activity = time.monotonic()
         # Turn ids the log has used, kept up as finished turns are added (_new_turn_id).
         self._used_turn_ids: set[str] = set()
@@ -460,9 +471,9 @@ class SessionActor(pykka.ThreadingActor):
         deferred, self._deferred = self._deferred, []
         if deferred:
             held_back = RuntimeClosed(
-                f"session {self.session_id!r} stopped before an input held back during its "
-                "deletion or clear was handed on: that input is not in its log (send it "
-                f"again); the session stopped on {type(error).__name__}"
+                f"session {self.session_id!r} stopped before an input (or a setting) held "
+                "back during its deletion or clear was handed on: it is not in its log "
+                f"(send it again); the session stopped on {type(error).__name__}"
             )
             held_back.__cause__ = error
             for submit in deferred:
@@ -924,9 +935,11 @@ class SessionActor(pykka.ThreadingActor):
             return None
 
     def _on_submit(self, msg: Submit) -> str:
-        if self._winding_down:
-            # Handled once the deletion or clear is done; its submitter waits for that
-            # (``handed_on``): nothing is acknowledged before it is in the log.
+        if self._winding_down or msg.generation > self.view.queue.generation:
+            # Handled once the deletion or clear is done (or, for an input of the
+            # generation a deletion still on its way here raised, once that deletion is);
+            # its submitter waits for that (``handed_on``): nothing is acknowledged
+            # before it is in the log.
             self._deferred.append(msg)
             return "deferred"
         input_id = msg.input.id
@@ -1092,16 +1105,17 @@ class SessionActor(pykka.ThreadingActor):
 
     def _on_stop_command(self, msg: StopCommand) -> str | None:
         """``/stop`` (CMD3): the reply to send, or None when the turn was stopped."""
+        texts = msg.texts or self.services.texts_for(msg.platform)
         running = self.view.queue.running
         if running is None or not running.stoppable:
-            return self.services.texts_for(msg.platform)("stop.no_running_turn")
+            return texts("stop.no_running_turn")
         current = self.view.turns.current
         participants = turn_participants(current) if current is not None else ()
         allowed = self.services.authority.is_owner(msg.platform, msg.user_id) or (
             msg.user_id is not None and (msg.platform, msg.user_id) in participants
         )
         if not allowed:
-            return self.services.texts_for(msg.platform)("stop.denied")
+            return texts("stop.denied")
         self._on_stop(Stop(platform=msg.platform, user_id=msg.user_id))
         return None
 
@@ -1150,8 +1164,18 @@ class SessionActor(pykka.ThreadingActor):
                 self._deferred = deferred[n:]
                 self._fail_waiting(self._failed)
                 break
+            if isinstance(submit, _HeldSetting):
+                try:
+                    self._write_setting(submit.message)
+                except Exception as exc:
+                    submit.done.set_exception(exc)
+                else:
+                    submit.done.set_result(None)
+                continue
             try:
                 where = self._on_submit(submit)
+                if where == "deferred":
+                    continue  # for a later deletion still on its way: held again
             except Exception as exc:
                 for future in (submit.done, submit.handed_on):
                     if future is not None and not future.done():
@@ -1178,7 +1202,17 @@ class SessionActor(pykka.ThreadingActor):
         self._wind_down("clear", msg.done, msg.kinds)
         return "clearing"
 
-    def _on_set_setting(self, msg: SetSetting) -> None:
+    def _on_set_setting(self, msg: SetSetting) -> Future[None] | None:
+        """Write the change; while a deletion winds down, hold it back until the deletion
+        is written (which would wipe it) and answer a future resolved once it is durable."""
+        if any(kind == "delete" for kind, _done, _kinds in self._winding_down):
+            held = _HeldSetting(msg, Future())
+            self._deferred.append(held)
+            return held.done
+        self._write_setting(msg)
+        return None
+
+    def _write_setting(self, msg: SetSetting) -> None:
         step = self._step()
         step.add(SettingsChanged(key=msg.key, value=msg.value, reset=msg.reset, by=msg.by))
         self._commit(step, refusable=True)
