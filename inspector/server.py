@@ -64,6 +64,8 @@ SESSION_ID_SHOWN = 1_000
 session opens from its URL, ``#session=<id>``)."""
 MAX_EVENTS = 2000  # events in one events answer
 CACHED_SESSIONS = 4  # decoded logs kept in memory
+INT_RANGE = range(-(2**63), 2**63)
+"""What a number parameter may be: a 64-bit integer, as the database's numbers are."""
 
 _TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -173,9 +175,12 @@ def _int(query: dict[str, list[str]], name: str, default: int | None = None) -> 
             raise BadRequest(f"missing parameter {name!r}")
         return default
     try:
-        return int(values[0])
+        number = int(values[0])
     except ValueError:
         raise BadRequest(f"parameter {name!r} must be an integer, got {values[0][:40]!r}") from None
+    if number not in INT_RANGE:
+        raise BadRequest(f"parameter {name!r} is out of range, got {values[0][:40]!r}")
+    return number
 
 
 def route(inspector: Inspector, path: str, query: dict[str, list[str]]) -> dict[str, Any]:

@@ -468,3 +468,24 @@ def test_the_events_after_the_last_turn_are_the_latest_500_and_a_count(tmp_path:
         assert [e["seq"] for e in tail["events"]] == list(range(701, 1_201))
     finally:
         srv.stop()
+
+
+def test_a_number_past_what_the_database_holds_is_a_400_naming_it(
+    server: InspectorServer,
+) -> None:
+    """An offset of 20 digits reached SQLite as it was and came back as a 500
+    (``OverflowError: Python int too large to convert to SQLite INTEGER``)."""
+    big = "9" * 20
+    sid = quote(SESSION, safe="")
+    for path, name in (
+        (f"/api/sessions?offset={big}", "offset"),
+        (f"/api/sessions?limit=-{big}", "limit"),
+        (f"/api/sessions/{sid}/timeline?offset=-{big}", "offset"),
+        (f"/api/sessions/{sid}/state?seq={big}", "seq"),
+        (f"/api/sessions/{sid}/events?from=1&to={big}", "to"),
+        (f"/api/sessions/{sid}/request?ordinal={big}&index=1", "ordinal"),
+    ):
+        status, data = get(server, path)
+        assert status == 400, (path, data)
+        assert data["error"].startswith(f"parameter {name!r} is out of range"), data
+    assert get(server, f"/api/sessions?offset={2**63 - 1}")[0] == 200
