@@ -252,8 +252,17 @@ class _Handler(BaseHTTPRequestHandler):
         if self.server.log is not None:
             self.server.log(format % args)
 
+    def _close_after_a_body(self) -> None:
+        """A request announcing a body is answered, then its connection closed: the body
+        is never read (no route takes one), and kept open its bytes would be taken for
+        the next request (a request smuggled in a body, Host header and all)."""
+        length = (self.headers.get("Content-Length") or "").strip()
+        if self.headers.get("Transfer-Encoding") is not None or length not in ("", "0"):
+            self.send_header("Connection", "close")  # and sets close_connection
+
     def _send(self, status: int, body: bytes, content_type: str, cache: bool = False) -> None:
         self.send_response(status)
+        self._close_after_a_body()
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "max-age=300" if cache else "no-store")
@@ -295,6 +304,7 @@ class _Handler(BaseHTTPRequestHandler):
         """Any other method: 405, naming the two this read-only server answers."""
         body = msgspec.json.encode({"error": f"{self.command} is not served: read only"})
         self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
+        self._close_after_a_body()
         self.send_header("Allow", "GET, HEAD")
         self.send_header("Content-Type", "application/json; charset=utf-8")
         self.send_header("Content-Length", str(len(body)))

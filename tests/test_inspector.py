@@ -489,3 +489,39 @@ def test_a_number_past_what_the_database_holds_is_a_400_naming_it(
         assert status == 400, (path, data)
         assert data["error"].startswith(f"parameter {name!r} is out of range"), data
     assert get(server, f"/api/sessions?offset={2**63 - 1}")[0] == 200
+
+
+def _until_closed(srv: InspectorServer, request: bytes) -> bytes:
+    """Everything the server writes back on one connection, until it closes it."""
+    import socket
+
+    with socket.create_connection(srv.server_address, timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while piece := sock.recv(65536):
+            answer += piece
+    return answer
+
+
+def test_a_request_body_is_never_taken_for_the_next_request(server: InspectorServer) -> None:
+    """A body is not read (nothing here takes one): the connection is closed after the
+    answer. Kept open, the body's bytes were read as the next request and answered, a
+    request with a Host header of its own inside a body a rebinding page may send."""
+    here = f"127.0.0.1:{server.server_address[1]}".encode()
+    inner = b"GET /api/sessions HTTP/1.1\r\nHost: " + here + b"\r\nConnection: close\r\n\r\n"
+    for method in (b"POST", b"GET", b"PUT"):
+        request = (
+            method
+            + b" /api/sessions HTTP/1.1\r\nHost: "
+            + here
+            + b"\r\nContent-Length: "
+            + str(len(inner)).encode()
+            + b"\r\n\r\n"
+            + inner
+        )
+        answer = _until_closed(server, request)
+        assert answer.count(b"HTTP/1.1 ") == 1, answer
+        assert b"\r\nConnection: close\r\n" in answer
+    chunked = b"POST / HTTP/1.1\r\nHost: " + here + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+    answer = _until_closed(server, chunked + b"%x\r\n" % len(inner) + inner + b"\r\n0\r\n\r\n")
+    assert answer.count(b"HTTP/1.1 ") == 1, answer
