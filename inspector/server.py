@@ -50,7 +50,7 @@ from aalis_agent.events import CorruptEvent, SqliteEventStore, StoreError
 from aalis_agent.events.codec import clean_value
 from aalis_agent.events.open import is_postgres_url, open_store
 from aalis_agent.events.store import EventStore
-from aalis_agent.inspector.index import SessionIndex
+from aalis_agent.inspector.index import CORRUPT_SHOWN, PREVIEW, SessionIndex
 
 __all__ = ["LOOPBACK", "Inspector", "InspectorServer", "make_server"]
 
@@ -151,7 +151,7 @@ class Inspector:
             if last > read_to:
                 bad: list[CorruptEvent] = []
                 index.feed(self.store.read(session_id, read_to, on_corrupt=bad.append))
-                corrupt.extend({"seq": b.seq, "reason": b.reason} for b in bad)
+                corrupt.extend({"seq": b.seq, "reason": _cut(b.reason)} for b in bad)
                 self._read_to[session_id] = last
         return entry
 
@@ -162,10 +162,17 @@ class Inspector:
         with lock:  # folds extend shared lists: one at a time per session
             data = answer(index)
             if data is not None and "summary" in data:
-                data["summary"]["corrupt"] = list(corrupt)
+                data["summary"]["corrupt"] = corrupt[:CORRUPT_SHOWN]
+                data["summary"]["corrupt_omitted"] = max(len(corrupt) - CORRUPT_SHOWN, 0)
         if data is None:
             raise NotFound("no such record in this session")
         return data
+
+
+def _cut(reason: str) -> str:
+    """Why a row does not decode, cut to :data:`PREVIEW` characters (a decoder's message
+    may quote a whole value of the row)."""
+    return reason if len(reason) <= PREVIEW else reason[: PREVIEW - 1] + "…"
 
 
 def _int(query: dict[str, list[str]], name: str, default: int | None = None) -> int:

@@ -160,9 +160,12 @@ async function loadPage(offset) {
     `${fmtTime(s.first_at)} – ${fmtTime(s.last_at)}`;
   const corrupt = $("corrupt");
   corrupt.hidden = !s.corrupt.length;
+  // The first rows are listed (each reason cut); `corrupt_omitted` counts the others.
+  const others = s.corrupt_omitted || 0;
   corrupt.textContent = s.corrupt.length
-    ? `${s.corrupt.length} row(s) did not decode and are left out: ` +
-      s.corrupt.map((c) => `seq ${c.seq} (${c.reason})`).join("; ")
+    ? `${fmtCount(s.corrupt.length + others)} row(s) did not decode and are left out: ` +
+      s.corrupt.map((c) => `seq ${c.seq} (${c.reason})`).join("; ") +
+      (others ? `; ${fmtCount(others)} more not listed` : "")
     : "";
   const last = Math.min(page.offset + page.turns.length, page.turns_total);
   $("page-info").textContent = page.turns_total
