@@ -449,3 +449,35 @@ def test_rows_that_do_not_decode_are_counted_all_and_listed_first(
         assert text.endswith("; 50 more not listed")
         assert text.count("seq ") == index.CORRUPT_SHOWN
         assert errors == []
+
+
+def test_a_usage_ratio_of_zero_shows_as_zero(page: Any, tmp_path: Path) -> None:
+    """A usage payload leaves out its fields at zero (a model of unknown context window
+    records a ratio of 0): the request showed "NaN%"."""
+    from aalis_agent.events import (
+        FixedClock,
+        ModelCallEnded,
+        TokenUsage,
+        TurnRecorded,
+    )
+    from aalis_agent.testing.sample import SampleWriter
+
+    db = tmp_path / "ratio.db"
+    with SqliteEventStore(db) as store:
+        writer = SampleWriter(store, "s", FixedClock(1_767_225_600_000, step_ms=1))
+        b = writer.batch()
+        b.add(TurnOpened(turn_id="t", input_ids=()))
+        b.add(ModelCallStarted(turn_id="t", index=1, model="m"))
+        b.add(ModelCallEnded(turn_id="t", index=1))
+        b.add(UsageRecorded(usage=TokenUsage(session_id="s", turn_id="t", used=7)))
+        b.add(TurnRecorded(turn_id="t", outcome="replied"))
+        writer.commit(b)
+    with _opened(page, db, "session=s") as (pg, errors):
+        pg.wait_for_function("window.inspector && window.inspector.ready === true")
+        call = pg.locator('li.turn li.call[data-index="1"]')
+        call.locator("button.expand-request").click()
+        box = call.locator(".request")
+        box.locator("table.usage").wait_for()
+        assert box.locator('tr[data-key="used"] td').inner_text() == "7"
+        assert box.locator('tr[data-key="usage ratio"] td').inner_text() == "0.0%"
+        assert errors == []

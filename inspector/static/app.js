@@ -326,7 +326,7 @@ function renderRequest(r) {
     out.push(el("h4", {}, `Usage (#${r.usage_seq})`));
     out.push(el("table", { class: "usage" },
       [["used", u.used], ["token budget", u.tokenBudget], ["context window", u.contextWindow],
-        ["max tokens", u.maxTokens], ["usage ratio", (u.usageRatio * 100).toFixed(1) + "%"],
+        ["max tokens", u.maxTokens], ["usage ratio", ((u.usageRatio ?? 0) * 100).toFixed(1) + "%"],
         ["trimmed", u.trimmed ? "yes" : "no"], ["untrimmed history", u.untrimmedHistory],
         ["history messages", u.historyMessages]]
         .map(([k, v]) => el("tr", { "data-key": k }, el("th", {}, k),
