@@ -4,8 +4,9 @@ The standard library's ``ThreadingHTTPServer`` serves it: the inspector is a loc
 single-user debugging page with a handful of GET routes and static files, so it needs no
 router, no ASGI loop (every answer is a blocking SQLite read and a fold) and no new
 dependency. It binds the loopback address only, answers only requests addressed to it by
-a loopback name (a page elsewhere cannot reach it through DNS rebinding), and only reads:
-the database (a SQLite file, or a ``postgresql://`` URL) is opened read-only.
+a loopback name (a page elsewhere cannot reach it through DNS rebinding), answers the API
+only to its own page (a browser's request for a page of another origin is refused), and
+only reads: the database (a SQLite file, or a ``postgresql://`` URL) is opened read-only.
 
 Routes (``<id>`` is the session id, percent-encoded as one path segment):
 
@@ -304,6 +305,18 @@ class _Handler(BaseHTTPRequestHandler):
         target = urlsplit(self.path)
         return not target.netloc or target.netloc.lower() in ours
 
+    def _from_our_page(self) -> bool:
+        """Not a request a browser sends for a page of another origin (another site, or
+        another port here): no ``Origin`` but this server's, and no ``Sec-Fetch-Site`` of
+        ``cross-site`` or ``same-site``. The browser would keep such a page from reading
+        the answer, but not the server from doing the work, nor the page from timing it.
+        Clients that are not browsers send neither header."""
+        origins = self.headers.get_all("Origin") or []
+        own = "http://" + (self.headers.get("Host") or "").lower()
+        if any(origin.lower() != own for origin in origins):
+            return False
+        return self.headers.get("Sec-Fetch-Site", "").lower() not in ("cross-site", "same-site")
+
     def do_HEAD(self) -> None:
         self.do_GET()
 
@@ -328,6 +341,9 @@ class _Handler(BaseHTTPRequestHandler):
         path = url.path
         try:
             if path.startswith("/api/"):
+                if not self._from_our_page():
+                    self._json(HTTPStatus.FORBIDDEN, {"error": "only this server's page is served"})
+                    return
                 query = parse_qs(url.query)
                 self._json(HTTPStatus.OK, route(self.server.inspector, path, query))
                 return

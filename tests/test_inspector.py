@@ -525,3 +525,37 @@ def test_a_request_body_is_never_taken_for_the_next_request(server: InspectorSer
     chunked = b"POST / HTTP/1.1\r\nHost: " + here + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
     answer = _until_closed(server, chunked + b"%x\r\n" % len(inner) + inner + b"\r\n0\r\n\r\n")
     assert answer.count(b"HTTP/1.1 ") == 1, answer
+
+
+def test_the_api_answers_no_page_of_another_origin(server: InspectorServer) -> None:
+    """A page of another site (or another port here) may send requests to the API: the
+    browser keeps it from reading the answers, but the server did the work (a heavy fold
+    on every request) and how long it took told whether a session exists. The API
+    answers only its own page (and clients that are not browsers); the page itself may
+    still be opened from a link anywhere."""
+    here = f"127.0.0.1:{server.server_address[1]}"
+    api_path = f"/api/session/state?id={quote(SESSION, safe='')}&seq=1"
+
+    def status(path: str, *headers: str) -> int:
+        extra = "".join(f"{h}\r\n" for h in headers)
+        answer = _raw(server, f"GET {path} HTTP/1.1\r\nHost: {here}\r\n{extra}\r\n".encode())
+        return int(answer.split(b" ", 2)[1])
+
+    for refused in (
+        ("Sec-Fetch-Site: cross-site",),
+        ("Sec-Fetch-Site: same-site",),
+        ("Origin: http://evil.example",),
+        (f"Origin: http://localhost:{server.server_address[1] + 1}",),
+        ("Origin: null",),
+        ("Sec-Fetch-Site: same-origin", "Origin: http://evil.example"),
+    ):
+        assert status(api_path, *refused) == 403, refused
+        assert status("/api/sessions", *refused) == 403, refused
+    for allowed in (
+        (),
+        ("Sec-Fetch-Site: same-origin",),
+        ("Sec-Fetch-Site: none",),
+        (f"Origin: http://{here}", "Sec-Fetch-Site: same-origin"),
+    ):
+        assert status(api_path, *allowed) == 200, allowed
+    assert status("/", "Sec-Fetch-Site: cross-site", "Sec-Fetch-Mode: navigate") == 200
