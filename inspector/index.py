@@ -47,6 +47,7 @@ from aalis_agent.timeline import render_event, state_json
 __all__ = [
     "BREAKDOWN_PARTS",
     "CHECKPOINT_EVERY",
+    "CORRUPT_SHOWN",
     "CUT_PLACES",
     "DEPTH",
     "EVENTS_BYTES",
@@ -158,6 +159,11 @@ BREAKDOWN_PARTS = (
 this order (the reply's reserve is left out: it is not sent)."""
 
 
+CORRUPT_SHOWN = 100
+"""Rows that do not decode a timeline page's summary lists at most (the first, in seq
+order), each reason cut to :data:`PREVIEW` characters; ``corrupt_omitted`` counts the
+rest."""
+
 TAIL_LINES = 500
 """The most events after the last turn a timeline page carries (each line cut to
 :data:`PREVIEW` characters)."""
@@ -171,9 +177,11 @@ about 0.5 MB) and :data:`TAIL_LINES` lines of :data:`PREVIEW` characters (0.8 MB
 bytes a character); a state or request answer at most :data:`HISTORY_BYTES` and one
 message, a few values of :data:`VALUE_BYTES` and the queues' :data:`QUEUE_SHOWN` ids; an
 events page :data:`EVENTS_BYTES` and one event of :data:`EVENT_BYTES`: about 2.5 MB at
-most. On logs built to hit every cap (every text of control characters, six JSON bytes
-each; every list long) the largest answers measured are an events page of 1.99 MB, a
-timeline page with its tail of 1.5 MB, a state of 1.25 MB and a request of 1.07 MB.
+most (a timeline page's summary adds :data:`CORRUPT_SHOWN` rows that do not decode, each
+reason :data:`PREVIEW` characters: 0.16 MB). On logs built to hit every cap (every text
+of control characters, six JSON bytes each; every list long) the largest answers
+measured are an events page of 1.99 MB, a timeline page with its tail of 1.5 MB, a state
+of 1.25 MB and a request of 1.07 MB.
 
 The token-usage series carries at most :data:`USAGE_POINTS` points of about 20 numbers
 and a turn id cut to :data:`USAGE_ID` characters: about 1 MB, 4 MB if every turn id were

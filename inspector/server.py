@@ -4,8 +4,9 @@ The standard library's ``ThreadingHTTPServer`` serves it: the inspector is a loc
 single-user debugging page with a handful of GET routes and static files, so it needs no
 router, no ASGI loop (every answer is a blocking SQLite read and a fold) and no new
 dependency. It binds the loopback address only, answers only requests addressed to it by
-a loopback name (a page elsewhere cannot reach it through DNS rebinding), and only reads:
-the database (a SQLite file, or a ``postgresql://`` URL) is opened read-only.
+a loopback name (a page elsewhere cannot reach it through DNS rebinding), answers the API
+only to its own page (a browser's request for a page of another origin is refused), and
+only reads: the database (a SQLite file, or a ``postgresql://`` URL) is opened read-only.
 
 Routes (``<id>`` is the session id, percent-encoded as one path segment):
 
@@ -50,7 +51,7 @@ from aalis_agent.events import CorruptEvent, SqliteEventStore, StoreError
 from aalis_agent.events.codec import clean_value
 from aalis_agent.events.open import is_postgres_url, open_store
 from aalis_agent.events.store import EventStore
-from aalis_agent.inspector.index import SessionIndex
+from aalis_agent.inspector.index import CORRUPT_SHOWN, PREVIEW, SessionIndex
 
 __all__ = ["LOOPBACK", "Inspector", "InspectorServer", "make_server"]
 
@@ -64,6 +65,8 @@ SESSION_ID_SHOWN = 1_000
 session opens from its URL, ``#session=<id>``)."""
 MAX_EVENTS = 2000  # events in one events answer
 CACHED_SESSIONS = 4  # decoded logs kept in memory
+INT_RANGE = range(-(2**63), 2**63)
+"""What a number parameter may be: a 64-bit integer, as the database's numbers are."""
 
 _TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -149,7 +152,7 @@ class Inspector:
             if last > read_to:
                 bad: list[CorruptEvent] = []
                 index.feed(self.store.read(session_id, read_to, on_corrupt=bad.append))
-                corrupt.extend({"seq": b.seq, "reason": b.reason} for b in bad)
+                corrupt.extend({"seq": b.seq, "reason": _cut(b.reason)} for b in bad)
                 self._read_to[session_id] = last
         return entry
 
@@ -160,10 +163,17 @@ class Inspector:
         with lock:  # folds extend shared lists: one at a time per session
             data = answer(index)
             if data is not None and "summary" in data:
-                data["summary"]["corrupt"] = list(corrupt)
+                data["summary"]["corrupt"] = corrupt[:CORRUPT_SHOWN]
+                data["summary"]["corrupt_omitted"] = max(len(corrupt) - CORRUPT_SHOWN, 0)
         if data is None:
             raise NotFound("no such record in this session")
         return data
+
+
+def _cut(reason: str) -> str:
+    """Why a row does not decode, cut to :data:`PREVIEW` characters (a decoder's message
+    may quote a whole value of the row)."""
+    return reason if len(reason) <= PREVIEW else reason[: PREVIEW - 1] + "…"
 
 
 def _int(query: dict[str, list[str]], name: str, default: int | None = None) -> int:
@@ -173,9 +183,12 @@ def _int(query: dict[str, list[str]], name: str, default: int | None = None) -> 
             raise BadRequest(f"missing parameter {name!r}")
         return default
     try:
-        return int(values[0])
+        number = int(values[0])
     except ValueError:
         raise BadRequest(f"parameter {name!r} must be an integer, got {values[0][:40]!r}") from None
+    if number not in INT_RANGE:
+        raise BadRequest(f"parameter {name!r} is out of range, got {values[0][:40]!r}")
+    return number
 
 
 def route(inspector: Inspector, path: str, query: dict[str, list[str]]) -> dict[str, Any]:
@@ -247,8 +260,17 @@ class _Handler(BaseHTTPRequestHandler):
         if self.server.log is not None:
             self.server.log(format % args)
 
+    def _close_after_a_body(self) -> None:
+        """A request announcing a body is answered, then its connection closed: the body
+        is never read (no route takes one), and kept open its bytes would be taken for
+        the next request (a request smuggled in a body, Host header and all)."""
+        length = (self.headers.get("Content-Length") or "").strip()
+        if self.headers.get("Transfer-Encoding") is not None or length not in ("", "0"):
+            self.send_header("Connection", "close")  # and sets close_connection
+
     def _send(self, status: int, body: bytes, content_type: str, cache: bool = False) -> None:
         self.send_response(status)
+        self._close_after_a_body()
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "max-age=300" if cache else "no-store")
@@ -283,6 +305,18 @@ class _Handler(BaseHTTPRequestHandler):
         target = urlsplit(self.path)
         return not target.netloc or target.netloc.lower() in ours
 
+    def _from_our_page(self) -> bool:
+        """Not a request a browser sends for a page of another origin (another site, or
+        another port here): no ``Origin`` but this server's, and no ``Sec-Fetch-Site`` of
+        ``cross-site`` or ``same-site``. The browser would keep such a page from reading
+        the answer, but not the server from doing the work, nor the page from timing it.
+        Clients that are not browsers send neither header."""
+        origins = self.headers.get_all("Origin") or []
+        own = "http://" + (self.headers.get("Host") or "").lower()
+        if any(origin.lower() != own for origin in origins):
+            return False
+        return self.headers.get("Sec-Fetch-Site", "").lower() not in ("cross-site", "same-site")
+
     def do_HEAD(self) -> None:
         self.do_GET()
 
@@ -290,6 +324,7 @@ class _Handler(BaseHTTPRequestHandler):
         """Any other method: 405, naming the two this read-only server answers."""
         body = msgspec.json.encode({"error": f"{self.command} is not served: read only"})
         self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
+        self._close_after_a_body()
         self.send_header("Allow", "GET, HEAD")
         self.send_header("Content-Type", "application/json; charset=utf-8")
         self.send_header("Content-Length", str(len(body)))
@@ -306,6 +341,9 @@ class _Handler(BaseHTTPRequestHandler):
         path = url.path
         try:
             if path.startswith("/api/"):
+                if not self._from_our_page():
+                    self._json(HTTPStatus.FORBIDDEN, {"error": "only this server's page is served"})
+                    return
                 query = parse_qs(url.query)
                 self._json(HTTPStatus.OK, route(self.server.inspector, path, query))
                 return

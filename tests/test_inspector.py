@@ -468,3 +468,94 @@ def test_the_events_after_the_last_turn_are_the_latest_500_and_a_count(tmp_path:
         assert [e["seq"] for e in tail["events"]] == list(range(701, 1_201))
     finally:
         srv.stop()
+
+
+def test_a_number_past_what_the_database_holds_is_a_400_naming_it(
+    server: InspectorServer,
+) -> None:
+    """An offset of 20 digits reached SQLite as it was and came back as a 500
+    (``OverflowError: Python int too large to convert to SQLite INTEGER``)."""
+    big = "9" * 20
+    sid = quote(SESSION, safe="")
+    for path, name in (
+        (f"/api/sessions?offset={big}", "offset"),
+        (f"/api/sessions?limit=-{big}", "limit"),
+        (f"/api/sessions/{sid}/timeline?offset=-{big}", "offset"),
+        (f"/api/sessions/{sid}/state?seq={big}", "seq"),
+        (f"/api/sessions/{sid}/events?from=1&to={big}", "to"),
+        (f"/api/sessions/{sid}/request?ordinal={big}&index=1", "ordinal"),
+    ):
+        status, data = get(server, path)
+        assert status == 400, (path, data)
+        assert data["error"].startswith(f"parameter {name!r} is out of range"), data
+    assert get(server, f"/api/sessions?offset={2**63 - 1}")[0] == 200
+
+
+def _until_closed(srv: InspectorServer, request: bytes) -> bytes:
+    """Everything the server writes back on one connection, until it closes it."""
+    import socket
+
+    with socket.create_connection(srv.server_address, timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while piece := sock.recv(65536):
+            answer += piece
+    return answer
+
+
+def test_a_request_body_is_never_taken_for_the_next_request(server: InspectorServer) -> None:
+    """A body is not read (nothing here takes one): the connection is closed after the
+    answer. Kept open, the body's bytes were read as the next request and answered, a
+    request with a Host header of its own inside a body a rebinding page may send."""
+    here = f"127.0.0.1:{server.server_address[1]}".encode()
+    inner = b"GET /api/sessions HTTP/1.1\r\nHost: " + here + b"\r\nConnection: close\r\n\r\n"
+    for method in (b"POST", b"GET", b"PUT"):
+        request = (
+            method
+            + b" /api/sessions HTTP/1.1\r\nHost: "
+            + here
+            + b"\r\nContent-Length: "
+            + str(len(inner)).encode()
+            + b"\r\n\r\n"
+            + inner
+        )
+        answer = _until_closed(server, request)
+        assert answer.count(b"HTTP/1.1 ") == 1, answer
+        assert b"\r\nConnection: close\r\n" in answer
+    chunked = b"POST / HTTP/1.1\r\nHost: " + here + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+    answer = _until_closed(server, chunked + b"%x\r\n" % len(inner) + inner + b"\r\n0\r\n\r\n")
+    assert answer.count(b"HTTP/1.1 ") == 1, answer
+
+
+def test_the_api_answers_no_page_of_another_origin(server: InspectorServer) -> None:
+    """A page of another site (or another port here) may send requests to the API: the
+    browser keeps it from reading the answers, but the server did the work (a heavy fold
+    on every request) and how long it took told whether a session exists. The API
+    answers only its own page (and clients that are not browsers); the page itself may
+    still be opened from a link anywhere."""
+    here = f"127.0.0.1:{server.server_address[1]}"
+    api_path = f"/api/session/state?id={quote(SESSION, safe='')}&seq=1"
+
+    def status(path: str, *headers: str) -> int:
+        extra = "".join(f"{h}\r\n" for h in headers)
+        answer = _raw(server, f"GET {path} HTTP/1.1\r\nHost: {here}\r\n{extra}\r\n".encode())
+        return int(answer.split(b" ", 2)[1])
+
+    for refused in (
+        ("Sec-Fetch-Site: cross-site",),
+        ("Sec-Fetch-Site: same-site",),
+        ("Origin: http://evil.example",),
+        (f"Origin: http://localhost:{server.server_address[1] + 1}",),
+        ("Origin: null",),
+        ("Sec-Fetch-Site: same-origin", "Origin: http://evil.example"),
+    ):
+        assert status(api_path, *refused) == 403, refused
+        assert status("/api/sessions", *refused) == 403, refused
+    for allowed in (
+        (),
+        ("Sec-Fetch-Site: same-origin",),
+        ("Sec-Fetch-Site: none",),
+        (f"Origin: http://{here}", "Sec-Fetch-Site: same-origin"),
+    ):
+        assert status(api_path, *allowed) == 200, allowed
+    assert status("/", "Sec-Fetch-Site: cross-site", "Sec-Fetch-Mode: navigate") == 200

@@ -538,3 +538,42 @@ def test_a_value_json_has_no_form_for_is_answered_as_its_repr(tmp_path: Any) -> 
             assert get(srv, f"/api/session/{what}id=s")[0] == 200, what
     finally:
         srv.stop()
+
+
+def test_the_rows_that_do_not_decode_are_listed_first_100_each_reason_cut(
+    tmp_path: Any,
+) -> None:
+    """Every undecodable row was listed, each with its whole reason, in every timeline
+    page: 100,000 broken rows made an 8.8 MB page, and ten rows whose type tag was a
+    megabyte (the decoder quotes it in its reason) a 10 MB one."""
+    import sqlite3
+
+    db = tmp_path / "broken.db"
+    with SqliteEventStore(db) as store:
+        writer = _writer(store, "s")
+        b = writer.batch()
+        b.add(TurnOpened(turn_id="t", input_ids=()))
+        writer.commit(b)
+    conn = sqlite3.connect(db)
+    with conn:
+        sid, pos = conn.execute("SELECT sid, max(position) FROM log").fetchone()
+        tag = msgspec.msgpack.encode({"type": "y" * 1_000_000})
+        rows = [(n, tag if n < 12 else b"\xc1") for n in range(2, 3_002)]
+        conn.executemany(
+            "INSERT INTO log (sid, seq, position, data) VALUES (?, ?, ?, ?)",
+            ((sid, n, pos + n, data) for n, data in rows),
+        )
+    conn.close()
+    srv = make_server(db)
+    srv.start()
+    try:
+        size, page = fetch(srv, "s", "timeline")
+        summary = page["summary"]
+        shown = summary["corrupt"]
+        assert [c["seq"] for c in shown] == list(range(2, 2 + index.CORRUPT_SHOWN))
+        assert summary["corrupt_omitted"] == 3_000 - index.CORRUPT_SHOWN
+        assert all(len(c["reason"]) <= index.PREVIEW for c in shown)
+        assert shown[0]["reason"].endswith("…") and "yyy" in shown[0]["reason"]
+        assert size < 100_000
+    finally:
+        srv.stop()

@@ -414,3 +414,70 @@ def test_a_call_of_a_turn_whose_id_is_cut_opens(page: Any, tmp_path: Path) -> No
         assert f"#{started.seq}" in facts and "not ended" not in facts
         assert "no such record" not in box.inner_text()
         assert errors == []
+
+
+def test_rows_that_do_not_decode_are_counted_all_and_listed_first(
+    page: Any, tmp_path: Path
+) -> None:
+    """The summary lists the first rows that do not decode: the page says how many there
+    are in all, and how many it does not list."""
+    import sqlite3
+
+    from aalis_agent.events import FixedClock
+    from aalis_agent.inspector import index
+    from aalis_agent.testing.sample import SampleWriter
+
+    db = tmp_path / "broken.db"
+    with SqliteEventStore(db) as store:
+        writer = SampleWriter(store, "s", FixedClock(1_767_225_600_000, step_ms=1))
+        b = writer.batch()
+        b.add(TurnOpened(turn_id="t", input_ids=()))
+        writer.commit(b)
+    broken = index.CORRUPT_SHOWN + 50
+    conn = sqlite3.connect(db)
+    with conn:
+        sid, pos = conn.execute("SELECT sid, max(position) FROM log").fetchone()
+        conn.executemany(
+            "INSERT INTO log (sid, seq, position, data) VALUES (?, ?, ?, ?)",
+            ((sid, n, pos + n, b"\xc1") for n in range(2, 2 + broken)),
+        )
+    conn.close()
+    with _opened(page, db, "session=s") as (pg, errors):
+        pg.wait_for_function("window.inspector && window.inspector.ready === true")
+        text = pg.locator("#corrupt").inner_text()
+        assert text.startswith(f"{broken} row(s) did not decode and are left out: seq 2 (")
+        assert text.endswith("; 50 more not listed")
+        assert text.count("seq ") == index.CORRUPT_SHOWN
+        assert errors == []
+
+
+def test_a_usage_ratio_of_zero_shows_as_zero(page: Any, tmp_path: Path) -> None:
+    """A usage payload leaves out its fields at zero (a model of unknown context window
+    records a ratio of 0): the request showed "NaN%"."""
+    from aalis_agent.events import (
+        FixedClock,
+        ModelCallEnded,
+        TokenUsage,
+        TurnRecorded,
+    )
+    from aalis_agent.testing.sample import SampleWriter
+
+    db = tmp_path / "ratio.db"
+    with SqliteEventStore(db) as store:
+        writer = SampleWriter(store, "s", FixedClock(1_767_225_600_000, step_ms=1))
+        b = writer.batch()
+        b.add(TurnOpened(turn_id="t", input_ids=()))
+        b.add(ModelCallStarted(turn_id="t", index=1, model="m"))
+        b.add(ModelCallEnded(turn_id="t", index=1))
+        b.add(UsageRecorded(usage=TokenUsage(session_id="s", turn_id="t", used=7)))
+        b.add(TurnRecorded(turn_id="t", outcome="replied"))
+        writer.commit(b)
+    with _opened(page, db, "session=s") as (pg, errors):
+        pg.wait_for_function("window.inspector && window.inspector.ready === true")
+        call = pg.locator('li.turn li.call[data-index="1"]')
+        call.locator("button.expand-request").click()
+        box = call.locator(".request")
+        box.locator("table.usage").wait_for()
+        assert box.locator('tr[data-key="used"] td').inner_text() == "7"
+        assert box.locator('tr[data-key="usage ratio"] td').inner_text() == "0.0%"
+        assert errors == []

@@ -160,9 +160,12 @@ async function loadPage(offset) {
     `${fmtTime(s.first_at)} – ${fmtTime(s.last_at)}`;
   const corrupt = $("corrupt");
   corrupt.hidden = !s.corrupt.length;
+  // The first rows are listed (each reason cut); `corrupt_omitted` counts the others.
+  const others = s.corrupt_omitted || 0;
   corrupt.textContent = s.corrupt.length
-    ? `${s.corrupt.length} row(s) did not decode and are left out: ` +
-      s.corrupt.map((c) => `seq ${c.seq} (${c.reason})`).join("; ")
+    ? `${fmtCount(s.corrupt.length + others)} row(s) did not decode and are left out: ` +
+      s.corrupt.map((c) => `seq ${c.seq} (${c.reason})`).join("; ") +
+      (others ? `; ${fmtCount(others)} more not listed` : "")
     : "";
   const last = Math.min(page.offset + page.turns.length, page.turns_total);
   $("page-info").textContent = page.turns_total
@@ -323,7 +326,7 @@ function renderRequest(r) {
     out.push(el("h4", {}, `Usage (#${r.usage_seq})`));
     out.push(el("table", { class: "usage" },
       [["used", u.used], ["token budget", u.tokenBudget], ["context window", u.contextWindow],
-        ["max tokens", u.maxTokens], ["usage ratio", (u.usageRatio * 100).toFixed(1) + "%"],
+        ["max tokens", u.maxTokens], ["usage ratio", ((u.usageRatio ?? 0) * 100).toFixed(1) + "%"],
         ["trimmed", u.trimmed ? "yes" : "no"], ["untrimmed history", u.untrimmedHistory],
         ["history messages", u.historyMessages]]
         .map(([k, v]) => el("tr", { "data-key": k }, el("th", {}, k),
