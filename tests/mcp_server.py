@@ -1,6 +1,6 @@
 """A small MCP server for the tests, written with the ``mcp`` SDK: ``add``, ``echo``,
-``fail``, ``slow`` and ``pid`` tools, over stdio (no arguments) or streamable HTTP on loopback
-(``--http PORT``)."""
+``fail``, ``rpc_error``, ``slow`` and ``pid`` tools, over stdio (no arguments) or streamable
+HTTP on loopback (``--http PORT``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.shared.exceptions import MCPError
 
 server = MCPServer("aalis-test")
 
@@ -35,6 +36,12 @@ def echo(text: str) -> str:
 def fail(reason: str) -> str:
     """Always fails with the given reason."""
     raise ToolError(reason)
+
+
+@server.tool()
+def rpc_error(code: int, message: str) -> str:
+    """Answers with a JSON-RPC error of that code and message (not a tool result)."""
+    raise MCPError(code=code, message=message)
 
 
 @server.tool()

@@ -130,6 +130,24 @@ def test_a_call_is_cancelled_on_abort(stdio_client: McpClient) -> None:
     assert stdio_client.call("calc", "add", {"a": 1, "b": 1}) == "2"
 
 
+def test_an_error_reply_with_the_codes_the_sdk_uses_for_its_own_ends_is_the_servers_answer(
+    stdio_client: McpClient,
+) -> None:
+    """A JSON-RPC error the server sends under -32000 (which the SDK also uses for a
+    connection it found closed) or -32001 (its read timeout) is the server's answer: the
+    call fails with its message at once; the server is not stopped and started again, nor
+    the call said to have timed out."""
+    pid = stdio_client.call("calc", "pid", {})
+    reconnects = stdio_client.reconnects
+    for code, message in ((-32000, "quota used up"), (-32001, "upstream was slow")):
+        with pytest.raises(
+            ToolError, match=rf"^MCP server 'calc': tool 'rpc_error' failed: MCPError: {message}$"
+        ):
+            stdio_client.call("calc", "rpc_error", {"code": code, "message": message})
+    assert stdio_client.call("calc", "pid", {}) == pid  # the same process, still connected
+    assert stdio_client.reconnects == reconnects
+
+
 def test_a_call_times_out(stdio_client: McpClient) -> None:
     with pytest.raises(ToolError, match=r"^MCP server 'calc': tool 'slow' timed out after 0.3 s$"):
         stdio_client.call("calc", "slow", {"seconds": 30}, timeout_s=0.3)
@@ -579,5 +597,6 @@ def test_tools_whose_names_providers_refuse_are_left_out_with_a_warning() -> Non
         "bad name echo",
         "bad name fail",
         "bad name pid",
+        "bad name rpc_error",
         "bad name slow",
     }
