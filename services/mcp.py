@@ -65,7 +65,7 @@ __all__ = ["McpClient", "McpError", "McpServer", "McpTool"]
 
 log = structlog.get_logger(__name__)
 
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # as providers accept a tool's name
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as providers accept a tool's name (fullmatch)
 
 _CANCELLED_END_S = 6.0  # a cancelled connection's ending: the SDK's 2 s grace, then kill
 
@@ -311,7 +311,7 @@ class McpClient:
         for conn in self._connections.values():
             spec = conn.spec
             for t in conn.tools:
-                if not _TOOL_NAME.match(spec.prefix + t.name):
+                if not _TOOL_NAME.fullmatch(spec.prefix + t.name):
                     log.warning(
                         "MCP tool left out: its name is not 1 to 64 letters, digits, _ or -",
                         server=spec.name,

@@ -1,6 +1,7 @@
 """A small MCP server for the tests, written with the ``mcp`` SDK: ``add``, ``echo``,
 ``fail``, ``rpc_error``, ``slow`` and ``pid`` tools, over stdio (no arguments) or streamable
-HTTP on loopback (``--http PORT``)."""
+HTTP on loopback (``--http PORT``); ``echo`` also under the name in ``MCP_TEST_TOOL_NAME``,
+when that is set."""
 
 from __future__ import annotations
 
@@ -55,6 +56,10 @@ def slow(seconds: float) -> str:
 def pid() -> int:
     """This server's process id."""
     return os.getpid()
+
+
+if os.environ.get("MCP_TEST_TOOL_NAME"):  # echo under another name too
+    server.tool(name=os.environ["MCP_TEST_TOOL_NAME"])(echo)
 
 
 def main(argv: list[str]) -> None:

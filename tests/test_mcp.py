@@ -600,3 +600,17 @@ def test_tools_whose_names_providers_refuse_are_left_out_with_a_warning() -> Non
         "bad name rpc_error",
         "bad name slow",
     }
+
+
+def test_a_tool_name_ending_in_a_newline_is_left_out() -> None:
+    """The name check covers the whole name: a line break at its end (which ``$`` alone
+    lets through) would make every request that offers the tool fail."""
+    from structlog.testing import capture_logs
+
+    spec = stdio_server("odd", env={"MCP_TEST_TOOL_NAME": "echo2\n"})
+    with McpClient([spec]) as client:
+        assert "echo2\n" in [t.name for t in client.listed()]
+        with capture_logs() as logs:
+            names = [t.name for t in client.register(ToolRegistry())]
+    assert "echo2\n" not in names and "echo" in names
+    assert [e["tool"] for e in logs if e["event"].startswith("MCP tool left out")] == ["echo2\n"]
