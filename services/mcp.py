@@ -69,6 +69,8 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as providers accept a tool's 
 
 _CANCELLED_END_S = 6.0  # a cancelled connection's ending: the SDK's 2 s grace, then kill
 
+_STDERR_LINE_MAX = 500  # characters of a server's stderr line kept and logged
+
 _PROBE_S = 2.0  # the longest a request may take that asks whether a connection is still there
 
 RECONNECT_GAP_S = 5.0
@@ -637,15 +639,21 @@ async def _transport(spec: McpServer, conn: _Connection, stack: contextlib.Async
 
 def _stderr_pipe(server: str, tail: collections.deque[str]) -> tuple[Any, threading.Thread]:
     """A file for a server's stderr: a pipe read by a daemon thread that keeps the last
-    lines (for error messages) and logs each at debug level, so nothing grows unbounded."""
+    lines (for error messages) and logs each at debug level, so nothing grows unbounded:
+    a line is read, kept and logged up to :data:`_STDERR_LINE_MAX` characters, the rest
+    of it is skipped (a server may write megabytes with no line break)."""
     read_fd, write_fd = os.pipe()
 
     def drain() -> None:
         with open(read_fd, encoding="utf-8", errors="replace") as lines:
-            for line in lines:
-                text = line.rstrip("\n")
-                tail.append(text)
-                log.debug("MCP server stderr", server=server, line=text)
+            cut = False  # within the rest of a line cut short
+            while piece := lines.readline(_STDERR_LINE_MAX):
+                whole = piece.endswith("\n")
+                if not cut:
+                    text = piece.rstrip("\n") + ("" if whole else " [...]")
+                    tail.append(text)
+                    log.debug("MCP server stderr", server=server, line=text)
+                cut = not whole
 
     reader = threading.Thread(target=drain, name=f"mcp-stderr:{server}", daemon=True)
     reader.start()

@@ -182,6 +182,25 @@ def test_a_server_that_fails_to_start_is_named() -> None:
         McpClient([McpServer("down", url=f"http://127.0.0.1:{port}/mcp")]).start()
 
 
+def test_a_server_flooding_its_stderr_on_one_line_is_named_with_its_last_lines_cut_short() -> None:
+    """20 MB on stderr with no line break, then the reason it stops: the error names the
+    server with its stderr's last lines, each cut to a length a message can hold (the
+    lines kept for it were as long as the server wrote them)."""
+    flood = McpServer(
+        "flood",
+        command=sys.executable,
+        args=(
+            "-c",
+            "import sys; sys.stderr.write('y' * 20_000_000 + '\\nfatal: no token\\n'); sys.exit(3)",
+        ),
+    )
+    with pytest.raises(McpError, match=r"MCP server 'flood' .*failed to start") as info:
+        McpClient([flood]).start()
+    message = str(info.value)
+    assert message.endswith("\nfatal: no token") and "yyyy" in message
+    assert len(message) < 10_000
+
+
 def test_two_servers_offering_one_tool_name_is_an_error_naming_the_key_to_set() -> None:
     with (
         McpClient([stdio_server("one"), stdio_server("two")]) as client,
