@@ -409,6 +409,10 @@ class McpClient:
             # The SDK's code for a connection it found closed, which a server may also
             # send as its own error reply: the server still answering says which.
             if _connection_closed(exc) and not self._answers(client, loop, abort, deadline):
+                if self._closed:  # ended by close(): nothing starts it again
+                    raise ToolError(
+                        f"MCP server {server!r} is not connected (the client is closed)"
+                    ) from None
                 # The server is gone (its process exited or was killed): this call may
                 # have reached it, so it is not sent again; the next call starts it anew.
                 self._end(conn, exc)

@@ -410,6 +410,30 @@ def test_close_during_a_start_again_tells_the_waiting_call_so(tmp_path: Path) ->
     assert not _processes_naming(str(marker))
 
 
+def test_a_call_under_way_when_the_client_closes_says_so() -> None:
+    """Closed while a call waits for its answer: the call fails naming the close, not a
+    connection that ended and a server to be started again at its next call."""
+    client = McpClient([stdio_server(timeout_s=60)])
+    client.start()
+    pid = int(client.call("calc", "pid", {}))
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.call("calc", "slow", {"seconds": 60})
+        except BaseException as exc:
+            failed.append(exc)
+
+    waiting = threading.Thread(target=call, daemon=True)
+    waiting.start()
+    time.sleep(0.5)  # the call is under way
+    client.close()
+    waiting.join(10)
+    assert not waiting.is_alive() and len(failed) == 1
+    assert str(failed[0]) == "MCP server 'calc' is not connected (the client is closed)"
+    assert not Path(f"/proc/{pid}").exists()
+
+
 def test_no_start_begins_once_close_has_begun(tmp_path: Path) -> None:
     """A start submitted to the loop just as close() runs (after close() looked for
     starts to end) begins nothing: the loop refuses it, so no server is left behind."""
