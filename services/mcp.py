@@ -23,7 +23,10 @@ it on every call. A start again runs on a thread of its own, within the server's
 ``startup_timeout_s``: a call waits for it at most its own timeout (``timeout_s`` covers
 the wait and the call), and a stop (``ctx.abort``) ends the wait; either way the start
 goes on, and a later call finds the server started. One server starting again delays no
-other server's calls.
+other server's calls. A server may answer a call with an error under the codes the SDK uses
+for a connection it found closed (-32000) or for its read timeout (-32001): that is the
+call's error, with the server's message, once the server answers a request after it (for
+-32000) or when the call's time is not up (for -32001).
 
 Usage::
 
@@ -62,9 +65,13 @@ __all__ = ["McpClient", "McpError", "McpServer", "McpTool"]
 
 log = structlog.get_logger(__name__)
 
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # as providers accept a tool's name
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as providers accept a tool's name (fullmatch)
 
 _CANCELLED_END_S = 6.0  # a cancelled connection's ending: the SDK's 2 s grace, then kill
+
+_STDERR_LINE_MAX = 500  # characters of a server's stderr line kept and logged
+
+_PROBE_S = 2.0  # the longest a request may take that asks whether a connection is still there
 
 RECONNECT_GAP_S = 5.0
 """The least time between two starts of a server whose connection ended: a call that finds
@@ -306,7 +313,7 @@ class McpClient:
         for conn in self._connections.values():
             spec = conn.spec
             for t in conn.tools:
-                if not _TOOL_NAME.match(spec.prefix + t.name):
+                if not _TOOL_NAME.fullmatch(spec.prefix + t.name):
                     log.warning(
                         "MCP tool left out: its name is not 1 to 64 letters, digits, _ or -",
                         server=spec.name,
@@ -392,11 +399,20 @@ class McpClient:
                 f"MCP server {server!r}: tool {name!r} timed out after {limit:g} s"
             ) from None
         except Exception as exc:
-            if _timed_out(exc):  # the SDK's read timeout, which is the call's
+            # The SDK's read timeout, which is the call's: it cannot come before the
+            # deadline (its clock starts after the request is written); sooner, the code
+            # is the server's own error reply.
+            if _timed_out(exc) and time.monotonic() >= deadline:
                 raise ToolError(
                     f"MCP server {server!r}: tool {name!r} timed out after {limit:g} s"
                 ) from None
-            if _connection_closed(exc):
+            # The SDK's code for a connection it found closed, which a server may also
+            # send as its own error reply: the server still answering says which.
+            if _connection_closed(exc) and not self._answers(client, loop, abort, deadline):
+                if self._closed:  # ended by close(): nothing starts it again
+                    raise ToolError(
+                        f"MCP server {server!r} is not connected (the client is closed)"
+                    ) from None
                 # The server is gone (its process exited or was killed): this call may
                 # have reached it, so it is not sent again; the next call starts it anew.
                 self._end(conn, exc)
@@ -409,6 +425,28 @@ class McpClient:
         if result.is_error:
             raise ToolError(text or f"MCP tool {name!r} failed")
         return text
+
+    @staticmethod
+    def _answers(
+        client: Client,
+        loop: asyncio.AbstractEventLoop,
+        abort: AbortSignal | None,
+        deadline: float,
+    ) -> bool:
+        """Whether the server answers a request (the first page of its tools: ping is
+        gone from newer protocol versions) within what is left of the call, at most
+        :data:`_PROBE_S`: its connection is still there. An error reply of its own is an
+        answer too."""
+        left = min(deadline - time.monotonic(), _PROBE_S)
+        if left <= 0:
+            return False
+        try:
+            run_awaitable(client.list_tools(), loop, abort=abort, timeout=left)
+        except Aborted:
+            raise
+        except Exception as exc:
+            return _sdk_error(exc, None) and not (_connection_closed(exc) or _timed_out(exc))
+        return True
 
     def _reconnect(
         self,
@@ -605,15 +643,21 @@ async def _transport(spec: McpServer, conn: _Connection, stack: contextlib.Async
 
 def _stderr_pipe(server: str, tail: collections.deque[str]) -> tuple[Any, threading.Thread]:
     """A file for a server's stderr: a pipe read by a daemon thread that keeps the last
-    lines (for error messages) and logs each at debug level, so nothing grows unbounded."""
+    lines (for error messages) and logs each at debug level, so nothing grows unbounded:
+    a line is read, kept and logged up to :data:`_STDERR_LINE_MAX` characters, the rest
+    of it is skipped (a server may write megabytes with no line break)."""
     read_fd, write_fd = os.pipe()
 
     def drain() -> None:
         with open(read_fd, encoding="utf-8", errors="replace") as lines:
-            for line in lines:
-                text = line.rstrip("\n")
-                tail.append(text)
-                log.debug("MCP server stderr", server=server, line=text)
+            cut = False  # within the rest of a line cut short
+            while piece := lines.readline(_STDERR_LINE_MAX):
+                whole = piece.endswith("\n")
+                if not cut:
+                    text = piece.rstrip("\n") + ("" if whole else " [...]")
+                    tail.append(text)
+                    log.debug("MCP server stderr", server=server, line=text)
+                cut = not whole
 
     reader = threading.Thread(target=drain, name=f"mcp-stderr:{server}", daemon=True)
     reader.start()
@@ -672,16 +716,19 @@ def _connection_closed(exc: BaseException) -> bool:
     return _sdk_error(exc, "CONNECTION_CLOSED")
 
 
-def _sdk_error(exc: BaseException, code: str) -> bool:
+def _sdk_error(exc: BaseException, code: str | None) -> bool:
     """Whether ``exc`` (or the first error inside exception groups) is the SDK's JSON-RPC
-    error of that ``code`` name (``mcp.types``)."""
+    error of that ``code`` name (``mcp.types``); of any code for None."""
     try:
         import mcp.types
+        from mcp.shared.exceptions import MCPError
     except ImportError:  # pragma: no cover - the SDK is there when a call is made
         return False
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
-    return bool(getattr(getattr(exc, "error", None), "code", None) == getattr(mcp.types, code))
+    if not isinstance(exc, MCPError):
+        return False
+    return code is None or bool(exc.error.code == getattr(mcp.types, code))
 
 
 def _leaf(exc: BaseException) -> str:

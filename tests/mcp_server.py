@@ -1,6 +1,7 @@
 """A small MCP server for the tests, written with the ``mcp`` SDK: ``add``, ``echo``,
-``fail``, ``slow`` and ``pid`` tools, over stdio (no arguments) or streamable HTTP on loopback
-(``--http PORT``)."""
+``fail``, ``rpc_error``, ``slow`` and ``pid`` tools, over stdio (no arguments) or streamable
+HTTP on loopback (``--http PORT``); ``echo`` also under the name in ``MCP_TEST_TOOL_NAME``,
+when that is set."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.shared.exceptions import MCPError
 
 server = MCPServer("aalis-test")
 
@@ -38,6 +40,12 @@ def fail(reason: str) -> str:
 
 
 @server.tool()
+def rpc_error(code: int, message: str) -> str:
+    """Answers with a JSON-RPC error of that code and message (not a tool result)."""
+    raise MCPError(code=code, message=message)
+
+
+@server.tool()
 def slow(seconds: float) -> str:
     """Sleep, then answer."""
     time.sleep(seconds)
@@ -48,6 +56,10 @@ def slow(seconds: float) -> str:
 def pid() -> int:
     """This server's process id."""
     return os.getpid()
+
+
+if os.environ.get("MCP_TEST_TOOL_NAME"):  # echo under another name too
+    server.tool(name=os.environ["MCP_TEST_TOOL_NAME"])(echo)
 
 
 def main(argv: list[str]) -> None:

@@ -130,6 +130,24 @@ def test_a_call_is_cancelled_on_abort(stdio_client: McpClient) -> None:
     assert stdio_client.call("calc", "add", {"a": 1, "b": 1}) == "2"
 
 
+def test_an_error_reply_with_the_codes_the_sdk_uses_for_its_own_ends_is_the_servers_answer(
+    stdio_client: McpClient,
+) -> None:
+    """A JSON-RPC error the server sends under -32000 (which the SDK also uses for a
+    connection it found closed) or -32001 (its read timeout) is the server's answer: the
+    call fails with its message at once; the server is not stopped and started again, nor
+    the call said to have timed out."""
+    pid = stdio_client.call("calc", "pid", {})
+    reconnects = stdio_client.reconnects
+    for code, message in ((-32000, "quota used up"), (-32001, "upstream was slow")):
+        with pytest.raises(
+            ToolError, match=rf"^MCP server 'calc': tool 'rpc_error' failed: MCPError: {message}$"
+        ):
+            stdio_client.call("calc", "rpc_error", {"code": code, "message": message})
+    assert stdio_client.call("calc", "pid", {}) == pid  # the same process, still connected
+    assert stdio_client.reconnects == reconnects
+
+
 def test_a_call_times_out(stdio_client: McpClient) -> None:
     with pytest.raises(ToolError, match=r"^MCP server 'calc': tool 'slow' timed out after 0.3 s$"):
         stdio_client.call("calc", "slow", {"seconds": 30}, timeout_s=0.3)
@@ -162,6 +180,25 @@ def test_a_server_that_fails_to_start_is_named() -> None:
         port = s.getsockname()[1]  # nothing listens there
     with pytest.raises(McpError, match="MCP server 'down'"):
         McpClient([McpServer("down", url=f"http://127.0.0.1:{port}/mcp")]).start()
+
+
+def test_a_server_flooding_its_stderr_on_one_line_is_named_with_its_last_lines_cut_short() -> None:
+    """20 MB on stderr with no line break, then the reason it stops: the error names the
+    server with its stderr's last lines, each cut to a length a message can hold (the
+    lines kept for it were as long as the server wrote them)."""
+    flood = McpServer(
+        "flood",
+        command=sys.executable,
+        args=(
+            "-c",
+            "import sys; sys.stderr.write('y' * 20_000_000 + '\\nfatal: no token\\n'); sys.exit(3)",
+        ),
+    )
+    with pytest.raises(McpError, match=r"MCP server 'flood' .*failed to start") as info:
+        McpClient([flood]).start()
+    message = str(info.value)
+    assert message.endswith("\nfatal: no token") and "yyyy" in message
+    assert len(message) < 10_000
 
 
 def test_two_servers_offering_one_tool_name_is_an_error_naming_the_key_to_set() -> None:
@@ -373,6 +410,30 @@ def test_close_during_a_start_again_tells_the_waiting_call_so(tmp_path: Path) ->
     assert not _processes_naming(str(marker))
 
 
+def test_a_call_under_way_when_the_client_closes_says_so() -> None:
+    """Closed while a call waits for its answer: the call fails naming the close, not a
+    connection that ended and a server to be started again at its next call."""
+    client = McpClient([stdio_server(timeout_s=60)])
+    client.start()
+    pid = int(client.call("calc", "pid", {}))
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.call("calc", "slow", {"seconds": 60})
+        except BaseException as exc:
+            failed.append(exc)
+
+    waiting = threading.Thread(target=call, daemon=True)
+    waiting.start()
+    time.sleep(0.5)  # the call is under way
+    client.close()
+    waiting.join(10)
+    assert not waiting.is_alive() and len(failed) == 1
+    assert str(failed[0]) == "MCP server 'calc' is not connected (the client is closed)"
+    assert not Path(f"/proc/{pid}").exists()
+
+
 def test_no_start_begins_once_close_has_begun(tmp_path: Path) -> None:
     """A start submitted to the loop just as close() runs (after close() looked for
     starts to end) begins nothing: the loop refuses it, so no server is left behind."""
@@ -579,5 +640,20 @@ def test_tools_whose_names_providers_refuse_are_left_out_with_a_warning() -> Non
         "bad name echo",
         "bad name fail",
         "bad name pid",
+        "bad name rpc_error",
         "bad name slow",
     }
+
+
+def test_a_tool_name_ending_in_a_newline_is_left_out() -> None:
+    """The name check covers the whole name: a line break at its end (which ``$`` alone
+    lets through) would make every request that offers the tool fail."""
+    from structlog.testing import capture_logs
+
+    spec = stdio_server("odd", env={"MCP_TEST_TOOL_NAME": "echo2\n"})
+    with McpClient([spec]) as client:
+        assert "echo2\n" in [t.name for t in client.listed()]
+        with capture_logs() as logs:
+            names = [t.name for t in client.register(ToolRegistry())]
+    assert "echo2\n" not in names and "echo" in names
+    assert [e["tool"] for e in logs if e["event"].startswith("MCP tool left out")] == ["echo2\n"]
