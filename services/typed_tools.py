@@ -319,7 +319,7 @@ def tool_from(
     default: :func:`default_loop_thread`), for at most ``timeout`` seconds when given.
     """
     tool_name: str = name or str(getattr(fn, "__name__", ""))
-    if not _NAME.match(tool_name):
+    if not _NAME.fullmatch(tool_name):
         raise ValueError(f"tool name {tool_name!r}: use 1-64 letters, digits, '_' or '-'")
     doc = docstring_parser.parse(inspect.getdoc(fn) or "")
     described = {p.arg_name: (p.description or "").strip() for p in doc.params}

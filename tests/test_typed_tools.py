@@ -780,3 +780,11 @@ def test_flat_arguments_get_no_nested_check() -> None:
     trip, _ = nested_tool()
     assert flat.arguments is not None and _nested_check(flat.arguments) is None
     assert trip.arguments is not None and _nested_check(trip.arguments) is not None
+
+
+def test_a_tool_name_ending_in_a_line_break_is_refused() -> None:
+    """``$`` matches before a final line break: a name "echo\\n" passed the check, and a
+    provider refuses every request that offers it."""
+    with pytest.raises(ValueError, match=r"tool name 'echo\\n': use 1-64 letters"):
+        tool(name="echo\n")(lambda: "x")
+    assert tool(name="echo")(lambda: "x").name == "echo"
