@@ -324,7 +324,9 @@ def test_a_stop_ends_the_wait_for_a_server_starting_again_and_others_are_not_hel
     waiting for it ends with Aborted at the stop, and meanwhile another server's calls
     (it too started again) are answered; closing does not wait for the hung start."""
     marker = tmp_path / "hang"
-    slow = _slow_to_start_again("slow", marker, 60, timeout_s=2)
+    # Its calls' timeout well past the stop below, however slow the machine: the stop,
+    # not the timeout, must end the wait.
+    slow = _slow_to_start_again("slow", marker, 60, timeout_s=30)
     client = McpClient([slow, stdio_server("calc", timeout_s=2)])
     client.start()
     try:
