@@ -29,6 +29,7 @@ from typing import IO, Any, TextIO
 from aalis_agent.actors.commands import COMMANDS, handle_command
 from aalis_agent.actors.runtime import Runtime, SubmitHandle
 from aalis_agent.actors.scheduler import Where
+from aalis_agent.cli.main import Terminated
 from aalis_agent.events import Input, InvalidInput, Sender, UsageError
 from aalis_agent.events.codec import checked_session_id
 from aalis_agent.events.open import open_store
@@ -210,7 +211,8 @@ def run_chat(
     (history, the reply printed above the input line), and each shows where it went.
     Returns 1 when a turn failed (its error in one line on ``err``) or a line was
     refused (too long for ``Runtime.max_input_bytes``: its reason on ``err``, the next
-    lines go on), 130 when a Ctrl-C left piped lines unsent, else 0."""
+    lines go on), 130 when a Ctrl-C left piped lines unsent, 143 when a SIGTERM ended
+    it (a running turn stopped, as a Ctrl-C stops it, then the chat leaves), else 0."""
     stdin = sys.stdin if stdin is None else stdin
     err = sys.stderr if err is None else err
     if stdin is None or (out is None and sys.stdout is None):
@@ -330,6 +332,10 @@ def run_chat(
         if not stop_running():
             raise KeyboardInterrupt
 
+    def on_terminate(signum: int, frame: Any) -> None:
+        stop_running()  # a turn running is stopped: its reply is not waited for
+        raise Terminated
+
     def submit(line: str, echo: bool) -> None:
         """Send a typed line, or run it as a command. ``echo``: at a terminal, show the
         line again with where it went (the prompt erased it)."""
@@ -406,6 +412,10 @@ def run_chat(
         )
         if threading.current_thread() is threading.main_thread():
             previous_handler = signal.signal(signal.SIGINT, on_interrupt)
+    previous_term = None
+    if threading.current_thread() is threading.main_thread():
+        previous_term = signal.signal(signal.SIGTERM, on_terminate)
+    terminated = False
     outer = sink[0]
     try:
         with proxy:
@@ -428,12 +438,15 @@ def run_chat(
                 handle.result(timeout=None)
             runtime.wait_idle(None)
             release()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         write("\n")
         cut = not interactive  # piped lines left unsent (at a terminal, Ctrl-C leaves)
+        terminated = isinstance(exc, Terminated)
     finally:
         if previous_handler is not None:
             signal.signal(signal.SIGINT, previous_handler)
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
         runtime.shutdown(timeout=30)
         store.close()
         with lock:
@@ -443,4 +456,6 @@ def run_chat(
     # Quoted for a shell: it can be pasted whatever the path or the id holds.
     replay = shlex.join(["aalis-agent", "replay", str(db_path), "--session", session_id])
     write(f"Replay: {replay}\n")
+    if terminated:
+        return 143
     return 130 if cut else 1 if errors or refused_lines else 0

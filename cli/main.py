@@ -11,7 +11,9 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -26,7 +28,18 @@ if TYPE_CHECKING:
 from aalis_agent.services.logging_setup import LOGGER_NAME, BoundLogger, stdlib_processors
 from aalis_agent.services.secrets import redact
 
-__all__ = ["build_parser", "main"]
+__all__ = ["Terminated", "build_parser", "main"]
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a service manager stopping the command): it leaves as at a Ctrl-C that
+    leaves (a running turn stopped, the runtime shut down, every write whole), with
+    status 143."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated
+
 
 DEFAULT_DEMO_DB = "aalis-demo.db"
 
@@ -418,6 +431,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(
         verbose, quiet=args.command == "demo", level=logging.CRITICAL if silent else None
     )
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _run(parser, args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         if args.command == "replay":
             return _cmd_replay(args)
@@ -439,10 +463,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (AgentError, StoreError) as exc:
         sys.stderr.write(f"aalis-agent {args.command}: error: {redact(str(exc))}\n")
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: every write the log took is whole (one per batch)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: every write the log took is whole
+        how = "terminated" if isinstance(exc, Terminated) else "interrupted"
         with contextlib.suppress(OSError):
-            sys.stderr.write(f"\naalis-agent {args.command}: interrupted\n")
-        return 130
+            sys.stderr.write(f"\naalis-agent {args.command}: {how}\n")
+        return 143 if isinstance(exc, Terminated) else 130
     except BrokenPipeError:  # e.g. `aalis-agent replay db | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

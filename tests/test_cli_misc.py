@@ -315,6 +315,42 @@ def test_ctrl_c_in_piped_chat_exits_130_without_a_traceback(tmp_path: Path) -> N
     assert "Replay: aalis-agent replay" in out
 
 
+def test_sigterm_in_chat_stops_the_running_turn_and_exits_143(tmp_path: Path) -> None:
+    """A service manager's SIGTERM while a reply streams: the turn is stopped (recorded
+    once, aborted by the stop), the chat leaves at once with status 143 and no traceback
+    (it died as at a kill: its turn was left for the next start to find cut)."""
+    script = tmp_path / "slow.json"
+    script.write_text(json.dumps([{"text": "好" * 60, "chunks": 60, "chunk_delay_s": 1}]))
+    db = tmp_path / "c.db"
+    with subprocess.Popen(
+        [sys.executable, "-m", "aalis_agent.cli", "chat", "--db", str(db), "--script", str(script)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    ) as proc:
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        proc.stdin.write("你好\n")
+        proc.stdin.flush()
+        proc.stdout.read(1)  # the reply has begun streaming
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # never left hanging: the assertion below fails instead
+            proc.wait(10)
+        out, err = proc.stdout.read(), proc.stderr.read()
+    assert proc.returncode == 143, (out, err)
+    assert "Traceback" not in err
+    from aalis_agent.events import SqliteEventStore, TurnRecorded
+
+    with SqliteEventStore(db, read_only=True) as store:
+        events = store.read("cli:console")
+    recorded = [e for e in events if isinstance(e, TurnRecorded)]
+    assert [(e.outcome, e.reason) for e in recorded] == [("aborted", "stop")]
+
+
 def test_ctrl_c_in_any_command_is_one_line_and_exit_130(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -326,6 +362,20 @@ def test_ctrl_c_in_any_command_is_one_line_and_exit_130(
     monkeypatch.setattr(cli_main, "_cmd_replay", interrupted)
     assert cli_main.main(["replay", str(tmp_path / "x.db")]) == 130
     assert capsys.readouterr().err == "\naalis-agent replay: interrupted\n"
+
+    before = signal.getsignal(signal.SIGTERM)
+
+    def terminated(args: Any) -> int:  # a SIGTERM, which the command's handler takes
+        # (without one it would end this test run: refused first)
+        assert signal.getsignal(signal.SIGTERM) not in (before, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs at once on the main thread
+        return 0
+
+    monkeypatch.setattr(cli_main, "_cmd_replay", terminated)
+    assert cli_main.main(["replay", str(tmp_path / "x.db")]) == 143
+    assert capsys.readouterr().err == "\naalis-agent replay: terminated\n"
+    assert signal.getsignal(signal.SIGTERM) is before  # given back
 
 
 def test_a_database_path_that_is_a_directory_says_so(tmp_path: Path) -> None:
