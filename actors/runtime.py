@@ -155,7 +155,17 @@ def _who(name: str, value: object) -> str | None:
     :func:`_optional_text` does, lone surrogates cleaned as an input's sender is (the
     same account then matches the one its inputs brought)."""
     _optional_text(name, value)
-    return None if value is None else clean_text(value)  # type: ignore[arg-type]
+    if value is None:
+        return None
+    cleaned = clean_text(value)  # type: ignore[arg-type]
+    if len(cleaned) > _WHO_CHARS:  # as an input's ids may take at most (64 KiB as stored)
+        raise InvalidInput(f"{name} is {len(cleaned):,} characters long, over {_WHO_CHARS:,}")
+    return cleaned
+
+
+_WHO_CHARS = 16_384
+"""The most characters a platform or user id naming who stops or sets may have (at most
+64 KiB in UTF-8, the limit of an input's other fields)."""
 
 
 def _refuse_own_turn(session_id: str, what: str, instead: str | None = None) -> None:

@@ -124,6 +124,26 @@ def test_a_stop_naming_who_with_a_wrong_type_is_refused_and_the_turn_runs_on(
     assert not [e for e in rig.store.read(SID) if isinstance(e, StopRequested)]
 
 
+def test_a_stop_or_setting_naming_a_huge_id_is_refused_and_nothing_written(rig: Rig) -> None:
+    """Who stops or sets is recorded with the stop or the setting: an id of 100,000
+    characters (an input's ids may take 64 KiB) is refused naming its length, the turn
+    runs on, nothing is written."""
+    huge = "u" * 100_000
+    handle = rig.start_turn()
+    for ask in (
+        lambda: rig.runtime.stop(SID, platform="qq", user_id=huge),
+        lambda: rig.runtime.stop_all(SID, platform=huge, user_id="boss"),
+        lambda: rig.runtime.stop_command(SID, "qq", huge),
+        lambda: rig.runtime.set_setting(SID, "think", "low", by=huge),
+    ):
+        with pytest.raises(InvalidInput, match="100,000 characters long, over 16,384"):
+            ask()
+    rig.gate.set()
+    assert handle.result(10).outcome == "replied"
+    kinds = {type(e) for e in rig.store.read(SID)}
+    assert StopRequested not in kinds and SettingsChanged not in kinds
+
+
 def test_a_setting_by_an_id_with_a_lone_surrogate_is_recorded_cleaned(rig: Rig) -> None:
     reply = handle_command(
         rig.runtime, SID, "/session.set think high", platform="qq", user_id="x\udc00"
