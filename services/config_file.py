@@ -76,6 +76,7 @@ from aalis_agent.events.schema import ModelRef
 from aalis_agent.request.limits import MAX_DEPTH, find_unloggable, toml_too_deep
 from aalis_agent.services import shapes
 from aalis_agent.services.config import AgentConfig
+from aalis_agent.services.files import read_text_file
 from aalis_agent.services.llm import ChatModel, ScriptedModel, ScriptedReply, ThinkLevel
 from aalis_agent.services.mcp import McpServer
 from aalis_agent.services.models import LlmService, Provider, parse_model_ref
@@ -288,12 +289,7 @@ def load_config(
     set is listed in :attr:`FileConfig.missing` instead of refusing the file. Arrays and
     inline tables nested past :data:`MAX_DEPTH` are refused before the TOML is parsed."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start})") from None
+    text = read_text_file(p, "configuration")
     deep = toml_too_deep(text, MAX_DEPTH)
     if deep is not None:
         key, line = deep

@@ -235,11 +235,10 @@ class ScriptedModel:
         ``{id, name, arguments}`` with ``arguments`` as the raw text the model streams
         (so malformed JSON can be scripted), ``usage`` a table of token counts.
         """
+        from aalis_agent.services.files import read_text_file
+
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path}: cannot read the model script: {exc}") from None
+        text = read_text_file(path, "model script")
         toml = path.suffix == ".toml"
         deep = toml_too_deep(text) if toml else json_too_deep(text, MAX_DEPTH)
         if deep:  # refused before a recursive parser sees it

@@ -147,3 +147,20 @@ def test_a_chunk_delay_out_of_range_is_refused_at_load(tmp_path: Path, delay: st
     script.write_text(f'[{{"text": "一", "chunks": 2, "chunk_delay_s": {delay}}}]')
     with pytest.raises(ConfigError, match=r"reply 1: chunk_delay_s must be 0\.\.3600 seconds"):
         ScriptedModel.from_file(script)
+
+
+@pytest.mark.parametrize("kind", ["script", "config"])
+def test_a_file_past_16_mib_is_refused_unread(tmp_path: Path, kind: str) -> None:
+    """A model script or a configuration past 16 MiB (``/dev/zero`` given by mistake,
+    a log) is refused naming the file and the limit, after reading just past the limit
+    (it was read whole: ``/dev/zero`` until the kernel ended the process)."""
+    from aalis_agent.services.config_file import load_config
+    from aalis_agent.services.files import TEXT_FILE_BYTES
+
+    big = tmp_path / ("big.toml" if kind == "config" else "big.json")
+    big.write_bytes(b" " * (TEXT_FILE_BYTES + 1))
+    load = load_config if kind == "config" else ScriptedModel.from_file
+    with pytest.raises(ConfigError, match=r"big\.(toml|json): not a .*: longer than 16,777,216"):
+        load(big)
+    with pytest.raises(ConfigError, match="longer than 16,777,216 bytes"):
+        load("/dev/zero")
