@@ -335,7 +335,11 @@ class SqliteEventStore:
         self._checkpointer: _Checkpointer | None = None
         try:
             if read_only:
-                self._check_schema_read_only()
+                try:
+                    self._check_schema_read_only()
+                except sqlite3.OperationalError as exc:
+                    if not self._reopen_immutable(exc):
+                        raise
                 return
             if exclusive:
                 conn.execute("PRAGMA locking_mode=EXCLUSIVE")
@@ -361,6 +365,32 @@ class SqliteEventStore:
         except sqlite3.DatabaseError as exc:
             conn.close()
             raise StoreError(f"{self.path!r} is not a usable event database: {exc}") from None
+
+    def _reopen_immutable(self, exc: sqlite3.OperationalError) -> bool:
+        """Read-only, a WAL database whose folder cannot be written (a read-only mount, a
+        folder of another user): SQLite cannot make the shared-memory file it reads a WAL
+        database with. When no WAL file holds commits, nothing can write the file either
+        (a writer needs that file too): it is read as it is (``immutable``). A WAL file
+        with commits cannot be read without it: StoreError saying so. False when the
+        error is another one."""
+        if "unable to open database file" not in str(exc):
+            return False
+        wal = f"{self.path}-wal"
+        if os.path.exists(wal) and os.path.getsize(wal) > 0:
+            self._conn.close()
+            raise StoreError(
+                f"cannot open event database {self.path!r} read-only: its folder cannot be "
+                "written, and its WAL file holds commits that SQLite reads only with a file "
+                "it makes beside it; copy the database and its -wal file to a folder that "
+                "can be written, and open the copy"
+            )
+        self._conn.close()
+        target = f"file:{quote(os.fsencode(self.path))}?mode=ro&immutable=1"
+        conn = sqlite3.connect(target, check_same_thread=False, isolation_level=None, uri=True)
+        conn.text_factory = _lenient_text
+        self._conn, self._cursor = conn, conn.cursor()
+        self._check_schema_read_only()
+        return True
 
     def _unknown_format(self, version: int) -> StoreError:
         return StoreError(f"{self.path!r}: event table format {version} is not {STORE_FORMAT}")

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from aalis_agent.cli import main
-from aalis_agent.events import Batch, FixedClock, SqliteEventStore
+from aalis_agent.events import Batch, FixedClock, InputQueued, SqliteEventStore
 from aalis_agent.testing.sample import synthetic_turn, write_demo_session
 
 SESSION = "demo:room-1"
@@ -270,3 +270,67 @@ def test_fork_options_without_fork_are_refused(
     code, out, err = run(capsys, "replay", str(demo_db), *flags)
     assert code == 2 and out == ""
     assert err.strip() == f"aalis-agent replay: error: {flags[0]}: only with --fork SEQ"
+
+
+def _read_only_mount_works(tmp_path: Path) -> bool:
+    """Whether this machine lets a test bind a folder read-only in a mount namespace of
+    its own (``unshare -m``: root, or user namespaces allowed)."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    done = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            f"mount --bind {probe} {probe} && "
+            f"mount -o remount,bind,ro {probe} && ! touch {probe}/x",
+        ],
+        capture_output=True,
+        check=False,
+    )
+    return done.returncode == 0
+
+
+def test_replay_reads_a_database_on_a_read_only_mount(tmp_path: Path) -> None:
+    """A WAL database in a folder that cannot be written (a read-only mount, a backup):
+    SQLite cannot make the file it reads WAL with, and replay failed with "unable to open
+    database file". Left cleanly (no WAL file), it is read as it is; with commits still in
+    a WAL file, the error says so and what to do."""
+    if shutil.which("unshare") is None or not _read_only_mount_works(tmp_path):
+        pytest.skip("no read-only bind mount here (unshare -m and mount need root)")
+    folder = tmp_path / "db"
+    folder.mkdir()
+    db = folder / "d.db"
+    with SqliteEventStore(db) as store:
+        write_demo_session(store, SESSION, FixedClock())
+    assert not (folder / "d.db-wal").exists()
+
+    def replay_read_only() -> subprocess.CompletedProcess[str]:
+        script = (
+            f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder} && "
+            f"exec {sys.executable} -m aalis_agent.cli replay {db} --session {SESSION}"
+        )
+        return subprocess.run(
+            ["unshare", "-m", "sh", "-c", script],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+
+    done = replay_read_only()
+    assert done.returncode == 0, done.stderr
+    assert f"== session {SESSION} (" in done.stdout
+    # Commits left in a WAL file (a writer that was killed): named, not read stale.
+    with SqliteEventStore(db) as store:
+        last = store.last_seq(SESSION)
+        store.append(
+            SESSION, [InputQueued(session_id=SESSION, seq=last + 1, at=1, input_id="x")], last
+        )
+        shutil.copy(folder / "d.db-wal", tmp_path / "kept-wal")
+    shutil.copy(tmp_path / "kept-wal", folder / "d.db-wal")
+    done = replay_read_only()
+    assert done.returncode == 2, done.stdout
+    assert "its WAL file holds commits" in done.stderr
