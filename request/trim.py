@@ -238,13 +238,17 @@ def _cut(counter: TokenCounter, text: str, keep: int, suffix: str) -> str | None
     return cut
 
 
-def _shrink(counter: TokenCounter, text: str, ratio: float, suffix: str) -> str | None:
-    """``text`` cut, suffix included, to about ``ratio`` of its tokens, keeping at least
-    200 characters; None when no such cut has fewer tokens than the text."""
+def _shrink(counter: TokenCounter, m: ChatMessage, ratio: float, suffix: str) -> str | None:
+    """``m``'s content cut, suffix included, so that the whole message costs at most
+    ``ratio`` of its tokens (its framing included: the shrunk messages together then fit
+    the budget the ratio was taken against), keeping at least 200 characters; None when
+    no such cut has fewer tokens than the text."""
+    text = m.content
     if len(text) <= INJECTED_MIN_CHARS:
         return None
     original = counter.count(text)
-    target = math.floor(original * ratio)
+    whole = message_tokens(counter, m)
+    target = max(math.floor(whole * ratio) - (whole - original), 0)
     cut = truncate_to_tokens(text, target, counter, min_chars=INJECTED_MIN_CHARS, suffix=suffix)
     return cut if cut != text and counter.count(cut) < original else None
 
@@ -351,7 +355,7 @@ def _step4(state: _State) -> None:
     ratio = budget / total
     for part, i in injected:
         m = part[i]
-        cut = _shrink(state.counter, m.content, ratio, _suffix(state))
+        cut = _shrink(state.counter, m, ratio, _suffix(state))
         if cut is None:
             continue
         before = message_tokens(state.counter, m)

@@ -509,3 +509,38 @@ def test_step4_shrinks_by_tokens_with_the_same_suffix() -> None:
     target = math.floor(EST.count(original) * 900 / injected)
     assert target - 3 <= EST.count(k1.content) <= target  # about the ratio, suffix included
     assert msgspec.json.encode(r.messages[0]) == msgspec.json.encode(head[0])
+
+
+class _OneTokenPerChar:
+    name = "chars"
+    encodes = 0
+
+    def count(self, text: str) -> int:
+        return len(text)
+
+
+def test_step4_proportional_shrink_fits_the_memory_budget_and_deletes_nothing() -> None:
+    """「首条与末条之间的注入系统消息(贡献块、易变上下文等,不含本轮的指令块)合计超过
+    memoryTokenBudget 时按比例截短,每条最少保留 200 字符;仍超时从最靠前的删起」
+
+    Two 2000-character blocks (2004 tokens each with one token a character) over a
+    memory budget of 1000: shrunk in proportion, far above the 200-character minimum, they
+    fit the budget together, so none is deleted, although the request (a large input that
+    is never touched) is still over the trim budget."""
+    chars = _OneTokenPerChar()
+    head = [
+        ChatMessage(id="sys", role="system", content="S" * 10),
+        ChatMessage(id="b1", role="system", content="a" * 2000, meta=MessageMeta(injector="x/1")),
+        ChatMessage(id="b2", role="system", content="b" * 2000, meta=MessageMeta(injector="x/2")),
+    ]
+    turn = [ChatMessage(id="u", role="user", content="q" * 3000)]
+    req = TrimRequest(head, [], turn, 4000, memory_budget=1000, protected=frozenset({"u"}))
+    r = trim(req, chars)
+    assert 4 in r.steps
+    assert [a.action for a in r.trace if a.step == 4] == ["shrunk", "shrunk"]
+    kept = {m.id: m for m in r.messages}
+    assert {"b1", "b2"} <= kept.keys()
+    assert count_messages(chars, [kept["b1"], kept["b2"]]) <= 1000
+    # in proportion: both the same size, each about half the budget
+    assert len(kept["b1"].content) == len(kept["b2"].content)
+    assert count_messages(chars, [kept["b1"]]) == 1000 // 2
