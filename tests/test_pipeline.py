@@ -954,3 +954,56 @@ def test_an_input_arriving_while_llm_before_runs_joins_that_call(envs: list[Env]
     assert [(m.content, m.meta.turn_id) for m in joined] == [("刚到的", "turn-1")]
     model.answer("好")
     assert late[0].result(5).turn_id == "turn-1"
+
+
+# --- what a middleware leaves in agent:llm:before ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda ctx: ctx.messages.append(None), "messages[3] is NoneType, not a ChatMessage"),
+        (lambda ctx: ctx.messages.insert(1, "hi"), "messages[1] is str, not a ChatMessage"),
+        (lambda ctx: setattr(ctx, "messages", None), "messages is NoneType, not a list"),
+        (lambda ctx: ctx.messages.clear(), "no messages"),
+        (
+            lambda ctx: ctx.messages.append(
+                ChatMessage(id="x", role="tool", content="r", tool_call_id="nope")
+            ),
+            "the request breaking the providers' message rules: #3 tool result 'nope' without "
+            "its call",
+        ),
+        (
+            lambda ctx: ctx.messages.append(
+                ChatMessage(id="y", role="assistant", tool_calls=(call("f", call_id="c9"),))
+            ),
+            "the request breaking the providers' message rules: end: calls without results ['c9']",
+        ),
+        (
+            lambda ctx: ctx.messages.append(ChatMessage(id="z", role="wizard", content="x")),  # type: ignore[arg-type]
+            "messages[3]: Invalid enum value 'wizard' - at `$.role`",
+        ),
+        (
+            lambda ctx: ctx.messages.append(ChatMessage(id="z", role="user", content=None)),  # type: ignore[arg-type]
+            "messages[3]: Expected `str`, got `null` - at `$.content`",
+        ),
+        (lambda ctx: ctx.tools.append(None), "tools[0] is NoneType, not a dict"),
+    ],
+)
+def test_a_request_llm_before_leaves_invalid_is_not_sent_and_the_error_names_it(
+    envs: list[Env], caplog: pytest.LogCaptureFixture, change: Any, named: str
+) -> None:  # FLOW7: the request sent is always one a provider accepts
+    env = make(envs, ScriptedModel([ScriptedReply(text="好")]))
+
+    def bad(ctx: LlmBefore, next_: Any) -> Any:
+        change(ctx)
+        return next_()
+
+    env.hooks.use("agent:llm:before", bad)
+    with caplog.at_level("ERROR", logger="aalis.turn"):
+        outcome = env.say("你好", **ALICE).result(1)
+    assert outcome.outcome == "error"
+    assert env.requests() == []  # nothing reached the model
+    assert not env.of(ModelCallStarted)  # refused before the call was recorded
+    assert f"agent:llm:before left {named}" in caplog.text
+    assert len(env.of(TurnRecorded)) == 1
