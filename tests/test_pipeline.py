@@ -1007,3 +1007,24 @@ def test_a_request_llm_before_leaves_invalid_is_not_sent_and_the_error_names_it(
     assert not env.of(ModelCallStarted)  # refused before the call was recorded
     assert f"agent:llm:before left {named}" in caplog.text
     assert len(env.of(TurnRecorded)) == 1
+
+
+def test_turn_after_raising_after_the_reply_is_durable_leaves_the_turn_replied(
+    envs: list[Env], caplog: pytest.LogCaptureFixture
+) -> None:  # FLOW15, SAVE5: a turn is recorded once
+    env = make(envs, ScriptedModel([ScriptedReply(text="好的")]))
+
+    def boom(ctx: TurnAfter, next_: Any) -> Any:
+        next_()
+        raise RuntimeError("plugin bug")
+
+    env.hooks.use("agent:turn:after", boom)
+    with caplog.at_level("ERROR", logger="aalis.turn"):
+        outcome = env.say("你好", **ALICE).result(1)
+    assert (outcome.outcome, outcome.reply) == ("replied", "好的")
+    records = [m.meta.turn_record for m in env.saved() if m.meta.turn_record is not None]
+    assert [(r.turn_id, r.outcome) for r in records] == [("turn-1", "replied")]
+    assert [(e.outcome, e.reason) for e in env.of(TurnRecorded)] == [("replied", None)]
+    assert [p["kind"] for p in env.topics("outbound:message")] == ["reply"]  # no error notice
+    assert "agent:turn:after failed after the reply was saved" in caplog.text
+    assert "plugin bug" in caplog.text
