@@ -1028,3 +1028,37 @@ def test_turn_after_raising_after_the_reply_is_durable_leaves_the_turn_replied(
     assert [p["kind"] for p in env.topics("outbound:message")] == ["reply"]  # no error notice
     assert "agent:turn:after failed after the reply was saved" in caplog.text
     assert "plugin bug" in caplog.text
+
+
+def test_persona_and_contribution_text_with_lone_surrogates_is_sent_cleaned(
+    envs: list[Env],
+) -> None:  # FLOW3, FLOW6: a request a provider's encoder can write
+    env = make(
+        envs,
+        ScriptedModel([ScriptedReply(text="好")]),
+        persona=StaticPersonas({"p": ("P", "人设\ud83d")}, default="p"),
+    )
+    env.hooks.contribute(Contribution("plug", "k", "knowledge", lambda view: "知识\udc00尾"))
+    assert env.say("你好", **ALICE).result(1).outcome == "replied"
+    sent = env.requests()[0].messages
+    assert sent[0].content.startswith("人设\ufffd")
+    assert [m.content for m in sent if m.meta.injector == "plug/k"] == ["知识\ufffd尾"]
+    for m in sent:
+        m.content.encode("utf-8")  # no lone surrogate left
+
+
+def test_a_persona_service_giving_other_than_text_fails_the_turn_naming_it(
+    envs: list[Env], caplog: pytest.LogCaptureFixture
+) -> None:  # FLOW3
+    class Numbers:
+        def prompt(self, persona_id: str | None) -> Any:
+            return 5
+
+        def list(self) -> list[tuple[str, str]]:
+            return []
+
+    env = make(envs, ScriptedModel([ScriptedReply(text="好")]), persona=Numbers())
+    with caplog.at_level("ERROR", logger="aalis.turn"):
+        assert env.say("你好", **ALICE).result(1).outcome == "error"
+    assert "the persona service gave int for persona None, not text" in caplog.text
+    assert env.requests() == []
