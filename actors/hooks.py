@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import structlog
 from aalis_agent.events import ChatMessage, Input
+from aalis_agent.events.codec import clean_text
 from aalis_agent.services import ToolCallContext
 
 __all__ = [
@@ -243,7 +244,9 @@ class Hooks:
                     value=repr(value)[:200],
                 )
                 continue
-            blocks = tuple(v for v in built_blocks if v)
+            # As text a provider's encoder takes: lone surrogates replaced (a str
+            # subclass as plain text).
+            blocks = tuple(clean_text(v) for v in built_blocks if v)
             if blocks:
                 built.append(BuiltContribution(contribution, blocks))
         pool.shutdown(wait=False, cancel_futures=True)

@@ -10,6 +10,7 @@ import msgspec
 from aalis_agent.actors.history_cache import HistoryCache, PreparedHistory
 from aalis_agent.actors.hooks import ContributionView, Hooks
 from aalis_agent.events import ChatMessage, TokenUsage, TurnSettings
+from aalis_agent.events.codec import clean_text
 from aalis_agent.projections.history import HistoryState
 from aalis_agent.request.prompt import (
     Block,
@@ -47,7 +48,7 @@ def base_prompt(
     active history messages). With the session's ``cache`` and the default memory, the
     history is extended by what was archived since the last turn instead of read whole.
     ``texts``: the turn's locale (default: the runtime's)."""
-    persona = services.persona.prompt(settings.persona) if services.persona else None
+    persona = _persona_text(services, settings.persona)
     memory = services.memory  # FLOW4: the history window comes from memory
     limit = settings.history_limit
     if cache is not None and type(memory) is ProjectionMemory:
@@ -63,6 +64,22 @@ def base_prompt(
         history=prepared.messages,
     )
     return prompt, persona, prepared
+
+
+def _persona_text(services: Services, persona_id: str | None) -> str | None:
+    """The persona's prompt as it can be sent (lone surrogates replaced, as any text the
+    log or a provider's encoder takes), or a TypeError naming a persona service that gave
+    other than text."""
+    if services.persona is None:
+        return None
+    text = services.persona.prompt(persona_id)
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise TypeError(
+            f"the persona service gave {type(text).__name__} for persona {persona_id!r}, not text"
+        )
+    return clean_text(text)
 
 
 def add_contributions(

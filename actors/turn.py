@@ -19,6 +19,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import pykka
 import structlog
 from aalis_agent.actors.hooks import (
@@ -67,6 +68,7 @@ from aalis_agent.request.prompt import (
     render_input,
     volatile_for,
 )
+from aalis_agent.request.validate import provider_violations
 from aalis_agent.services import (
     ChatModel,
     ChatRequest,
@@ -345,7 +347,7 @@ class TurnRunner(ToolBatch, ReplyStep):
             trigger_type=self._trigger(),
         )
         self.hooks.run("agent:llm:before", before, lambda c: c)
-        return before.messages, before.tools
+        return _checked_messages(before.messages, messages), _checked_tools(before.tools)
 
     def _call_event(
         self,
@@ -563,3 +565,44 @@ class TurnRunner(ToolBatch, ReplyStep):
         )
         self.hooks.run("agent:llm:after", after, lambda c: c)
         return call
+
+
+def _checked_messages(messages: object, assembled: Sequence[ChatMessage]) -> Sequence[ChatMessage]:
+    """The messages an ``agent:llm:before`` middleware left, or a clear error naming
+    what is wrong with them (the turn then fails before its call is recorded or sent):
+    not a list of ChatMessage, a message that would not read back (checked for those
+    the runtime did not assemble itself), none at all, or a breach of the providers'
+    message rules (a tool result without its call, a call without its result, ...)."""
+    if not isinstance(messages, list | tuple):
+        raise TypeError(f"agent:llm:before left messages is {type(messages).__name__}, not a list")
+    if not messages:
+        raise ValueError("agent:llm:before left no messages")
+    ours = {id(m) for m in assembled}
+    for i, m in enumerate(messages):
+        if not isinstance(m, ChatMessage):
+            raise TypeError(
+                f"agent:llm:before left messages[{i}] is {type(m).__name__}, not a ChatMessage"
+            )
+        if id(m) not in ours:  # a message of the middleware's own: every field's type
+            try:
+                msgspec.convert(msgspec.to_builtins(m), ChatMessage)
+            except (msgspec.ValidationError, TypeError) as exc:
+                raise TypeError(f"agent:llm:before left messages[{i}]: {exc}") from None
+    problems = provider_violations(messages)
+    if problems:
+        raise ValueError(
+            "agent:llm:before left the request breaking the providers' message rules: "
+            + "; ".join(problems[:5])
+        )
+    return messages
+
+
+def _checked_tools(tools: object) -> list[dict[str, Any]]:
+    """The tool definitions an ``agent:llm:before`` middleware left, or a TypeError
+    naming the one that is not a definition (a dict)."""
+    if not isinstance(tools, list | tuple):
+        raise TypeError(f"agent:llm:before left tools is {type(tools).__name__}, not a list")
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise TypeError(f"agent:llm:before left tools[{i}] is {type(t).__name__}, not a dict")
+    return list(tools)

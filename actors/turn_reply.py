@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
 from aalis_agent.actors.hooks import (
     ReplyBefore,
     TurnAfter,
@@ -25,6 +26,8 @@ from aalis_agent.request.prompt import (
 from aalis_agent.request.textnorm import strip_leaked_special_tokens
 
 __all__ = ["ReplyStep"]
+
+log = structlog.get_logger("aalis.turn")
 
 
 class ReplyStep(TurnBase):
@@ -108,7 +111,19 @@ class ReplyStep(TurnBase):
             outcome=outcome,
             session_id=self.session_id,
         )
-        self.hooks.run("agent:turn:after", after, lambda c: c)
+        if outcome != "replied":
+            self.hooks.run("agent:turn:after", after, lambda c: c)
+            return outcome, None
+        try:
+            self.hooks.run("agent:turn:after", after, lambda c: c)
+        except Exception:
+            # The reply is durable and sent, the turn's record saved with it: the turn
+            # replied, and is not recorded again (as an error) after the fact.
+            log.exception(
+                "agent:turn:after failed after the reply was saved",
+                session=self.session_id,
+                turn=self.turn_id,
+            )
         return outcome, None
 
 

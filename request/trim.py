@@ -363,14 +363,24 @@ def _step4(state: _State) -> None:
         state.note(4, "shrunk", [m.id], before - message_tokens(state.counter, part[i]))
     if not state.over():
         return
-    while True:
-        injected = _injected(state)
-        total = sum(message_tokens(state.counter, part[i]) for part, i in injected)
-        if not injected or total <= budget or not state.over():
-            return
-        part, i = injected[0]
-        m = part.pop(i)
-        state.note(4, "deleted", [m.id], message_tokens(state.counter, m))
+    # Then deleted from the front while over. Deleting one leaves the others injected
+    # (the last message, never one of them, stays the last): they are walked and counted
+    # once, and the deleted ones taken out of their parts together (a walk and a recount
+    # after each deletion made a contribution of 16,000 blocks take 52 s to trim).
+    injected = _injected(state)
+    counts = [message_tokens(state.counter, part[i]) for part, i in injected]
+    total = sum(counts)
+    gone: dict[int, set[int]] = {}  # id(part) -> its indexes deleted
+    for (part, i), n in zip(injected, counts, strict=True):
+        if total <= budget or not state.over():
+            break
+        state.note(4, "deleted", [part[i].id], n)
+        total -= n
+        gone.setdefault(id(part), set()).add(i)
+    for part in (state.head, state.turn):
+        deleted = gone.get(id(part))
+        if deleted:
+            part[:] = [m for j, m in enumerate(part) if j not in deleted]
 
 
 def _step5_changes(counter: TokenCounter, m: ChatMessage, suffix: str) -> dict[str, object]:

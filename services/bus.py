@@ -29,12 +29,16 @@ class EventBus:
         """Call ``fn(topic, payload)`` for each event on ``topic`` (``*`` = all topics)."""
         with self._lock:
             self._subs.setdefault(topic, []).append(fn)
+        subscribed = [True]
 
         def unsubscribe() -> None:
+            """Ends this subscription; called again, it does nothing (it must not end
+            another subscription of the same function)."""
             with self._lock:
                 subs = self._subs.get(topic, [])
-                if fn in subs:
+                if subscribed[0] and fn in subs:
                     subs.remove(fn)
+                subscribed[0] = False
 
         return unsubscribe
 

@@ -39,8 +39,12 @@ ends at its ``token:usage``, with the model only when the runtime serves one; a 
 when its turn ended ``error`` or ``aborted`` gets a span ending with the turn.
 
 Subscribers run on the publishing threads; the work here is a few dict operations and the
-span calls under one lock. Spans left open by ``uninstrument()`` are ended then, marked
-``aalis.incomplete``.
+span calls under one lock. Ending a span runs the provider's span processors there: a
+``BatchSpanProcessor`` hands it to its own export thread, a ``SimpleSpanProcessor``
+exports it then and there, so an exporter that blocks would hold every turn (measured:
+a blocking exporter behind a ``SimpleSpanProcessor`` held a turn past 3 s, behind a
+``BatchSpanProcessor`` not at all; an exporter that raises is logged by either). Spans
+left open by ``uninstrument()`` are ended then, marked ``aalis.incomplete``.
 """
 
 from __future__ import annotations

@@ -954,3 +954,111 @@ def test_an_input_arriving_while_llm_before_runs_joins_that_call(envs: list[Env]
     assert [(m.content, m.meta.turn_id) for m in joined] == [("刚到的", "turn-1")]
     model.answer("好")
     assert late[0].result(5).turn_id == "turn-1"
+
+
+# --- what a middleware leaves in agent:llm:before ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda ctx: ctx.messages.append(None), "messages[3] is NoneType, not a ChatMessage"),
+        (lambda ctx: ctx.messages.insert(1, "hi"), "messages[1] is str, not a ChatMessage"),
+        (lambda ctx: setattr(ctx, "messages", None), "messages is NoneType, not a list"),
+        (lambda ctx: ctx.messages.clear(), "no messages"),
+        (
+            lambda ctx: ctx.messages.append(
+                ChatMessage(id="x", role="tool", content="r", tool_call_id="nope")
+            ),
+            "the request breaking the providers' message rules: #3 tool result 'nope' without "
+            "its call",
+        ),
+        (
+            lambda ctx: ctx.messages.append(
+                ChatMessage(id="y", role="assistant", tool_calls=(call("f", call_id="c9"),))
+            ),
+            "the request breaking the providers' message rules: end: calls without results ['c9']",
+        ),
+        (
+            lambda ctx: ctx.messages.append(ChatMessage(id="z", role="wizard", content="x")),  # type: ignore[arg-type]
+            "messages[3]: Invalid enum value 'wizard' - at `$.role`",
+        ),
+        (
+            lambda ctx: ctx.messages.append(ChatMessage(id="z", role="user", content=None)),  # type: ignore[arg-type]
+            "messages[3]: Expected `str`, got `null` - at `$.content`",
+        ),
+        (lambda ctx: ctx.tools.append(None), "tools[0] is NoneType, not a dict"),
+    ],
+)
+def test_a_request_llm_before_leaves_invalid_is_not_sent_and_the_error_names_it(
+    envs: list[Env], caplog: pytest.LogCaptureFixture, change: Any, named: str
+) -> None:  # FLOW7: the request sent is always one a provider accepts
+    env = make(envs, ScriptedModel([ScriptedReply(text="好")]))
+
+    def bad(ctx: LlmBefore, next_: Any) -> Any:
+        change(ctx)
+        return next_()
+
+    env.hooks.use("agent:llm:before", bad)
+    with caplog.at_level("ERROR", logger="aalis.turn"):
+        outcome = env.say("你好", **ALICE).result(1)
+    assert outcome.outcome == "error"
+    assert env.requests() == []  # nothing reached the model
+    assert not env.of(ModelCallStarted)  # refused before the call was recorded
+    assert f"agent:llm:before left {named}" in caplog.text
+    assert len(env.of(TurnRecorded)) == 1
+
+
+def test_turn_after_raising_after_the_reply_is_durable_leaves_the_turn_replied(
+    envs: list[Env], caplog: pytest.LogCaptureFixture
+) -> None:  # FLOW15, SAVE5: a turn is recorded once
+    env = make(envs, ScriptedModel([ScriptedReply(text="好的")]))
+
+    def boom(ctx: TurnAfter, next_: Any) -> Any:
+        next_()
+        raise RuntimeError("plugin bug")
+
+    env.hooks.use("agent:turn:after", boom)
+    with caplog.at_level("ERROR", logger="aalis.turn"):
+        outcome = env.say("你好", **ALICE).result(1)
+    assert (outcome.outcome, outcome.reply) == ("replied", "好的")
+    records = [m.meta.turn_record for m in env.saved() if m.meta.turn_record is not None]
+    assert [(r.turn_id, r.outcome) for r in records] == [("turn-1", "replied")]
+    assert [(e.outcome, e.reason) for e in env.of(TurnRecorded)] == [("replied", None)]
+    assert [p["kind"] for p in env.topics("outbound:message")] == ["reply"]  # no error notice
+    assert "agent:turn:after failed after the reply was saved" in caplog.text
+    assert "plugin bug" in caplog.text
+
+
+def test_persona_and_contribution_text_with_lone_surrogates_is_sent_cleaned(
+    envs: list[Env],
+) -> None:  # FLOW3, FLOW6: a request a provider's encoder can write
+    env = make(
+        envs,
+        ScriptedModel([ScriptedReply(text="好")]),
+        persona=StaticPersonas({"p": ("P", "人设\ud83d")}, default="p"),
+    )
+    env.hooks.contribute(Contribution("plug", "k", "knowledge", lambda view: "知识\udc00尾"))
+    assert env.say("你好", **ALICE).result(1).outcome == "replied"
+    sent = env.requests()[0].messages
+    assert sent[0].content.startswith("人设\ufffd")
+    assert [m.content for m in sent if m.meta.injector == "plug/k"] == ["知识\ufffd尾"]
+    for m in sent:
+        m.content.encode("utf-8")  # no lone surrogate left
+
+
+def test_a_persona_service_giving_other_than_text_fails_the_turn_naming_it(
+    envs: list[Env], caplog: pytest.LogCaptureFixture
+) -> None:  # FLOW3
+    class Numbers:
+        def prompt(self, persona_id: str | None) -> Any:
+            return 5
+
+        def list(self) -> list[tuple[str, str]]:
+            return []
+
+    env = make(envs, ScriptedModel([ScriptedReply(text="好")]), persona=Numbers())
+    with caplog.at_level("ERROR", logger="aalis.turn"):
+        assert env.say("你好", **ALICE).result(1).outcome == "error"
+    assert "the persona service gave int for persona None, not text" in caplog.text
+    assert env.requests() == []

@@ -971,3 +971,33 @@ def test_a_turn_of_many_tool_results_trims_in_linear_work(monkeypatch: pytest.Mo
         assert r.steps[:2] == [1, 2]
     assert 0 < large <= 2.2 * small, (small, large)
     assert r_large.tokens_after == count_messages(CHARS, r_large.messages)
+
+
+def _asked_for_blocks(blocks: int) -> tuple[int, TrimResult]:
+    """Texts counted by a trim whose step 4 deletes most of ``blocks`` injected system
+    messages (a contribution that built thousands of blocks)."""
+    head = [system("sys", "s"), *(system(f"k{i}", "kk", "plug/k") for i in range(blocks))]
+    counter = _Counted()
+    req = TrimRequest(
+        head=head,
+        history=[],
+        turn=[user("u", "go")],
+        budget=blocks,  # one token a block fits: about five in six go
+        memory_budget=10,
+        protected=frozenset({"u"}),
+    )
+    r = trim(req, counter)  # type: ignore[arg-type]
+    return counter.asked, r
+
+
+def test_step4_deleting_thousands_of_injected_messages_is_linear_work() -> None:
+    """Each deletion of step 4 walked and counted every injected message again: a
+    contribution of 16,000 blocks made a turn's trim take 52 s."""
+    small, r_small = _asked_for_blocks(1_000)
+    large, r_large = _asked_for_blocks(2_000)
+    for r, blocks in ((r_small, 1_000), (r_large, 2_000)):
+        deleted = [a for a in r.trace if a.action == "deleted"]
+        assert len(deleted) > blocks // 2 and r.steps[:4] == [1, 2, 3, 4]
+        assert r.tokens_after == count_messages(CHARS, r.messages)
+        assert [m.id for m in r.messages if not m.meta.injector] == ["sys", "u", HINT_ID]
+    assert 0 < large <= 2.2 * small, (small, large)

@@ -205,3 +205,20 @@ def test_subscribe_typed_filters_by_topic_and_session() -> None:
     unsubscribe()
     bus.publish("turn:ended", ended)
     assert seen == [TurnEnded(session_id="a", turn_id="t", outcome="silent", duration_ms=5)]
+
+
+def test_an_unsubscribe_called_twice_ends_only_its_own_subscription() -> None:
+    """One function subscribed twice (two consumers sharing a handler): each remover
+    ends its own subscription once; calling one again must not end the other's."""
+    bus = EventBus()
+    got: list[Any] = []
+
+    def handler(topic: str, payload: Any) -> None:
+        got.append(payload)
+
+    first = bus.subscribe("turn:ended", handler)
+    bus.subscribe("turn:ended", handler)
+    first()
+    first()  # again: a no-op
+    bus.publish("turn:ended", 1)
+    assert got == [1]
