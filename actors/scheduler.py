@@ -387,6 +387,10 @@ def decide_settled(
     running = step.view.queue.running
     if running is None or running.turn_id != turn_id:
         return
+    if running.reply_saved:
+        # Its record rides on the saved reply: what fails after (sending, the
+        # agent:turn:after middleware) is not recorded again (SAVE5).
+        outcome, stop_marker = "replied", None
     if stop_marker is not None and archive:
         step.add(StopMarkerSaved(turn_id=turn_id, message=stop_marker))
     if outcome != "replied" and archive:

@@ -669,6 +669,42 @@ def test_a_turn_that_left_nothing_writes_no_marker(rig: Rig) -> None:  # SAVE6, 
     assert not turn.stop_marker
 
 
+@pytest.mark.parametrize("where", ["agent:turn:after", "outbound"])
+def test_an_error_after_the_reply_is_saved_writes_no_second_record(rig: Rig, where: str) -> None:
+    """SAVE5:「回复了的记在最后那条回复的元数据上(之后外发或agent:turn:after的中间件出错不再
+    另记)」: once the reply is saved with the turn's record, a failing ``agent:turn:after``
+    middleware (or a send that fails from inside it) writes no second record: no
+    ``turn-record`` marker, and the turn stays recorded as replied."""
+
+    def boom(ctx: Any, next_: Any) -> Any:
+        raise RuntimeError("afterwards")
+
+    if where == "agent:turn:after":
+        rig.runtime.hooks.use("agent:turn:after", boom)
+    else:  # a send that fails; the middleware makes the runner send the reply itself
+        rig.runtime.hooks.use("agent:turn:after", lambda ctx, next_: next_())
+
+        class Failing:
+            def dispatch_outbound(self, message: Any) -> None:
+                if message.kind == "reply":
+                    boom(None, None)
+
+        rig.runtime.services.gateway = Failing()
+    handle = rig.submit("问", **human("a"))
+    rig.model.answer("答")
+    rig.settle()
+    records = [
+        (e.message.role, e.message.kind, e.message.meta.turn_record.outcome)
+        for e in rig.of(MessageSaved)
+        if e.message.meta.turn_record is not None
+    ]
+    assert records == [("assistant", None, "replied")]
+    assert [e.outcome for e in rig.of(TurnRecorded)] == ["replied"]
+    assert handle.result(1).outcome == "replied"
+    finished = turns.turn_info(rig.runtime.view(SID).turns.finished[-1])
+    assert finished.outcome == "replied"
+
+
 def test_clear_context_stops_and_releases_unarchived(rig: Rig) -> None:
     rig.submit("一", **human("a"))
     queued = rig.submit("通知", source="schedule")
