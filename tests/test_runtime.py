@@ -208,6 +208,40 @@ def test_input_that_misses_the_final_call_waits_for_the_next_turn(rig: Rig) -> N
     assert queued == [late.input_id]
 
 
+def test_after_the_call_capped_by_max_tool_iterations_returns_inputs_queue(rig: Rig) -> None:
+    """SCH2:「她已经在写最后的回复时才到的(最后一次模型调用返回不带工具调用的回复之后)不再插,
+    排到下一轮」. With ``maxToolIterations`` reached the last call is made without tools and
+    its reply is the turn's final one, whatever tool calls the model still returns (they are
+    not run): an input arriving after it returned is queued, never pending."""
+    entered, go = threading.Event(), threading.Event()
+
+    def hold(ctx: Any, next_: Any) -> Any:
+        entered.set()
+        go.wait(5)
+        return next_()
+
+    rig.runtime.hooks.use("agent:reply:before", hold)
+    rig.runtime.set_setting(SID, "maxToolIterations", 1)
+    rig.submit("查一下", **human("a"))
+    rig.model.answer(tool_calls=(CALL,))
+    rig.tool.wait_running()
+    rig.tool.release()
+    rig.settle()
+    last = rig.model.answer("就这样", tool_calls=(ToolCall(id="call-2", name="slow"),))
+    assert last.request.tools == ()  # the capped call: no tools offered
+    assert entered.wait(5)  # the final reply is being written
+    late = rig.runtime.submit(SID, Input(id="", content="晚到的", **human("b")))
+    assert late.where == "queued"
+    assert not rig.of(InputHeld)
+    go.set()
+    rig.settle()
+    assert len(rig.tool.contexts) == 1  # the capped call's tool call never ran
+    assert [e.outcome for e in rig.of(TurnRecorded)] == ["replied"]
+    assert rig.model.wait_call().request.messages[-1].content.endswith("晚到的")
+    rig.model.answer("好")
+    rig.settle()
+
+
 def test_injections_queue_and_run_alone(rig: Rig) -> None:  # SCH3
     rig.submit("你好", **human("a"))
     notice = rig.submit("定时提醒", source="schedule", trigger_type="interval")
