@@ -14,7 +14,7 @@ from typing import Any
 import pykka
 import pytest
 from aalis_agent.actors.hooks import Hooks
-from aalis_agent.actors.messages import Submit
+from aalis_agent.actors.messages import Ping, Submit
 from aalis_agent.actors.runtime import Runtime, RuntimeClosed
 from aalis_agent.events import (
     FixedClock,
@@ -479,6 +479,39 @@ def test_delete_stops_at_once_releases_unarchived_and_waits(rig: Rig) -> None:  
     # The session works again afterwards.
     rig.submit("新的开始", **human("a"))
     assert len(rig.model.parked) == 1
+
+
+def test_delete_waits_for_a_turn_past_its_reply_to_end(rig: Rig) -> None:  # DEL1
+    """DEL1:「收到 session:deleted 时停下这个会话在跑的一轮、放掉排着的(不归档),并等它收尾,
+    之后会话管理才清它的数据」: a turn whose reply is durable can no longer be stopped, but
+    it still runs (its ``agent:turn:after`` middleware): the deletion waits for it to end,
+    so nothing of the old session is written after the deletion."""
+    entered, go = threading.Event(), threading.Event()
+
+    def hold(ctx: Any, next_: Any) -> Any:
+        entered.set()
+        go.wait(10)
+        return next_()
+
+    rig.runtime.hooks.use("agent:turn:after", hold)
+    rig.runtime.submit(SID, Input(id="", content="问", **human("a")))
+    rig.model.answer("答")
+    assert entered.wait(5)  # the reply is saved and sent; agent:turn:after runs
+    deleted = rig.runtime._begin_delete(SID)
+    rig.runtime._entries[SID].ref.ask(Ping(), timeout=5)  # the deletion has been handled
+    assert not deleted.done()
+    assert not rig.of(SessionDeleted)
+    go.set()
+    assert deleted.result(5) == 1
+    rig.settle()
+    kinds = [type(e).__name__ for e in rig.log()]
+    assert kinds.index("TurnRecorded") < kinds.index("SessionDeleted")
+    assert kinds[-1] == "SessionDeleted"  # nothing of the deleted session after it
+    assert rig.runtime.view(SID).queue.running is None
+    fresh = rig.submit("新的开始", **human("a"))
+    assert fresh.where == "opened"
+    rig.model.answer("好")
+    rig.settle()
 
 
 def test_inputs_of_an_older_generation_are_dropped(rig: Rig) -> None:  # DEL2
