@@ -362,7 +362,7 @@ def decide_release(
         # An idle prompt is never archived (INS3), released or not.
         keep = archived and w.input.trigger_type != "idle"
         step.add(InputReleased(input_id=w.input.id, reason=reason, archived=keep))
-    if stopped is None:
+    if step.view.queue.running is None:  # else once it settles (a turn past its reply too)
         _archive_released(step, message_id)
     return stopped
 

@@ -408,6 +408,39 @@ def test_release_archives_after_the_running_turn_settles(rig: Rig, how: str) -> 
     assert pending.result(1).outcome == "released"
 
 
+@pytest.mark.parametrize("how", ["stop_all", "mute"])
+def test_release_waits_for_a_turn_past_its_reply_to_settle(rig: Rig, how: str) -> None:
+    """SCH6:「禁言、后台页「全部停止」对子会话、停机连同排队与待插入的一起放掉,放掉的在这个
+    会话在跑的一轮落定之后归档(不带回合 id)」: a running turn whose reply is durable is not
+    stopped, but it has not settled while its ``agent:turn:after`` runs; the released inputs
+    are archived once it has."""
+    entered, go = threading.Event(), threading.Event()
+
+    def hold(ctx: Any, next_: Any) -> Any:
+        entered.set()
+        go.wait(10)
+        return next_()
+
+    rig.runtime.hooks.use("agent:turn:after", hold)
+    first = rig.runtime.submit(SID, Input(id="", content="问", **human("a")))
+    rig.model.answer("答")
+    assert entered.wait(5)
+    queued = rig.runtime.submit(SID, Input(id="", content="通知", source="schedule"))
+    assert getattr(rig.runtime, how)(SID) is None  # past its reply: nothing to stop
+    assert [e.input_id for e in rig.of(InputReleased)] == [queued.input_id]
+    assert not [e for e in rig.of(MessageSaved) if e.message.meta.input_id == queued.input_id]
+    go.set()
+    assert first.result(5).outcome == "replied"
+    log = rig.log()
+    recorded = next(i for i, e in enumerate(log) if isinstance(e, TurnRecorded))
+    archived = [
+        (i, e.message.meta.turn_id)
+        for i, e in enumerate(log)
+        if isinstance(e, MessageSaved) and e.message.meta.input_id == queued.input_id
+    ]
+    assert len(archived) == 1 and archived[0][0] > recorded and archived[0][1] is None
+
+
 def test_agent_queue_reports_in_arrival_order(rig: Rig) -> None:  # SCH7
     rig.submit("一", **human("a"))
     rig.submit("通知", source="schedule")
