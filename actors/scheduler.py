@@ -362,7 +362,7 @@ def decide_release(
         # An idle prompt is never archived (INS3), released or not.
         keep = archived and w.input.trigger_type != "idle"
         step.add(InputReleased(input_id=w.input.id, reason=reason, archived=keep))
-    if stopped is None:
+    if step.view.queue.running is None:  # else once it settles (a turn past its reply too)
         _archive_released(step, message_id)
     return stopped
 
@@ -387,6 +387,10 @@ def decide_settled(
     running = step.view.queue.running
     if running is None or running.turn_id != turn_id:
         return
+    if running.reply_saved:
+        # Its record rides on the saved reply: what fails after (sending, the
+        # agent:turn:after middleware) is not recorded again (SAVE5).
+        outcome, stop_marker = "replied", None
     if stop_marker is not None and archive:
         step.add(StopMarkerSaved(turn_id=turn_id, message=stop_marker))
     if outcome != "replied" and archive:

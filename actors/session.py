@@ -1134,14 +1134,17 @@ class SessionActor(pykka.ThreadingActor):
         """Stop at once and release unarchived (DEL1); finish once the turn has settled."""
         step = self._step()
         reason = "delete" if kind == "delete" else "clear"
-        turn = decide_release(step, reason, message_id=self._message_id)  # type: ignore[arg-type]
+        decide_release(step, reason, message_id=self._message_id)  # type: ignore[arg-type]
         self._commit(step)
         self._winding_down.append((kind, done, kinds))
-        if turn is None or self._runner is None:
-            if turn is not None:  # running in the log but no runner here: settle it now
-                self._on_settled(Settled(turn, "aborted", reason))
-                return
+        # A turn past its reply is not stopped (its reply is durable) but still runs (its
+        # agent:turn:after): it is waited for as a stopped one is.
+        running = self.view.queue.running
+        if running is None:
             self._finish_winding_down()
+        elif self._runner is None or self._runner.turn_id != running.turn_id:
+            # Running in the log but no runner here: settle it now.
+            self._on_settled(Settled(running.turn_id, "aborted", reason))
 
     def _finish_winding_down(self) -> None:
         pending = self._winding_down

@@ -290,7 +290,7 @@ class TurnRunner(ToolBatch, ReplyStep):
                 return "aborted", self.abort.reason
             cap = settings.max_tool_iterations
             final_only = cap is not None and batches >= cap
-            call = self._model_call(prompt, [] if final_only else tool_defs)
+            call = self._model_call(prompt, [] if final_only else tool_defs, final=final_only)
             if call.aborted:
                 return "aborted", self.abort.reason
             if call.tool_calls and not final_only:
@@ -376,12 +376,18 @@ class TurnRunner(ToolBatch, ReplyStep):
         self.services.bus.publish("llm:call", payload)
 
     def _model_call(
-        self, prompt: TurnPrompt, tool_defs: list[dict[str, Any]], *, retry: bool = False
+        self,
+        prompt: TurnPrompt,
+        tool_defs: list[dict[str, Any]],
+        *,
+        retry: bool = False,
+        final: bool = False,
     ) -> _Call:
         """FLOW7-FLOW12: ``agent:llm:before``; in a turn opened by human messages the
         insertion point (take, archive, assemble again, run ``agent:llm:before`` again,
         until none is pending; not for format retries); the call's start committed; trim;
-        the streamed call; ``agent:llm:after``."""
+        the streamed call; ``agent:llm:after``. ``final``: the call capped by
+        ``maxToolIterations``, whose reply ends the turn: tool calls it returns are not run."""
         services = self.services
         settings = self.opened.settings
         messages, tools = self._llm_before(prompt, tool_defs)
@@ -543,6 +549,11 @@ class TurnRunner(ToolBatch, ReplyStep):
         else:
             call.text = clean_text("".join(text))
             call.reasoning = clean_text("".join(reasoning)) or None
+        if final:
+            # Capped (maxToolIterations): its reply is the last; the tool calls the model
+            # still returned are not run, so this is the final call, and inserts are over
+            # once it returns (SCH2).
+            call.tool_calls = []
         if call.tool_calls:
             # Its record rides in the batch that starts the first tool (one commit fewer
             # per batch); it changes nothing the scheduler decides.

@@ -14,7 +14,7 @@ from typing import Any
 import pykka
 import pytest
 from aalis_agent.actors.hooks import Hooks
-from aalis_agent.actors.messages import Submit
+from aalis_agent.actors.messages import Ping, Submit
 from aalis_agent.actors.runtime import Runtime, RuntimeClosed
 from aalis_agent.events import (
     FixedClock,
@@ -208,6 +208,40 @@ def test_input_that_misses_the_final_call_waits_for_the_next_turn(rig: Rig) -> N
     assert queued == [late.input_id]
 
 
+def test_after_the_call_capped_by_max_tool_iterations_returns_inputs_queue(rig: Rig) -> None:
+    """SCH2:「她已经在写最后的回复时才到的(最后一次模型调用返回不带工具调用的回复之后)不再插,
+    排到下一轮」. With ``maxToolIterations`` reached the last call is made without tools and
+    its reply is the turn's final one, whatever tool calls the model still returns (they are
+    not run): an input arriving after it returned is queued, never pending."""
+    entered, go = threading.Event(), threading.Event()
+
+    def hold(ctx: Any, next_: Any) -> Any:
+        entered.set()
+        go.wait(5)
+        return next_()
+
+    rig.runtime.hooks.use("agent:reply:before", hold)
+    rig.runtime.set_setting(SID, "maxToolIterations", 1)
+    rig.submit("查一下", **human("a"))
+    rig.model.answer(tool_calls=(CALL,))
+    rig.tool.wait_running()
+    rig.tool.release()
+    rig.settle()
+    last = rig.model.answer("就这样", tool_calls=(ToolCall(id="call-2", name="slow"),))
+    assert last.request.tools == ()  # the capped call: no tools offered
+    assert entered.wait(5)  # the final reply is being written
+    late = rig.runtime.submit(SID, Input(id="", content="晚到的", **human("b")))
+    assert late.where == "queued"
+    assert not rig.of(InputHeld)
+    go.set()
+    rig.settle()
+    assert len(rig.tool.contexts) == 1  # the capped call's tool call never ran
+    assert [e.outcome for e in rig.of(TurnRecorded)] == ["replied"]
+    assert rig.model.wait_call().request.messages[-1].content.endswith("晚到的")
+    rig.model.answer("好")
+    rig.settle()
+
+
 def test_injections_queue_and_run_alone(rig: Rig) -> None:  # SCH3
     rig.submit("你好", **human("a"))
     notice = rig.submit("定时提醒", source="schedule", trigger_type="interval")
@@ -374,6 +408,39 @@ def test_release_archives_after_the_running_turn_settles(rig: Rig, how: str) -> 
     assert pending.result(1).outcome == "released"
 
 
+@pytest.mark.parametrize("how", ["stop_all", "mute"])
+def test_release_waits_for_a_turn_past_its_reply_to_settle(rig: Rig, how: str) -> None:
+    """SCH6:「禁言、后台页「全部停止」对子会话、停机连同排队与待插入的一起放掉,放掉的在这个
+    会话在跑的一轮落定之后归档(不带回合 id)」: a running turn whose reply is durable is not
+    stopped, but it has not settled while its ``agent:turn:after`` runs; the released inputs
+    are archived once it has."""
+    entered, go = threading.Event(), threading.Event()
+
+    def hold(ctx: Any, next_: Any) -> Any:
+        entered.set()
+        go.wait(10)
+        return next_()
+
+    rig.runtime.hooks.use("agent:turn:after", hold)
+    first = rig.runtime.submit(SID, Input(id="", content="问", **human("a")))
+    rig.model.answer("答")
+    assert entered.wait(5)
+    queued = rig.runtime.submit(SID, Input(id="", content="通知", source="schedule"))
+    assert getattr(rig.runtime, how)(SID) is None  # past its reply: nothing to stop
+    assert [e.input_id for e in rig.of(InputReleased)] == [queued.input_id]
+    assert not [e for e in rig.of(MessageSaved) if e.message.meta.input_id == queued.input_id]
+    go.set()
+    assert first.result(5).outcome == "replied"
+    log = rig.log()
+    recorded = next(i for i, e in enumerate(log) if isinstance(e, TurnRecorded))
+    archived = [
+        (i, e.message.meta.turn_id)
+        for i, e in enumerate(log)
+        if isinstance(e, MessageSaved) and e.message.meta.input_id == queued.input_id
+    ]
+    assert len(archived) == 1 and archived[0][0] > recorded and archived[0][1] is None
+
+
 def test_agent_queue_reports_in_arrival_order(rig: Rig) -> None:  # SCH7
     rig.submit("一", **human("a"))
     rig.submit("通知", source="schedule")
@@ -445,6 +512,39 @@ def test_delete_stops_at_once_releases_unarchived_and_waits(rig: Rig) -> None:  
     # The session works again afterwards.
     rig.submit("新的开始", **human("a"))
     assert len(rig.model.parked) == 1
+
+
+def test_delete_waits_for_a_turn_past_its_reply_to_end(rig: Rig) -> None:  # DEL1
+    """DEL1:「收到 session:deleted 时停下这个会话在跑的一轮、放掉排着的(不归档),并等它收尾,
+    之后会话管理才清它的数据」: a turn whose reply is durable can no longer be stopped, but
+    it still runs (its ``agent:turn:after`` middleware): the deletion waits for it to end,
+    so nothing of the old session is written after the deletion."""
+    entered, go = threading.Event(), threading.Event()
+
+    def hold(ctx: Any, next_: Any) -> Any:
+        entered.set()
+        go.wait(10)
+        return next_()
+
+    rig.runtime.hooks.use("agent:turn:after", hold)
+    rig.runtime.submit(SID, Input(id="", content="问", **human("a")))
+    rig.model.answer("答")
+    assert entered.wait(5)  # the reply is saved and sent; agent:turn:after runs
+    deleted = rig.runtime._begin_delete(SID)
+    rig.runtime._entries[SID].ref.ask(Ping(), timeout=5)  # the deletion has been handled
+    assert not deleted.done()
+    assert not rig.of(SessionDeleted)
+    go.set()
+    assert deleted.result(5) == 1
+    rig.settle()
+    kinds = [type(e).__name__ for e in rig.log()]
+    assert kinds.index("TurnRecorded") < kinds.index("SessionDeleted")
+    assert kinds[-1] == "SessionDeleted"  # nothing of the deleted session after it
+    assert rig.runtime.view(SID).queue.running is None
+    fresh = rig.submit("新的开始", **human("a"))
+    assert fresh.where == "opened"
+    rig.model.answer("好")
+    rig.settle()
 
 
 def test_inputs_of_an_older_generation_are_dropped(rig: Rig) -> None:  # DEL2
@@ -667,6 +767,42 @@ def test_a_turn_that_left_nothing_writes_no_marker(rig: Rig) -> None:  # SAVE6, 
     assert history.history_window(rig.runtime.view(SID).history) == []
     turn = turns.turn_info(rig.runtime.view(SID).turns.finished[-1])
     assert not turn.stop_marker
+
+
+@pytest.mark.parametrize("where", ["agent:turn:after", "outbound"])
+def test_an_error_after_the_reply_is_saved_writes_no_second_record(rig: Rig, where: str) -> None:
+    """SAVE5:「回复了的记在最后那条回复的元数据上(之后外发或agent:turn:after的中间件出错不再
+    另记)」: once the reply is saved with the turn's record, a failing ``agent:turn:after``
+    middleware (or a send that fails from inside it) writes no second record: no
+    ``turn-record`` marker, and the turn stays recorded as replied."""
+
+    def boom(ctx: Any, next_: Any) -> Any:
+        raise RuntimeError("afterwards")
+
+    if where == "agent:turn:after":
+        rig.runtime.hooks.use("agent:turn:after", boom)
+    else:  # a send that fails; the middleware makes the runner send the reply itself
+        rig.runtime.hooks.use("agent:turn:after", lambda ctx, next_: next_())
+
+        class Failing:
+            def dispatch_outbound(self, message: Any) -> None:
+                if message.kind == "reply":
+                    boom(None, None)
+
+        rig.runtime.services.gateway = Failing()
+    handle = rig.submit("问", **human("a"))
+    rig.model.answer("答")
+    rig.settle()
+    records = [
+        (e.message.role, e.message.kind, e.message.meta.turn_record.outcome)
+        for e in rig.of(MessageSaved)
+        if e.message.meta.turn_record is not None
+    ]
+    assert records == [("assistant", None, "replied")]
+    assert [e.outcome for e in rig.of(TurnRecorded)] == ["replied"]
+    assert handle.result(1).outcome == "replied"
+    finished = turns.turn_info(rig.runtime.view(SID).turns.finished[-1])
+    assert finished.outcome == "replied"
 
 
 def test_clear_context_stops_and_releases_unarchived(rig: Rig) -> None:
