@@ -56,6 +56,7 @@ from aalis_agent.events import (
     ToolCall,
     TurnOutcome,
 )
+from aalis_agent.events.codec import clean_value
 from aalis_agent.request.limits import (
     clean_text,
 )
@@ -589,6 +590,7 @@ def _checked_messages(messages: object, assembled: Sequence[ChatMessage]) -> Seq
     if not messages:
         raise ValueError("agent:llm:before left no messages")
     ours = {id(m) for m in assembled}
+    out: list[ChatMessage] | None = None  # a copy, once a message of its own is cleaned
     for i, m in enumerate(messages):
         if not isinstance(m, ChatMessage):
             raise TypeError(
@@ -599,6 +601,13 @@ def _checked_messages(messages: object, assembled: Sequence[ChatMessage]) -> Seq
                 msgspec.convert(msgspec.to_builtins(m), ChatMessage)
             except (msgspec.ValidationError, TypeError) as exc:
                 raise TypeError(f"agent:llm:before left messages[{i}]: {exc}") from None
+            cleaned = clean_value(m)  # lone surrogates replaced, as in inputs and personas
+            if cleaned != m:
+                if out is None:
+                    out = list(messages)
+                out[i] = cleaned
+    if out is not None:
+        messages = out
     problems = provider_violations(messages)
     if problems:
         raise ValueError(

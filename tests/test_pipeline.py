@@ -1009,6 +1009,22 @@ def test_a_request_llm_before_leaves_invalid_is_not_sent_and_the_error_names_it(
     assert len(env.of(TurnRecorded)) == 1
 
 
+def test_a_message_llm_before_adds_with_lone_surrogates_is_sent_cleaned(
+    envs: list[Env],
+) -> None:  # FLOW7: the provider's encoder refuses lone surrogates
+    env = make(envs, ScriptedModel([ScriptedReply(text="好")]))
+
+    def add(ctx: LlmBefore, next_: Any) -> Any:
+        ctx.messages.insert(1, ChatMessage(id="note", role="system", content="半个\ud83d表情"))
+        return next_()
+
+    env.hooks.use("agent:llm:before", add)
+    assert env.say("你好", **ALICE).result(1).outcome == "replied"
+    (request,) = env.requests()
+    (note,) = [m for m in request.messages if m.id == "note"]
+    assert note.content == "半个\ufffd表情"
+
+
 def test_turn_after_raising_after_the_reply_is_durable_leaves_the_turn_replied(
     envs: list[Env], caplog: pytest.LogCaptureFixture
 ) -> None:  # FLOW15, SAVE5: a turn is recorded once
