@@ -119,6 +119,10 @@ class Hooks:
     # Each chain as run: replaced whole on every change, read without the lock.
     _running: dict[str, tuple[Middleware, ...]] = field(default_factory=dict)
     _contributions: list[Contribution] = field(default_factory=list)
+    # A build that outlived its turn's timeout and has not returned yet, by contribution:
+    # that contribution is left out of later turns until it does (each would leave
+    # another thread waiting on the same hung call).
+    _stuck: dict[int, Future[Any]] = field(default_factory=dict)
     _preprocessors: list[Callable[[Any], Any]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _order: int = 0
@@ -210,7 +214,20 @@ class Hooks:
     ) -> list[BuiltContribution]:
         """Build every contribution concurrently; slow or failing ones are left out (CFG3)."""
         with self._lock:
-            contributions = list(self._contributions)
+            contributions = []
+            for c in self._contributions:
+                stuck = self._stuck.get(id(c))
+                if stuck is None:
+                    contributions.append(c)
+                elif stuck.done():
+                    del self._stuck[id(c)]
+                    contributions.append(c)
+                else:
+                    log.warning(
+                        "prompt contribution left out: its build from an earlier turn has "
+                        "not returned",
+                        injector=c.injector,
+                    )
         if not contributions:
             return []
         pool = ThreadPoolExecutor(
@@ -228,6 +245,8 @@ class Hooks:
                 value = future.result(timeout=remaining)
             except FutureTimeout:
                 log.warning("prompt contribution timed out", injector=contribution.injector)
+                with self._lock:
+                    self._stuck[id(contribution)] = future
                 continue
             except Exception:
                 log.exception("prompt contribution failed", injector=contribution.injector)

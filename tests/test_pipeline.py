@@ -4,6 +4,7 @@ what the log holds, one requirement at a time."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta, timezone
 from typing import Any
@@ -267,6 +268,38 @@ def test_tools_ungrouped_always_grouped_by_enabled_groups(
     env.say("你好", **ALICE)
     sent = {t["function"]["name"] for t in env.requests()[0].tools}
     assert sent == expected
+
+
+def test_a_contribution_hung_past_its_timeout_is_left_out_until_it_returns(
+    envs: list[Env],
+) -> None:  # CFG3: a build that outlives the timeout is absent, and holds one thread only
+    env = make(envs, config=AgentConfig(prompt_build_timeout_ms=50))
+    release = threading.Event()
+    builds: list[int] = []
+
+    def hung(view: ContributionView) -> str:
+        builds.append(1)
+        if len(builds) == 1:
+            release.wait(30)  # the first build hangs until released
+        return "回来了"
+
+    env.hooks.contribute(Contribution("mem", "hung", "context", hung))
+
+    def prompt_threads() -> int:
+        return sum(1 for t in threading.enumerate() if t.name.startswith("prompt"))
+
+    for n in range(5):
+        assert env.say(f"第{n}条", **ALICE).result(5).outcome == "replied"
+    assert len(builds) == 1  # later turns did not start it again behind the hung one
+    assert prompt_threads() == 1
+    assert all("回来了" not in m.content for r in env.requests() for m in r.messages)
+    release.set()
+    deadline = time.monotonic() + 10
+    while prompt_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert env.say("再来", **ALICE).result(5).outcome == "replied"
+    assert len(builds) == 2
+    assert any(m.content == "回来了" for m in env.requests()[-1].messages)
 
 
 def test_contributions_at_their_anchors_and_a_slow_one_is_absent(
