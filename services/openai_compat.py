@@ -639,7 +639,17 @@ def _text(value: Any) -> str | None:
 
 
 def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    """A token count as a server gives it: an integer, or a finite number past 0 (``1234.0``
+    from a server that sends floats: 「不是正的有限数时」 is when the estimate stands in),
+    rounded to the nearest count; anything else is 0 (none given)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and 0 < value <= _FLOAT_COUNT:  # NaN fails the test too
+        return math.floor(value + 0.5)
+    return 0
+
+
+_FLOAT_COUNT = float(2**53)  # past this a float is no exact count (Usage.sane drops it)
 
 
 def _usage(u: Mapping[str, Any]) -> Usage:

@@ -446,6 +446,29 @@ def test_usage_with_counts_left_out_is_completed(server: Server) -> None:
     assert (out[-1].usage.prompt_tokens, out[-1].usage.total_tokens) == (7, 8)
 
 
+def test_usage_counts_sent_as_floats_are_taken(server: Server) -> None:
+    """「used 取模型服务返回的这次调用的输入 token,没有返回或不是正的有限数时取…估算」: a
+    server sending its counts as floats (1234.0) gives a positive finite number, which is
+    taken (as the nearest count); it was dropped for the estimate. NaN, infinities and
+    numbers past 0 only in name are not counts."""
+    usage = {"prompt_tokens": 1234.0, "completion_tokens": 56.6, "total_tokens": 1290.0}
+    server.scripts.append(
+        [sse(chunk({"content": "好"}, "stop")), sse({**chunk({}), "choices": [], "usage": usage})]
+    )
+    out = list(model(server).chat_stream(REQ, AbortSignal()))
+    got = out[-1].usage
+    assert got is not None
+    assert (got.prompt_tokens, got.completion_tokens, got.total_tokens) == (1234, 57, 1290)
+    for bad in ("NaN", "Infinity", "-5.0", "0.0", "1e300"):
+        body = (
+            '{"id":"x","object":"chat.completion.chunk","choices":[],'
+            f'"usage":{{"prompt_tokens":{bad},"completion_tokens":1}}}}'
+        )
+        server.scripts.append([sse(chunk({"content": "好"}, "stop")), f"data: {body}\n\n".encode()])
+        out = list(model(server).chat_stream(REQ, AbortSignal()))
+        assert out[-1].usage is not None and out[-1].usage.prompt_tokens == 0, bad
+
+
 def test_a_server_refusing_stream_options_is_asked_again_without_them(server: Server) -> None:
     """The 400 is answered once; the model remembers, and the turn's usage is counted
     locally since the server sends none."""
