@@ -149,16 +149,18 @@ def _turn_error(runtime: Runtime, session_id: str, turn_id: str) -> str | None:
 
 def _typed_lines(prompt: Any, on_ctrl_c: Any) -> Iterator[tuple[int, str | None]]:
     """Lines typed at the terminal through ``prompt`` (a prompt_toolkit
-    ``PromptSession``), numbered from 1; ends at Ctrl-D, or at a Ctrl-C for which
-    ``on_ctrl_c()`` says False (it stops a running turn and says True)."""
+    ``PromptSession``), numbered from 1; ends at Ctrl-D, at a Ctrl-C for which
+    ``on_ctrl_c()`` says False (it stops a running turn and says True), or at a SIGTERM
+    (``Terminated``, raised on)."""
     number = 0
     while True:
         try:
             text = prompt.prompt(PROMPT)
         except EOFError:
             return
-        except KeyboardInterrupt:
-            if on_ctrl_c():
+        except KeyboardInterrupt as exc:
+            # A SIGTERM (``Terminated``) leaves whatever runs: its handler stopped the turn.
+            if not isinstance(exc, Terminated) and on_ctrl_c():
                 continue
             raise
         number += 1

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from aalis_agent.cli.chat import run_chat
+from aalis_agent.cli.chat import _typed_lines, run_chat
+from aalis_agent.cli.main import Terminated
 from aalis_agent.events import (
     InputJoined,
     InputQueued,
@@ -175,6 +176,63 @@ def test_ctrl_c_stops_a_streaming_reply_and_leaves_when_idle(tmp_path: Path) -> 
         log = store.read("cli:console")
     assert [e.by for e in log if isinstance(e, StopRequested)] == [None]
     assert [e.outcome for e in log if isinstance(e, TurnRecorded)] == ["aborted", "replied"]
+
+
+def test_sigterm_at_a_terminal_while_a_reply_streams_stops_it_and_leaves(tmp_path: Path) -> None:
+    """A SIGTERM at a terminal while a turn runs stops the turn and leaves with status
+    143, as it does through a pipe: it is not taken for a Ctrl-C at the prompt (which
+    only stops the turn, the chat going on)."""
+    pid, fd, db = _chat_on_a_terminal(tmp_path, "不该有")
+    try:
+        _read_until(fd, "/quit leaves.")
+        os.write(fd, "讲个长故事\n".encode())
+        _read_until(fd, "慢慢")
+        os.kill(pid, signal.SIGTERM)
+        _read_until(fd, "Replay:")
+        _, status = os.waitpid(pid, 0)
+        pid = 0
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 143
+    except BaseException:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        if pid:
+            os.waitpid(pid, 0)
+        os.close(fd)
+    with SqliteEventStore(db, read_only=True) as store:
+        log = store.read("cli:console")
+    assert [(e.outcome, e.reason) for e in log if isinstance(e, TurnRecorded)] == [
+        ("aborted", "stop")
+    ]
+
+
+def test_typed_lines_let_a_sigterm_through_while_a_turn_runs() -> None:
+    """At the prompt a Ctrl-C with a turn running stops it and prompts again; a SIGTERM
+    (``Terminated``) leaves, whatever runs."""
+
+    class Prompt:
+        def __init__(self, raised: BaseException) -> None:
+            self.raised: BaseException | None = raised
+
+        def prompt(self, text: str) -> str:
+            if self.raised is not None:
+                raised, self.raised = self.raised, None
+                raise raised
+            return "下一行"
+
+    stops: list[bool] = []
+
+    def on_ctrl_c() -> bool:
+        stops.append(True)
+        return True  # a turn runs: stopped
+
+    lines = _typed_lines(Prompt(KeyboardInterrupt()), on_ctrl_c)
+    assert next(lines) == (1, "下一行")  # Ctrl-C: stopped, prompted again
+    assert stops == [True]
+    with pytest.raises(Terminated):
+        next(_typed_lines(Prompt(Terminated()), on_ctrl_c))
+    assert stops == [True]  # the SIGTERM's own handler stopped the turn
 
 
 def test_the_usage_line_after_a_stop_is_that_turns_own(tmp_path: Path) -> None:
