@@ -76,6 +76,7 @@ class LogBuilder:
         self.current: str | None = None
         self.call_index = 0
         self.waiting: list[str] = []
+        self.known: list[str] = []  # every input id received, in order
         self.generation = 0
 
     def _next(self, prefix: str) -> str:
@@ -96,7 +97,11 @@ class LogBuilder:
     def _receive(self, source: str | None) -> Input:
         inp = Input(id=self._next("x"), content="hello", source=source)
         self.batch.add(InputReceived(input=inp, generation=self.generation))
+        self.known.append(inp.id)
         return inp
+
+    def _known(self, n: int) -> str:
+        return self.known[n % len(self.known)] if self.known else "x-unknown"
 
     def apply(self, op: tuple[Any, ...]) -> None:
         b = self.batch
@@ -194,6 +199,30 @@ class LogBuilder:
                 inp = Input(id=self.waiting[-1 if op[1] else 0], content="again")
                 b.add(InputReceived(input=inp, generation=self.generation))
                 b.add(InputHeld(input_id=inp.id, turn_id=self._turn()))
+        elif name == "held_elsewhere":
+            # Held for a turn other than the running one (a log written by another
+            # version, or a turn cut meanwhile): it joins no turn but its own.
+            inp = self._receive(None)
+            b.add(InputHeld(input_id=inp.id, turn_id=f"{self._turn()}-other"))
+            self.waiting.append(inp.id)
+        elif name == "join_known":
+            # A run of joins of any inputs ever received (waiting, joined already,
+            # released, or under a turn that is not running), some in the arrived list.
+            turn_id = self._turn() if op[3] else "turn-ghost"
+            if op[4]:
+                self._receive(None)
+            for k in range(op[2]):
+                input_id = self._known(op[1] + k)
+                b.add(InputJoined(input_id=input_id, turn_id=turn_id, entry="joined"))
+                if op[3]:
+                    inp = Input(id=input_id, content="hello")
+                    b.add(MessageSaved(message=self._user(inp, self.current)))
+        elif name == "requeue":
+            # Recovery puts an input of the cut turn back at the head of the queue.
+            turn_id = self._turn() if op[2] else "turn-ghost"
+            input_id = self._known(op[1])
+            b.add(InputRequeued(input_id=input_id, turn_id=turn_id))
+            self.waiting.append(input_id)
         elif name == "settings":
             b.add(SettingsChanged(key=op[1], value=op[2], reset=op[3], by="u1"))
         elif name == "deleted":
@@ -237,6 +266,15 @@ OPS = st.one_of(
     # hand or by another tool: two waiting under one id).
     st.tuples(st.just("join_waiting"), st.integers(1, 20)),
     st.tuples(st.just("again"), st.booleans()),
+    st.tuples(st.just("held_elsewhere")),
+    st.tuples(
+        st.just("join_known"),
+        st.integers(0, 50),
+        st.integers(1, 20),
+        st.booleans(),
+        st.booleans(),
+    ),
+    st.tuples(st.just("requeue"), st.integers(0, 50), st.booleans()),
     st.tuples(
         st.just("settings"),
         st.sampled_from(["model", "historyLimit", "persona"]),
@@ -855,3 +893,26 @@ def test_the_head_of_the_queue_is_the_first_waiting(ops: list[tuple[Any, ...]]) 
     ordered = queue.waiting(state)
     assert queue.head(state) == (ordered[0] if ordered else None)
     assert queue.head(state) is (ordered[0] if ordered else None)
+
+
+@settings(max_examples=80)
+@given(ops=st.lists(OPS, max_size=40), data=st.data())
+def test_a_step_adding_a_run_together_folds_as_adding_each(
+    ops: list[tuple[Any, ...]], data: st.DataObject
+) -> None:
+    """``Step.add_all`` (a run folded by ``project``) leaves the view and the batch that
+    adding the events one by one (``evolve``) leaves, from any view: runs long enough to
+    be folded together (16 and more) included."""
+    from aalis_agent.actors.scheduler import Step
+
+    events = build_log(ops)
+    cut = data.draw(st.integers(0, len(events)), label="cut")
+    start = project(events[:cut])
+    rest = events[cut:]
+    together = Step(start, Batch(SID, cut, now_ms=NOW))
+    together.add_all(list(rest))
+    each = Step(start, Batch(SID, cut, now_ms=NOW))
+    for event in rest:
+        each.add(event)
+    assert together.events == each.events == rest
+    assert together.view == each.view == project(events)
