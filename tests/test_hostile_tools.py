@@ -1,0 +1,92 @@
+"""Tools, and their middleware, as a careless author writes them: whatever they raise or
+leave behind, the call ends with a result or an error the model reads, its start and its
+end are both in the log, and the session takes its next input.
+
+- Tool metadata whose keys are not text (``{1: "x"}``) passed the JSON check (msgspec
+  writes number keys as text) but could not be read back as the event's
+  ``dict[str, Any]``: the write was refused and the session stopped (``SessionFailed``).
+- An ``agent:tool:after`` middleware that set ``metadata`` to something other than a dict
+  failed the turn with a bare ``ValueError`` or ``TypeError`` naming nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aalis_agent.events import ToolFinished, ToolStarted
+
+from aalis_agent import (
+    Input,
+    Runtime,
+    ScriptedModel,
+    ScriptedReply,
+    Services,
+    SqliteEventStore,
+    Tool,
+    ToolCall,
+    ToolRegistry,
+)
+
+
+def _runtime(tmp_path: Path, tools: list[Tool]) -> tuple[Runtime, SqliteEventStore]:
+    store = SqliteEventStore(tmp_path / "log.db")
+    model = ScriptedModel(
+        [
+            ScriptedReply(tool_calls=(ToolCall(id="c1", name="t", arguments="{}"),)),
+            ScriptedReply(text="好的"),
+            ScriptedReply(text="再来"),
+        ]
+    )
+    services = Services(llm=model, tools=ToolRegistry(tools))
+    return Runtime(store, services, janitor=False), store
+
+
+def _check_log(store: SqliteEventStore) -> ToolFinished:
+    events = store.read("s")
+    started = [e for e in events if isinstance(e, ToolStarted)]
+    finished = [e for e in events if isinstance(e, ToolFinished)]
+    assert [e.call_id for e in started] == [e.call_id for e in finished] == ["c1"]
+    return finished[0]
+
+
+@pytest.mark.parametrize("metadata", [{1: "x"}, {1.5: "x"}, {b"k": "x"}, {None: "x"}])
+def test_tool_metadata_with_keys_that_are_not_text_is_dropped_and_the_session_goes_on(
+    tmp_path: Path, metadata: dict[Any, Any]
+) -> None:
+    runtime, store = _runtime(tmp_path, [Tool("t", lambda args, ctx: "ok")])
+
+    def annotate(ctx: Any, next_: Any) -> Any:
+        ctx.metadata = metadata
+        return next_()
+
+    runtime.hooks.use("agent:tool:after", annotate)
+    try:
+        assert runtime.run("s", Input(id="", content="你好")).outcome == "replied"
+        finished = _check_log(store)
+        assert (finished.result, finished.metadata) == ("ok", {})
+        assert runtime.run("s", Input(id="", content="还在吗")).reply == "再来"
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
+
+
+@pytest.mark.parametrize("metadata", [None, "text", [("a", 1), ("b",)], 5])
+def test_tool_metadata_that_is_not_a_dict_is_dropped_and_the_turn_goes_on(
+    tmp_path: Path, metadata: Any
+) -> None:
+    runtime, store = _runtime(tmp_path, [Tool("t", lambda args, ctx: "ok")])
+
+    def annotate(ctx: Any, next_: Any) -> Any:
+        ctx.metadata = metadata
+        return next_()
+
+    runtime.hooks.use("agent:tool:after", annotate)
+    try:
+        assert runtime.run("s", Input(id="", content="你好")).outcome == "replied"
+        finished = _check_log(store)
+        assert (finished.result, finished.metadata) == ("ok", {})
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
