@@ -203,12 +203,16 @@ class ToolBatch(TurnBase):
                             value, default_loop_thread().loop, abort=c.tool_call_context.abort
                         )
                 holder["result"] = value
-            except Exception as exc:
+            except _PASSED_ON:
+                raise
+            except BaseException as exc:  # a library's own (GeneratorExit, CancelledError)
                 holder["error"] = redact(f"{type(exc).__name__}: {exc}")
 
         try:
             ran, _ = self.hooks.run("agent:tool:before", before, execute)
-        except Exception as exc:
+        except _PASSED_ON:
+            raise
+        except BaseException as exc:
             return None, redact(f"{type(exc).__name__}: {exc}"), {}
         if not ran and "result" not in holder and "error" not in holder:
             holder["error"] = self.texts("tool.blocked")
@@ -257,6 +261,10 @@ class ToolBatch(TurnBase):
             metadata = {}
         return result, error, metadata
 
+
+_PASSED_ON = (KeyboardInterrupt, SystemExit)
+"""Raised by a tool or its middleware, these end the turn as they would any code: an
+interrupt or an exit, not the tool's failure. Any other exception is the call's error."""
 
 _METADATA: msgspec.msgpack.Decoder[dict[str, Any]] = msgspec.msgpack.Decoder(dict[str, Any])
 """Reads a tool's metadata back as the log's reader reads ``ToolFinished.metadata``."""

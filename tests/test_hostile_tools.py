@@ -7,15 +7,20 @@ end are both in the log, and the session takes its next input.
   ``dict[str, Any]``: the write was refused and the session stopped (``SessionFailed``).
 - An ``agent:tool:after`` middleware that set ``metadata`` to something other than a dict
   failed the turn with a bare ``ValueError`` or ``TypeError`` naming nothing.
+- A tool raising a ``BaseException`` that is not an interrupt or an exit
+  (``asyncio.CancelledError`` from a synchronous tool running a loop of its own,
+  ``GeneratorExit``, a library's own) failed the turn with no reason and no notice, its
+  ``ToolStarted`` never finished and the model never told.
 """
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aalis_agent.events import ToolFinished, ToolStarted
+from aalis_agent.events import ToolFinished, ToolStarted, TurnRecorded
 
 from aalis_agent import (
     Input,
@@ -27,6 +32,7 @@ from aalis_agent import (
     Tool,
     ToolCall,
     ToolRegistry,
+    tool,
 )
 
 
@@ -87,6 +93,82 @@ def test_tool_metadata_that_is_not_a_dict_is_dropped_and_the_turn_goes_on(
         assert runtime.run("s", Input(id="", content="你好")).outcome == "replied"
         finished = _check_log(store)
         assert (finished.result, finished.metadata) == ("ok", {})
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
+
+
+class _LibraryExit(BaseException):
+    """Stands in for a library's own BaseException (gevent's GreenletExit, say)."""
+
+
+def _cancelled() -> str:
+    raise asyncio.CancelledError("the tool's own loop was cancelled")
+
+
+def _generator_exit() -> str:
+    raise GeneratorExit
+
+
+def _library_exit() -> str:
+    raise _LibraryExit("greenlet killed")
+
+
+@pytest.mark.parametrize(
+    ("raise_", "named"),
+    [
+        (_cancelled, "CancelledError: the tool's own loop was cancelled"),
+        (_generator_exit, "GeneratorExit"),
+        (_library_exit, "_LibraryExit: greenlet killed"),
+    ],
+)
+def test_a_tool_raising_a_base_exception_gives_the_model_its_error(
+    tmp_path: Path, raise_: Any, named: str
+) -> None:
+    runtime, store = _runtime(tmp_path, [Tool("t", lambda args, ctx: raise_())])
+    try:
+        outcome = runtime.run("s", Input(id="", content="你好"))
+        assert (outcome.outcome, outcome.reply) == ("replied", "好的")
+        finished = _check_log(store)
+        assert finished.result is None and finished.error is not None
+        assert finished.error.startswith(named)
+        (record,) = [e for e in store.read("s") if isinstance(e, TurnRecorded)]
+        assert record.outcome == "replied"
+        assert runtime.run("s", Input(id="", content="还在吗")).reply == "再来"
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
+
+
+def test_an_async_tool_raising_a_base_exception_gives_the_model_its_error(
+    tmp_path: Path,
+) -> None:
+    @tool(name="t")
+    async def gone() -> str:
+        raise _LibraryExit("greenlet killed")
+
+    runtime, store = _runtime(tmp_path, [gone])
+    try:
+        assert runtime.run("s", Input(id="", content="你好")).reply == "好的"
+        assert _check_log(store).error == "_LibraryExit: greenlet killed"
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
+
+
+def test_a_tool_before_middleware_raising_a_base_exception_gives_the_model_its_error(
+    tmp_path: Path,
+) -> None:
+    runtime, store = _runtime(tmp_path, [Tool("t", lambda args, ctx: "ok")])
+
+    def refuse(ctx: Any, next_: Any) -> Any:
+        raise _LibraryExit("middleware gone")
+
+    runtime.hooks.use("agent:tool:before", refuse)
+    try:
+        assert runtime.run("s", Input(id="", content="你好")).outcome == "replied"
+        finished = _check_log(store)
+        assert finished.error == "_LibraryExit: middleware gone"
     finally:
         runtime.shutdown(timeout=10)
         store.close()
