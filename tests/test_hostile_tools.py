@@ -172,3 +172,15 @@ def test_a_tool_before_middleware_raising_a_base_exception_gives_the_model_its_e
     finally:
         runtime.shutdown(timeout=10)
         store.close()
+
+
+def test_a_number_too_long_to_read_in_the_arguments_is_named_not_called_invalid_json() -> None:
+    """Python reads integers of at most 4300 digits: a longer one in valid JSON was
+    answered "not a valid JSON object", which told the model nothing it could fix."""
+    from aalis_agent.request.limits import parse_tool_arguments
+
+    args, error = parse_tool_arguments('{"n": ' + "9" * 5000 + "}")
+    assert args == {} and error is not None
+    assert "超过 4300 位的数字" in error and "不是合法的 JSON" not in error
+    for raw in ('{"n": NaN}', '{"n": 1', "[1]"):  # these still are not JSON objects
+        assert "不是合法的 JSON 对象" in (parse_tool_arguments(raw)[1] or "")
