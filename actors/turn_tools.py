@@ -5,6 +5,7 @@ the log can hold, and the group (assistant + results) archived."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -202,12 +203,16 @@ class ToolBatch(TurnBase):
                             value, default_loop_thread().loop, abort=c.tool_call_context.abort
                         )
                 holder["result"] = value
-            except Exception as exc:
+            except _PASSED_ON:
+                raise
+            except BaseException as exc:  # a library's own (GeneratorExit, CancelledError)
                 holder["error"] = redact(f"{type(exc).__name__}: {exc}")
 
         try:
             ran, _ = self.hooks.run("agent:tool:before", before, execute)
-        except Exception as exc:
+        except _PASSED_ON:
+            raise
+        except BaseException as exc:
             return None, redact(f"{type(exc).__name__}: {exc}"), {}
         if not ran and "result" not in holder and "error" not in holder:
             holder["error"] = self.texts("tool.blocked")
@@ -221,20 +226,28 @@ class ToolBatch(TurnBase):
         """What a tool (and its middleware) gave, as values the log can hold: the result
         as text (a JSON value becomes compact JSON, bytes are decoded; anything else, or
         nesting too deep, is an error for the model), text cleaned of lone surrogates,
-        metadata dropped (and logged) when it could not be stored."""
+        metadata dropped (and logged) when it is not a dict or could not be stored."""
         result, problem = coerce_tool_result(after.result)
         error = after.error if after.error is None else clean_text(str(after.error))
         if problem is not None and error is None:
             error = problem
-        metadata = dict(after.metadata)
-        unloggable = find_unloggable(metadata)
+        given = after.metadata
+        metadata = dict(given) if isinstance(given, Mapping) else {}
+        unloggable = (
+            find_unloggable(metadata)
+            if isinstance(given, Mapping)
+            else ("metadata", f"a dict is wanted, not {type(given).__name__}")
+        )
         if unloggable is None and metadata:
             # What the log and its readers (replay --json, the inspector) print as JSON:
             # an object of a type of the tool's own, a str subclass, a dict with tuple
-            # keys would stop the session at the write, or its readers later.
+            # keys would stop the session at the write, or its readers later; and what
+            # reads back as the event's ``dict[str, Any]`` (a number key is written as
+            # JSON text, yet the log's own reader refuses it, and the session with it).
             try:
                 msgspec.json.encode(metadata)
-            except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+                _METADATA.decode(msgspec.msgpack.encode(metadata))
+            except (TypeError, ValueError, OverflowError, msgspec.MsgspecError) as exc:
                 unloggable = ("metadata", str(exc))
         if unloggable is not None:
             log.warning(
@@ -247,6 +260,14 @@ class ToolBatch(TurnBase):
             )
             metadata = {}
         return result, error, metadata
+
+
+_PASSED_ON = (KeyboardInterrupt, SystemExit)
+"""Raised by a tool or its middleware, these end the turn as they would any code: an
+interrupt or an exit, not the tool's failure. Any other exception is the call's error."""
+
+_METADATA: msgspec.msgpack.Decoder[dict[str, Any]] = msgspec.msgpack.Decoder(dict[str, Any])
+"""Reads a tool's metadata back as the log's reader reads ``ToolFinished.metadata``."""
 
 
 def _max_result_tokens(services: Services, model: ChatModel) -> int | None:

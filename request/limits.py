@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -111,7 +112,7 @@ def parse_tool_arguments(
     string means none: ``{}``), else ``({}, the error the model gets)``: not JSON or not an
     object (:func:`~aalis_agent.request.texts.tool_bad_arguments`), nested deeper than
     ``max_depth``, or longer than ``max_chars``, in ``texts``' language. Never raises for
-    any text."""
+    any text. A number of more digits than the interpreter reads is named as such."""
     if raw == "":
         return {}, None
     if max_chars is not None and len(raw) > max_chars:
@@ -120,8 +121,14 @@ def parse_tool_arguments(
         return {}, tool_arguments_too_deep(raw, max_depth, texts=texts)
     try:
         value = _DECODER.decode(raw)
-    except ValueError:  # also an integer past the interpreter's digit limit
+    except (json.JSONDecodeError, _NotJson):
         return {}, texts.tool_bad_arguments(clean_text(raw))
+    except ValueError:  # valid JSON, but an integer past the interpreter's digit limit
+        return {}, texts(
+            "tool.arguments_number_too_long",
+            max_digits=sys.get_int_max_str_digits(),
+            raw=clean_text(raw[:200]),
+        )
     if not isinstance(value, dict):
         return {}, texts.tool_bad_arguments(clean_text(raw))
     if _SURROGATE_ESCAPE.search(raw) is not None:
@@ -132,10 +139,14 @@ def parse_tool_arguments(
     return value, None
 
 
+class _NotJson(ValueError):
+    """A constant JSON does not have."""
+
+
 def _not_json(name: str) -> Any:
     """``NaN``, ``Infinity``, ``-Infinity``: Python's JSON reader takes them, JSON has no
     such values (and a tool asked for a number means a finite one)."""
-    raise ValueError(f"{name} is not JSON")
+    raise _NotJson(f"{name} is not JSON")
 
 
 # ``json.loads(raw, parse_constant=_not_json)`` builds a decoder per call: made once.

@@ -58,6 +58,7 @@ def calculate(expression: str) -> str:
     sqrt, abs, round, log, sin, cos, tan, pi, e. Anything else is refused."""
     if len(expression) > 500:
         raise ToolError("expression too long (max 500 characters)")
+    expression = expression.strip()  # a leading space would read as an indented line
     try:
         tree = ast.parse(expression, mode="eval")
     except SyntaxError:
@@ -67,7 +68,7 @@ def calculate(expression: str) -> str:
         if isinstance(node, ast.Expression):
             return ev(node.body)
         if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
-            return node.value
+            return _finite(node.value)  # 1e400 reads as infinity
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
             left, right = ev(node.left), ev(node.right)
             if isinstance(node.op, ast.Pow) and abs(right) > 1000:
@@ -83,7 +84,7 @@ def calculate(expression: str) -> str:
             value = _BINARY[type(node.op)](left, right)
             if isinstance(value, int) and value.bit_length() > _MAX_BITS:
                 raise ToolError("result too large")
-            return value
+            return _finite(value)
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
             return _UNARY[type(node.op)](ev(node.operand))
         if isinstance(node, ast.Name) and node.id in _NAMES:
@@ -94,7 +95,7 @@ def calculate(expression: str) -> str:
             and node.func.id in _FUNCS
             and not node.keywords
         ):
-            return _FUNCS[node.func.id](*(ev(a) for a in node.args))
+            return _finite(_FUNCS[node.func.id](*(ev(a) for a in node.args)))
         raise ToolError(f"not allowed in an expression: {ast.unparse(node)!r}")
 
     try:
@@ -108,6 +109,14 @@ def calculate(expression: str) -> str:
     if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
         return str(int(value))
     return str(value)
+
+
+def _finite(value: Any) -> Any:
+    """``value``, unless it is a float that overflowed to infinity (``1e308*10``), or
+    NaN (``inf-inf``): not the answer, so refused."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ToolError("result too large (past ±1.8e308)")
+    return value
 
 
 def current_time(now: datetime, utc_offset_hours: float | None = None) -> str:

@@ -72,3 +72,24 @@ def test_as_tools_they_check_their_arguments() -> None:
     with pytest.raises(ToolError, match="must be a number"):
         tools["current_time"].handler({"utc_offset_hours": "8"}, ctx)
     assert tools["calculate"].definition()["function"]["parameters"]["required"] == ["expression"]
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"), [(" 1 + 1", "2"), ("\t2*3 ", "6"), ("\n  (1+2)\n", "3")]
+)
+def test_an_expression_written_with_spaces_around_it_is_computed(
+    expression: str, value: str
+) -> None:
+    """A leading space made Python's parser see an indented line: refused as "not an
+    arithmetic expression", which left the model nothing to fix."""
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize(
+    "expression", ["1e308*10", "1e400", "-1e400", "1e400-1e400", "1e308+1e308", "1/(1e308*10)"]
+)
+def test_a_result_past_the_largest_float_is_refused_not_given_as_inf(expression: str) -> None:
+    """``1e308*10`` overflows a float to infinity, which the model was given as the answer
+    (``inf``, ``nan`` from ``inf-inf``, or ``0`` from ``1/inf``)."""
+    with pytest.raises(ToolError, match="result too large"):
+        calculate(expression)

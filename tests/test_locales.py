@@ -50,6 +50,7 @@ FROZEN_ZH: dict[str, str] = {
     "tool.bad_arguments": "[错误] 工具参数不是合法的 JSON 对象，没有执行，请重新生成。原文前 200 字：{raw}",
     "tool.arguments_too_deep": "[错误] 工具参数嵌套超过 {max_depth} 层，没有执行，请换成层次更浅的参数重新生成。原文前 200 字：{raw}",
     "tool.arguments_too_long": "[错误] 工具参数有 {length} 字，超过上限 {max_chars} 字，没有执行，请精简后重新生成。原文前 200 字：{raw}",
+    "tool.arguments_number_too_long": "[错误] 工具参数里有超过 {max_digits} 位的数字，没有执行，请写短一些（或写成文本）后重新生成。原文前 200 字：{raw}",
     "tool.arguments_cut": (
         "[错误] 回复在输出长度上限处被截断，这次工具调用的参数不完整，没有执行，"
         "请用更短的参数重新生成。原文前 200 字：{raw}"

@@ -59,6 +59,10 @@ TEXTS: dict[str, str] = {
         "[Error] The tool arguments are {length} characters, over the limit of {max_chars}; "
         "the call did not run. Please shorten them. The first 200 characters: {raw}"
     ),
+    "tool.arguments_number_too_long": (
+        "[Error] A number in the tool arguments has more than {max_digits} digits; the call "
+        "did not run. Please write it shorter (or as text). The first 200 characters: {raw}"
+    ),
     "tool.arguments_cut": (
         "[Error] The reply was cut off at the output length limit, so this tool call's "
         "arguments are incomplete; the call did not run. Please generate it again with "
