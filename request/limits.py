@@ -124,6 +124,8 @@ def parse_tool_arguments(
     except (json.JSONDecodeError, _NotJson):
         return {}, texts.tool_bad_arguments(clean_text(raw))
     except ValueError:  # valid JSON, but an integer past the interpreter's digit limit
+        if not raw.lstrip().startswith("{"):  # not an object anyway: said as any other
+            return {}, texts.tool_bad_arguments(clean_text(raw))
         return {}, texts(
             "tool.arguments_number_too_long",
             max_digits=sys.get_int_max_str_digits(),
