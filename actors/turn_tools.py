@@ -246,9 +246,16 @@ class ToolBatch(TurnBase):
             # JSON text, yet the log's own reader refuses it, and the session with it).
             try:
                 msgspec.json.encode(metadata)
-                _METADATA.decode(msgspec.msgpack.encode(metadata))
+                packed = msgspec.msgpack.encode(metadata)
+                _METADATA.decode(packed)
             except (TypeError, ValueError, OverflowError, msgspec.MsgspecError) as exc:
                 unloggable = ("metadata", str(exc))
+            else:
+                if len(packed) > METADATA_BYTES:  # stored twice: result event and message
+                    unloggable = (
+                        "metadata",
+                        f"{len(packed):,} bytes as stored, over the limit of {METADATA_BYTES:,}",
+                    )
         if unloggable is not None:
             log.warning(
                 "tool metadata dropped: the log cannot hold it",
@@ -261,6 +268,10 @@ class ToolBatch(TurnBase):
             metadata = {}
         return result, error, metadata
 
+
+METADATA_BYTES = 65_536
+"""The most a tool's metadata may take as stored (64 KiB, as an input's other fields):
+past it, it is dropped (and logged), as metadata the log cannot hold is."""
 
 _PASSED_ON = (KeyboardInterrupt, SystemExit)
 """Raised by a tool or its middleware, these end the turn as they would any code: an

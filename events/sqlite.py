@@ -49,8 +49,8 @@ import threading
 import weakref
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import suppress
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import quote
@@ -827,7 +827,7 @@ class SqliteEventStore:
         open work as :meth:`open_sessions` says). The database counts, skips and sorts
         (a million sessions: about 0.3 s where listing them all took about 3)."""
         offset, limit = max(offset, 0), max(limit, 0)
-        with self._lock:
+        with self._lock, self._read_snapshot():
             if self._old_layout:
                 names = self._sessions_unlocked()
                 page = [(n, self._last_seq_unlocked(n)) for n in names[offset : offset + limit]]
@@ -853,6 +853,20 @@ class SqliteEventStore:
                         )
                     )
         return total, [(n, last, n not in idle) for n, last in page]
+
+    @contextmanager
+    def _read_snapshot(self) -> Iterator[None]:
+        """Reads that see one state of the file, whatever another connection commits
+        meanwhile (a read transaction). Called with the lock held."""
+        conn = self._conn
+        if conn.in_transaction:  # the lock keeps writes out of here: never, as a rule
+            yield
+            return
+        conn.execute("BEGIN")
+        try:
+            yield
+        finally:
+            conn.execute("COMMIT")
 
     @_reads
     def count(self, session_id: str | None = None) -> int:

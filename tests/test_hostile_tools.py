@@ -98,6 +98,29 @@ def test_tool_metadata_that_is_not_a_dict_is_dropped_and_the_turn_goes_on(
         store.close()
 
 
+@pytest.mark.parametrize(("size", "kept"), [(60_000, True), (70_000, False)])
+def test_tool_metadata_past_64_kib_is_dropped_and_the_turn_goes_on(
+    tmp_path: Path, size: int, kept: bool
+) -> None:
+    """Metadata is stored with the tool's result and with its message: 20 MB of it was
+    stored whole, twice; past 64 KiB as stored (an input's other fields' limit) it is
+    dropped and logged, as metadata the log cannot hold is."""
+    runtime, store = _runtime(tmp_path, [Tool("t", lambda args, ctx: "ok")])
+    metadata = {"notes": "a" * size}
+
+    def annotate(ctx: Any, next_: Any) -> Any:
+        ctx.metadata = metadata
+        return next_()
+
+    runtime.hooks.use("agent:tool:after", annotate)
+    try:
+        assert runtime.run("s", Input(id="", content="你好")).outcome == "replied"
+        assert _check_log(store).metadata == (metadata if kept else {})
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
+
+
 class _LibraryExit(BaseException):
     """Stands in for a library's own BaseException (gevent's GreenletExit, say)."""
 

@@ -952,6 +952,43 @@ class TestSqliteStore(StoreContract):
             store.read_all()
         assert (info_all.value.session_id, info_all.value.seq) == ("s", 2)
 
+    def test_a_page_of_sessions_is_one_state_of_the_file(self, tmp_path: Path) -> None:
+        """``session_page`` counts and lists in one read: another process's session
+        committed between the count and the list is in neither (it was listed past the
+        count, a page holding more sessions than the total said)."""
+        from aalis_agent.events import sqlite as sqlite_module
+
+        path = tmp_path / "events.db"
+        with SqliteEventStore(path, single_writer=False) as writer:
+            writer.append("a", batch("a", 1, 1), 0)
+        reader = SqliteEventStore(path, read_only=True)
+        other = SqliteEventStore(path, single_writer=False)
+
+        class Between:  # the reader's connection, with a commit between count and list
+            def __init__(self, conn: sqlite3.Connection) -> None:
+                self.conn = conn
+
+            @property
+            def in_transaction(self) -> bool:
+                return self.conn.in_transaction
+
+            def execute(self, sql: str, *args: Any) -> Any:
+                done = self.conn.execute(sql, *args)
+                if sql == sqlite_module._SESSION_COUNT:
+                    other.append("b", batch("b", 1, 1), 0)
+                return done
+
+        real = reader._conn
+        reader._conn = Between(real)  # type: ignore[assignment]
+        try:
+            total, page = reader.session_page(0, 10)
+        finally:
+            reader._conn = real
+        assert (total, [n for n, _, _ in page]) == (1, ["a"])
+        assert reader.session_page(0, 10)[0] == 2  # and the next page sees it
+        reader.close()
+        other.close()
+
     def test_rows_deleted_by_hand_are_reported_missing_not_read_past(self, tmp_path: Path) -> None:
         path = tmp_path / "events.db"
         for at in (0, 2, 4):  # each by a writer of its own: each row starts its own group
