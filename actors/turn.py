@@ -13,7 +13,6 @@ reply (``agent:reply:before``, with format retries), saved and sent; ``agent:tur
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import threading
 from collections.abc import Sequence
@@ -157,6 +156,7 @@ class TurnRunner(ToolBatch, ReplyStep):
         reason: str | None = None
         notice: OutboundMessage | None = None
         settle = True
+        interrupted: BaseException | None = None
         try:
             outcome, reason = self._run()
         except (pykka.ActorDeadError, StoreError, OwnershipLost) as exc:
@@ -181,6 +181,13 @@ class TurnRunner(ToolBatch, ReplyStep):
             # The actor refused this turn's facts: it was stopped before its reply was
             # durable, or deleted. It ends without further effects.
             outcome, reason = "aborted", self.abort.reason or "stop"
+        except (KeyboardInterrupt, SystemExit) as exc:
+            # Raised by code the turn ran (a tool, a middleware): passed on, once the
+            # turn's end is recorded (below), as a stop's is; no notice is sent.
+            interrupted = exc
+            outcome = "aborted"
+            reason = "interrupt" if isinstance(exc, KeyboardInterrupt) else "exit"
+            raise
         except Exception as exc:
             log.exception("turn failed", session=self.session_id, turn=self.turn_id)
             outcome, reason = "error", type(exc).__name__
@@ -196,9 +203,20 @@ class TurnRunner(ToolBatch, ReplyStep):
             duration = max(self.clock.now_ms() - started, 0)
             events, self._drafts = tuple(self._drafts), []
             if settle and not self._settled:  # else it ended with its reply
-                with contextlib.suppress(pykka.ActorDeadError):
+                try:
                     self.actor.tell(
                         Settled(self.turn_id, outcome, reason, duration, events, notice)
+                    )
+                except pykka.ActorDeadError:
+                    pass
+                except Exception:
+                    if interrupted is None:
+                        raise
+                    # Recording failed: the interrupt (or exit) is what goes on.
+                    log.exception(
+                        "recording the interrupted turn failed",
+                        session=self.session_id,
+                        turn=self.turn_id,
                     )
             if self._on_exit is not None:
                 self._on_exit(self)

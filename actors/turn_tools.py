@@ -125,38 +125,21 @@ class ToolBatch(TurnBase):
             metadata: dict[str, Any] = {}
             if error is None:
                 self._still_owned()  # not run for a session another runtime has taken
-                result, error, metadata = self._execute(tc, args, context)
-            if max_tokens is not None and (result is not None or error is not None):
-                # CFG4, for an error as for a result: a tool (or a remote MCP server) may
-                # fail with any amount of text, and the log keeps what the model gets.
-                suffix = self.texts("prompt.truncated_suffix")
-                counter = default_counter()
-                if result is not None:
-                    result = truncate_to_tokens(result, max_tokens, counter, suffix=suffix)
-                if error is not None:
-                    error = truncate_to_tokens(error, max_tokens, counter, suffix=suffix)
-            self._report(
-                ToolFinished(
-                    turn_id=self.turn_id,
-                    call_id=tc.id,
-                    name=tc.name,
-                    result=result,
-                    error=error,
-                    metadata=metadata,
-                )
-            )
-            if services.bus.wants("tool:execute"):
-                services.bus.publish(
-                    "tool:execute",
-                    {
-                        "phase": "end",
-                        "sessionId": self.session_id,
-                        "turnId": self.turn_id,
-                        "callId": tc.id,
-                        "name": tc.name,
-                        "error": error,
-                    },
-                )
+                self._gave = None
+                try:
+                    result, error, metadata = self._execute(tc, args, context)
+                except BaseException as exc:
+                    # The turn ends here (an interrupt or an exit from the tool, or its
+                    # agent:tool:after middleware failing), and is passed on: its start
+                    # durable, the call gets its finish first, committed with the turn's
+                    # record. What the tool gave when it ran, else the interruption.
+                    gave: tuple[str | None, str | None, dict[str, Any]] | None = self._gave
+                    self._gave = None
+                    if gave is None:
+                        gave = (None, _cut_short(exc), {})
+                    self._finish(tc, *gave, max_tokens=max_tokens)
+                    raise
+            result, error = self._finish(tc, result, error, metadata, max_tokens=max_tokens)
             results.append(
                 ChatMessage(
                     id=self.ids.new("msg"),
@@ -181,10 +164,62 @@ class ToolBatch(TurnBase):
             self._archive(message)
         return [head, *results]
 
+    def _finish(
+        self,
+        tc: ToolCall,
+        result: str | None,
+        error: str | None,
+        metadata: dict[str, Any],
+        *,
+        max_tokens: int | None,
+    ) -> tuple[str | None, str | None]:
+        """A call's ``ToolFinished`` reported (committed with the turn's next batch) and
+        ``tool:execute`` "end" published; returns the result and error as recorded."""
+        if max_tokens is not None and (result is not None or error is not None):
+            # CFG4, for an error as for a result: a tool (or a remote MCP server) may
+            # fail with any amount of text, and the log keeps what the model gets.
+            suffix = self.texts("prompt.truncated_suffix")
+            counter = default_counter()
+            if result is not None:
+                result = truncate_to_tokens(result, max_tokens, counter, suffix=suffix)
+            if error is not None:
+                error = truncate_to_tokens(error, max_tokens, counter, suffix=suffix)
+        self._report(
+            ToolFinished(
+                turn_id=self.turn_id,
+                call_id=tc.id,
+                name=tc.name,
+                result=result,
+                error=error,
+                metadata=metadata,
+            )
+        )
+        services = self.services
+        if services.bus.wants("tool:execute"):
+            services.bus.publish(
+                "tool:execute",
+                {
+                    "phase": "end",
+                    "sessionId": self.session_id,
+                    "turnId": self.turn_id,
+                    "callId": tc.id,
+                    "name": tc.name,
+                    "error": error,
+                },
+            )
+        return result, error
+
+    _gave: tuple[str | None, str | None, dict[str, Any]] | None = None
+    """What the running call's tool gave, kept while its ``agent:tool:after`` runs: a
+    middleware failing there ends the turn, and the call's finish records it."""
+
     def _execute(
         self, tc: ToolCall, args: dict[str, Any], context: ToolCallContext
     ) -> tuple[str | None, str | None, dict[str, Any]]:
-        """``agent:tool:before`` → execute → ``agent:tool:after``; errors go to the model."""
+        """``agent:tool:before`` → execute → ``agent:tool:after``; errors go to the model.
+
+        A middleware raising in ``agent:tool:after`` fails the turn; the tool's own
+        result (or error) is kept in ``_gave`` for the call's finish."""
         tool = self.services.tools.get(tc.name)
         before = ToolBefore(tc.name, args, context)
         holder: dict[str, Any] = {}
@@ -217,7 +252,14 @@ class ToolBatch(TurnBase):
         if not ran and "result" not in holder and "error" not in holder:
             holder["error"] = self.texts("tool.blocked")
         after = ToolAfter(tc.name, holder.get("result"), context, error=holder.get("error"))
-        self.hooks.run("agent:tool:after", after, lambda c: c)
+        try:
+            self.hooks.run("agent:tool:after", after, lambda c: c)
+        except BaseException:
+            # The tool ran: what it returned, not what the failing middleware may have
+            # half changed (its metadata keys are stored only with a completed chain).
+            own = ToolAfter(tc.name, holder.get("result"), context, error=holder.get("error"))
+            self._gave = self._recordable(tc, own)
+            raise
         return self._recordable(tc, after)
 
     def _recordable(
@@ -275,7 +317,22 @@ past it, it is dropped (and logged), as metadata the log cannot hold is."""
 
 _PASSED_ON = (KeyboardInterrupt, SystemExit)
 """Raised by a tool or its middleware, these end the turn as they would any code: an
-interrupt or an exit, not the tool's failure. Any other exception is the call's error."""
+interrupt or an exit, not the tool's failure. They are raised on once the call's finish
+(an error naming the interruption) and the turn's record (``aborted``, reason
+``interrupt`` or ``exit``) are committed. Any other exception is the call's error."""
+
+
+def _cut_short(exc: BaseException) -> str:
+    """The error recorded for a call whose run ended in ``exc`` before the tool gave
+    anything (a ``KeyboardInterrupt`` or ``SystemExit`` raised by the tool's own code)."""
+    what = type(exc).__name__
+    detail = str(exc)
+    if detail:
+        what = f"{what}({detail[:200]})"
+    if isinstance(exc, _PASSED_ON):
+        return redact(f"{what}: interrupted while the tool ran; the turn ended with it")
+    return redact(f"{what}: the turn ended while the tool ran")
+
 
 _METADATA: msgspec.msgpack.Decoder[dict[str, Any]] = msgspec.msgpack.Decoder(dict[str, Any])
 """Reads a tool's metadata back as the log's reader reads ``ToolFinished.metadata``."""
