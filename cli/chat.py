@@ -147,6 +147,38 @@ def _turn_error(runtime: Runtime, session_id: str, turn_id: str) -> str | None:
     return errors[-1] if errors else None
 
 
+class _SignalsHeld:
+    """On the main thread, a Ctrl-C or SIGTERM arriving inside the block is held until
+    the block is left, then handled by the handler in place before it (the command's:
+    the chat leaves with 130 or 143). Around the store's closing at the chat's end, so
+    that a second signal cannot cut it short: SQLite's last connection closed copies the
+    WAL back and removes it (the file is left whole either way, only not tidied)."""
+
+    __slots__ = ("_held", "_previous")
+
+    def __enter__(self) -> None:
+        self._previous: dict[int, Any] = {}
+        self._held: list[tuple[int, Any]] = []
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._hold)
+
+    def _hold(self, signum: int, frame: Any) -> None:
+        self._held.append((signum, frame))
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        if self._held:
+            signum, frame = self._held[0]
+            previous = self._previous[signum]
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signum)  # its default action, now
+
+
 def _typed_lines(prompt: Any, on_ctrl_c: Any) -> Iterator[tuple[int, str | None]]:
     """Lines typed at the terminal through ``prompt`` (a prompt_toolkit
     ``PromptSession``), numbered from 1; ends at Ctrl-D, at a Ctrl-C for which
@@ -445,12 +477,17 @@ def run_chat(
         cut = not interactive  # piped lines left unsent (at a terminal, Ctrl-C leaves)
         terminated = isinstance(exc, Terminated)
     finally:
-        if previous_handler is not None:
-            signal.signal(signal.SIGINT, previous_handler)
-        if previous_term is not None:
-            signal.signal(signal.SIGTERM, previous_term)
-        runtime.shutdown(timeout=30)
-        store.close()
+        try:
+            if previous_handler is not None:
+                signal.signal(signal.SIGINT, previous_handler)
+            if previous_term is not None:
+                signal.signal(signal.SIGTERM, previous_term)
+            # A second Ctrl-C or SIGTERM cuts this short (a turn ignoring its stop, say),
+            # not the store's closing below: every commit taken is whole either way.
+            runtime.shutdown(timeout=30)
+        finally:
+            with _SignalsHeld():  # a further one is handled once the store is closed
+                store.close()
         with lock:
             sink[0] = outer
             running.clear()
