@@ -45,6 +45,7 @@ from __future__ import annotations
 import itertools
 import os
 import sqlite3
+import struct
 import threading
 import weakref
 import zlib
@@ -370,13 +371,19 @@ class SqliteEventStore:
         """Read-only, a WAL database whose folder cannot be written (a read-only mount, a
         folder of another user): SQLite cannot make the shared-memory file it reads a WAL
         database with. When no WAL file holds commits, nothing can write the file either
-        (a writer needs that file too): it is read as it is (``immutable``). A WAL file
-        with commits cannot be read without it: StoreError saying so. False when the
-        error is another one."""
+        (a writer needs that file too): it is read as it is (``immutable``). So is one
+        whose WAL file's commits are all in the database file already (copied back by a
+        checkpoint, the writer then killed; :func:`wal_adds_nothing`), while no writer
+        holds its lock. A WAL file with commits not yet copied back cannot be read
+        without that file: StoreError saying so. False when the error is another one."""
         if "unable to open database file" not in str(exc):
             return False
         wal = f"{self.path}-wal"
-        if os.path.exists(wal) and os.path.getsize(wal) > 0:
+        if (
+            os.path.exists(wal)
+            and os.path.getsize(wal) > 0
+            and not (_no_writer(self.path) and wal_adds_nothing(self.path, wal))
+        ):
             self._conn.close()
             raise StoreError(
                 f"cannot open event database {self.path!r} read-only: its folder cannot be "
@@ -903,6 +910,102 @@ class SqliteEventStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_WAL_MAGIC = {0x377F0682: "<", 0x377F0683: ">"}  # the checksums' word order
+_WAL_VERSION = 3007000
+
+
+def _wal_checksum(data: bytes, s0: int, s1: int, order: str) -> tuple[int, int]:
+    """SQLite's WAL checksum of ``data`` (8-byte aligned), continuing ``(s0, s1)``."""
+    words = iter(struct.unpack(f"{order}{len(data) // 4}I", data))
+    for x0, x1 in zip(words, words, strict=True):
+        s0 = (s0 + x0 + s1) & 0xFFFFFFFF
+        s1 = (s1 + x1 + s0) & 0xFFFFFFFF
+    return s0, s1
+
+
+def wal_adds_nothing(database: str, wal: str) -> bool:
+    """Whether ``wal`` holds no commit that ``database``'s own file lacks, so that the
+    file read alone (``immutable``) is the database SQLite would read with the WAL.
+
+    The WAL is read as SQLite recovers it (https://sqlite.org/fileformat2.html, "The
+    WAL File Format"): a header that is not valid makes an empty WAL; then frames in
+    order, each valid while its salts are the header's and its checksum continues the
+    chain, up to the last commit frame. Frames past it (an unfinished transaction) do
+    not count; frames of a WAL started over before (other salts) end the valid ones.
+    True when no frame is committed, or when the last committed image of every page is
+    byte for byte the database file's page and the file is the size the last commit
+    left (a checkpoint that copied it all back). False otherwise, and for a WAL of a
+    version SQLite would not open."""
+    try:
+        with open(wal, "rb") as w, open(database, "rb") as db:
+            header = w.read(32)
+            if len(header) < 32:
+                return True  # no header: SQLite reads no frame
+            magic, version, page_size, _, _, _, c0, c1 = struct.unpack(">8I", header)
+            order = _WAL_MAGIC.get(magic)
+            if order is None or page_size & (page_size - 1) or not 512 <= page_size <= 65536:
+                return True
+            if _wal_checksum(header[:24], 0, 0, order) != (c0, c1):
+                return True
+            if version != _WAL_VERSION:
+                return False  # SQLite refuses to open it
+            s0, s1 = c0, c1
+            salts = header[16:24]
+            pending: dict[int, int] = {}  # page -> where its image is, this transaction
+            committed: dict[int, int] = {}
+            pages = 0  # the database's size in pages after the last commit
+            at = 32
+            while True:
+                frame = w.read(24)
+                image = w.read(page_size)
+                if len(frame) < 24 or len(image) < page_size or frame[8:16] != salts:
+                    break
+                number, commit, _, _, f0, f1 = struct.unpack(">6I", frame)
+                s0, s1 = _wal_checksum(frame[:8], s0, s1, order)
+                s0, s1 = _wal_checksum(image, s0, s1, order)
+                if number == 0 or (s0, s1) != (f0, f1):
+                    break
+                pending[number] = at + 24
+                at += 24 + page_size
+                if commit:
+                    committed.update(pending)
+                    pending.clear()
+                    pages = commit
+            if not committed:
+                return True
+            if os.fstat(db.fileno()).st_size != pages * page_size:
+                return False
+            for number, where in committed.items():
+                w.seek(where)
+                db.seek((number - 1) * page_size)
+                if w.read(page_size) != db.read(page_size):
+                    return False
+            return True
+    except (OSError, struct.error):  # unreadable: not known to add nothing
+        return False
+
+
+def _no_writer(database: str) -> bool:
+    """Whether no process holds the writer lock beside ``database`` (its WAL would
+    change under a reader of the file alone). A lock file that cannot be opened counts
+    as none held (a database no writer of this library made)."""
+    try:
+        fd = os.open(f"{os.path.realpath(database)}.lock", os.O_RDONLY)
+    except OSError:
+        return True
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except ImportError:  # pragma: no cover - not a POSIX system: no advisory locks
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 class _Checkpointer:

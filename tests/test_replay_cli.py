@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sqlite3
@@ -323,14 +324,36 @@ def test_replay_reads_a_database_on_a_read_only_mount(tmp_path: Path) -> None:
     done = replay_read_only()
     assert done.returncode == 0, done.stderr
     assert f"== session {SESSION} (" in done.stdout
-    # Commits left in a WAL file (a writer that was killed): named, not read stale.
-    with SqliteEventStore(db) as store:
+    # A WAL file left whose commits a checkpoint copied back (a writer killed after it):
+    # the file alone is the database, and it is read.
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with SqliteEventStore(db, background_checkpoint=False, wal_autocheckpoint=0) as store:
         last = store.last_seq(SESSION)
         store.append(
             SESSION, [InputQueued(session_id=SESSION, seq=last + 1, at=1, input_id="x")], last
         )
-        shutil.copy(folder / "d.db-wal", tmp_path / "kept-wal")
-    shutil.copy(tmp_path / "kept-wal", folder / "d.db-wal")
+        with contextlib.closing(sqlite3.connect(db)) as conn:
+            assert conn.execute("PRAGMA wal_checkpoint(FULL)").fetchone()[0] == 0
+        for name in ("d.db", "d.db-wal"):  # as a kill would leave them now
+            shutil.copy(folder / name, kept / name)
+        last += 1
+        store.append(
+            SESSION, [InputQueued(session_id=SESSION, seq=last + 1, at=1, input_id="y")], last
+        )
+        uncopied = tmp_path / "uncopied"  # y in the WAL only, as a kill would leave it
+        uncopied.mkdir()
+        for name in ("d.db", "d.db-wal"):
+            shutil.copy(folder / name, uncopied / name)
+    assert not (folder / "d.db-wal").exists() and not (folder / "d.db-shm").exists()
+    for name in ("d.db", "d.db-wal"):
+        shutil.copy(kept / name, folder / name)
+    done = replay_read_only()
+    assert done.returncode == 0, done.stderr
+    assert f"== session {SESSION} ({last} events)" in done.stdout
+    # Commits left in a WAL file (a writer that was killed): named, not read stale.
+    for name in ("d.db", "d.db-wal"):
+        shutil.copy(uncopied / name, folder / name)
     done = replay_read_only()
     assert done.returncode == 2, done.stdout
     assert "its WAL file holds commits" in done.stderr
