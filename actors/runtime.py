@@ -120,8 +120,9 @@ class InputBefore:
 class SubmitHandle:
     """An accepted input: ``where`` it went (``opened``: it opened a turn; ``pending``: it
     joins the running turn at its next insertion point; ``queued``; ``released``; ``dropped``
-    by an ``agent:input:before`` middleware; ``deferred``: see :attr:`accepted`), and a future
-    for how it ended (its turn's outcome, or its release)."""
+    by an ``agent:input:before`` middleware; ``handled``: sent again after it ended, the
+    future already holding how; ``deferred``: see :attr:`accepted`), and a future for how it
+    ended (its turn's outcome, or its release)."""
 
     input_id: str
     where: str
@@ -569,6 +570,13 @@ class Runtime:
 
         An input without an id gets one. The handle resolves when the input's turn has
         ended (SCH4) or when the input is released (SCH6, DEL1-DEL2).
+
+        The same input sent again under an id the session received (a retry) never runs
+        twice: while the first waits or runs, the handle follows it; once it ended, the
+        handle (``where="handled"``) resolves at once to how it ended, and nothing is
+        written. Another input under a used id raises :class:`InvalidInput` naming it.
+        The session remembers its last ``KEEP_INPUT_IDS`` (10,000) ids
+        (``projections/inputs.py``), across restarts; an older id is taken as new.
         """
         with _HeldInterrupt(), self.workers.gate.held():
             return self._submit(session_id, inp)[0]

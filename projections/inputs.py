@@ -84,10 +84,18 @@ class InputIds:
 
     def fold(self, events: Iterable[SessionEvent]) -> None:
         """Fold durable events in (they must follow those folded before)."""
-        by_id = self._by_id
+        by_id, turns, replies = self._by_id, self._turns, self._replies
         for event in events:
             kind = type(event)
-            if kind is InputReceived:
+            if kind is MessageSaved:  # the commonest: only a turn's reply matters here
+                m = event.message  # type: ignore[union-attr]
+                meta = m.meta
+                if m.role == "assistant" and meta.turn_record is not None and meta.turn_id:
+                    visible = meta.visible_content
+                    replies[meta.turn_id] = visible if visible is not None else m.content
+            elif kind not in _FOLDED:
+                continue
+            elif kind is InputReceived:
                 inp = event.input  # type: ignore[union-attr]
                 if by_id.pop(inp.id, None) is None and len(by_id) >= self._limit:
                     del by_id[next(iter(by_id))]  # the oldest is forgotten
@@ -96,12 +104,20 @@ class InputIds:
                 input_id, turn_id = event.input_id, event.turn_id  # type: ignore[union-attr]
                 found = by_id.get(input_id)
                 if found is not None:
-                    by_id[input_id] = msgspec.structs.replace(found, turn_id=turn_id)
-                self._turns.setdefault(turn_id, []).append(input_id)
-            elif kind is InputRequeued:  # back in the queue: not answered by that turn
-                inputs = self._turns.get(event.turn_id)  # type: ignore[union-attr]
-                if inputs is not None and event.input_id in inputs:  # type: ignore[union-attr]
-                    inputs.remove(event.input_id)  # type: ignore[union-attr]
+                    by_id[input_id] = Handled(found.digest, turn_id)
+                joined = turns.get(turn_id)
+                if joined is None:
+                    turns[turn_id] = [input_id]
+                else:
+                    joined.append(input_id)
+            elif kind is TurnRecorded:
+                turn_id = event.turn_id  # type: ignore[union-attr]
+                reply = replies.pop(turn_id, None)
+                outcome, reason = event.outcome, event.reason  # type: ignore[union-attr]
+                for input_id in turns.pop(turn_id, ()):
+                    found = by_id.get(input_id)
+                    if found is not None and found.turn_id == turn_id:
+                        by_id[input_id] = Handled(found.digest, turn_id, outcome, reason, reply)
             elif kind is InputReleased:
                 input_id = event.input_id  # type: ignore[union-attr]
                 found = by_id.get(input_id)
@@ -112,17 +128,11 @@ class InputIds:
                         "released",
                         event.reason,  # type: ignore[union-attr]
                     )
-            elif kind is MessageSaved:
-                m = event.message  # type: ignore[union-attr]
-                turn_id = m.meta.turn_id
-                if m.role == "assistant" and m.meta.turn_record is not None and turn_id:
-                    visible = m.meta.visible_content
-                    self._replies[turn_id] = visible if visible is not None else m.content
-            elif kind is TurnRecorded:
-                turn_id = event.turn_id  # type: ignore[union-attr]
-                reply = self._replies.pop(turn_id, None)
-                outcome, reason = event.outcome, event.reason  # type: ignore[union-attr]
-                for input_id in self._turns.pop(turn_id, ()):
-                    found = by_id.get(input_id)
-                    if found is not None and found.turn_id == turn_id:
-                        by_id[input_id] = Handled(found.digest, turn_id, outcome, reason, reply)
+            else:  # InputRequeued: back in the queue, not answered by that turn
+                joined = turns.get(event.turn_id)  # type: ignore[union-attr]
+                if joined is not None and event.input_id in joined:  # type: ignore[union-attr]
+                    joined.remove(event.input_id)  # type: ignore[union-attr]
+
+
+_FOLDED = frozenset({InputReceived, InputJoined, TurnRecorded, InputReleased, InputRequeued})
+"""The event types :meth:`InputIds.fold` reads besides ``MessageSaved``."""
