@@ -19,16 +19,25 @@ import pytest
 from aalis_agent.actors.aio import AsyncRuntime, TurnResult
 from aalis_agent.actors.runtime import Runtime
 from aalis_agent.events import (
+    ChatMessage,
     FixedClock,
     InMemoryEventStore,
     Input,
+    InputJoined,
     InputReceived,
+    InputReleased,
+    InputRequeued,
     InvalidInput,
+    MessageMeta,
+    MessageSaved,
     SequentialIds,
     SqliteEventStore,
+    TurnRecord,
+    TurnRecorded,
 )
 from aalis_agent.events.store import EventStore
 from aalis_agent.projections import inputs as inputs_module
+from aalis_agent.projections.inputs import Handled, InputIds, digest
 from aalis_agent.services import ChatRequest, ScriptedModel, ScriptedReply, Services
 
 SID = "qq:private:7"
@@ -277,3 +286,69 @@ def test_a_cancelled_asubmit_sent_again_gets_the_same_turn() -> None:
     assert result == recorded
     assert result.outcome == "replied" and result.reply == "答1"
     assert gate.calls == 1 and _received(rt.store, "x") == 1
+
+
+def _turn(turn_id: str, *input_ids: str, outcome: Any = "replied", reason: Any = None) -> list:
+    """A turn's events as the log holds them: its inputs joining, its reply, its record."""
+    events: list[Any] = [
+        InputJoined(input_id=i, turn_id=turn_id, entry="opened" if n == 0 else "joined")
+        for n, i in enumerate(input_ids)
+    ]
+    if outcome == "replied":
+        reply = ChatMessage(
+            id=f"m-{turn_id}",
+            role="assistant",
+            content=f"答 {turn_id}",
+            meta=MessageMeta(
+                turn_id=turn_id, turn_record=TurnRecord(turn_id=turn_id, outcome="replied")
+            ),
+        )
+        events.append(MessageSaved(message=reply))
+    events.append(TurnRecorded(turn_id=turn_id, outcome=outcome, reason=reason))
+    return events
+
+
+def _arrived(*input_ids: str) -> list:
+    return [InputReceived(input=Input(id=i, content=f"说 {i}")) for i in input_ids]
+
+
+def test_an_input_put_back_by_recovery_is_answered_by_the_turn_that_ran_it() -> None:
+    log = [
+        *_arrived("a", "b"),
+        *_turn("t1", "a", "b")[:2],  # both joined t1, cut by a crash
+        InputRequeued(input_id="b", turn_id="t1"),  # b never reached the model
+        TurnRecorded(turn_id="t1", outcome="aborted", reason="crash"),
+        *_turn("t2", "b"),
+    ]
+    waiting = InputIds.of(log[:-3])  # b waits again: not over, whatever t1's record says
+    assert waiting.get("b") == Handled(digest(Input(id="b", content="说 b")), "t1")
+    ids = InputIds.of(log)
+    a, b = ids.get("a"), ids.get("b")
+    assert a is not None and (a.turn_id, a.outcome, a.reason) == ("t1", "aborted", "crash")
+    assert b is not None and (b.turn_id, b.outcome, b.reply) == ("t2", "replied", "答 t2")
+
+
+def test_the_fold_gives_the_same_in_any_cut_of_the_log() -> None:
+    # As the actor folds it: commit by commit, after each append.
+    log = [
+        *_arrived("a"),
+        *_turn("t1", "a"),
+        *_arrived("b", "c"),
+        InputReleased(input_id="c", reason="stop-all", archived=True),
+        *_turn("t2", "b", outcome="aborted", reason="stop"),
+        *_arrived("a"),  # an id received again (forgotten, or from another tool)
+        *_turn("t3", "a", outcome="error", reason="boom"),
+    ]
+    whole = InputIds.of(log)
+    expected = {i: whole.get(i) for i in "abc"}
+    assert expected["a"] == Handled(digest(Input(id="a", content="说 a")), "t3", "error", "boom")
+    assert expected["c"] == Handled(
+        digest(Input(id="c", content="说 c")), None, "released", "stop-all"
+    )
+    for cut in range(len(log) + 1):
+        parts = InputIds()
+        parts.fold(log[:cut])
+        parts.fold(log[cut:])
+        assert {i: parts.get(i) for i in "abc"} == expected, cut
+    with pytest.raises(ValueError, match="limit >= 1"):
+        InputIds(0)
