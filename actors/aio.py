@@ -126,7 +126,8 @@ class AsyncHandle:
     @property
     def where(self) -> str:
         """``opened`` (opened a turn), ``pending`` (joins the running turn at its next
-        insertion point), ``queued`` (queued), ``released`` (released) or ``dropped``."""
+        insertion point), ``queued`` (queued), ``released`` (released), ``dropped``, or
+        ``handled`` (the same input sent again after it ended: its result is ready)."""
         return self._handle.where
 
     @property
@@ -444,7 +445,11 @@ class AsyncRuntime:
 
     async def asubmit(self, session_id: str, inp: Input | str) -> AsyncHandle:
         """``Runtime.submit``: returns once the input is durably accepted; ``await`` the
-        handle for its :class:`TurnResult`. A plain string is a console input."""
+        handle for its :class:`TurnResult`. A plain string is a console input.
+
+        A cancelled ``asubmit`` may still have been accepted: send the same input (same
+        id) again. Its turn runs once; the new handle follows it while it runs, and gives
+        its recorded result once it is over (see ``Runtime.submit``)."""
         if isinstance(inp, str):
             inp = Input(id="", content=inp)
         handle = await self._call(self.runtime._submit_unwaited, session_id, inp)

@@ -53,6 +53,9 @@ class Submit(msgspec.Struct, frozen=True):
     # had to defer it (a deletion or clear winding down): the submit waits for it, as
     # nothing may be acknowledged before it is in the log.
     handed_on: Future[str] | None = None
+    # Its id was given by the runtime (the input came without one) and the session had
+    # not received it: no caller can be sending it again, so it is not looked up.
+    assigned: bool = False
 
 
 @dataclass(frozen=True, slots=True)

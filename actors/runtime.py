@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import pykka
@@ -60,6 +60,7 @@ from aalis_agent.events import (
     InvalidInput,
     ModelRef,
     RuntimeClosed,
+    SessionEvent,
     SessionFailed,
     StoreError,
     SystemClock,
@@ -68,6 +69,7 @@ from aalis_agent.events import (
 )
 from aalis_agent.events.codec import checked_input, checked_session_id, clean_text
 from aalis_agent.projections import SessionView, project, queue, turns
+from aalis_agent.projections.inputs import InputIds
 from aalis_agent.request.texts import Texts
 from aalis_agent.request.usage import wire
 from aalis_agent.services import Services
@@ -90,6 +92,7 @@ __all__ = [
 ]
 
 log = structlog.get_logger("aalis.runtime")
+T = TypeVar("T")
 _SIGINT = int(signal.SIGINT)
 
 MAX_INPUT_BYTES = 16 * 2**20
@@ -117,8 +120,9 @@ class InputBefore:
 class SubmitHandle:
     """An accepted input: ``where`` it went (``opened``: it opened a turn; ``pending``: it
     joins the running turn at its next insertion point; ``queued``; ``released``; ``dropped``
-    by an ``agent:input:before`` middleware; ``deferred``: see :attr:`accepted`), and a future
-    for how it ended (its turn's outcome, or its release)."""
+    by an ``agent:input:before`` middleware; ``handled``: sent again after it ended, the
+    future already holding how; ``deferred``: see :attr:`accepted`), and a future for how it
+    ended (its turn's outcome, or its release)."""
 
     input_id: str
     where: str
@@ -333,11 +337,20 @@ class Runtime:
     def _load(self, session_id: str) -> SessionView:
         """Fold the session's log. A log that does not decode (or fold) quarantines the
         session: it is reported once and refused from then on; the others go on."""
+        return self._folded(session_id, project)
+
+    def _load_for_actor(self, session_id: str) -> tuple[SessionView, InputIds]:
+        """:meth:`_load`, with the input ids the log received (what a resubmit is
+        answered from, see ``SessionActor._on_submit``) folded from the same read."""
+        return self._folded(session_id, lambda events: (project(events), InputIds.of(events)))
+
+    def _folded(self, session_id: str, fold: Callable[[list[SessionEvent]], T]) -> T:
+        """``fold`` of the session's log, a log that does not read back quarantined."""
         quarantined = self._quarantine.get(session_id)
         if quarantined is not None:
             raise quarantined
         try:
-            return project(self.store.read(session_id))
+            return fold(self.store.read(session_id))
         except CorruptEvent as exc:
             raise self._quarantined(session_id, exc.seq, exc.reason) from None
         except StoreError:
@@ -377,12 +390,13 @@ class Runtime:
         if self.ownership is not None:  # before the log is read: SessionOwnedElsewhere
             self.ownership.acquire(session_id)
         try:
-            view = self._load(session_id)
+            view, input_ids = self._load_for_actor(session_id)
             host: SessionHost = self  # the narrow protocol the actor sees
             actor = SessionActor.launch(
                 host=host,
                 session_id=session_id,
                 view=view,
+                input_ids=input_ids,
                 store=self.store,
                 services=self.services,
                 clock=self.clock,
@@ -556,6 +570,13 @@ class Runtime:
 
         An input without an id gets one. The handle resolves when the input's turn has
         ended (SCH4) or when the input is released (SCH6, DEL1-DEL2).
+
+        The same input sent again under an id the session received (a retry) never runs
+        twice: while the first waits or runs, the handle follows it; once it ended, the
+        handle (``where="handled"``) resolves at once to how it ended, and nothing is
+        written. Another input under a used id raises :class:`InvalidInput` naming it.
+        The session remembers its last ``KEEP_INPUT_IDS`` (10,000) ids
+        (``projections/inputs.py``), across restarts; an older id is taken as new.
         """
         with _HeldInterrupt(), self.workers.gate.held():
             return self._submit(session_id, inp)[0]
@@ -604,8 +625,10 @@ class Runtime:
         session_id = checked_session_id(session_id)
         # A wrong type is refused here, naming the field, and a text over max_input_bytes.
         inp = checked_input(inp, max_text_bytes=self.max_input_bytes)
+        assigned = None  # the id given here, unless a middleware changes it
         if not inp.id:
             inp = msgspec.structs.replace(inp, id=self.ids.new("in"))
+            assigned = inp.id
         if inp.timestamp is None:
             inp = msgspec.structs.replace(inp, timestamp=self.clock.now_ms())
         with self._lock:  # the generation when the input arrives (DEL2)
@@ -624,6 +647,8 @@ class Runtime:
                 return SubmitHandle(inp.id, "dropped", done), None
             # as the preprocessors and middleware left it
             inp = checked_input(ctx.message, max_text_bytes=self.max_input_bytes)
+            if inp.id != assigned:
+                assigned = None  # a middleware gave it an id of its own
         # else: nothing can change the input checked above
         for attempt in (1, 2):
             with self._lock:
@@ -634,8 +659,21 @@ class Runtime:
                     generation = min(generation, entry.generation)
             handed_on: Future[str] = Future()
             try:  # on this thread, under the actor's lock: no hop to its mailbox
+                if assigned is not None:
+                    # An id source may restart (SequentialIds after a restart): an id
+                    # given here that the session already received is drawn again, so a
+                    # new input is never answered as that earlier one sent again.
+                    while entry.actor.knows_input(inp.id):
+                        inp = msgspec.structs.replace(inp, id=self.ids.new("in"))
                 where = entry.actor.call(
-                    Submit(inp, generation, done, here=here, handed_on=handed_on),
+                    Submit(
+                        inp,
+                        generation,
+                        done,
+                        here=here,
+                        handed_on=handed_on,
+                        assigned=assigned is not None,
+                    ),
                     self.ask_timeout_s,
                 )
             except pykka.ActorDeadError:

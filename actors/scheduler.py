@@ -79,6 +79,10 @@ class Where(StrEnum):
     """It joined the running turn (an insertion point took it; the log line only)."""
     DROPPED = "dropped"
     """An ``agent:input:before`` hook dropped it before the session saw it."""
+    HANDLED = "handled"
+    """Handled already: the same input (its id and content) sent again after its turn
+    ended or it was released. Nothing is written; its handle resolves at once to how
+    that earlier one ended."""
     DEFERRED = "deferred"
     """Held while its session could not take it yet (a deletion or clear winding down),
     and not yet in the log. ``Runtime.submit`` waits until it is handed on and returns

@@ -106,6 +106,7 @@ from aalis_agent.events import (
 )
 from aalis_agent.projections import SessionView, project, queue, turns
 from aalis_agent.projections.chain import Chain
+from aalis_agent.projections.inputs import Handled, InputIds, digest
 from aalis_agent.projections.turns import TurnLog, turn_participants
 from aalis_agent.request.tokens import default_counter
 from aalis_agent.services import AbortSignal, OutboundMessage, Services
@@ -206,6 +207,7 @@ class SessionActor(pykka.ThreadingActor):
         services: Services,
         clock: Clock,
         ids: IdSource,
+        input_ids: InputIds | None = None,
     ) -> None:
         super().__init__()
         self.host = host
@@ -224,6 +226,9 @@ class SessionActor(pykka.ThreadingActor):
         self._live_ids: set[str] = {
             w.input.id for w in (*q.arrived, *q.queued, *q.pending, *running)
         }
+        # The inputs its log received, by id, and how each ended (folded after each
+        # commit): a finished one sent again is answered from here (see _on_submit).
+        self._input_ids = input_ids if input_ids is not None else InputIds()
         self._turn_inputs: dict[str, list[Input]] = {}
         self._replies: dict[str, str] = {}  # turn id -> the reply text saved (and sent)
         self._runner: TurnRunner | None = None
@@ -576,6 +581,7 @@ class SessionActor(pykka.ThreadingActor):
             self._fence(exc)
         self._call_ended = None  # written with this batch, or its turn is over
         self.view = step.view
+        self._input_ids.fold(events)
         self._effects(before, events)
 
     def _first_call_at_open(self, step: Step) -> None:
@@ -928,7 +934,9 @@ class SessionActor(pykka.ThreadingActor):
                     session=self.session_id,
                     message=type(message).__name__,
                 )
-                self.view = project(self.store.read(self.session_id))
+                events = self.store.read(self.session_id)
+                self.view = project(events)
+                self._input_ids = InputIds.of(events)
             done = getattr(message, "done", None)
             if isinstance(done, Future) and not done.done():
                 done.set_exception(exc)
@@ -948,6 +956,10 @@ class SessionActor(pykka.ThreadingActor):
             if live is not None:
                 return self._follow(msg, *live)
             self._live_ids.discard(input_id)
+        if not msg.assigned:  # an id the runtime gave is new here (Runtime._submit)
+            handled = self._input_ids.get(input_id)
+            if handled is not None and handled.outcome is not None:
+                return self._answer_again(msg, handled)
         self._waiters[input_id] = msg.done
         self._live_ids.add(input_id)  # before its effects, which may end it at once
         step = self._step()
@@ -981,6 +993,30 @@ class SessionActor(pykka.ThreadingActor):
         else:
             self._waiters[inp.id] = msg.done  # accepted by an earlier actor (recovered)
         return where
+
+    def _answer_again(self, msg: Submit, handled: Handled) -> str:
+        """An input whose id this session received before, and whose turn is over or
+        which was released: the same input sent again (a retry after a timeout or a
+        cancelled wait) is answered with how it ended, and nothing is written; another
+        input under that id is refused, as one under the id of a live input is."""
+        inp = msg.input
+        if digest(inp) != handled.digest:
+            raise InvalidInput(
+                f"session {self.session_id!r}: input id {inp.id!r} was used by another "
+                "input, which was already handled (its turn is over, or it was released); "
+                "give this one an id of its own"
+            )
+        outcome = handled.outcome or ""  # set: only an input that ended comes here
+        msg.done.set_result(
+            InputOutcome(inp.id, handled.turn_id, outcome, handled.reason, handled.reply)
+        )
+        return Where.HANDLED
+
+    def knows_input(self, input_id: str) -> bool:
+        """Whether this session has received an input under ``input_id`` (one it still
+        remembers, or one live). Read without the actor's lock: ids are added by commits
+        of inputs that came with ids of their own, or given earlier by the same id source."""
+        return input_id in self._input_ids or input_id in self._live_ids
 
     def _on_insertion(
         self, msg: InsertionPoint

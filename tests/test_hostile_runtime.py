@@ -480,10 +480,12 @@ def test_another_input_under_a_waiting_inputs_id_is_refused_and_the_first_runs(
     assert first.result(10).outcome == "replied"
 
 
-def test_an_id_whose_turn_is_over_may_come_again_and_runs_again(runtime: Runtime) -> None:
+def test_an_id_whose_turn_is_over_sent_again_is_answered_not_run(runtime: Runtime) -> None:
+    # (tests/test_resubmit.py has the rest: every way an input ends, restarts, the bound)
     one = runtime.run(SID, Input(id="x", content="一"))
     two = runtime.run(SID, Input(id="x", content="一"))
-    assert one.outcome == two.outcome == "replied" and one.turn_id != two.turn_id
+    assert one.outcome == "replied" and two == one
+    assert sum(isinstance(e, InputReceived) for e in runtime.store.read(SID)) == 1
 
 
 def test_the_same_input_again_is_answered_though_the_first_caller_gave_up(

@@ -85,6 +85,7 @@ TEXTS: dict[str, str] = {
     "where.joined": "joined",
     "where.dropped": "dropped",
     "where.deferred": "deferred",
+    "where.handled": "handled",
     # --- the scheduler's log lines ------------------------------------------------------
     "log.handed_on": "→ {where}{seq} session={session_id}{turn}",
     "log.turn_ended": "turn ended turn={turn_id} session={session_id} outcome={outcome}",

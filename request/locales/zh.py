@@ -78,6 +78,7 @@ TEXTS: dict[str, str] = {
     "where.joined": "插入",
     "where.dropped": "dropped",
     "where.deferred": "deferred",
+    "where.handled": "已处理",
     # --- the scheduler's log lines (SCH8) -----------------------------------------------
     "log.handed_on": "→ {where}{seq} session={session_id}{turn}",
     "log.turn_ended": "回合结束 turn={turn_id} session={session_id} 结局={outcome}",

@@ -1,0 +1,138 @@
+"""The inputs a session received, by id, and how each was handled: a fold of the log that
+lets a submit recognise an input sent again after its turn is over (or after it was
+released) and answer it with that outcome instead of running it twice.
+
+Unlike the other projections this one is folded in place (:meth:`InputIds.fold`): a
+session keeps the last :data:`KEEP_INPUT_IDS` ids, and rebuilding a dict of that size
+for every event a decision adds would cost the size of the dict per event. Its owner
+folds only events that are durable (after their batch commits), and rebuilds it from the
+log when the session starts, as it rebuilds the view. No I/O, no clock, no threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+from aalis_agent.events.schema import (
+    Input,
+    InputJoined,
+    InputReceived,
+    InputReleased,
+    InputRequeued,
+    MessageSaved,
+    SessionEvent,
+    TurnRecorded,
+)
+
+__all__ = ["KEEP_INPUT_IDS", "Handled", "InputIds", "digest"]
+
+KEEP_INPUT_IDS = 10_000
+"""How many input ids a session remembers (the most recently received ones). An id older
+than that is forgotten: an input sent again under it is taken as a new one."""
+
+
+def digest(inp: Input) -> int:
+    """What must match for an input to be the same one sent again: all of it but the time
+    it was stamped with and the gateway's delivery number (a hash, kept instead of the
+    input's text; it is computed in this process only, never stored)."""
+    return hash(msgspec.structs.replace(inp, timestamp=None, gateway_seq=None))
+
+
+class Handled(msgspec.Struct, frozen=True, gc=False):
+    """One input received: its :func:`digest`, the turn it entered (its last one), and
+    once it is over, how: the turn's outcome, reason and reply text, or ``released``
+    with the release's reason. ``outcome`` is None while it waits or runs."""
+
+    digest: int
+    turn_id: str | None = None
+    outcome: str | None = None
+    reason: str | None = None
+    reply: str | None = None
+
+
+class InputIds:
+    """The last ``limit`` input ids a session received (default :data:`KEEP_INPUT_IDS`)
+    and how each was handled, in the order they were received."""
+
+    __slots__ = ("_by_id", "_limit", "_replies", "_turns")
+
+    def __init__(self, limit: int | None = None) -> None:
+        self._limit = KEEP_INPUT_IDS if limit is None else limit
+        if self._limit < 1:
+            raise ValueError(f"an input id memory needs a limit >= 1, not {self._limit}")
+        self._by_id: dict[str, Handled] = {}
+        self._turns: dict[str, list[str]] = {}  # the input ids in each unrecorded turn
+        self._replies: dict[str, str] = {}  # an unrecorded turn's reply text
+
+    @classmethod
+    def of(cls, events: Iterable[SessionEvent], limit: int | None = None) -> InputIds:
+        """Fold a whole log."""
+        ids = cls(limit)
+        ids.fold(events)
+        return ids
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __contains__(self, input_id: object) -> bool:
+        return input_id in self._by_id
+
+    def get(self, input_id: str) -> Handled | None:
+        """How the input received under ``input_id`` was handled, if it is remembered."""
+        return self._by_id.get(input_id)
+
+    def fold(self, events: Iterable[SessionEvent]) -> None:
+        """Fold durable events in (they must follow those folded before)."""
+        by_id, turns, replies = self._by_id, self._turns, self._replies
+        for event in events:
+            kind = type(event)
+            if kind is MessageSaved:  # the commonest: only a turn's reply matters here
+                m = event.message  # type: ignore[union-attr]
+                meta = m.meta
+                if m.role == "assistant" and meta.turn_record is not None and meta.turn_id:
+                    visible = meta.visible_content
+                    replies[meta.turn_id] = visible if visible is not None else m.content
+            elif kind not in _FOLDED:
+                continue
+            elif kind is InputReceived:
+                inp = event.input  # type: ignore[union-attr]
+                if by_id.pop(inp.id, None) is None and len(by_id) >= self._limit:
+                    del by_id[next(iter(by_id))]  # the oldest is forgotten
+                by_id[inp.id] = Handled(digest(inp))
+            elif kind is InputJoined:
+                input_id, turn_id = event.input_id, event.turn_id  # type: ignore[union-attr]
+                found = by_id.get(input_id)
+                if found is not None:
+                    by_id[input_id] = Handled(found.digest, turn_id)
+                joined = turns.get(turn_id)
+                if joined is None:
+                    turns[turn_id] = [input_id]
+                else:
+                    joined.append(input_id)
+            elif kind is TurnRecorded:
+                turn_id = event.turn_id  # type: ignore[union-attr]
+                reply = replies.pop(turn_id, None)
+                outcome, reason = event.outcome, event.reason  # type: ignore[union-attr]
+                for input_id in turns.pop(turn_id, ()):
+                    found = by_id.get(input_id)
+                    if found is not None and found.turn_id == turn_id:
+                        by_id[input_id] = Handled(found.digest, turn_id, outcome, reason, reply)
+            elif kind is InputReleased:
+                input_id = event.input_id  # type: ignore[union-attr]
+                found = by_id.get(input_id)
+                if found is not None:
+                    by_id[input_id] = Handled(
+                        found.digest,
+                        None,
+                        "released",
+                        event.reason,  # type: ignore[union-attr]
+                    )
+            else:  # InputRequeued: back in the queue, not answered by that turn
+                joined = turns.get(event.turn_id)  # type: ignore[union-attr]
+                if joined is not None and event.input_id in joined:  # type: ignore[union-attr]
+                    joined.remove(event.input_id)  # type: ignore[union-attr]
+
+
+_FOLDED = frozenset({InputReceived, InputJoined, TurnRecorded, InputReleased, InputRequeued})
+"""The event types :meth:`InputIds.fold` reads besides ``MessageSaved``."""
