@@ -100,6 +100,7 @@ from aalis_agent.events import (
     SessionFailed,
     SettingsChanged,
     StopRequested,
+    StoreError,
     ToolStarted,
     TurnOpened,
     TurnRecorded,
@@ -1007,10 +1008,23 @@ class SessionActor(pykka.ThreadingActor):
                 "give this one an id of its own"
             )
         outcome = handled.outcome or ""  # set: only an input that ended comes here
-        msg.done.set_result(
-            InputOutcome(inp.id, handled.turn_id, outcome, handled.reason, handled.reply)
-        )
+        reply = None if handled.reply_seq is None else self._reply_at(handled.reply_seq)
+        msg.done.set_result(InputOutcome(inp.id, handled.turn_id, outcome, handled.reason, reply))
         return Where.HANDLED
+
+    def _reply_at(self, seq: int) -> str:
+        """The text of the reply saved at ``seq`` (as a live turn's handle gives it), read
+        back from the log: the session keeps the seqs of its handled inputs' replies, not
+        their texts. A log that does not read back raises, as a load of it would."""
+        events = self.store.read(self.session_id, seq - 1)
+        saved = events[0] if events else None
+        if not isinstance(saved, MessageSaved) or saved.seq != seq:
+            raise StoreError(
+                f"session {self.session_id!r}: the reply saved at seq {seq} is not in its "
+                f"log (found {type(saved).__name__ if saved else 'nothing'})"
+            )
+        meta = saved.message.meta
+        return meta.visible_content if meta.visible_content is not None else saved.message.content
 
     def knows_input(self, input_id: str) -> bool:
         """Whether this session has received an input under ``input_id`` (one it still

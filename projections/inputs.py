@@ -41,14 +41,16 @@ def digest(inp: Input) -> int:
 
 class Handled(msgspec.Struct, frozen=True, gc=False):
     """One input received: its :func:`digest`, the turn it entered (its last one), and
-    once it is over, how: the turn's outcome, reason and reply text, or ``released``
-    with the release's reason. ``outcome`` is None while it waits or runs."""
+    once it is over, how: the turn's outcome, reason and the seq of its reply (the
+    ``MessageSaved`` holding the text, read back from the log when an input is sent again:
+    the texts of 10,000 replies are not kept), or ``released`` with the release's reason.
+    ``outcome`` is None while it waits or runs."""
 
     digest: int
     turn_id: str | None = None
     outcome: str | None = None
     reason: str | None = None
-    reply: str | None = None
+    reply_seq: int | None = None
 
 
 class InputIds:
@@ -63,7 +65,7 @@ class InputIds:
             raise ValueError(f"an input id memory needs a limit >= 1, not {self._limit}")
         self._by_id: dict[str, Handled] = {}
         self._turns: dict[str, list[str]] = {}  # the input ids in each unrecorded turn
-        self._replies: dict[str, str] = {}  # an unrecorded turn's reply text
+        self._replies: dict[str, int] = {}  # an unrecorded turn's reply: its seq
 
     @classmethod
     def of(cls, events: Iterable[SessionEvent], limit: int | None = None) -> InputIds:
@@ -91,8 +93,7 @@ class InputIds:
                 m = event.message  # type: ignore[union-attr]
                 meta = m.meta
                 if m.role == "assistant" and meta.turn_record is not None and meta.turn_id:
-                    visible = meta.visible_content
-                    replies[meta.turn_id] = visible if visible is not None else m.content
+                    replies[meta.turn_id] = event.seq
             elif kind not in _FOLDED:
                 continue
             elif kind is InputReceived:

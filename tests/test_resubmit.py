@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from aalis_agent.actors.aio import AsyncRuntime, TurnResult
 from aalis_agent.actors.runtime import Runtime
@@ -320,12 +321,15 @@ def test_an_input_put_back_by_recovery_is_answered_by_the_turn_that_ran_it() -> 
         TurnRecorded(turn_id="t1", outcome="aborted", reason="crash"),
         *_turn("t2", "b"),
     ]
+    log = [msgspec.structs.replace(e, seq=n) for n, e in enumerate(log, 1)]
     waiting = InputIds.of(log[:-3])  # b waits again: not over, whatever t1's record says
     assert waiting.get("b") == Handled(digest(Input(id="b", content="说 b")), "t1")
     ids = InputIds.of(log)
     a, b = ids.get("a"), ids.get("b")
     assert a is not None and (a.turn_id, a.outcome, a.reason) == ("t1", "aborted", "crash")
-    assert b is not None and (b.turn_id, b.outcome, b.reply) == ("t2", "replied", "答 t2")
+    # The reply is kept as its seq (its text is read back from the log when asked for).
+    assert b is not None and (b.turn_id, b.outcome, b.reply_seq) == ("t2", "replied", len(log) - 1)
+    assert log[len(log) - 2].message.content == "答 t2"
 
 
 def test_the_fold_gives_the_same_in_any_cut_of_the_log() -> None:
@@ -352,3 +356,31 @@ def test_the_fold_gives_the_same_in_any_cut_of_the_log() -> None:
         assert {i: parts.get(i) for i in "abc"} == expected, cut
     with pytest.raises(ValueError, match="limit >= 1"):
         InputIds(0)
+
+
+def test_the_record_keeps_no_reply_text_once_the_log_is_let_go() -> None:
+    """A session remembers up to 10,000 inputs: it keeps where each reply was saved, not
+    its text (read back from the log when an input is sent again), so a session of long
+    replies does not hold them all in memory."""
+    import gc
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        log: list[Any] = []
+        for n in range(200):
+            log += _arrived(f"i{n}")
+            turn = _turn(f"t{n}", f"i{n}")
+            reply = turn[1].message
+            long = msgspec.structs.replace(reply, content=f"{n}" + "长" * 25_000)  # 75 KB
+            turn[1] = MessageSaved(message=long)
+            log += turn
+        log = [msgspec.structs.replace(e, seq=n) for n, e in enumerate(log, 1)]
+        ids = InputIds.of(log)
+        del log, turn, reply, long
+        gc.collect()
+        kept, _peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(ids) == 200 and ids.get("i7") is not None
+    assert kept < 1_000_000, kept  # the replies alone are 15 MB
