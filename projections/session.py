@@ -225,8 +225,8 @@ def evolve(view: SessionView, event: SessionEvent) -> SessionView:
 _QueueFields = tuple[
     int,
     tuple[Waiting, ...],
-    tuple[Waiting, ...],
-    tuple[Waiting, ...],
+    Chain[Waiting],
+    Chain[Waiting],
     tuple[Waiting, ...],
     RunningTurn | None,
     str | None,
@@ -471,7 +471,7 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                 if j_more:
                     r_joined, j_more = (*r_joined, *j_more), []
                 if p_drop:
-                    pending = tuple([w for w in pending if w.input.id not in p_drop])
+                    pending = Chain([w for w in pending if w.input.id not in p_drop])
                     p_drop = set()
                 p_first = q_ids = None  # the handler may change both
                 if q_obj is None:
@@ -543,7 +543,7 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
         if j_more:
             r_joined = (*r_joined, *j_more)
         if p_drop:
-            pending = tuple([w for w in pending if w.input.id not in p_drop])
+            pending = Chain([w for w in pending if w.input.id not in p_drop])
         if r_id is None:
             r_obj = None
         elif r_obj is None:
