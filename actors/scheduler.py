@@ -195,8 +195,12 @@ def _open(step: Step, batch: list[Input], ctx: OpenContext, *, from_queue: bool)
     )
     if step.opened is None:
         step.opened = opened
-    for inp in batch:
-        step.add(_joined(step, inp, turn_id, "opened"))
+    if any(inp.from_turn is not None for inp in batch):
+        # Its origin is read from the turns as the joins before it leave them.
+        for inp in batch:
+            step.add(_joined(step, inp, turn_id, "opened"))
+    else:  # each joins as it would alone: they are folded together (a queue of thousands)
+        step.add_all([_joined(step, inp, turn_id, "opened") for inp in batch])
     return turn_id
 
 

@@ -283,8 +283,10 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
     ``turns.project``, ``queue.project`` and the settings), but the history, the turns
     and the queue are folded here in one pass over plain lists and local variables,
     wrapped in their states once at the end: a long replay then builds no state per
-    event that it throws away. The queue's rarer events (and an input joining other than
-    from ``arrived``) go through its own handlers, on the queue state as it stands then.
+    event that it throws away. The queue's rarer events (and an input joining a turn
+    that is not running) go through its own handlers, on the queue state as it stands
+    then; an input joining the running turn is taken from ``arrived``, ``queued`` or
+    ``pending`` here, each list rebuilt once without the inputs taken from it.
     As ``Chain.append`` does, a list shared with ``view`` is extended in place only
     while ``view`` holds its newest items, and copied first otherwise.
     """
@@ -329,17 +331,19 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
         r_carried,
         r_reply,
     ) = _queue_fields(view.queue)
-    # Gathered as a run of inputs joins (a turn's insertion point may take thousands):
-    # inputs carried and joined since ``r_carried`` and ``r_joined`` were last built, and
-    # the inputs taken from ``pending`` (by id: it is rebuilt without them once, where it
-    # is next read), found through ``p_first`` (the first waiting under each id) unless
-    # ``queued`` holds them (``q_ids``). Each run costs its length, not its length times
-    # the queue's (a fold of a tuple or a frozenset per input copied the whole).
+    # Gathered as a run of inputs joins (a turn's insertion point may take thousands, a
+    # turn opened from the queue as many): inputs carried and joined since ``r_carried``
+    # and ``r_joined`` were last built, and the inputs taken from ``queued`` and from
+    # ``pending`` (by id: each is rebuilt without them once, where it is next read),
+    # found through ``q_first`` and ``p_first`` (the first waiting under each id). Each
+    # run costs its length, not its length times the queue's (a fold of a tuple or a
+    # frozenset per input copied the whole).
     c_more: set[str] = set()
     j_more: list[Waiting] = []
+    q_drop: set[str] = set()
+    q_first: dict[str, Waiting] | None = None
     p_drop: set[str] = set()
     p_first: dict[str, Waiting] | None = None
-    q_ids: frozenset[str] | None = None
     event: SessionEvent | None = None
     for event in events:
         code = codes[type(event)]
@@ -446,22 +450,31 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                         break
                 else:
                     # Taken from where it waits, as the queue's handler takes it: from
-                    # ``queued`` (by that handler), else from ``pending``.
-                    if q_ids is None:
-                        q_ids = frozenset([w.input.id for w in queued])
-                    if input_id in q_ids:
-                        code = _QUEUE_CALL
+                    # ``queued``, else from ``pending``.
+                    found: Waiting | None = None
+                    if input_id not in q_drop:
+                        if q_first is None:
+                            q_first = {}
+                            for w in queued:
+                                q_first.setdefault(w.input.id, w)
+                        found = q_first.get(input_id)
+                    if found is not None:
+                        q_drop.add(input_id)
+                        if found.held_for is not None or found.front:
+                            found = replace(found, held_for=None, front=False)
+                        j_more.append(found)
+                        r_obj = q_obj = None
                     elif input_id not in p_drop:
                         if p_first is None:
                             p_first = {}
                             for w in pending:
                                 p_first.setdefault(w.input.id, w)
-                        w = p_first.get(input_id)  # type: ignore[assignment]
-                        if w is not None:
+                        found = p_first.get(input_id)
+                        if found is not None:
                             p_drop.add(input_id)
-                            if w.held_for is not None or w.front:
-                                w = replace(w, held_for=None, front=False)
-                            j_more.append(w)
+                            if found.held_for is not None or found.front:
+                                found = replace(found, held_for=None, front=False)
+                            j_more.append(found)
                             r_obj = q_obj = None
             else:
                 code = _QUEUE_CALL
@@ -470,10 +483,13 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                     r_carried, c_more = r_carried | c_more, set()
                 if j_more:
                     r_joined, j_more = (*r_joined, *j_more), []
+                if q_drop:
+                    queued = Chain([w for w in queued if w.input.id not in q_drop])
+                    q_drop = set()
                 if p_drop:
                     pending = Chain([w for w in pending if w.input.id not in p_drop])
                     p_drop = set()
-                p_first = q_ids = None  # the handler may change both
+                q_first = p_first = None  # the handler may change both
                 if q_obj is None:
                     if r_id is not None and r_obj is None:
                         r_obj = RunningTurn(
@@ -542,6 +558,8 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
             r_carried = r_carried | c_more
         if j_more:
             r_joined = (*r_joined, *j_more)
+        if q_drop:
+            queued = Chain([w for w in queued if w.input.id not in q_drop])
         if p_drop:
             pending = Chain([w for w in pending if w.input.id not in p_drop])
         if r_id is None:
