@@ -52,7 +52,8 @@ def _settings(current: Mapping[str, Any], event: SessionEvent) -> Mapping[str, A
 
 # What ``project`` does for each event type, read off the projections' own handler
 # tables: a combination of handlers without a step here fails at import. The queue
-# handlers listed are inlined in ``project`` (``_on_joined`` for its usual case only);
+# handlers listed are inlined in ``project`` (``_on_joined`` and ``_on_queued`` for their
+# usual cases only);
 # any other queue handler (``_CALLED``) is called on the queue state as it stands.
 (
     _MESSAGE,
@@ -71,7 +72,8 @@ def _settings(current: Mapping[str, Any], event: SessionEvent) -> Mapping[str, A
     _JOINED,
     _QUEUE_CALL,
     _TURN_EVENT_QUEUE_CALL,
-) = range(16)
+    _QUEUED,
+) = range(17)
 _CALLED = object()
 _STEPS: dict[tuple[object, object, object, bool], int] = {
     (history._on_message, turns._on_message, queue._on_message, False): _MESSAGE,
@@ -90,6 +92,7 @@ _STEPS: dict[tuple[object, object, object, bool], int] = {
     (keep, turns._on_turn_event, queue._on_joined, False): _JOINED,
     (keep, keep, _CALLED, False): _QUEUE_CALL,
     (keep, turns._on_turn_event, _CALLED, False): _TURN_EVENT_QUEUE_CALL,
+    (keep, keep, queue._on_queued, False): _QUEUED,
 }
 _NAMED: frozenset[object] = frozenset(q for _, _, q, _ in _STEPS)
 _CODES: dict[type, int] = {
@@ -434,8 +437,38 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                 r_id = r_obj = q_obj = None
         elif code == _KEEP:
             pass
-        elif code >= _JOINED:  # the queue's own handler, unless an input joins as usual
-            if code != _QUEUE_CALL and event.turn_id == c_id:  # type: ignore[union-attr]
+        elif code >= _JOINED:  # the queue's own handler, unless an input moves as usual
+            if code == _QUEUED:
+                # The usual case of a run (a final call's end, a turn settling): a pending
+                # input moves to the queue; taken from ``pending`` as a join is, and
+                # appended to ``queued``. From anywhere else, by the queue's handler.
+                code = _QUEUE_CALL
+                input_id = event.input_id  # type: ignore[union-attr]
+                if (
+                    pending
+                    and input_id not in p_drop
+                    and not q_drop
+                    and all(w.input.id != input_id for w in arrived)
+                ):
+                    if p_first is None:
+                        p_first = {}
+                        for w in pending:
+                            p_first.setdefault(w.input.id, w)
+                    moved = p_first.get(input_id)
+                    if moved is not None:
+                        if q_first is None:
+                            q_first = {}
+                            for w in queued:
+                                q_first.setdefault(w.input.id, w)
+                        if input_id not in q_first:
+                            p_drop.add(input_id)
+                            if moved.held_for is not None:
+                                moved = replace(moved, held_for=None)
+                            queued = queued.append(moved)
+                            q_first[input_id] = moved
+                            q_obj = None
+                            code = _QUEUED
+            elif code != _QUEUE_CALL and event.turn_id == c_id:  # type: ignore[union-attr]
                 c_append(event)
             if code == _JOINED and r_id is not None and event.turn_id == r_id:  # type: ignore[union-attr]
                 input_id = event.input_id  # type: ignore[union-attr]
@@ -476,7 +509,7 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                                 found = replace(found, held_for=None, front=False)
                             j_more.append(found)
                             r_obj = q_obj = None
-            else:
+            elif code != _QUEUED:
                 code = _QUEUE_CALL
             if code == _QUEUE_CALL:
                 if c_more:
