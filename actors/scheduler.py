@@ -199,8 +199,12 @@ def _open(step: Step, batch: list[Input], ctx: OpenContext, *, from_queue: bool)
     )
     if step.opened is None:
         step.opened = opened
-    for inp in batch:
-        step.add(_joined(step, inp, turn_id, "opened"))
+    if any(inp.from_turn is not None for inp in batch):
+        # Its origin is read from the turns as the joins before it leave them.
+        for inp in batch:
+            step.add(_joined(step, inp, turn_id, "opened"))
+    else:  # each joins as it would alone: they are folded together (a queue of thousands)
+        step.add_all([_joined(step, inp, turn_id, "opened") for inp in batch])
     return turn_id
 
 
@@ -320,10 +324,9 @@ def decide_call_ended(
             turn_id=turn_id, index=index, status=status, tool_calls=tool_calls, error=error
         )
     )
-    if status == "ok" and tool_calls == 0:
-        for w in step.view.queue.pending:
-            if w.held_for == turn_id:
-                step.add(InputQueued(input_id=w.input.id))
+    if status == "ok" and tool_calls == 0:  # folded together: thousands may wait
+        pending = step.view.queue.pending
+        step.add_all([InputQueued(input_id=w.input.id) for w in pending if w.held_for == turn_id])
 
 
 def decide_stop(step: Step, by: str | None = None, reason: str = "stop") -> str | None:
@@ -424,8 +427,7 @@ def decide_settled(
         )
     )
     _archive_released(step, message_id)
-    for w in step.view.queue.pending:
-        step.add(InputQueued(input_id=w.input.id))
+    step.add_all([InputQueued(input_id=w.input.id) for w in step.view.queue.pending])
     if open_next:
         decide_open_next(step, ctx)
 

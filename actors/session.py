@@ -616,6 +616,7 @@ class SessionActor(pykka.ThreadingActor):
         if len(inputs) != len(opened.input_ids):
             return
         messages = []
+        saves: list[SessionEvent] = []
         for inp in inputs:
             message = archived_input_message(
                 inp, opened.turn_id, "opened", self._message_id(), opened.at
@@ -626,7 +627,8 @@ class SessionActor(pykka.ThreadingActor):
             if self.services.archive is None:
                 self.host.archive_missed()
             else:
-                step.add(MessageSaved(message=message))
+                saves.append(MessageSaved(message=message))
+        step.add_all(saves)  # a turn opened from a long queue: folded together
         started = step.add(
             ModelCallStarted(
                 turn_id=opened.turn_id,

@@ -35,6 +35,7 @@ from aalis_agent.events.schema import (
     UsageRecorded,
 )
 from aalis_agent.projections._dispatch import Handler, check_complete, fold, keep
+from aalis_agent.projections.chain import Chain
 from msgspec.structs import replace
 
 __all__ = [
@@ -90,18 +91,28 @@ class RunningTurn(msgspec.Struct, frozen=True):
 
 
 class QueueState(msgspec.Struct, frozen=True):
-    """Queued and pending inputs in arrival order, the running turn and the generation."""
+    """Queued and pending inputs in the order they were placed, the running turn and the
+    generation.
+
+    ``queued`` and ``pending`` are chains (append-only views of a shared list): placing
+    one more input extends the newest state's list in place rather than copying it, so a
+    run of thousands of submits into a running turn costs its length. Taking an input out
+    of either builds the chain anew without it."""
 
     generation: int = 0
     arrived: tuple[Waiting, ...] = ()  # received, not yet placed (within one batch)
-    queued: tuple[Waiting, ...] = ()
-    pending: tuple[Waiting, ...] = ()
+    queued: Chain[Waiting] = msgspec.field(default_factory=Chain)
+    pending: Chain[Waiting] = msgspec.field(default_factory=Chain)
     running: RunningTurn | None = None
     to_archive: tuple[Waiting, ...] = ()  # released with archived=True, not yet archived
 
 
 def _without(items: tuple[Waiting, ...], input_id: str) -> tuple[Waiting, ...]:
     return tuple([w for w in items if w.input.id != input_id])
+
+
+def _chain_without(items: Chain[Waiting], input_id: str) -> Chain[Waiting]:
+    return Chain([w for w in items if w.input.id != input_id])
 
 
 def _take(state: QueueState, input_id: str) -> tuple[QueueState, Waiting | None]:
@@ -111,10 +122,10 @@ def _take(state: QueueState, input_id: str) -> tuple[QueueState, Waiting | None]
             return replace(state, arrived=_without(state.arrived, input_id)), w
     for w in state.queued:
         if w.input.id == input_id:
-            return replace(state, queued=_without(state.queued, input_id)), w
+            return replace(state, queued=_chain_without(state.queued, input_id)), w
     for w in state.pending:
         if w.input.id == input_id:
-            return replace(state, pending=_without(state.pending, input_id)), w
+            return replace(state, pending=_chain_without(state.pending, input_id)), w
     return state, None
 
 
@@ -127,14 +138,14 @@ def _on_queued(state: QueueState, event: InputQueued) -> QueueState:
     state, taken = _take(state, event.input_id)
     if taken is None:
         return state
-    return replace(state, queued=(*state.queued, replace(taken, held_for=None)))
+    return replace(state, queued=state.queued.append(replace(taken, held_for=None)))
 
 
 def _on_held(state: QueueState, event: InputHeld) -> QueueState:
     state, taken = _take(state, event.input_id)
     if taken is None:
         return state
-    return replace(state, pending=(*state.pending, replace(taken, held_for=event.turn_id)))
+    return replace(state, pending=state.pending.append(replace(taken, held_for=event.turn_id)))
 
 
 def _on_joined(state: QueueState, event: InputJoined) -> QueueState:
@@ -167,7 +178,7 @@ def _on_requeued(state: QueueState, event: InputRequeued) -> QueueState:
             return replace(
                 state,
                 running=replace(running, joined=joined),
-                queued=(*state.queued, replace(w, front=True)),
+                queued=state.queued.append(replace(w, front=True)),
             )
     return state
 

@@ -52,7 +52,8 @@ def _settings(current: Mapping[str, Any], event: SessionEvent) -> Mapping[str, A
 
 # What ``project`` does for each event type, read off the projections' own handler
 # tables: a combination of handlers without a step here fails at import. The queue
-# handlers listed are inlined in ``project`` (``_on_joined`` for its usual case only);
+# handlers listed are inlined in ``project`` (``_on_joined`` and ``_on_queued`` for their
+# usual cases only);
 # any other queue handler (``_CALLED``) is called on the queue state as it stands.
 (
     _MESSAGE,
@@ -71,7 +72,8 @@ def _settings(current: Mapping[str, Any], event: SessionEvent) -> Mapping[str, A
     _JOINED,
     _QUEUE_CALL,
     _TURN_EVENT_QUEUE_CALL,
-) = range(16)
+    _QUEUED,
+) = range(17)
 _CALLED = object()
 _STEPS: dict[tuple[object, object, object, bool], int] = {
     (history._on_message, turns._on_message, queue._on_message, False): _MESSAGE,
@@ -90,6 +92,7 @@ _STEPS: dict[tuple[object, object, object, bool], int] = {
     (keep, turns._on_turn_event, queue._on_joined, False): _JOINED,
     (keep, keep, _CALLED, False): _QUEUE_CALL,
     (keep, turns._on_turn_event, _CALLED, False): _TURN_EVENT_QUEUE_CALL,
+    (keep, keep, queue._on_queued, False): _QUEUED,
 }
 _NAMED: frozenset[object] = frozenset(q for _, _, q, _ in _STEPS)
 _CODES: dict[type, int] = {
@@ -225,8 +228,8 @@ def evolve(view: SessionView, event: SessionEvent) -> SessionView:
 _QueueFields = tuple[
     int,
     tuple[Waiting, ...],
-    tuple[Waiting, ...],
-    tuple[Waiting, ...],
+    Chain[Waiting],
+    Chain[Waiting],
     tuple[Waiting, ...],
     RunningTurn | None,
     str | None,
@@ -283,8 +286,10 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
     ``turns.project``, ``queue.project`` and the settings), but the history, the turns
     and the queue are folded here in one pass over plain lists and local variables,
     wrapped in their states once at the end: a long replay then builds no state per
-    event that it throws away. The queue's rarer events (and an input joining other than
-    from ``arrived``) go through its own handlers, on the queue state as it stands then.
+    event that it throws away. The queue's rarer events (and an input joining a turn
+    that is not running) go through its own handlers, on the queue state as it stands
+    then; an input joining the running turn is taken from ``arrived``, ``queued`` or
+    ``pending`` here, each list rebuilt once without the inputs taken from it.
     As ``Chain.append`` does, a list shared with ``view`` is extended in place only
     while ``view`` holds its newest items, and copied first otherwise.
     """
@@ -329,17 +334,19 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
         r_carried,
         r_reply,
     ) = _queue_fields(view.queue)
-    # Gathered as a run of inputs joins (a turn's insertion point may take thousands):
-    # inputs carried and joined since ``r_carried`` and ``r_joined`` were last built, and
-    # the inputs taken from ``pending`` (by id: it is rebuilt without them once, where it
-    # is next read), found through ``p_first`` (the first waiting under each id) unless
-    # ``queued`` holds them (``q_ids``). Each run costs its length, not its length times
-    # the queue's (a fold of a tuple or a frozenset per input copied the whole).
+    # Gathered as a run of inputs joins (a turn's insertion point may take thousands, a
+    # turn opened from the queue as many): inputs carried and joined since ``r_carried``
+    # and ``r_joined`` were last built, and the inputs taken from ``queued`` and from
+    # ``pending`` (by id: each is rebuilt without them once, where it is next read),
+    # found through ``q_first`` and ``p_first`` (the first waiting under each id). Each
+    # run costs its length, not its length times the queue's (a fold of a tuple or a
+    # frozenset per input copied the whole).
     c_more: set[str] = set()
     j_more: list[Waiting] = []
+    q_drop: set[str] = set()
+    q_first: dict[str, Waiting] | None = None
     p_drop: set[str] = set()
     p_first: dict[str, Waiting] | None = None
-    q_ids: frozenset[str] | None = None
     event: SessionEvent | None = None
     for event in events:
         code = codes[type(event)]
@@ -430,8 +437,38 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                 r_id = r_obj = q_obj = None
         elif code == _KEEP:
             pass
-        elif code >= _JOINED:  # the queue's own handler, unless an input joins as usual
-            if code != _QUEUE_CALL and event.turn_id == c_id:  # type: ignore[union-attr]
+        elif code >= _JOINED:  # the queue's own handler, unless an input moves as usual
+            if code == _QUEUED:
+                # The usual case of a run (a final call's end, a turn settling): a pending
+                # input moves to the queue; taken from ``pending`` as a join is, and
+                # appended to ``queued``. From anywhere else, by the queue's handler.
+                code = _QUEUE_CALL
+                input_id = event.input_id  # type: ignore[union-attr]
+                if (
+                    pending
+                    and input_id not in p_drop
+                    and not q_drop
+                    and all(w.input.id != input_id for w in arrived)
+                ):
+                    if p_first is None:
+                        p_first = {}
+                        for w in pending:
+                            p_first.setdefault(w.input.id, w)
+                    moved = p_first.get(input_id)
+                    if moved is not None:
+                        if q_first is None:
+                            q_first = {}
+                            for w in queued:
+                                q_first.setdefault(w.input.id, w)
+                        if input_id not in q_first:
+                            p_drop.add(input_id)
+                            if moved.held_for is not None:
+                                moved = replace(moved, held_for=None)
+                            queued = queued.append(moved)
+                            q_first[input_id] = moved
+                            q_obj = None
+                            code = _QUEUED
+            elif code != _QUEUE_CALL and event.turn_id == c_id:  # type: ignore[union-attr]
                 c_append(event)
             if code == _JOINED and r_id is not None and event.turn_id == r_id:  # type: ignore[union-attr]
                 input_id = event.input_id  # type: ignore[union-attr]
@@ -446,34 +483,46 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                         break
                 else:
                     # Taken from where it waits, as the queue's handler takes it: from
-                    # ``queued`` (by that handler), else from ``pending``.
-                    if q_ids is None:
-                        q_ids = frozenset([w.input.id for w in queued])
-                    if input_id in q_ids:
-                        code = _QUEUE_CALL
+                    # ``queued``, else from ``pending``.
+                    found: Waiting | None = None
+                    if input_id not in q_drop:
+                        if q_first is None:
+                            q_first = {}
+                            for w in queued:
+                                q_first.setdefault(w.input.id, w)
+                        found = q_first.get(input_id)
+                    if found is not None:
+                        q_drop.add(input_id)
+                        if found.held_for is not None or found.front:
+                            found = replace(found, held_for=None, front=False)
+                        j_more.append(found)
+                        r_obj = q_obj = None
                     elif input_id not in p_drop:
                         if p_first is None:
                             p_first = {}
                             for w in pending:
                                 p_first.setdefault(w.input.id, w)
-                        w = p_first.get(input_id)  # type: ignore[assignment]
-                        if w is not None:
+                        found = p_first.get(input_id)
+                        if found is not None:
                             p_drop.add(input_id)
-                            if w.held_for is not None or w.front:
-                                w = replace(w, held_for=None, front=False)
-                            j_more.append(w)
+                            if found.held_for is not None or found.front:
+                                found = replace(found, held_for=None, front=False)
+                            j_more.append(found)
                             r_obj = q_obj = None
-            else:
+            elif code != _QUEUED:
                 code = _QUEUE_CALL
             if code == _QUEUE_CALL:
                 if c_more:
                     r_carried, c_more = r_carried | c_more, set()
                 if j_more:
                     r_joined, j_more = (*r_joined, *j_more), []
+                if q_drop:
+                    queued = Chain([w for w in queued if w.input.id not in q_drop])
+                    q_drop = set()
                 if p_drop:
-                    pending = tuple([w for w in pending if w.input.id not in p_drop])
+                    pending = Chain([w for w in pending if w.input.id not in p_drop])
                     p_drop = set()
-                p_first = q_ids = None  # the handler may change both
+                q_first = p_first = None  # the handler may change both
                 if q_obj is None:
                     if r_id is not None and r_obj is None:
                         r_obj = RunningTurn(
@@ -542,8 +591,10 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
             r_carried = r_carried | c_more
         if j_more:
             r_joined = (*r_joined, *j_more)
+        if q_drop:
+            queued = Chain([w for w in queued if w.input.id not in q_drop])
         if p_drop:
-            pending = tuple([w for w in pending if w.input.id not in p_drop])
+            pending = Chain([w for w in pending if w.input.id not in p_drop])
         if r_id is None:
             r_obj = None
         elif r_obj is None:

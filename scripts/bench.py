@@ -387,6 +387,81 @@ def bench_submit_while_queued(tmp: Path) -> None:
         store.close()
 
 
+def bench_submit_during_turn(tmp: Path) -> None:
+    """N inputs submitted to one session while its turn's tool blocks (held to join that
+    turn), or while an injection's turn runs (queued for the next), then the tool
+    released; for N = 1,000 and 16,000: the submits, the wait from the release until
+    every input's turn ended, and the replay (``project``) of the log with the N waiting.
+    Each step should cost N: a per-submit time that grows with N is a fold that copies."""
+    from aalis_agent.actors.runtime import Runtime
+    from aalis_agent.events import ToolCall
+    from aalis_agent.services import ScriptedModel, ScriptedReply, Services, Tool, ToolRegistry
+
+    _quiet_logs()
+
+    def run(n: int, held: bool, k: int) -> tuple[float, float, float]:
+        gate, in_tool = threading.Event(), threading.Event()
+
+        def reply(request: object, n: int) -> ScriptedReply:
+            if n == 1:
+                return ScriptedReply(tool_calls=(ToolCall(id="c1", name="block", arguments="{}"),))
+            return ScriptedReply(text="好")
+
+        def block(args: object, ctx: object) -> str:
+            in_tool.set()
+            gate.wait(600)
+            return "好"
+
+        store = SqliteEventStore(tmp / f"during-{k}.db")
+        llm = ScriptedModel(reply, context_length=100_000_000, keep_requests=0)
+        services = Services(llm=llm, tools=ToolRegistry([Tool("block", block)]))
+        runtime = Runtime(store, services, janitor=False)
+        try:
+            first = runtime.submit(
+                "s", Input(id="", content="占着", source=None if held else "schedule")
+            )
+            in_tool.wait(60)
+            t0 = time.perf_counter()
+            handles = [runtime.submit("s", Input(id="", content=f"{i}")) for i in range(n)]
+            submits = time.perf_counter() - t0
+            assert {h.where for h in handles} == {"pending" if held else "queued"}
+            events = store.read("s")
+            t0 = time.perf_counter()
+            project(events)
+            replay = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            gate.set()
+            first.result(600)
+            for h in handles:
+                h.result(600)
+            released = time.perf_counter() - t0
+        finally:
+            gate.set()
+            runtime.shutdown(timeout=120)
+            store.close()
+        return submits, released, replay
+
+    k = 0
+    for held in (True, False):
+        figures = {}
+        for n in (1000, 16000):
+            k += 1
+            figures[n] = run(n, held, k)
+        (s1, _, _), (s16, r16, p16) = figures[1000], figures[16000]
+        emit(
+            "submit_during_turn_ms",
+            (s16 + r16) * 1000,
+            "ms",
+            inputs=16000,
+            waiting="pending" if held else "queued",
+            submits_ms=round(s16 * 1000, 1),
+            released_ms=round(r16 * 1000, 1),
+            project_ms=round(p16 * 1000, 1),
+            submit_us_1k=round(s1 / 1000 * 1e6, 1),
+            submit_us_16k=round(s16 / 16000 * 1e6, 1),
+        )
+
+
 def bench_stop_latency(tmp: Path) -> None:
     """From a stop request to the turn settled, while a model call streams."""
     from aalis_agent.actors.runtime import Runtime
@@ -1256,6 +1331,7 @@ ALL = (
     "bytes_per_message",
     "sched_decision_us",
     "submit_while_queued_us",
+    "submit_during_turn_ms",
     "stop_latency_ms",
     "passivated_10k",
     "inputs_per_s_1k_sessions",
@@ -1327,6 +1403,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench_sched_decision(tmp)
             elif name == "submit_while_queued_us":
                 bench_submit_while_queued(tmp)
+            elif name == "submit_during_turn_ms":
+                bench_submit_during_turn(tmp)
             elif name == "stop_latency_ms":
                 bench_stop_latency(tmp)
             elif name == "passivated_10k":

