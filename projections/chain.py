@@ -99,10 +99,14 @@ class Chain(Sequence[T], Generic[T]):
             return self._n == other._n and (
                 (self._items is other._items) or self.to_list() == other.to_list()
             )
+        # A view's sequences (its queue, history, turns) were tuples: one still compares
+        # equal to a tuple or list of the same items (``view.queue.queued == ()``).
+        if isinstance(other, tuple | list):
+            return self._n == len(other) and self.to_list() == list(other)
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(tuple(self))
+        return hash(tuple(self))  # as the tuple it equals
 
     def __repr__(self) -> str:
         return f"Chain({self.to_list()!r})"

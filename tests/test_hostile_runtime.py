@@ -455,7 +455,7 @@ def test_an_input_sent_again_while_its_turn_runs_follows_that_turn(
     assert first.result().outcome == "replied"
     received = [e for e in rt.store.read(SID) if isinstance(e, InputReceived)]
     assert len(received) == 1
-    assert not rt.view(SID).queue.queued and not rt.view(SID).queue.pending
+    assert rt.view(SID).queue.queued == () and rt.view(SID).queue.pending == ()
 
 
 @pytest.mark.parametrize(

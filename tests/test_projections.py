@@ -835,7 +835,11 @@ def test_chain_equality_and_hash() -> None:
     assert a != Chain.of([1, 3])
     assert Chain() == Chain()
     assert a_longer == Chain([1, 2, 3, 4], 3)  # only the view's items count
-    assert (a == [1, 2]) is False
+    # As the tuples a view's sequences were: equal to a tuple or list of its items, and
+    # hashed as that tuple.
+    assert a == (1, 2) and a == [1, 2] and hash(a) == hash((1, 2))
+    assert a != (1,) and a != (1, 3) and a_longer != [1, 2] and Chain() == ()
+    assert (a == {1: 2}) is False
     assert repr(a) == "Chain([1, 2])"
 
 
