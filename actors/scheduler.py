@@ -348,8 +348,12 @@ def turn_left_history(view: SessionView, turn_id: str) -> bool:
 
 def _archive_released(step: Step, next_id: Callable[[], str]) -> None:
     """Archive, without turn id, the inputs released with ``archived=True`` (SCH6)."""
-    for w in step.view.queue.to_archive:
-        step.add(MessageSaved(message=archived_input_message(w.input, None, None, next_id())))
+    step.add_all(
+        [
+            MessageSaved(message=archived_input_message(w.input, None, None, next_id()))
+            for w in step.view.queue.to_archive
+        ]
+    )
 
 
 def decide_release(
@@ -364,11 +368,17 @@ def decide_release(
     input (SCH6, DEL1). Returns the stopped turn's id, if one runs."""
     archived = reason in ("stop-all", "mute", "shutdown")
     stopped = decide_stop(step, by=by if reason == "stop-all" else None, reason=reason)
-    waiting = queue.waiting(step.view.queue)
-    for w in waiting:
-        # An idle prompt is never archived (INS3), released or not.
-        keep = archived and w.input.trigger_type != "idle"
-        step.add(InputReleased(input_id=w.input.id, reason=reason, archived=keep))
+    # Folded together: thousands may wait (an idle prompt is never archived, INS3).
+    step.add_all(
+        [
+            InputReleased(
+                input_id=w.input.id,
+                reason=reason,
+                archived=archived and w.input.trigger_type != "idle",
+            )
+            for w in queue.waiting(step.view.queue)
+        ]
+    )
     if step.view.queue.running is None:  # else once it settles (a turn past its reply too)
         _archive_released(step, message_id)
     return stopped

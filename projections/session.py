@@ -73,7 +73,8 @@ def _settings(current: Mapping[str, Any], event: SessionEvent) -> Mapping[str, A
     _QUEUE_CALL,
     _TURN_EVENT_QUEUE_CALL,
     _QUEUED,
-) = range(17)
+    _RELEASED,
+) = range(18)
 _CALLED = object()
 _STEPS: dict[tuple[object, object, object, bool], int] = {
     (history._on_message, turns._on_message, queue._on_message, False): _MESSAGE,
@@ -93,6 +94,7 @@ _STEPS: dict[tuple[object, object, object, bool], int] = {
     (keep, keep, _CALLED, False): _QUEUE_CALL,
     (keep, turns._on_turn_event, _CALLED, False): _TURN_EVENT_QUEUE_CALL,
     (keep, keep, queue._on_queued, False): _QUEUED,
+    (keep, keep, queue._on_released, False): _RELEASED,
 }
 _NAMED: frozenset[object] = frozenset(q for _, _, q, _ in _STEPS)
 _CODES: dict[type, int] = {
@@ -347,6 +349,13 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
     q_first: dict[str, Waiting] | None = None
     p_drop: set[str] = set()
     p_first: dict[str, Waiting] | None = None
+    # Inputs released to be archived, and taken off once archived (a stop-all or a
+    # shutdown may release thousands): ``to_archive`` held as a dict by input id while a
+    # run goes on (``a_map``, None when not held so), made a tuple again where the queue
+    # state is next built. Held only while the ids are distinct (``a_dupes`` else), as
+    # taking one off by id then takes exactly what ``_without`` takes.
+    a_map: dict[str, Waiting] | None = None
+    a_dupes = False
     event: SessionEvent | None = None
     for event in events:
         code = codes[type(event)]
@@ -374,10 +383,17 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                     if meta.turn_record is not None and message.role == "assistant":
                         r_reply = True
                         r_obj = q_obj = None
-            if to_archive:
+            if a_map if a_map is not None else to_archive:
                 input_id = meta.input_id
                 if input_id is not None:
-                    to_archive = _without(to_archive, input_id)
+                    if a_map is None and not a_dupes:
+                        a_map = {w.input.id: w for w in to_archive}
+                        if len(a_map) != len(to_archive):
+                            a_map, a_dupes = None, True
+                    if a_map is not None:
+                        a_map.pop(input_id, None)
+                    else:
+                        to_archive = _without(to_archive, input_id)
                     q_obj = None
         elif code == _TURN_EVENT:
             if event.turn_id == c_id:  # type: ignore[union-attr]
@@ -468,6 +484,45 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                             q_first[input_id] = moved
                             q_obj = None
                             code = _QUEUED
+            elif code == _RELEASED:
+                # The usual case of a run (a stop-all, a shutdown, a deletion): an input
+                # released from ``queued`` or ``pending``, taken as a join takes it (the
+                # list rebuilt once without it where it is next read), and put in
+                # ``to_archive`` when archived. Else by the queue's handler.
+                code = _QUEUE_CALL
+                input_id = event.input_id  # type: ignore[union-attr]
+                if all(w.input.id != input_id for w in arrived):
+                    released: Waiting | None = None
+                    if input_id not in q_drop:
+                        if q_first is None:
+                            q_first = {}
+                            for w in queued:
+                                q_first.setdefault(w.input.id, w)
+                        released = q_first.get(input_id)
+                    drop = q_drop
+                    if released is None and input_id not in p_drop:
+                        if p_first is None:
+                            p_first = {}
+                            for w in pending:
+                                p_first.setdefault(w.input.id, w)
+                        released = p_first.get(input_id)
+                        drop = p_drop
+                    if released is None:
+                        code = _RELEASED  # waiting nowhere: nothing to take
+                    elif event.archived:  # type: ignore[union-attr]
+                        if a_map is None and not a_dupes:
+                            a_map = {w.input.id: w for w in to_archive}
+                            if len(a_map) != len(to_archive):
+                                a_map, a_dupes = None, True
+                        if a_map is not None and input_id not in a_map:
+                            drop.add(input_id)
+                            a_map[input_id] = replace(released, held_for=None)
+                            q_obj = None
+                            code = _RELEASED
+                    else:
+                        drop.add(input_id)
+                        q_obj = None
+                        code = _RELEASED
             elif code != _QUEUE_CALL and event.turn_id == c_id:  # type: ignore[union-attr]
                 c_append(event)
             if code == _JOINED and r_id is not None and event.turn_id == r_id:  # type: ignore[union-attr]
@@ -509,9 +564,11 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                                 found = replace(found, held_for=None, front=False)
                             j_more.append(found)
                             r_obj = q_obj = None
-            elif code != _QUEUED:
+            elif code != _QUEUED and code != _RELEASED:
                 code = _QUEUE_CALL
             if code == _QUEUE_CALL:
+                if a_map is not None:
+                    to_archive, a_map = tuple(a_map.values()), None
                 if c_more:
                     r_carried, c_more = r_carried | c_more, set()
                 if j_more:
@@ -530,6 +587,7 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                         )
                     q_obj = QueueState(generation, arrived, queued, pending, r_obj, to_archive)
                 q_obj = queue.HANDLERS[type(event)](q_obj, event)
+                a_dupes = False
                 (
                     generation,
                     arrived,
@@ -587,6 +645,8 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
         else:
             turns_state = TurnsState(finished, TurnLog(c_opened, Chain(c_list)))
     if q_obj is None:
+        if a_map is not None:
+            to_archive = tuple(a_map.values())
         if c_more:
             r_carried = r_carried | c_more
         if j_more:

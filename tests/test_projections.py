@@ -209,6 +209,19 @@ class LogBuilder:
                 else:
                     b.add(InputQueued(input_id=inp.id))
                 self.waiting.append(inp.id)
+        elif name == "release_all":
+            # Every waiting input released (a stop-all, a mute, a deletion), archived or
+            # not, and (op[2]) the archived ones archived right after, as a turn's end
+            # archives them; an id waiting twice is released twice.
+            released = list(self.waiting)
+            for input_id in released:
+                reason = "stop-all" if op[1] else "delete"
+                b.add(InputReleased(input_id=input_id, reason=reason, archived=op[1]))
+            self.waiting.clear()
+            if op[1] and op[2]:
+                for input_id in released:
+                    inp = Input(id=input_id, content="hello")
+                    b.add(MessageSaved(message=self._user(inp, None)))
         elif name == "queue_waiting":
             # Every waiting input queued, in order (a final call's end, a turn settling):
             # a pending one moves to the queue, a queued one to its end.
@@ -284,6 +297,7 @@ OPS = st.one_of(
     st.tuples(st.just("held_elsewhere")),
     st.tuples(st.just("flood"), st.integers(1, 40), st.booleans()),
     st.tuples(st.just("queue_waiting")),
+    st.tuples(st.just("release_all"), st.booleans(), st.booleans()),
     st.tuples(
         st.just("join_known"),
         st.integers(0, 50),
