@@ -392,7 +392,10 @@ def bench_submit_during_turn(tmp: Path) -> None:
     turn), or while an injection's turn runs (queued for the next), then the tool
     released; for N = 1,000 and 16,000: the submits, the wait from the release until
     every input's turn ended, and the replay (``project``) of the log with the N waiting.
-    Each step should cost N: a per-submit time that grows with N is a fold that copies."""
+    Each step should cost N: a per-submit time that grows with N is a fold that copies.
+    Then (``stop_all_release_ms``) N queued released by a stop-all, and archived when the
+    stopped turn settles: the stop-all until every handle resolved, and the replay of
+    the log as it stands then (every load of the session folds it)."""
     from aalis_agent.actors.runtime import Runtime
     from aalis_agent.events import ToolCall
     from aalis_agent.services import ScriptedModel, ScriptedReply, Services, Tool, ToolRegistry
@@ -441,6 +444,45 @@ def bench_submit_during_turn(tmp: Path) -> None:
             store.close()
         return submits, released, replay
 
+    def stop_all(n: int, k: int) -> tuple[float, float]:
+        gate, in_tool = threading.Event(), threading.Event()
+
+        def reply(request: object, n: int) -> ScriptedReply:
+            if n == 1:
+                return ScriptedReply(tool_calls=(ToolCall(id="c1", name="block", arguments="{}"),))
+            return ScriptedReply(text="好")
+
+        def block(args: object, ctx: object) -> str:
+            in_tool.set()
+            gate.wait(600)
+            return "好"
+
+        store = SqliteEventStore(tmp / f"stop-all-{k}.db")
+        llm = ScriptedModel(reply, context_length=100_000_000, keep_requests=0)
+        services = Services(llm=llm, tools=ToolRegistry([Tool("block", block)]))
+        runtime = Runtime(store, services, janitor=False)
+        try:
+            first = runtime.submit("s", Input(id="", content="占着", source="schedule"))
+            in_tool.wait(60)
+            handles = [runtime.submit("s", Input(id="", content=f"{i}")) for i in range(n)]
+            t0 = time.perf_counter()
+            runtime.stop_all("s")
+            for h in handles:
+                h.result(600)
+            released = time.perf_counter() - t0
+            gate.set()
+            first.result(600)
+            runtime.wait_idle(60)
+            events = store.read("s")
+            t0 = time.perf_counter()
+            project(events)
+            replay = time.perf_counter() - t0
+        finally:
+            gate.set()
+            runtime.shutdown(timeout=120)
+            store.close()
+        return released, replay
+
     k = 0
     for held in (True, False):
         figures = {}
@@ -460,6 +502,17 @@ def bench_submit_during_turn(tmp: Path) -> None:
             submit_us_1k=round(s1 / 1000 * 1e6, 1),
             submit_us_16k=round(s16 / 16000 * 1e6, 1),
         )
+    (r1, p1), (r16, p16) = stop_all(1000, k + 1), stop_all(16000, k + 2)
+    emit(
+        "stop_all_release_ms",
+        r16 * 1000,
+        "ms",
+        inputs=16000,
+        project_ms=round(p16 * 1000, 1),
+        release_us_each_1k=round(r1 / 1000 * 1e6, 2),
+        release_us_each_16k=round(r16 / 16000 * 1e6, 2),
+        project_ms_1k=round(p1 * 1000, 1),
+    )
 
 
 def bench_stop_latency(tmp: Path) -> None:
