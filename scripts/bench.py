@@ -1003,7 +1003,10 @@ def bench_floor(tmp: Path) -> None:
     has run a number of times, and a runtime serving sessions runs warm; from a cold
     process the turn measured about 15% slower here (0.78-0.80 ms against 0.68-0.72),
     the floor the same. ``cold_turn_ms`` is the median of the warm-up's first 40 turns,
-    for comparison (it grows the warm-up's own session as the timed turns do theirs)."""
+    for comparison (it grows the warm-up's own session as the timed turns do theirs).
+    ``commit_in_turn_us`` and ``commit_in_floor_4_us``: a commit's median time where it
+    runs, inside turns and in the floor's loop (same rows, same store code), timed after
+    the blocks above: the turn's commits run cache-cold after its own work."""
     (tmp / "warm-up").mkdir(exist_ok=True)
     warm = _FloorWork(tmp / "warm-up")
     cold: list[float] = []
@@ -1035,6 +1038,32 @@ def bench_floor(tmp: Path) -> None:
         floors4 += [_timed(one_turn_4) for _ in range(10)]
         _timed(one_new)
         floors_new += [_timed(one_new) for _ in range(10)]
+    # Then each commit timed where it runs: inside turns, and in the floor's loop (the same
+    # rows in the same four cuts), in blocks as above; reported beside the ratio.
+    in_turns: list[float] = []
+    in_floor: list[float] = []
+
+    def commits_timed(store: SqliteEventStore, into: list[float]) -> Callable[[], None]:
+        append = store.append
+
+        def timed(*args: Any, **kwargs: Any) -> int:
+            t0 = time.perf_counter()
+            try:
+                return append(*args, **kwargs)
+            finally:
+                into.append(time.perf_counter() - t0)
+
+        store.append = timed  # type: ignore[method-assign]
+        return lambda: setattr(store, "append", append)
+
+    restore = [commits_timed(work.store, in_turns), commits_timed(work.raw, in_floor)]
+    for _ in range(10):
+        for _ in range(10):
+            work.turn()
+        for _ in range(10):
+            one_turn_4()
+    for undo in restore:
+        undo()
     work.close()
     floor = min(floors)
     turn = statistics.median(samples)
@@ -1055,6 +1084,10 @@ def bench_floor(tmp: Path) -> None:
         # Nor this: the floor written each time as a new session (the floor until stop 32).
         floor_new_session_ms=round(min(floors_new) * 1000, 3),
         over_floor_new_session=round(turn / min(floors_new), 2),
+        # One commit's median where it runs: in a turn (cache-cold after the turn's own
+        # work) and in the floor's back-to-back loop (the same rows, the same code).
+        commit_in_turn_us=round(statistics.median(in_turns) * 1e6, 1),
+        commit_in_floor_4_us=round(statistics.median(in_floor) * 1e6, 1),
         commits=len(work.sizes),
         rows=len(work.rows),
         history=len(work.history),
