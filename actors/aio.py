@@ -221,7 +221,19 @@ class EventStream:
         self._on_close = on_close
         self.dropped_total = 0
         """Every event this stream dropped so far."""
-        self._unsubscribe = runtime.services.bus.subscribe("*", self._on_bus)
+        # Only the topics asked for, when given: a payload costly to build (agent:queue
+        # lists every waiting input) is built only while someone listens to its topic.
+        bus = runtime.services.bus
+        if self._topics is None:
+            self._unsubscribe = bus.subscribe("*", self._on_bus)
+        else:
+            removers = [bus.subscribe(topic, self._on_bus) for topic in sorted(self._topics)]
+
+            def unsubscribe() -> None:
+                for remove in removers:
+                    remove()
+
+            self._unsubscribe = unsubscribe
 
     # --- the publishing thread ---------------------------------------------------------
 
