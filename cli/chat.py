@@ -429,7 +429,17 @@ def run_chat(
             err.write(f"chat: line not sent: {exc}\n")
             err.flush()
 
-    runtime.subscribe("*", on_event)
+    # The topics shown, each on its own: a topic no one listens to builds no payload
+    # (agent:queue lists every waiting input at each change).
+    for topic in (
+        "outbound:stream",
+        "token:usage",
+        "tool:execute",
+        "outbound:message",
+        "turn:opened",
+        "turn:ended",
+    ):
+        runtime.subscribe(topic, on_event)
     previous_handler = None
     prompt_session: Any = None
     proxy: Any = contextlib.nullcontext()

@@ -117,7 +117,10 @@ def run_demo(db_path: str, out: TextIO | None = None) -> int:
             reason = f" ({payload['reason']})" if payload["reason"] else ""
             say(f"  ✓ {payload['turnId']} {payload['outcome']}{reason}")
 
-    runtime.subscribe("*", on_event)
+    # The topics shown, each on its own: a topic no one listens to builds no payload
+    # (agent:queue lists every waiting input at each change).
+    for topic in ("turn:opened", "outbound:message", "turn:ended"):
+        runtime.subscribe(topic, on_event)
     room: dict[str, Any] = {"platform": "qq", "group_id": "g1"}
     try:
         say(f"Session {session_id} in {db_path} (scripted model, real runtime)\n")
