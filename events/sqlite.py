@@ -976,10 +976,11 @@ def wal_adds_nothing(database: str, wal: str) -> bool:
     order, each valid while its salts are the header's and its checksum continues the
     chain, up to the last commit frame. Frames past it (an unfinished transaction) do
     not count; frames of a WAL started over before (other salts) end the valid ones.
-    True when no frame is committed, or when the last committed image of every page is
-    byte for byte the database file's page and the file is the size the last commit
-    left (a checkpoint that copied it all back). False otherwise, and for a WAL of a
-    version SQLite would not open."""
+    True when no frame is committed, or when the last committed image of every page the
+    database has after its last commit is byte for byte the database file's page and the
+    file is the size that commit left (a checkpoint that copied it all back; pages past
+    that end, left by a commit that shrank it, are not the database's). False otherwise,
+    and for a WAL of a version SQLite would not open."""
     try:
         with open(wal, "rb") as w, open(database, "rb") as db:
             header = w.read(32)
@@ -1020,6 +1021,8 @@ def wal_adds_nothing(database: str, wal: str) -> bool:
             if os.fstat(db.fileno()).st_size != pages * page_size:
                 return False
             for number, where in committed.items():
+                if number > pages:  # past the database's end after the last commit
+                    continue
                 w.seek(where)
                 db.seek((number - 1) * page_size)
                 if w.read(page_size) != db.read(page_size):
