@@ -1017,8 +1017,14 @@ class SessionActor(pykka.ThreadingActor):
     def _reply_at(self, seq: int) -> str:
         """The text of the reply saved at ``seq`` (as a live turn's handle gives it), read
         back from the log: the session keeps the seqs of its handled inputs' replies, not
-        their texts. A log that does not read back raises, as a load of it would."""
-        events = self.store.read(self.session_id, seq - 1)
+        their texts. A log that does not read back raises, as a load of it would. Read
+        alone where the store can (``read_range``): the rest of the log after it is not
+        read (an early input of a long log sent again read all of it, 150,000 events)."""
+        read_range = getattr(self.store, "read_range", None)
+        if read_range is not None:
+            events = read_range(self.session_id, seq - 1, seq)
+        else:
+            events = self.store.read(self.session_id, seq - 1)
         saved = events[0] if events else None
         if not isinstance(saved, MessageSaved) or saved.seq != seq:
             raise StoreError(

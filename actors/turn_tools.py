@@ -132,24 +132,41 @@ class ToolBatch(TurnBase):
                     # The turn ends here (an interrupt or an exit from the tool, or its
                     # agent:tool:after middleware failing), and is passed on: its start
                     # durable, the call gets its finish first, committed with the turn's
-                    # record. What the tool gave when it ran, else the interruption.
+                    # record. What the tool gave when it ran, else the interruption. The
+                    # calls that ran, this one included, stay in history as a stopped
+                    # turn's do (SCH6): the next turn is told they are as recorded.
                     gave: tuple[str | None, str | None, dict[str, Any]] | None = self._gave
                     self._gave = None
                     if gave is None:
                         gave = (None, _cut_short(exc), {})
-                    self._finish(tc, *gave, max_tokens=max_tokens)
+                    result, error = self._finish(tc, *gave, max_tokens=max_tokens)
+                    results.append(self._tool_result(tc, result, error, gave[2]))
+                    self._save_group(call, stored, results)
                     raise
             result, error = self._finish(tc, result, error, metadata, max_tokens=max_tokens)
-            results.append(
-                ChatMessage(
-                    id=self.ids.new("msg"),
-                    role="tool",
-                    content=error if error is not None else (result or ""),
-                    tool_call_id=tc.id,
-                    name=tc.name,
-                    meta=MessageMeta(turn_id=self.turn_id, call_id=tc.id, extra=metadata),
-                )
-            )
+            results.append(self._tool_result(tc, result, error, metadata))
+        return self._save_group(call, stored, results)
+
+    def _tool_result(
+        self, tc: ToolCall, result: str | None, error: str | None, metadata: dict[str, Any]
+    ) -> ChatMessage:
+        """The tool message answering ``tc`` with its result or error as recorded."""
+        return ChatMessage(
+            id=self.ids.new("msg"),
+            role="tool",
+            content=error if error is not None else (result or ""),
+            tool_call_id=tc.id,
+            name=tc.name,
+            meta=MessageMeta(turn_id=self.turn_id, call_id=tc.id, extra=metadata),
+        )
+
+    def _save_group(
+        self, call: _Call, stored: list[ToolCall], results: list[ChatMessage]
+    ) -> list[ChatMessage]:
+        """Archive the batch's group, the assistant message with the calls that ran and
+        their results (SAVE2), and return it; nothing when no call ran."""
+        if not stored:
+            return []
         head = ChatMessage(
             id=self.ids.new("msg"),
             role="assistant",
@@ -158,8 +175,6 @@ class ToolBatch(TurnBase):
             reasoning=call.reasoning,
             meta=MessageMeta(turn_id=self.turn_id),
         )
-        if not stored:
-            return []
         for message in (head, *results):
             self._archive(message)
         return [head, *results]
@@ -318,8 +333,9 @@ past it, it is dropped (and logged), as metadata the log cannot hold is."""
 _PASSED_ON = (KeyboardInterrupt, SystemExit)
 """Raised by a tool or its middleware, these end the turn as they would any code: an
 interrupt or an exit, not the tool's failure. They are raised on once the call's finish
-(an error naming the interruption) and the turn's record (``aborted``, reason
-``interrupt`` or ``exit``) are committed. Any other exception is the call's error."""
+(an error naming the interruption), the batch's group of the calls that ran (SAVE2) and
+the turn's record (``aborted``, reason ``interrupt`` or ``exit``) are committed. Any other
+exception is the call's error."""
 
 
 def _cut_short(exc: BaseException) -> str:

@@ -124,6 +124,12 @@ _ROWS = (  # one row of NULLs and the last seq when the session has no rows past
     "SELECT l.seq, l.data, s.last_seq FROM aalis_sessions s "
     "LEFT JOIN aalis_log l ON l.sid = s.sid AND l.seq > %s WHERE s.name = %s ORDER BY l.seq"
 )
+_ROWS_UNTIL = (  # as _ROWS, up to the row holding the seq given (a row's seq is its last)
+    "SELECT l.seq, l.data, s.last_seq FROM aalis_sessions s "
+    "LEFT JOIN aalis_log l ON l.sid = s.sid AND l.seq > %s AND l.seq <= coalesce("
+    "(SELECT min(m.seq) FROM aalis_log m WHERE m.sid = s.sid AND m.seq >= %s), %s) "
+    "WHERE s.name = %s ORDER BY l.seq"
+)
 _GROUP_BEFORE = (
     "SELECT seq, data FROM aalis_log WHERE sid = %s AND seq <= %s ORDER BY seq DESC LIMIT %s"
 )
@@ -499,10 +505,36 @@ class PostgresEventStore:
     def read(
         self, session_id: str, after_seq: int = 0, *, on_corrupt: CorruptHandler | None = None
     ) -> list[SessionEvent]:
-        found = self._query(_ROWS, (after_seq, _name(session_id)))
+        return self._read(session_id, after_seq, None, on_corrupt)
+
+    def read_range(
+        self,
+        session_id: str,
+        after_seq: int,
+        until_seq: int,
+        *,
+        on_corrupt: CorruptHandler | None = None,
+    ) -> list[SessionEvent]:
+        """:meth:`read`, only the events with seq up to ``until_seq``: the rows past it are
+        not read (an extra of this store, not of the protocol)."""
+        return self._read(session_id, after_seq, until_seq, on_corrupt)
+
+    def _read(
+        self,
+        session_id: str,
+        after_seq: int,
+        until_seq: int | None,
+        on_corrupt: CorruptHandler | None,
+    ) -> list[SessionEvent]:
+        if until_seq is None:
+            found = self._query(_ROWS, (after_seq, _name(session_id)))
+        else:
+            found = self._query(_ROWS_UNTIL, (after_seq, until_seq, until_seq, _name(session_id)))
         if not found:
             return []  # no such session
         last_seq = int(found[0][2])
+        if until_seq is not None:
+            last_seq = min(last_seq, until_seq)  # the seqs past it are not read
         rows: list[Row] = [(seq, bytes(data)) for seq, data, _ in found if seq is not None]
         if rows and (header := row_header(rows[0][1])) is not None and header[0]:
             rows[:0] = self._group_before(session_id, rows[0][0], header)
@@ -533,6 +565,8 @@ class PostgresEventStore:
                     continue
             if events[0].seq <= after_seq:  # the row holds events from before too
                 events = [e for e in events if e.seq > after_seq]
+            if until_seq is not None and events and events[-1].seq > until_seq:
+                events = [e for e in events if e.seq <= until_seq]
             out += events
         if (fault := follow.end(last_seq)) is not None:  # the last rows are gone
             report(fault)

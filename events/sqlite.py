@@ -662,12 +662,21 @@ class SqliteEventStore:
                 )
         return name
 
-    def _rows_unlocked(self, session_id: str, after_seq: int) -> list[Row]:
-        """The session's rows holding events past ``after_seq``, in order, led by the
-        earlier rows of the first one's group when it continues one (to be read for
-        their context only: their seqs are ``after_seq`` or less)."""
+    def _rows_unlocked(
+        self, session_id: str, after_seq: int, until_seq: int | None = None
+    ) -> list[Row]:
+        """The session's rows holding events past ``after_seq`` (up to the one holding
+        ``until_seq``, when given), in order, led by the earlier rows of the first one's
+        group when it continues one (to be read for their context only: their seqs are
+        ``after_seq`` or less)."""
         conn = self._conn
         if self._old_layout:
+            if until_seq is not None:
+                return conn.execute(
+                    "SELECT seq, data FROM events WHERE session_id = ? AND seq > ? "
+                    "AND seq <= ? ORDER BY seq",
+                    (session_id, after_seq, until_seq),
+                ).fetchall()
             return conn.execute(
                 "SELECT seq, data FROM events WHERE session_id = ? AND seq > ? ORDER BY seq",
                 (session_id, after_seq),
@@ -675,9 +684,18 @@ class SqliteEventStore:
         sid = self._sid_unlocked(session_id)
         if sid is None:
             return []
-        rows: list[Row] = conn.execute(
-            "SELECT seq, data FROM log WHERE sid = ? AND seq > ? ORDER BY seq", (sid, after_seq)
-        ).fetchall()
+        rows: list[Row]
+        if until_seq is None:
+            rows = conn.execute(
+                "SELECT seq, data FROM log WHERE sid = ? AND seq > ? ORDER BY seq",
+                (sid, after_seq),
+            ).fetchall()
+        else:  # a row's seq is its last event's: the first at or past until_seq holds it
+            rows = conn.execute(
+                "SELECT seq, data FROM log WHERE sid = ? AND seq > ? AND seq <= coalesce("
+                "(SELECT min(seq) FROM log WHERE sid = ? AND seq >= ?), ?) ORDER BY seq",
+                (sid, after_seq, sid, until_seq, until_seq),
+            ).fetchall()
         if rows:
             before = self._group_before_unlocked(sid, *rows[0])
             if before:
@@ -704,8 +722,30 @@ class SqliteEventStore:
     def read(
         self, session_id: str, after_seq: int = 0, *, on_corrupt: CorruptHandler | None = None
     ) -> list[SessionEvent]:
+        return self._read(session_id, after_seq, None, on_corrupt)
+
+    @_reads
+    def read_range(
+        self,
+        session_id: str,
+        after_seq: int,
+        until_seq: int,
+        *,
+        on_corrupt: CorruptHandler | None = None,
+    ) -> list[SessionEvent]:
+        """:meth:`read`, only the events with seq up to ``until_seq``: the rows past it are
+        not read (an extra of this store, not of the protocol)."""
+        return self._read(session_id, after_seq, until_seq, on_corrupt)
+
+    def _read(
+        self,
+        session_id: str,
+        after_seq: int,
+        until_seq: int | None,
+        on_corrupt: CorruptHandler | None,
+    ) -> list[SessionEvent]:
         with self._lock:
-            rows = self._rows_unlocked(session_id, after_seq)
+            rows = self._rows_unlocked(session_id, after_seq, until_seq)
         out: list[SessionEvent] = []
         reader = RowReader(session_id)
         read = reader.read
@@ -738,6 +778,8 @@ class SqliteEventStore:
                     continue
             if events[0].seq <= after_seq:  # the row holds events from before too
                 events = [e for e in events if e.seq > after_seq]
+            if until_seq is not None and events and events[-1].seq > until_seq:
+                events = [e for e in events if e.seq <= until_seq]
             out += events
         return out
 
@@ -934,10 +976,11 @@ def wal_adds_nothing(database: str, wal: str) -> bool:
     order, each valid while its salts are the header's and its checksum continues the
     chain, up to the last commit frame. Frames past it (an unfinished transaction) do
     not count; frames of a WAL started over before (other salts) end the valid ones.
-    True when no frame is committed, or when the last committed image of every page is
-    byte for byte the database file's page and the file is the size the last commit
-    left (a checkpoint that copied it all back). False otherwise, and for a WAL of a
-    version SQLite would not open."""
+    True when no frame is committed, or when the last committed image of every page the
+    database has after its last commit is byte for byte the database file's page and the
+    file is the size that commit left (a checkpoint that copied it all back; pages past
+    that end, left by a commit that shrank it, are not the database's). False otherwise,
+    and for a WAL of a version SQLite would not open."""
     try:
         with open(wal, "rb") as w, open(database, "rb") as db:
             header = w.read(32)
@@ -978,6 +1021,8 @@ def wal_adds_nothing(database: str, wal: str) -> bool:
             if os.fstat(db.fileno()).st_size != pages * page_size:
                 return False
             for number, where in committed.items():
+                if number > pages:  # past the database's end after the last commit
+                    continue
                 w.seek(where)
                 db.seek((number - 1) * page_size)
                 if w.read(page_size) != db.read(page_size):

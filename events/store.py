@@ -289,6 +289,22 @@ class InMemoryEventStore:
         first = max(after_seq, 0) + 1
         return [decode(b, session_id=session_id, seq=first + i) for i, b in enumerate(blobs)]
 
+    def read_range(
+        self,
+        session_id: str,
+        after_seq: int,
+        until_seq: int,
+        *,
+        on_corrupt: CorruptHandler | None = None,
+    ) -> list[SessionEvent]:
+        """:meth:`read`, only the events with seq up to ``until_seq`` (an extra of the
+        stores here, not of the protocol: a reader of one event need not read the rest)."""
+        with self._lock:
+            log = self._logs.get(session_id)
+            blobs: list[bytes] = log[max(after_seq, 0) : max(until_seq, 0)] if log else []
+        first = max(after_seq, 0) + 1
+        return [decode(b, session_id=session_id, seq=first + i) for i, b in enumerate(blobs)]
+
     def read_all(self, after_position: int = 0, limit: int | None = None) -> list[Recorded]:
         check_limit(limit)
         with self._lock:

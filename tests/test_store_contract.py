@@ -329,6 +329,24 @@ class StoreContract:
         assert store.read("s", after_seq) == [e for e in events if e.seq > after_seq]
         assert store.read("s", after_seq=after_seq) == store.read("s", after_seq)
 
+    def test_read_range_is_read_cut_at_until_seq(self, store: EventStore) -> None:
+        """``read_range`` (an extra of the stores that have it): the events ``read``
+        gives, only those up to ``until_seq``, wherever the appends' batches start and
+        end."""
+        read_range = getattr(store, "read_range", None)
+        if read_range is None:
+            pytest.skip("this store has no read_range (a reader then reads the rest)")
+        last = 0
+        for n in (1, 3, 2, 4):
+            store.append("s", batch("s", last + 1, n), last)
+            last += n
+        events = store.read("s")
+        for after_seq in range(-1, last + 2):
+            for until_seq in range(-1, last + 2):
+                expected = [e for e in events if after_seq < e.seq <= until_seq]
+                assert read_range("s", after_seq, until_seq) == expected, (after_seq, until_seq)
+        assert read_range("t", 0, 5) == []
+
     def test_read_of_unknown_session_is_empty(self, store: EventStore) -> None:
         store.append("s", batch("s", 1, 2), 0)
         assert store.read("t") == []
@@ -726,6 +744,8 @@ class TestSqliteStore(StoreContract):
         old = self._format_2_database(path)
         with SqliteEventStore(path, read_only=True) as reader:  # read as it is
             assert [r.event for r in reader.read_all()] == old
+            a = [e for e in old if e.session_id == "a"]
+            assert reader.read_range("a", 3, 7) == a[3:7]
         with SqliteEventStore(path) as store:
             assert [r.event for r in store.read_all()] == old
             assert store.sessions() == ["a", "b", "会话"]

@@ -9,6 +9,10 @@ raised on; when that write fails, the interrupt is still what goes on.
 
 An ``agent:tool:after`` middleware that raises fails its turn after the tool ran: the
 call's finish now records what the tool returned before the turn fails.
+
+Either way the batch's calls that ran stay in history, each with its result as recorded
+(they were left out, while the interrupted turn's stop marker told the next turn that
+executed calls are as recorded).
 """
 
 from __future__ import annotations
@@ -181,3 +185,74 @@ def test_a_failing_tool_after_middleware_records_what_the_tool_returned(
     record = events[2]
     assert isinstance(record, TurnRecorded)
     assert (record.outcome, record.reason) == ("error", "RuntimeError")
+
+
+@pytest.mark.parametrize(
+    "ending",
+    ["KeyboardInterrupt", "SystemExit", "agent:tool:after"],
+)
+def test_the_calls_that_ran_before_the_turn_ended_stay_in_history(
+    escaped: list[BaseException], ending: str
+) -> None:
+    """A batch of two calls: the first ran (an effect: an email sent), the second ended
+    the turn (an interrupt or an exit from the tool, or its agent:tool:after failing).
+    The group of calls that ran stays in history, each with its result as recorded, as a
+    stopped turn's finished groups do (SCH6, SAVE2): the next turn's model sees the email
+    was sent. The interrupted turn's stop marker tells it "executed tool calls are as
+    recorded"; the history held none of them, so it was told nothing ran."""
+    from aalis_agent import InMemoryEventStore
+
+    def send(args: Any, ctx: Any) -> str:
+        return "the email was sent"
+
+    def second(args: Any, ctx: Any) -> str:
+        if ending == "KeyboardInterrupt":
+            raise KeyboardInterrupt
+        if ending == "SystemExit":
+            raise SystemExit(3)
+        return "second's result"
+
+    def failing(ctx: Any, next_: Callable[[], Any]) -> Any:
+        next_()
+        if ctx.name == "second":
+            raise RuntimeError("after failed")
+
+    hooks = Hooks()
+    if ending == "agent:tool:after":
+        hooks.use("agent:tool:after", failing)
+    requests: list[Any] = []
+
+    def reply(request: Any, n: int) -> ScriptedReply:
+        requests.append(request)
+        if n == 1:
+            return ScriptedReply(
+                tool_calls=(
+                    ToolCall(id="c1", name="send", arguments="{}"),
+                    ToolCall(id="c2", name="second", arguments="{}"),
+                )
+            )
+        return ScriptedReply(text="it was sent")
+
+    services = Services(
+        llm=ScriptedModel(reply), tools=ToolRegistry([Tool("send", send), Tool("second", second)])
+    )
+    runtime = Runtime(InMemoryEventStore(), services, hooks=hooks, janitor=False)
+    try:
+        first = runtime.submit("room", Input(id="a", content="send it")).result(30)
+        assert first.outcome == ("error" if ending == "agent:tool:after" else "aborted")
+        runtime.submit("room", Input(id="b", content="was it sent?")).result(30)
+    finally:
+        runtime.shutdown(timeout=10)
+    seen = requests[-1].messages
+    calls = [m for m in seen if m.tool_calls]
+    assert [[c.id for c in m.tool_calls] for m in calls] == [["c1", "c2"]]
+    results = {m.tool_call_id: m.content for m in seen if m.role == "tool"}
+    assert results["c1"] == "the email was sent"
+    if ending == "agent:tool:after":
+        assert results["c2"] == "second's result"  # what the tool returned
+    else:
+        assert results["c2"].startswith(ending)
+        assert "interrupted while the tool ran" in results["c2"]
+    # in order: the input, the group (the call, then its results), then the next input
+    roles = [m.role for m in seen if m.role != "system"]
+    assert roles == ["user", "assistant", "tool", "tool", "user"]

@@ -108,3 +108,43 @@ def test_frames_past_the_last_commit_and_headers_sqlite_would_not_take(tmp_path:
     with open(database, "r+b") as f:
         f.truncate(page)
     assert not wal_adds_nothing(database, wal)
+
+
+def test_a_wal_whose_last_commit_shrank_the_database_and_was_copied_back_adds_nothing(
+    tmp_path: Path,
+) -> None:
+    """A commit that shrinks the database (a VACUUM after rows were deleted) leaves the
+    pages past its new end in earlier commits' frames; a checkpoint copies the rest back
+    and cuts the file to the new size. Those pages are no longer the database's: SQLite
+    reading the WAL does not read them. They were compared with the file, which no longer
+    has them, and the database was refused though the file alone is the database."""
+    db = tmp_path / "d.db"
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode=wal")
+        conn.execute("PRAGMA wal_autocheckpoint=0")
+        conn.execute("CREATE TABLE t (x)")
+        for n in range(200):
+            conn.execute("INSERT INTO t VALUES (?)", (f"{n:04}" * 100,))
+        conn.execute("DELETE FROM t WHERE rowid > 3")
+        conn.execute("VACUUM")
+        shrunk = _kept(db, tmp_path / "shrunk")  # the VACUUM's commit in the WAL only
+        busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        assert busy == 0 and frames == copied > 0
+        back = _kept(db, tmp_path / "back")
+    finally:
+        conn.close()
+
+    def rows(path: Path, *, immutable: bool) -> list[tuple[str]]:
+        uri = f"file:{path}?mode=ro" + ("&immutable=1" if immutable else "")
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as c:
+            return c.execute("SELECT x FROM t ORDER BY rowid").fetchall()
+
+    assert not wal_adds_nothing(str(shrunk[0]), str(shrunk[1]))
+    assert wal_adds_nothing(str(back[0]), str(back[1]))
+    # What SQLite reads agrees: the file alone is the database once copied back.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    copy = Path(shutil.copy(back[0], alone / "d.db"))
+    assert rows(copy, immutable=True) == rows(back[0], immutable=False)
+    assert len(rows(copy, immutable=True)) == 3
