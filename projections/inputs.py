@@ -29,7 +29,9 @@ __all__ = ["KEEP_INPUT_IDS", "Handled", "InputIds", "digest"]
 
 KEEP_INPUT_IDS = 10_000
 """How many input ids a session remembers (the most recently received ones). An id older
-than that is forgotten: an input sent again under it is taken as a new one."""
+than that is forgotten once its input ended: an input sent again under it is taken as a
+new one. While the oldest still waits or runs, none is forgotten (the memory then holds
+more, as the queue does, up to twice as many)."""
 
 
 def digest(inp: Input) -> int:
@@ -98,8 +100,23 @@ class InputIds:
                 continue
             elif kind is InputReceived:
                 inp = event.input  # type: ignore[union-attr]
-                if by_id.pop(inp.id, None) is None and len(by_id) >= self._limit:
-                    del by_id[next(iter(by_id))]  # the oldest is forgotten
+                if by_id.pop(inp.id, None) is None:
+                    # The oldest are forgotten, once they ended: one still waiting or
+                    # running is kept (past the limit, as long as it waits, up to twice
+                    # the limit) so that, sent again after it ran, it is answered rather
+                    # than run twice.
+                    limit, moved = self._limit, 0
+                    while len(by_id) >= limit:
+                        oldest = next(iter(by_id))
+                        kept = by_id[oldest]
+                        if kept.outcome is None and len(by_id) < 2 * limit:
+                            if moved == 2:
+                                break  # a run still waiting: held, as the queue holds it
+                            moved += 1
+                            del by_id[oldest]  # put last, to be forgotten after it ends
+                            by_id[oldest] = kept
+                            continue
+                        del by_id[oldest]
                 by_id[inp.id] = Handled(digest(inp))
             elif kind is InputJoined:
                 input_id, turn_id = event.input_id, event.turn_id  # type: ignore[union-attr]

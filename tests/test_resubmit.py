@@ -293,6 +293,30 @@ def test_only_the_last_ids_are_kept(
     assert runtime.submit(SID, Input(id="b", content="第2句")).where == "opened"
 
 
+def test_an_input_still_waiting_is_not_forgotten_however_many_come_after() -> None:
+    """Inputs past the limit arriving while an earlier one still waits do not push it
+    out: once it ran, it is answered if sent again (it ran twice: forgotten while it
+    waited, it was taken as new); the memory holds more meanwhile, at most twice the
+    limit, and comes back to the limit as the waiting ones end."""
+    log: list[Any] = [
+        *_arrived("w"),  # waits (queued behind a turn) while the others come and go
+        *[e for n in range(6) for e in (*_arrived(f"i{n}"), *_turn(f"t{n}", f"i{n}"))],
+    ]
+    ids = InputIds.of(log, limit=3)
+    assert "w" in ids and ids.get("w") == Handled(digest(Input(id="w", content="说 w")))
+    assert len(ids) == 3 and "i5" in ids and "i4" in ids  # the ended ones are forgotten
+    ids.fold(_turn("tw", "w"))
+    ended = ids.get("w")
+    assert ended is not None and (ended.turn_id, ended.outcome) == ("tw", "replied")
+    for n in range(3):
+        ids.fold(_arrived(f"j{n}"))
+    assert "w" not in ids and len(ids) == 3  # ended, then forgotten in its turn
+    # A run still waiting is held past the limit, up to twice the limit (inputs that
+    # never end, in a log cut oddly, cannot make it grow for good).
+    flood = InputIds.of([e for n in range(50) for e in _arrived(f"k{n}")], limit=3)
+    assert 3 < len(flood) <= 6 and "k49" in flood
+
+
 def test_a_cancelled_asubmit_sent_again_gets_the_same_turn() -> None:
     gate = Gate()
     rt = _runtime(InMemoryEventStore(), gate)
