@@ -119,6 +119,8 @@ class Workers:
             with self.gate.held() if gate else _NOTHING:
                 task()
         except BaseException:  # a task reports its own failures; never lose the worker
-            log.exception("a turn's thread failed outside its turn")
+            # (a KeyboardInterrupt or SystemExit a tool raised ends here too, once its
+            # turn is recorded ``aborted``: the turn's caller has that outcome)
+            log.exception("a turn's thread ended on an exception it raised on")
         finally:
             local.busy = False
