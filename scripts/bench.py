@@ -402,7 +402,9 @@ def bench_submit_during_turn(tmp: Path) -> None:
 
     _quiet_logs()
 
-    def run(n: int, held: bool, k: int) -> tuple[float, float, float]:
+    def blocked(name: str) -> tuple[Any, SqliteEventStore, threading.Event, threading.Event]:
+        """A runtime whose first turn's tool blocks until ``gate`` is set (``in_tool`` is
+        set once it does), on a store of its own."""
         gate, in_tool = threading.Event(), threading.Event()
 
         def reply(request: object, n: int) -> ScriptedReply:
@@ -415,10 +417,13 @@ def bench_submit_during_turn(tmp: Path) -> None:
             gate.wait(600)
             return "好"
 
-        store = SqliteEventStore(tmp / f"during-{k}.db")
+        store = SqliteEventStore(tmp / f"{name}.db")
         llm = ScriptedModel(reply, context_length=100_000_000, keep_requests=0)
         services = Services(llm=llm, tools=ToolRegistry([Tool("block", block)]))
-        runtime = Runtime(store, services, janitor=False)
+        return Runtime(store, services, janitor=False), store, gate, in_tool
+
+    def run(n: int, held: bool, k: int) -> tuple[float, float, float]:
+        runtime, store, gate, in_tool = blocked(f"during-{k}")
         try:
             first = runtime.submit(
                 "s", Input(id="", content="占着", source=None if held else "schedule")
@@ -445,22 +450,7 @@ def bench_submit_during_turn(tmp: Path) -> None:
         return submits, released, replay
 
     def stop_all(n: int, k: int) -> tuple[float, float]:
-        gate, in_tool = threading.Event(), threading.Event()
-
-        def reply(request: object, n: int) -> ScriptedReply:
-            if n == 1:
-                return ScriptedReply(tool_calls=(ToolCall(id="c1", name="block", arguments="{}"),))
-            return ScriptedReply(text="好")
-
-        def block(args: object, ctx: object) -> str:
-            in_tool.set()
-            gate.wait(600)
-            return "好"
-
-        store = SqliteEventStore(tmp / f"stop-all-{k}.db")
-        llm = ScriptedModel(reply, context_length=100_000_000, keep_requests=0)
-        services = Services(llm=llm, tools=ToolRegistry([Tool("block", block)]))
-        runtime = Runtime(store, services, janitor=False)
+        runtime, store, gate, in_tool = blocked(f"stop-all-{k}")
         try:
             first = runtime.submit("s", Input(id="", content="占着", source="schedule"))
             in_tool.wait(60)
