@@ -281,6 +281,15 @@ def _queue_fields(q: QueueState) -> _QueueFields:
     )
 
 
+def _first_by_id(items: Iterable[Waiting]) -> dict[str, Waiting]:
+    """The first input waiting under each id in ``items``, as the queue's ``_take`` finds
+    one: an index ``project`` builds once for a run of inputs taken by id."""
+    first: dict[str, Waiting] = {}
+    for w in items:
+        first.setdefault(w.input.id, w)
+    return first
+
+
 def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> SessionView:
     """Fold a whole log (or the rest of one, from ``view``).
 
@@ -467,15 +476,11 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                     and all(w.input.id != input_id for w in arrived)
                 ):
                     if p_first is None:
-                        p_first = {}
-                        for w in pending:
-                            p_first.setdefault(w.input.id, w)
+                        p_first = _first_by_id(pending)
                     moved = p_first.get(input_id)
                     if moved is not None:
                         if q_first is None:
-                            q_first = {}
-                            for w in queued:
-                                q_first.setdefault(w.input.id, w)
+                            q_first = _first_by_id(queued)
                         if input_id not in q_first:
                             p_drop.add(input_id)
                             if moved.held_for is not None:
@@ -495,16 +500,12 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                     released: Waiting | None = None
                     if input_id not in q_drop:
                         if q_first is None:
-                            q_first = {}
-                            for w in queued:
-                                q_first.setdefault(w.input.id, w)
+                            q_first = _first_by_id(queued)
                         released = q_first.get(input_id)
                     drop = q_drop
                     if released is None and input_id not in p_drop:
                         if p_first is None:
-                            p_first = {}
-                            for w in pending:
-                                p_first.setdefault(w.input.id, w)
+                            p_first = _first_by_id(pending)
                         released = p_first.get(input_id)
                         drop = p_drop
                     if released is None:
@@ -542,9 +543,7 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                     found: Waiting | None = None
                     if input_id not in q_drop:
                         if q_first is None:
-                            q_first = {}
-                            for w in queued:
-                                q_first.setdefault(w.input.id, w)
+                            q_first = _first_by_id(queued)
                         found = q_first.get(input_id)
                     if found is not None:
                         q_drop.add(input_id)
@@ -554,9 +553,7 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                         r_obj = q_obj = None
                     elif input_id not in p_drop:
                         if p_first is None:
-                            p_first = {}
-                            for w in pending:
-                                p_first.setdefault(w.input.id, w)
+                            p_first = _first_by_id(pending)
                         found = p_first.get(input_id)
                         if found is not None:
                             p_drop.add(input_id)
