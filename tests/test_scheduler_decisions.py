@@ -152,6 +152,33 @@ def test_next_turn_takes_the_head_human_batch_with_the_prefix() -> None:
     assert opened[-1].from_queue and opened[-1].batch_prefix == BATCH_PREFIX
 
 
+def _counting_takes(
+    monkeypatch: pytest.MonkeyPatch, taken: list[str]
+) -> Callable[[Callable[[Step], object]], Callable[[Step], None]]:
+    """Wraps a decision so that each input the queue's handler takes out of a list one
+    at a time (``queue._take``, which builds the list anew) while it runs is recorded in
+    ``taken``; the harness's own checks after it are not counted."""
+    from aalis_agent.projections import queue
+
+    take = queue._take
+
+    def counted(state: queue.QueueState, input_id: str) -> object:
+        taken.append(input_id)
+        return take(state, input_id)
+
+    def counting(decide: Callable[[Step], object]) -> Callable[[Step], None]:
+        def run(st: Step) -> None:
+            monkeypatch.setattr(queue, "_take", counted)
+            try:
+                decide(st)
+            finally:
+                monkeypatch.setattr(queue, "_take", take)
+
+        return run
+
+    return counting
+
+
 def test_a_turn_opened_from_a_long_queue_takes_its_inputs_in_one_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -160,28 +187,16 @@ def test_a_turn_opened_from_a_long_queue_takes_its_inputs_in_one_pass(
     together (``Step.add_all``): no input is taken by the queue's handler, which builds
     the queue anew without that one input (a queue of 16,000 took 4.8 s to open, now
     0.03 s)."""
-    from aalis_agent.projections import queue
-
     s = Session()
     s.submit(inj(1))
     humans = [h(n, addressed=False) for n in range(2, 42)]
     assert {s.submit(inp) for inp in humans} == {"queued"}
     one_by_one = SessionView()
     taken: list[str] = []
-    take = queue._take
-
-    def counted(state: queue.QueueState, input_id: str) -> object:
-        taken.append(input_id)
-        return take(state, input_id)
-
-    def settle(st: Step) -> None:
-        monkeypatch.setattr(queue, "_take", counted)
-        try:
-            decide_settled(st, "turn-1", "replied", s.ctx, message_id=s.message_id)
-        finally:
-            monkeypatch.setattr(queue, "_take", take)
-
-    events = s.step(settle)
+    counting = _counting_takes(monkeypatch, taken)
+    events = s.step(
+        counting(lambda st: decide_settled(st, "turn-1", "replied", s.ctx, message_id=s.message_id))
+    )
     assert taken == []
     opened = [e for e in events if isinstance(e, TurnOpened)]
     assert opened[0].input_ids == tuple(inp.id for inp in humans)
@@ -203,24 +218,8 @@ def test_forty_inputs_pending_at_the_final_call_move_to_the_queue_in_one_pass(
     together (``Step.add_all``): none is taken by the queue's handler, which builds the
     pending list anew without that one input (16,000 pending took 9.9 s to move, now
     0.06 s). The same when the turn settles with inputs still pending."""
-    from aalis_agent.projections import queue
-
     taken: list[str] = []
-    take = queue._take
-
-    def counted(state: queue.QueueState, input_id: str) -> object:
-        taken.append(input_id)
-        return take(state, input_id)
-
-    def counting(decide: Callable[[Step], object]) -> Callable[[Step], None]:
-        def run(st: Step) -> None:
-            monkeypatch.setattr(queue, "_take", counted)
-            try:
-                decide(st)
-            finally:
-                monkeypatch.setattr(queue, "_take", take)
-
-        return run
+    counting = _counting_takes(monkeypatch, taken)
 
     humans = [h(n, addressed=False) for n in range(2, 42)]
     s = Session()
@@ -263,24 +262,8 @@ def test_forty_waiting_inputs_released_and_archived_in_one_pass(
     the queue's handler, which builds the list anew without that one input, nor taken
     off ``to_archive`` one copy at a time (16,000 queued took 6.6 s to release, and 9.4 s
     to fold back at every load of the session; now 0.14 s and 0.05 s)."""
-    from aalis_agent.projections import queue
-
     taken: list[str] = []
-    take = queue._take
-
-    def counted(state: queue.QueueState, input_id: str) -> object:
-        taken.append(input_id)
-        return take(state, input_id)
-
-    def counting(decide: Callable[[Step], object]) -> Callable[[Step], None]:
-        def run(st: Step) -> None:  # the decision only, not the harness's own checks
-            monkeypatch.setattr(queue, "_take", counted)
-            try:
-                decide(st)
-            finally:
-                monkeypatch.setattr(queue, "_take", take)
-
-        return run
+    counting = _counting_takes(monkeypatch, taken)
 
     humans = [h(n, addressed=False) for n in range(2, 22)]
     injections = [inj(n) for n in range(1, 21)]
