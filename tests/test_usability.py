@@ -5,10 +5,19 @@ else."""
 
 from __future__ import annotations
 
+import pytest
+
 import aalis_agent
 from aalis_agent import (
     AgentConfig,
     ChatMessage,
+    ConfigError,
+    InMemoryEventStore,
+    Input,
+    Runtime,
+    ScriptedModel,
+    ScriptedReply,
+    Services,
     StaticPersonas,
 )
 
@@ -40,3 +49,39 @@ def test_a_bot_imports_what_it_uses_from_the_package_root() -> None:
     ):
         assert name in aalis_agent.__all__, name
         assert getattr(aalis_agent, name) is getattr(bus_events, name)
+
+
+def test_a_persona_given_as_a_bare_prompt_is_refused_naming_it() -> None:
+    """``{"pirate": "You are a pirate."}`` was taken as a (name, prompt) pair: the
+    prompt sent to the model was its second character, ``'o'``."""
+    with pytest.raises(ConfigError, match=r"persona 'pirate': expected a \(name, prompt\) pair"):
+        StaticPersonas({"pirate": "You are a pirate."}, default="pirate")  # type: ignore[dict-item]
+    with pytest.raises(ConfigError, match="persona 'p'"):
+        StaticPersonas({"p": ("P", 3)})  # type: ignore[dict-item]
+
+
+def test_a_default_persona_that_names_none_of_them_is_refused() -> None:
+    """A misspelt default gave every session no persona at all, silently."""
+    with pytest.raises(ConfigError, match=r"default persona 'pirat' is not one of them.*'pirate'"):
+        StaticPersonas({"pirate": ("Pirate", "You are a pirate.")}, default="pirat")
+
+
+def test_well_formed_personas_reach_the_prompt() -> None:
+    personas = StaticPersonas({"pirate": ("Pirate", "You are a pirate.")}, default="pirate")
+    assert personas.prompt(None) == "You are a pirate."
+    assert personas.list() == [("pirate", "Pirate")]
+    seen: list[str] = []
+
+    def model(request, n):  # type: ignore[no-untyped-def]
+        seen.append("\n".join(m.content for m in request.messages if m.role == "system"))
+        return ScriptedReply(text="arr")
+
+    runtime = Runtime(
+        InMemoryEventStore(),
+        Services(llm=ScriptedModel(model), persona=personas, config=AgentConfig(locale="en")),
+    )
+    try:
+        assert runtime.run("room", Input(id="", content="hi")).reply == "arr"
+    finally:
+        runtime.shutdown()
+    assert "You are a pirate." in seen[0]
