@@ -19,6 +19,8 @@ from aalis_agent import (
     ScriptedReply,
     Services,
     StaticPersonas,
+    ToolRegistry,
+    tool,
 )
 
 
@@ -85,3 +87,34 @@ def test_well_formed_personas_reach_the_prompt() -> None:
     finally:
         runtime.shutdown()
     assert "You are a pirate." in seen[0]
+
+
+def test_a_plain_function_in_a_tool_registry_is_refused_saying_to_use_tool() -> None:
+    """It failed with ``AttributeError: 'function' object has no attribute 'name'``."""
+
+    def roll(sides: int) -> str:
+        return str(sides)
+
+    with pytest.raises(TypeError, match=r"'roll' is a function: make it a tool with @tool"):
+        ToolRegistry([roll])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="holds Tool objects; got str"):
+        ToolRegistry(["roll"])  # type: ignore[list-item]
+    assert ToolRegistry([tool(roll)]).get("roll") is not None
+
+
+def test_services_given_a_list_of_tools_is_refused_naming_tool_registry() -> None:
+    """A list was accepted, and the first turn failed on it far from where it was given."""
+
+    @tool
+    def roll(sides: int) -> str:
+        """Roll a die.
+
+        Args:
+            sides: How many sides.
+        """
+        return str(sides)
+
+    with pytest.raises(
+        TypeError, match=r"takes a ToolRegistry, got list: write tools=ToolRegistry"
+    ):
+        Services(tools=[roll])  # type: ignore[arg-type]
