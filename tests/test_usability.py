@@ -118,3 +118,51 @@ def test_services_given_a_list_of_tools_is_refused_naming_tool_registry() -> Non
         TypeError, match=r"takes a ToolRegistry, got list: write tools=ToolRegistry"
     ):
         Services(tools=[roll])  # type: ignore[arg-type]
+
+
+def test_an_asyncio_bot_recovers_after_a_restart_without_blocking_its_loop() -> None:
+    """After a kill, a turn cut mid-call has no record and an input queued behind it
+    waits; ``Runtime.recover`` fixes both, but ``AsyncRuntime`` had no way to call it off
+    the event loop. ``await arecover()`` records the cut turn and runs the queued input."""
+    import asyncio
+
+    from aalis_agent.events import (
+        Batch,
+        InputJoined,
+        InputQueued,
+        InputReceived,
+        MessageSaved,
+        ModelCallStarted,
+        TurnOpened,
+    )
+    from aalis_agent.events.schema import MessageMeta
+
+    from aalis_agent import AsyncRuntime, TurnEnded
+
+    store = InMemoryEventStore()
+    cut = Batch("room", 0, now_ms=1_000)
+    cut.add(InputReceived(input=Input(id="a", content="one", timestamp=1_000)))
+    cut.add(TurnOpened(turn_id="turn-1", input_ids=("a",)))
+    cut.add(InputJoined(input_id="a", turn_id="turn-1", entry="opened"))
+    meta = MessageMeta(turn_id="turn-1", entry="opened", input_id="a")
+    cut.add(MessageSaved(message=ChatMessage(id="m-a", role="user", content="one", meta=meta)))
+    cut.add(ModelCallStarted(turn_id="turn-1", index=1))
+    cut.add(InputReceived(input=Input(id="b", content="two", timestamp=1_000)))
+    cut.add(InputQueued(input_id="b"))
+    store.append("room", cut.events, 0)
+
+    async def main() -> list[tuple[str, str, str | None]]:
+        runtime = Runtime(store, Services(llm=ScriptedModel([ScriptedReply(text="back")])))
+        async with AsyncRuntime(runtime) as agent:
+            ended: list[tuple[str, str, str | None]] = []
+            async with agent.events("room", topics=("turn:ended",)) as events:
+                assert await agent.arecover() == ["room"]
+                while len(ended) < 2:
+                    event = await events.next(10)
+                    assert isinstance(event, TurnEnded)
+                    ended.append((event.turn_id, event.outcome, event.reason))
+            return ended
+
+    ended = asyncio.run(main())
+    assert ended[0] == ("turn-1", "aborted", "crash")
+    assert ended[1][1:] == ("replied", None)
