@@ -166,3 +166,38 @@ def test_an_asyncio_bot_recovers_after_a_restart_without_blocking_its_loop() -> 
     ended = asyncio.run(main())
     assert ended[0] == ("turn-1", "aborted", "crash")
     assert ended[1][1:] == ("replied", None)
+
+
+def test_a_scripted_model_given_texts_is_refused_saying_to_wrap_them() -> None:
+    """``ScriptedModel(["hi"])`` was accepted and every turn failed mid-call with
+    ``AttributeError``; ``ScriptedModel("hi")`` answered 'h', then 'i'."""
+    with pytest.raises(TypeError, match=r"reply 0 is str 'hi', not a ScriptedReply: write"):
+        ScriptedModel(["hi"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"not a str: write \[ScriptedReply\(text='hi'\)\]"):
+        ScriptedModel("hi")  # type: ignore[arg-type]
+
+
+def test_a_scripted_model_function_of_the_wrong_shape_is_refused_naming_the_call() -> None:
+    """A one-argument function was accepted and every turn ended ``error`` (TypeError
+    from inside the model call)."""
+
+    def answer(request):  # type: ignore[no-untyped-def]
+        return ScriptedReply(text="x")
+
+    with pytest.raises(TypeError, match=r"called as fn\(request, n\).*answer\(request\)"):
+        ScriptedModel(answer)
+    ScriptedModel(lambda request, n: ScriptedReply(text="x"))
+    ScriptedModel(lambda *args: ScriptedReply(text="x"))
+
+
+def test_a_scripted_model_function_returning_text_fails_its_turn_saying_so() -> None:
+    """It failed with ``AttributeError: 'str' object has no attribute 'chunks'``."""
+    model = ScriptedModel(lambda request, n: "hello")  # type: ignore[arg-type,return-value]
+    runtime = Runtime(InMemoryEventStore(), Services(llm=model))
+    try:
+        outcome = runtime.run("room", Input(id="", content="hi"))
+    finally:
+        runtime.shutdown()
+    assert (outcome.outcome, outcome.reason) == ("error", "TypeError")
+    with pytest.raises(TypeError, match=r"function returned str 'hello' for call 2, not a"):
+        model._next(model.requests[0])
