@@ -534,6 +534,13 @@ class AsyncRuntime:
 
     # --- observing ---------------------------------------------------------------------
 
+    async def arecover(self) -> list[str]:
+        """``Runtime.recover`` on a thread: after a restart, record each turn a crash cut
+        and run the inputs still queued (a session's next use does it too, but a room
+        nobody writes to again would keep its queued inputs unanswered). Returns the
+        sessions it started."""
+        return await self._call(self.runtime.recover)
+
     async def aview(self, session_id: str) -> SessionView:
         """The session's projected state."""
         return await self._call(self.runtime.view, session_id)

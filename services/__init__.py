@@ -99,6 +99,13 @@ class Services:
     _models: LlmService | None = field(default=None, init=False, repr=False, compare=False)
     _layers: SettingsLayers | None = field(default=None, init=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.tools, ToolRegistry):
+            raise TypeError(
+                f"Services(tools=...) takes a ToolRegistry, got {type(self.tools).__name__}: "
+                "write tools=ToolRegistry([...])"
+            )
+
     @property
     def resolver(self) -> SettingsResolver:
         """The settings layers in use: :attr:`settings`, else the plugin config alone."""

@@ -7,6 +7,7 @@ calls (accepted from any chunk), tool-call progress (index, name, characters so 
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 import tomllib
@@ -190,6 +191,42 @@ def _known(table: dict[Any, Any], kind: type[msgspec.Struct], where: str) -> Non
             raise ValueError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(fields))})")
 
 
+def _replies_checked(replies: Any) -> list[ScriptedReply]:
+    """``replies`` as a list, each a :class:`ScriptedReply`, or a TypeError naming the
+    first that is not (a bare text would be read letter by letter, or fail mid-turn)."""
+    if isinstance(replies, str | bytes):
+        raise TypeError(
+            "ScriptedModel takes a list of ScriptedReply or a function (request, n), "
+            f"not a {type(replies).__name__}: write [ScriptedReply(text={replies!r:.60})]"
+        )
+    listed = list(replies)
+    for k, reply in enumerate(listed):
+        if not isinstance(reply, ScriptedReply):
+            hint = f": write ScriptedReply(text={reply!r:.60})" if isinstance(reply, str) else ""
+            raise TypeError(
+                f"ScriptedModel reply {k} is {type(reply).__name__} {reply!r:.80}, "
+                f"not a ScriptedReply{hint}"
+            )
+    return listed
+
+
+def _check_responder(fn: Callable[..., Any]) -> None:
+    """A TypeError now, naming the function, if it cannot be called as ``fn(request, n)``
+    (it would fail every turn, each with a TypeError from deep in the call)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return
+    try:
+        signature.bind(None, 0)
+    except TypeError as exc:
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise TypeError(
+            f"a ScriptedModel function is called as fn(request, n) (the request and the "
+            f"call's number); {name}{signature} cannot be: {exc}"
+        ) from None
+
+
 class ScriptedModel:
     """A model that answers from a script: a list of replies used in order, or a function.
 
@@ -220,7 +257,9 @@ class ScriptedModel:
         self.think_levels = tuple(think_levels)
         self.default_think = default_think
         self._responder: Responder | None = replies if callable(replies) else None
-        self._replies = [] if callable(replies) else list(replies)
+        self._replies = [] if callable(replies) else _replies_checked(replies)
+        if self._responder is not None:
+            _check_responder(self._responder)
         self._default = default or ScriptedReply(text="好的。")
         self._lock = threading.Lock()
         self.requests: list[ChatRequest] = []
@@ -271,7 +310,13 @@ class ScriptedModel:
                 if len(self.requests) > 2 * self._keep:
                     del self.requests[: -self._keep]
             if self._responder is not None:
-                return self._responder(request, n)
+                reply = self._responder(request, n)
+                if not isinstance(reply, ScriptedReply):
+                    raise TypeError(
+                        f"the ScriptedModel's function returned {type(reply).__name__} "
+                        f"{reply!r:.80} for call {n}, not a ScriptedReply"
+                    )
+                return reply
             if self._replies:
                 return self._replies.pop(0)
             return self._default

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeAlias
 
+from aalis_agent.events import ConfigError
+
 __all__ = [
     "Gateway",
     "LogArchive",
@@ -57,10 +59,31 @@ class PersonaService(Protocol):
 
 
 class StaticPersonas:
-    """Personas given up front as ``{id: (name, prompt)}``; ``default`` when none is set."""
+    """Personas given up front as ``{id: (name, prompt)}``; ``default`` when none is set.
+
+    A persona that is not a ``(name, prompt)`` pair of texts, or a ``default`` that names
+    none of them, is refused with :class:`ConfigError` naming it (a bare prompt would be
+    read as a pair, and an unknown default would leave every session with no persona).
+    """
 
     def __init__(self, personas: dict[str, tuple[str, str]], default: str | None = None) -> None:
         self._personas = dict(personas)
+        for pid, entry in self._personas.items():
+            if not (
+                isinstance(pid, str)
+                and isinstance(entry, tuple | list)
+                and len(entry) == 2
+                and all(isinstance(part, str) for part in entry)
+            ):
+                raise ConfigError(
+                    f"persona {pid!r:.80}: expected a (name, prompt) pair of texts, "
+                    f"got {type(entry).__name__} {entry!r:.80}"
+                )
+        if default is not None and default not in self._personas:
+            known = ", ".join(repr(k) for k in sorted(self._personas)) or "none"
+            raise ConfigError(
+                f"default persona {default!r:.80} is not one of them (known: {known})"
+            )
         self._default = default
 
     def prompt(self, persona_id: str | None) -> str | None:

@@ -72,6 +72,15 @@ class ToolRegistry:
             self.register(tool)
 
     def register(self, tool: Tool) -> None:
+        if not isinstance(tool, Tool):
+            what = getattr(tool, "__name__", None)
+            hint = (
+                f"{what!r:.80} is a {type(tool).__name__}: make it a tool with @tool "
+                "(aalis_agent.tool) or Tool(name, handler)"
+                if callable(tool) and what
+                else f"got {type(tool).__name__}"
+            )
+            raise TypeError(f"a ToolRegistry holds Tool objects; {hint}")
         with self._lock:
             if tool.name in self._tools:
                 raise ValueError(f"tool {tool.name!r} is registered already")
