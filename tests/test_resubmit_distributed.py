@@ -280,6 +280,80 @@ def test_a_retry_whose_reply_row_is_corrupt_is_a_clear_error_and_the_session_goe
     assert after.outcome == "replied" and a.gate.calls == 2
 
 
+# --- a log copied from SQLite: rows that continue a group ------------------------------
+
+
+def _copy_sqlite_log(path: Path, url: str, session_id: str) -> list[int]:
+    """Copy the session's rows from a SQLite file into the PostgreSQL log as they are
+    (each row continuing its group as SQLite wrote it); the depth of each row."""
+    import sqlite3
+
+    from aalis_agent.events.codec import row_header
+
+    conn = sqlite3.connect(path)
+    try:
+        rows = conn.execute(
+            "SELECT l.seq, l.data FROM log l JOIN sessions s ON s.id = l.sid "
+            "WHERE s.name = ? ORDER BY l.seq",
+            (session_id,),
+        ).fetchall()
+    finally:
+        conn.close()
+    depths, last = [], 0
+    with psycopg.connect(url, autocommit=True) as pg:
+        PostgresEventStore(url).close()  # its tables
+        for seq, data in rows:
+            header = row_header(bytes(data))
+            assert header is not None and seq - header[1] == last
+            depths.append(header[0])
+            row = pg.execute(
+                "SELECT aalis_append(%s, %s, %s, false, %s)",
+                (session_id.encode(), last, header[1], bytes(data)),
+            ).fetchone()
+            assert row is not None and row[0] > 0
+            last = seq
+    return depths
+
+
+def test_retries_over_a_log_copied_from_sqlite_read_their_replies_inside_groups(
+    nodes: list[Node],
+    pg_url: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A session run on SQLite (rows continuing their groups, some holding several events)
+    copied into PostgreSQL: ``read_range`` gives what ``read`` gives for every range,
+    one starting inside a row or a group included, and each of its inputs sent again to
+    a runtime over PostgreSQL is answered with its reply as on SQLite, nothing written."""
+    from aalis_agent.events import SqliteEventStore
+
+    path = tmp_path / "agent.db"
+    gate = Gate("原")
+    with SqliteEventStore(path) as sqlite_store:
+        rt = Runtime(
+            sqlite_store, Services(llm=gate.model), FixedClock(), RunIds("s"), janitor=False
+        )
+        inputs = [Input(id=f"i{n}", content=f"第{n}句") for n in range(6)]
+        first = [rt.run(SID, inp) for inp in inputs]
+        rt.shutdown(timeout=10)
+    depths = _copy_sqlite_log(path, pg_url, SID)
+    assert max(depths) >= 2, depths  # rows deep inside a group
+    b = Node(pg_url, "b", "乙")
+    nodes.append(b)
+    events = b.store.read(SID)
+    last = events[-1].seq
+    assert [e.seq for e in events] == list(range(1, last + 1))
+    for after_seq in range(-1, last + 2):
+        for until_seq in range(after_seq, last + 2):
+            expected = [e for e in events if after_seq < e.seq <= until_seq]
+            assert b.store.read_range(SID, after_seq, until_seq) == expected, (after_seq, until_seq)
+    for inp, outcome in zip(inputs, first, strict=True):
+        again = b.runtime.submit(SID, inp)
+        assert (again.where, again.result(0)) == ("handled", outcome)
+        assert outcome.reply == f"原{int(inp.id[1:]) + 1}"
+    assert b.store.read(SID) == events
+    assert b.gate.calls == 0
+
+
 # --- another process, SIGKILLed ---------------------------------------------------------
 
 W = Input(id="w", content="先来的")
