@@ -354,6 +354,48 @@ def test_retries_over_a_log_copied_from_sqlite_read_their_replies_inside_groups(
     assert b.gate.calls == 0
 
 
+# --- shards (scale/ray_shards.py), without Ray -------------------------------------------
+
+
+def test_a_shard_answers_an_input_and_its_retry_alike_whichever_is_asked_first(
+    pg_url: str,  # noqa: F811
+) -> None:
+    """Through a shard (what the Ray client's handles ask), x and x sent again while it
+    ran are two handles of one outcome: asked for in either order, and asked again, each
+    answers the turn with its reply. So does the next incarnation of the shard, which
+    reads it from the log (x accepted by its predecessor), and answers x sent to it
+    again without writing."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'aalis-agent[ray]')")
+    from aalis_agent.scale.ray_shards import RuntimeShard
+
+    gate = Gate("片")
+    gate.go.clear()
+    shard = RuntimeShard(0, 1, pg_url, lambda: Services(llm=gate.model), ttl_s=TTL_S)
+    try:
+        assert shard.submit(SID, X) == ("x", "opened")
+        assert gate.called.wait(30)
+        assert shard.submit(SID, X)[0] == "x"  # follows the first
+        gate.go.set()
+        first = shard.outcome(SID, "x", 30)
+        assert first is not None and first.outcome == "replied" and first.reply == "片1"
+        assert shard.outcome(SID, "x", 30) == first  # the retry's handle
+        assert shard.submit(SID, X) == ("x", "handled")
+        assert shard.outcome(SID, "x", 30) == first
+        assert shard.outcome(SID, "x", 30) == first
+    finally:
+        shard.shutdown()
+    later = Gate("后")
+    shard = RuntimeShard(0, 1, pg_url, lambda: Services(llm=later.model), ttl_s=TTL_S)
+    try:
+        assert shard.outcome(SID, "x", 30) == first  # from the log
+        before = shard.store.read(SID)
+        assert shard.submit(SID, X) == ("x", "handled")
+        assert shard.outcome(SID, "x", 30) == first
+        assert shard.store.read(SID) == before and later.calls == 0 and gate.calls == 1
+    finally:
+        shard.shutdown()
+
+
 # --- another process, SIGKILLed ---------------------------------------------------------
 
 W = Input(id="w", content="先来的")
