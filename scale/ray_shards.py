@@ -21,9 +21,10 @@ embedded :class:`~aalis_agent.actors.runtime.Runtime` over the shared PostgreSQL
   process Ray took for dead but still running keeps what it holds and nothing runs twice.
 - Handles: ``submit`` returns once the input is durably accepted (as ``Runtime.submit``);
   ``result`` waits for the input's outcome, and when the shard died meanwhile it asks the
-  restarted shard, which reads the outcome from the log. Submitting is never retried
-  by the client (an error means the input may or may not have been accepted: look it up
-  with :meth:`ShardedRuntime.outcome`).
+  restarted shard, which reads the outcome (its reply included) from the log. The same
+  input sent again (under its id) is not run twice: its handle answers as the first's.
+  Submitting is never retried by the client (an error means the input may or may not
+  have been accepted: look it up with :meth:`ShardedRuntime.outcome`, or send it again).
 
 ``services`` is a picklable callable building the shard's :class:`Services` (a model,
 tools, gateway), called in the shard's process.
@@ -50,6 +51,7 @@ from aalis_agent.events import (
     InputJoined,
     InputReleased,
     InputRequeued,
+    MessageSaved,
     SessionEvent,
     TurnRecorded,
 )
@@ -67,18 +69,27 @@ log = structlog.get_logger("aalis.ray")
 
 def logged_outcome(events: Sequence[SessionEvent], input_id: str) -> InputOutcome | None:
     """How ``input_id`` ended, read from its session's log: the record of the last turn
-    it joined (an input requeued by recovery waits for its next turn), or its release;
-    None while it waits or runs. (The reply text is not looked up.)"""
+    it joined (an input requeued by recovery waits for its next turn) with the reply
+    that turn saved, or its release; None while it waits or runs. The same outcome the
+    input's handle gives (and a handle of it sent again)."""
     turn: str | None = None
+    reply: str | None = None
     for e in events:
         if isinstance(e, InputJoined) and e.input_id == input_id:
-            turn = e.turn_id
+            turn, reply = e.turn_id, None
         elif isinstance(e, InputRequeued) and e.input_id == input_id:
             turn = None
         elif isinstance(e, InputReleased) and e.input_id == input_id:
             return InputOutcome(input_id, None, "released", e.reason)
-        elif isinstance(e, TurnRecorded) and turn is not None and e.turn_id == turn:
-            return InputOutcome(input_id, turn, e.outcome, e.reason)
+        elif turn is None:
+            continue
+        elif isinstance(e, MessageSaved):
+            m = e.message
+            if m.role == "assistant" and m.meta.turn_record is not None and m.meta.turn_id == turn:
+                shown = m.meta.visible_content  # the turn's reply, as it was sent
+                reply = shown if shown is not None else m.content
+        elif isinstance(e, TurnRecorded) and e.turn_id == turn:
+            return InputOutcome(input_id, turn, e.outcome, e.reason, reply)
     return None
 
 

@@ -213,3 +213,51 @@ def test_an_incarnation_does_not_take_the_sessions_of_one_still_running(
         for shard in (second, first):
             if shard is not None:
                 shard.shutdown()
+
+
+def test_an_input_sent_again_through_the_client_runs_once_and_answers_alike(
+    ray_cluster: str,
+    pg_url: str,  # noqa: F811
+) -> None:
+    """x sent again through the routing client while it runs (sync), after it ended
+    (async) and after its shard was killed and restarted by Ray: every handle answers
+    the one turn, its reply included, and x is received and run once."""
+    from aalis_agent.events import InputReceived, ModelCallStarted
+    from aalis_agent.scale.ray_shards import ShardedRuntime
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    client = ShardedRuntime(pg_url, 2, slow_services, ttl_s=5.0, num_cpus=0.5)
+    session, x = "room-again", Input(id="x", content="你好")
+    try:
+        first = client.submit(session, x)
+        again = client.submit(session, x)  # while its reply streams: follows it
+        assert (first.input_id, again.input_id) == ("x", "x")
+        assert again.where != "handled"
+        outcome = again.result(timeout=60)
+        assert outcome.outcome == "replied" and outcome.reply == "答复1"
+        assert first.result(timeout=60) == outcome
+
+        async def later() -> tuple[str, object]:
+            handle = await client.asubmit(session, x)
+            return handle.where, await handle
+
+        assert asyncio.run(later()) == ("handled", outcome)
+        ray.kill(client.shard(session), no_restart=False)
+        assert client.outcome(session, "x", timeout=120) == outcome  # read from the log
+        # A submit may still meet the restart ("may or may not have been executed"):
+        # sending x again is how to settle it, whatever became of the earlier attempt.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                restarted = client.submit(session, x)
+                break
+            except (RayActorError, ActorUnavailableError):
+                assert time.monotonic() < deadline
+                time.sleep(0.2)  # the shard is restarting (as the client's outcome waits)
+        assert (restarted.where, restarted.result(timeout=60)) == ("handled", outcome)
+        with PostgresEventStore(pg_url, read_only=True) as store:
+            events = store.read(session)
+        assert sum(isinstance(e, InputReceived) for e in events) == 1
+        assert sum(isinstance(e, ModelCallStarted) for e in events) == 1
+    finally:
+        client.shutdown()
