@@ -463,13 +463,14 @@ def decide_recover(
     *,
     stop_marker: Callable[[TurnLog], ChatMessage | None],
     message_id: Callable[[], str],
-    now_ms: int,
 ) -> str | None:
     """On start: a turn opened without a record was cut by a crash (or a failed write).
     Its inputs that no model call carried (nor the archive took) go back to the head of
     the queue: they never reached the model, so they run rather than being lost. The turn
     is recorded ``aborted`` (reason ``crash``), or ``replied`` when its reply was already
-    durable; then the queue is scheduled as usual. Returns the cut turn's id."""
+    durable, with the time it ran until its last durable event (not until now: the
+    process may have been down for days); then the queue is scheduled as usual. Returns
+    the cut turn's id."""
     current = step.view.turns.current
     running = step.view.queue.running
     cut = None
@@ -478,6 +479,7 @@ def decide_recover(
         for w in running.uncarried:
             step.add(InputRequeued(input_id=w.input.id, turn_id=cut, reason="crash"))
         replied = running.reply_saved
+        last_at = current.events[-1].at if current.events else current.opened.at
         left = not replied and turn_left_history(step.view, cut)
         marker = stop_marker(current) if left else None
         decide_settled(
@@ -486,7 +488,7 @@ def decide_recover(
             "replied" if replied else "aborted",
             ctx,
             reason="crash",
-            duration_ms=max(now_ms - current.opened.at, 0),
+            duration_ms=max(last_at - current.opened.at, 0),
             stop_marker=marker,
             message_id=message_id,
             open_next=False,

@@ -437,7 +437,6 @@ class SessionActor(pykka.ThreadingActor):
                     self._open_context(),
                     stop_marker=lambda _turn: self._marker(None),
                     message_id=self._message_id,
-                    now_ms=self.clock.now_ms(),
                 )
                 with contextlib.suppress(SessionFailed):
                     self._commit(step)

@@ -35,14 +35,15 @@ from aalis_agent.events import (
     SettingsChanged,
     SqliteEventStore,
     StopMarkerSaved,
+    ToolCall,
     TurnOpened,
     TurnRecord,
     TurnRecorded,
 )
 from aalis_agent.projections import project
-from aalis_agent.services import ScriptedModel, Services
+from aalis_agent.services import ScriptedModel, Services, Tool, ToolRegistry
 
-from tests.harness import GatedModel, settle
+from tests.harness import GatedModel, GatedTool, settle
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,6 +78,36 @@ def test_a_turn_cut_by_a_crash_is_recorded_and_the_queue_runs() -> None:
         ]
         assert markers == []  # StopMarkerSaved is its own event
         assert project(log).queue.running is None
+    finally:
+        second.shutdown(timeout=10)
+        first.shutdown(timeout=10)
+
+
+def test_a_cut_turn_is_recorded_with_the_time_it_ran_not_the_time_the_process_was_down() -> None:
+    """The record of a turn cut by a crash says how long it ran (to its last durable
+    event: here its tool's start), not how long until the restart: a process down for a
+    day made it 86,400 s."""
+    store = InMemoryEventStore()
+    model, tool = GatedModel(), GatedTool()
+    clock = FixedClock()
+    services = Services(llm=model, tools=ToolRegistry([Tool("slow", tool)]))
+    first = Runtime(store, services, clock, SequentialIds(), janitor=False)
+    first.submit("s", Input(id="a", content="一"))
+    settle(first, model)
+    clock.advance(700)
+    model.answer(tool_calls=(ToolCall(id="c1", name="slow", arguments="{}"),))
+    settle(first, model, (tool,))
+    for ref in pykka.ActorRegistry.get_all():
+        ref.stop()
+    tool.release()
+    clock.advance(86_400_000)  # down for a day
+    second = Runtime(store, Services(llm=ScriptedModel()), clock, SequentialIds(), janitor=False)
+    try:
+        assert second.recover() == ["s"]
+        assert second.wait_idle(10)
+        cut = next(e for e in store.read("s") if isinstance(e, TurnRecorded))
+        assert (cut.turn_id, cut.outcome, cut.reason) == ("turn-1", "aborted", "crash")
+        assert cut.duration_ms == 700
     finally:
         second.shutdown(timeout=10)
         first.shutdown(timeout=10)
