@@ -7,6 +7,7 @@ import io
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -251,6 +252,26 @@ def test_events_page(server: InspectorServer, demo_db: Path) -> None:
         "type": "model_call_started",
         **msgspec.to_builtins(events[4]),
     }
+
+
+def test_every_route_docs_list_answers(server: InspectorServer) -> None:
+    """docs/debugging.md lists the JSON API's routes for scripts: each answers, with the
+    session id and a turn id of the demo's log put in, here and in the query form."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "debugging.md").read_text()
+    routes = re.findall(r"^\| `(/api/[^`]+)` \|", page, re.M)
+    assert len(routes) == 6, routes
+    status, timeline = get(server, f"/api/sessions/{quote(SESSION, safe='')}/timeline")
+    assert status == 200
+    turn_id = timeline["turns"][0]["turn_id"]
+    for route in routes:
+        path = route.replace("<id>", quote(SESSION, safe="")).replace("<turn id>", turn_id)
+        status, data = get(server, path)
+        assert status == 200 and isinstance(data, dict), (route, status, data)
+        if "/api/sessions/" in route:  # each also in the query form the page uses
+            what, _, query = path.split("/", 4)[4].partition("?")
+            query_form = f"/api/session/{what}?id={quote(SESSION, safe='')}"
+            status, again = get(server, query_form + (f"&{query}" if query else ""))
+            assert status == 200 and again == data, route
 
 
 def test_unknown_session_and_route_are_404(server: InspectorServer) -> None:
