@@ -23,8 +23,10 @@ embedded :class:`~aalis_agent.actors.runtime.Runtime` over the shared PostgreSQL
   ``result`` waits for the input's outcome, and when the shard died meanwhile it asks the
   restarted shard, which reads the outcome (its reply included) from the log. The same
   input sent again (under its id) is not run twice: its handle answers as the first's.
-  Submitting is never retried by the client (an error means the input may or may not
-  have been accepted: look it up with :meth:`ShardedRuntime.outcome`, or send it again).
+  So the client sends an input again by itself when its shard is lost or restarting
+  (Ray's error says it may or may not have been accepted): an input without an id gets
+  one in the client first, and the restarted shard answers the retry as the first
+  attempt if that was accepted (``ShardedRuntime.submit``, bounded by its timeout).
 
 ``services`` is a picklable callable building the shard's :class:`Services` (a model,
 tools, gateway), called in the shard's process.
@@ -41,6 +43,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import ray
 import structlog
 from aalis_agent.actors.messages import InputOutcome
@@ -204,6 +207,15 @@ class RuntimeShard:
         self.store.close()
 
 
+def _with_id(inp: Input) -> Input:
+    """``inp`` with an id: one it has, else a new random one (``in-`` and 16 hex digits,
+    as a runtime gives), so that sending it again to a restarted shard is sending the
+    same input, which its session answers instead of running it twice."""
+    if inp.id:
+        return inp
+    return msgspec.structs.replace(inp, id=f"in-{uuid.uuid4().hex[:16]}")
+
+
 @dataclass
 class RayHandle:
     """An accepted input on a shard: ``where`` it went, and its outcome by ``result()``
@@ -271,14 +283,39 @@ class ShardedRuntime:
     def info(self) -> list[dict[str, Any]]:
         return list(ray.get([a.info.remote() for a in self.actors]))
 
-    def submit(self, session_id: str, inp: Input) -> RayHandle:
-        """Hand the input to its session's shard; returns once it is durably accepted."""
-        input_id, where = ray.get(self.shard(session_id).submit.remote(session_id, inp))
-        return RayHandle(self, session_id, input_id, where)
+    def submit(self, session_id: str, inp: Input, timeout: float | None = 60.0) -> RayHandle:
+        """Hand the input to its session's shard; returns once it is durably accepted.
 
-    async def asubmit(self, session_id: str, inp: Input) -> RayHandle:
-        input_id, where = await self.shard(session_id).submit.remote(session_id, inp)
-        return RayHandle(self, session_id, input_id, where)
+        A shard lost or restarting meanwhile (Ray's ``RayActorError`` or
+        ``ActorUnavailableError``: the input may or may not have been accepted) is asked
+        again once Ray has restarted it, the input sent again under its id (given here
+        when it has none): the restarted shard answers it as the earlier attempt if that
+        was accepted, else takes it; it never runs twice. The error is raised once
+        ``timeout`` seconds have passed."""
+        inp = _with_id(inp)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                ref = self.shard(session_id).submit.remote(session_id, inp)
+                input_id, where = ray.get(ref)
+                return RayHandle(self, session_id, input_id, where)
+            except _RETRYABLE:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)  # the shard is restarting
+
+    async def asubmit(self, session_id: str, inp: Input, timeout: float | None = 60.0) -> RayHandle:
+        """:meth:`submit` for asyncio."""
+        inp = _with_id(inp)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                input_id, where = await self.shard(session_id).submit.remote(session_id, inp)
+                return RayHandle(self, session_id, input_id, where)
+            except _RETRYABLE:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.2)
 
     def outcome(self, session_id: str, input_id: str, timeout: float | None = 60.0) -> InputOutcome:
         """How the input ended; a shard that dies meanwhile is asked again once Ray has
