@@ -30,8 +30,8 @@ __all__ = ["KEEP_INPUT_IDS", "Handled", "InputIds", "digest"]
 KEEP_INPUT_IDS = 10_000
 """How many input ids a session remembers (the most recently received ones). An id older
 than that is forgotten once its input ended: an input sent again under it is taken as a
-new one. While the oldest still waits or runs, none is forgotten (the memory then holds
-more, as the queue does, up to twice as many)."""
+new one. An input still waiting or running is never forgotten: the memory then holds
+more, as the queue does (at most the limit plus twice the inputs waiting)."""
 
 
 def digest(inp: Input) -> int:
@@ -102,14 +102,14 @@ class InputIds:
                 inp = event.input  # type: ignore[union-attr]
                 if by_id.pop(inp.id, None) is None:
                     # The oldest are forgotten, once they ended: one still waiting or
-                    # running is kept (past the limit, as long as it waits, up to twice
-                    # the limit) so that, sent again after it ran, it is answered rather
-                    # than run twice.
+                    # running is kept (past the limit, as long as it waits, however many
+                    # wait: the queue holds them too) so that, sent again after it ran,
+                    # it is answered rather than run twice.
                     limit, moved = self._limit, 0
                     while len(by_id) >= limit:
                         oldest = next(iter(by_id))
                         kept = by_id[oldest]
-                        if kept.outcome is None and len(by_id) < 2 * limit:
+                        if kept.outcome is None:
                             if moved == 2:
                                 break  # a run still waiting: held, as the queue holds it
                             moved += 1

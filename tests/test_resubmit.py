@@ -296,8 +296,8 @@ def test_only_the_last_ids_are_kept(
 def test_an_input_still_waiting_is_not_forgotten_however_many_come_after() -> None:
     """Inputs past the limit arriving while an earlier one still waits do not push it
     out: once it ran, it is answered if sent again (it ran twice: forgotten while it
-    waited, it was taken as new); the memory holds more meanwhile, at most twice the
-    limit, and comes back to the limit as the waiting ones end."""
+    waited, it was taken as new); the memory holds more meanwhile (every input still
+    waiting), and comes back to the limit as the waiting ones end."""
     log: list[Any] = [
         *_arrived("w"),  # waits (queued behind a turn) while the others come and go
         *[e for n in range(6) for e in (*_arrived(f"i{n}"), *_turn(f"t{n}", f"i{n}"))],
@@ -311,10 +311,47 @@ def test_an_input_still_waiting_is_not_forgotten_however_many_come_after() -> No
     for n in range(3):
         ids.fold(_arrived(f"j{n}"))
     assert "w" not in ids and len(ids) == 3  # ended, then forgotten in its turn
-    # A run still waiting is held past the limit, up to twice the limit (inputs that
-    # never end, in a log cut oddly, cannot make it grow for good).
-    flood = InputIds.of([e for n in range(50) for e in _arrived(f"k{n}")], limit=3)
-    assert 3 < len(flood) <= 6 and "k49" in flood
+    # A run still waiting is held past the limit, every input of it (the queue holds
+    # them all too); the memory comes back to the limit once they ended.
+    flood_log = [e for n in range(50) for e in _arrived(f"k{n}")]
+    flood = InputIds.of(flood_log, limit=3)
+    assert len(flood) == 50 and all(f"k{n}" in flood for n in range(50))
+    flood.fold([InputReleased(input_id=f"k{n}", reason="stopped") for n in range(50)])
+    flood.fold(_arrived("z"))
+    assert len(flood) == 3 and "z" in flood
+
+
+def test_no_input_still_waiting_is_forgotten_in_a_flood(
+    runtime: Runtime, gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twice the limit of inputs waiting at once (behind a running turn) forgot one of
+    them while it waited (the memory was capped at twice the limit): sent again after it
+    ran, it ran twice. Every one is kept while it waits, and answered once it ran, live
+    and after a rebuild from the log; the memory holds at most the limit plus twice the
+    inputs waiting (the queue holds them anyway)."""
+    monkeypatch.setattr(inputs_module, "KEEP_INPUT_IDS", 2)
+    gate.go.clear()
+    first = runtime.submit(SID, Input(id="w", content="第0句"))
+    assert gate.called.wait(10)  # its turn runs: the others wait behind it
+    flood = [Input(id=f"q{n}", content=f"第{n + 1}句") for n in range(5)]
+    handles = [runtime.submit(SID, inp) for inp in flood]
+    assert [h.where for h in handles] == ["pending"] * 5  # waiting to join the turn
+    gate.go.set()
+    outcomes = [first.result(10), *(h.result(10) for h in handles)]
+    assert all(o.outcome == "replied" for o in outcomes)
+    calls = gate.calls
+    for inp, outcome in zip([Input(id="w", content="第0句"), *flood], outcomes, strict=True):
+        assert _again(runtime, inp) == outcome
+    assert gate.calls == calls  # none ran twice
+    # a session rebuilt from its log answers them as the live one did
+    live = runtime.store.read(SID)
+    whole = InputIds.of(live, limit=2)
+    parts = InputIds(limit=2)
+    for event in live:
+        parts.fold([event])
+    assert [whole.get(i) for i in ("w", *(inp.id for inp in flood))] == [
+        parts.get(i) for i in ("w", *(inp.id for inp in flood))
+    ]
 
 
 def test_a_cancelled_asubmit_sent_again_gets_the_same_turn() -> None:
