@@ -193,7 +193,8 @@ class Hooks:
             self._contributions.append(contribution)
 
     def add_preprocessor(self, fn: Callable[[Any], Any]) -> None:
-        """A function applied to every input before ``agent:input:before``."""
+        """A function applied to every input before ``agent:input:before``: once per
+        input (not to one sent again under an id its session received)."""
         _refuse_async(fn, "input preprocessor")
         with self._lock:
             self._preprocessors.append(fn)

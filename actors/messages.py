@@ -56,6 +56,14 @@ class Submit(msgspec.Struct, frozen=True):
     # Its id was given by the runtime (the input came without one) and the session had
     # not received it: no caller can be sending it again, so it is not looked up.
     assigned: bool = False
+    # The input as its submitter sent it (under the id ``input`` has), when the input
+    # hooks changed it: what the same input sent again is compared with.
+    sent: Input | None = None
+    # Sent again under an id the session received: the input hooks have not run for it.
+    # Taken only as that input sent again (followed, or answered with how it ended);
+    # None is answered when the session does not know the id (any more, or yet: a
+    # deletion or clear winding down), and the submit goes through the hooks.
+    retry: bool = False
 
 
 @dataclass(frozen=True, slots=True)

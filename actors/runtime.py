@@ -69,7 +69,7 @@ from aalis_agent.events import (
 )
 from aalis_agent.events.codec import checked_input, checked_session_id, clean_text
 from aalis_agent.projections import SessionView, project, queue, turns
-from aalis_agent.projections.inputs import InputIds
+from aalis_agent.projections.inputs import InputIds, unchanged
 from aalis_agent.request.texts import Texts
 from aalis_agent.request.usage import wire
 from aalis_agent.services import Services
@@ -110,7 +110,8 @@ def _positive_or_none(name: str, value: object) -> None:
 
 @dataclass
 class InputBefore:
-    """The ``agent:input:before`` payload: the input and its metadata."""
+    """The ``agent:input:before`` payload: the input and its metadata. The middleware
+    runs once per input: not for one sent again under an id its session received."""
 
     message: Input
     metadata: dict[str, Any]
@@ -575,8 +576,12 @@ class Runtime:
         twice: while the first waits or runs, the handle follows it; once it ended, the
         handle (``where="handled"``) resolves at once to how it ended, and nothing is
         written. Another input under a used id raises :class:`InvalidInput` naming it.
-        The session remembers its last ``KEEP_INPUT_IDS`` (10,000) ids
-        (``projections/inputs.py``), across restarts; an older id is taken as new.
+        Such a retry does not go through the input preprocessors and
+        ``agent:input:before`` again (they ran for it the first time), and it is
+        compared with what its submitter sent then, not with what they made of it (the
+        log holds a digest of that when they changed it). The session remembers its
+        last ``KEEP_INPUT_IDS`` (10,000) ids (``projections/inputs.py``), across
+        restarts; an older id is taken as new.
         """
         with _HeldInterrupt(), self.workers.gate.held():
             return self._submit(session_id, inp)[0]
@@ -639,24 +644,26 @@ class Runtime:
                 arrived_in = self._generations[session_id]
         done: Future[InputOutcome] = Future()
         hooks = self.hooks
-        if hooks.has_preprocessors() or hooks.has_middleware("agent:input:before"):
-            inp = hooks.preprocess(inp)
-            ctx = InputBefore(message=inp, metadata={"sessionId": session_id})
-            ran, _ = hooks.run("agent:input:before", ctx, lambda c: c)
-            if not ran:  # FLOW1: a middleware that does not call next() drops the input
-                done.set_result(InputOutcome(inp.id, None, "dropped", "agent:input:before"))
-                return SubmitHandle(inp.id, "dropped", done), None
-            # as the preprocessors and middleware left it
-            inp = checked_input(ctx.message, max_text_bytes=self.max_input_bytes)
-            if inp.id != assigned:
-                assigned = None  # a middleware gave it an id of its own
+        hooked = hooks.has_preprocessors() or hooks.has_middleware("agent:input:before")
+        # The same input sent again under an id its session received (a retry) does not
+        # go through the input hooks again: they ran for it the first time (a counting,
+        # deduplicating or rewriting middleware would see it twice). It goes to the
+        # session as its submitter sent it, taken only as that input sent again.
+        retry = hooked and assigned is None and self._knows_input(session_id, inp.id)
+        sent = None  # the input as its submitter sent it, when the hooks changed it
+        if hooked and not retry:
+            before = self._before_hooks(session_id, inp, assigned, done)
+            if isinstance(before, SubmitHandle):
+                return before, None
+            inp, assigned, sent = before
         # else: nothing can change the input checked above
-        for attempt in (1, 2):
+        attempt = 0
+        while True:
             with self._lock:
                 entry = self._entry(session_id)
                 entry.calling += 1
                 generation = arrived_in if arrived_in is not None else entry.generation
-                if attempt == 2:  # a deletion the stopped actor did not write did not happen
+                if attempt == 1:  # a deletion the stopped actor did not write did not happen
                     generation = min(generation, entry.generation)
             handed_on: Future[str] = Future()
             try:  # on this thread, under the actor's lock: no hop to its mailbox
@@ -674,17 +681,30 @@ class Runtime:
                         here=here,
                         handed_on=handed_on,
                         assigned=assigned is not None,
+                        sent=sent,
+                        retry=retry,
                     ),
                     self.ask_timeout_s,
                 )
             except pykka.ActorDeadError:
                 self._forget(session_id, entry.ref)  # stopped under us: try a fresh one
+                attempt += 1
                 if attempt == 2:
                     raise
                 continue
             finally:
                 with self._lock:
                     entry.calling -= 1
+            if where is None:
+                # Sent as a retry, but the session does not know the id (forgotten
+                # meanwhile, or a deletion or clear winds down): a new input, which goes
+                # through the input hooks first.
+                retry = False
+                before = self._before_hooks(session_id, inp, assigned, done)
+                if isinstance(before, SubmitHandle):
+                    return before, None
+                inp, assigned, sent = before
+                continue
             if where == "deferred" and wait_deferred and not in_a_turn():
                 # A deletion or clear is winding down: the input is handed on once it
                 # is done, and only then durable. Waited for with the gate open (the
@@ -701,7 +721,35 @@ class Runtime:
             held = entry.actor.take_held() if here else None
             accepted = handed_on if where == "deferred" else None
             return SubmitHandle(inp.id, where, done, accepted), held
-        raise AssertionError("unreachable")
+
+    def _knows_input(self, session_id: str, input_id: str) -> bool:
+        """Whether the session received an input under ``input_id`` (one it remembers,
+        waiting, running or handled): an input sent again under it is a retry."""
+        with self._lock:
+            entry = self._entry(session_id)
+        return bool(entry.actor.knows_input(input_id))
+
+    def _before_hooks(
+        self, session_id: str, inp: Input, assigned: str | None, done: Future[InputOutcome]
+    ) -> tuple[Input, str | None, Input | None] | SubmitHandle:
+        """Run the input preprocessors and the ``agent:input:before`` middleware on an
+        input its session has not received: the input as they left it, its id if it is
+        still the one given here, and the input as its submitter sent it (under the id it
+        now has) when they changed it, else None; or the handle of an input dropped."""
+        sent = inp
+        inp = self.hooks.preprocess(inp)
+        ctx = InputBefore(message=inp, metadata={"sessionId": session_id})
+        ran, _ = self.hooks.run("agent:input:before", ctx, lambda c: c)
+        if not ran:  # FLOW1: a middleware that does not call next() drops the input
+            done.set_result(InputOutcome(inp.id, None, "dropped", "agent:input:before"))
+            return SubmitHandle(inp.id, "dropped", done)
+        # as the preprocessors and middleware left it
+        inp = checked_input(ctx.message, max_text_bytes=self.max_input_bytes)
+        if inp.id != assigned:
+            assigned = None  # a middleware gave it an id of its own
+        if unchanged(sent, inp):
+            return inp, assigned, None
+        return inp, assigned, msgspec.structs.replace(sent, id=inp.id)
 
     def _run_here(self, session_id: str, runner: TurnRunner, *, gated: bool) -> None:
         """Run a turn held for :meth:`run` on this thread.

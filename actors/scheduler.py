@@ -223,11 +223,14 @@ def _with_party(settings: TurnSettings, multi_party: bool) -> TurnSettings:
     return msgspec.structs.replace(settings, multi_party=multi_party)
 
 
-def decide_submit(step: Step, inp: Input, generation: int, ctx: OpenContext) -> Where:
+def decide_submit(
+    step: Step, inp: Input, generation: int, ctx: OpenContext, sent_digest: str | None = None
+) -> Where:
     """An input arrives (SCH1-SCH4, DEL2). Returns where it went: :class:`Where`
     ``OPENED``, ``PENDING``, ``QUEUED`` or ``RELEASED`` (the SCH8 log line shows each
-    in the locale's words)."""
-    step.add(InputReceived(input=inp, generation=generation))
+    in the locale's words). ``sent_digest``: the digest of the input as its submitter
+    sent it, when the input hooks changed it (recorded with it)."""
+    step.add(InputReceived(input=inp, generation=generation, sent_digest=sent_digest))
     if generation != step.view.queue.generation:
         # An input of a generation before a deletion: dropped, unarchived (DEL2).
         step.add(InputReleased(input_id=inp.id, reason="stale-generation"))

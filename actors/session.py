@@ -107,7 +107,7 @@ from aalis_agent.events import (
 )
 from aalis_agent.projections import SessionView, project, queue, turns
 from aalis_agent.projections.chain import Chain
-from aalis_agent.projections.inputs import Handled, InputIds, digest
+from aalis_agent.projections.inputs import Handled, InputIds, same_input, sent_digest
 from aalis_agent.projections.turns import TurnLog, turn_participants
 from aalis_agent.request.tokens import default_counter
 from aalis_agent.services import AbortSignal, OutboundMessage, Services
@@ -944,7 +944,9 @@ class SessionActor(pykka.ThreadingActor):
                 done.set_exception(exc)
             return None
 
-    def _on_submit(self, msg: Submit) -> str:
+    def _on_submit(self, msg: Submit) -> str | None:
+        if msg.retry and (self._winding_down or msg.generation > self.view.queue.generation):
+            return None  # its submitter runs the input hooks, then submits it as new
         if self._winding_down or msg.generation > self.view.queue.generation:
             # Handled once the deletion or clear is done (or, for an input of the
             # generation a deletion still on its way here raised, once that deletion is);
@@ -962,12 +964,15 @@ class SessionActor(pykka.ThreadingActor):
             handled = self._input_ids.get(input_id)
             if handled is not None and handled.outcome is not None:
                 return self._answer_again(msg, handled)
+        if msg.retry:
+            return None  # not known here (any more): it goes through the input hooks
         self._waiters[input_id] = msg.done
         self._live_ids.add(input_id)  # before its effects, which may end it at once
         step = self._step()
         self._start_here = msg.input.id if msg.here else None
         try:
-            where = decide_submit(step, msg.input, msg.generation, self._open_context())
+            sent = None if msg.sent is None else sent_digest(msg.sent)
+            where = decide_submit(step, msg.input, msg.generation, self._open_context(), sent)
             self._commit(step, refusable=True)
         except BaseException:
             self._waiters.pop(msg.input.id, None)
@@ -983,9 +988,16 @@ class SessionActor(pykka.ThreadingActor):
         """An input whose id is taken by one still waiting or running here: the same input
         sent again (a retry, a gateway delivering twice) is not recorded a second time,
         its handle follows the earlier one's outcome; another input under that id is
-        refused (each would answer for the other)."""
+        refused (each would answer for the other). The same: as its submitter sent it
+        (see :func:`~aalis_agent.projections.inputs.same_input`)."""
         inp = msg.input
-        if _comparable(inp) != _comparable(earlier):
+        sent = inp if msg.sent is None else msg.sent
+        handled = self._input_ids.get(inp.id)
+        if handled is not None:
+            same = same_input(handled, sent)
+        else:  # not remembered (a log folded without it): as the queue holds it
+            same = _comparable(sent) == _comparable(earlier)
+        if not same:
             raise InvalidInput(
                 f"session {self.session_id!r}: input id {inp.id!r} is taken by another "
                 "input that is still waiting or running; give this one an id of its own"
@@ -1000,9 +1012,11 @@ class SessionActor(pykka.ThreadingActor):
         """An input whose id this session received before, and whose turn is over or
         which was released: the same input sent again (a retry after a timeout or a
         cancelled wait) is answered with how it ended, and nothing is written; another
-        input under that id is refused, as one under the id of a live input is."""
+        input under that id is refused, as one under the id of a live input is. The
+        same: as its submitter sent it, whatever the input hooks made of it (see
+        :func:`~aalis_agent.projections.inputs.same_input`)."""
         inp = msg.input
-        if digest(inp) != handled.digest:
+        if not same_input(handled, inp if msg.sent is None else msg.sent):
             raise InvalidInput(
                 f"session {self.session_id!r}: input id {inp.id!r} was used by another "
                 "input, which was already handled (its turn is over, or it was released); "
@@ -1234,6 +1248,7 @@ class SessionActor(pykka.ThreadingActor):
                 continue
             try:
                 where = self._on_submit(submit)
+                assert where is not None  # a retry is never deferred (see _on_submit)
                 if where == "deferred":
                     continue  # for a later deletion still on its way: held again
             except Exception as exc:

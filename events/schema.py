@@ -279,10 +279,16 @@ class Event(
 
 
 class InputReceived(Event, frozen=True, tag="input_received"):
-    """An input was accepted by the session; ``generation`` is the one it arrived in (DEL2)."""
+    """An input was accepted by the session; ``generation`` is the one it arrived in (DEL2).
+
+    ``sent_digest``: when an input preprocessor or an ``agent:input:before`` middleware
+    changed the input, a digest of the input as its submitter sent it
+    (:func:`aalis_agent.projections.inputs.sent_digest`), so that the same input sent again
+    is recognised as the one received; None when ``input`` is as it was sent."""
 
     input: Input
     generation: int = 0
+    sent_digest: str | None = None
 
 
 class InputQueued(Event, frozen=True, tag="input_queued"):

@@ -2,6 +2,11 @@
 lets a submit recognise an input sent again after its turn is over (or after it was
 released) and answer it with that outcome instead of running it twice.
 
+An input sent again must be the one its submitter sent the first time (:func:`same_input`):
+when the input hooks (preprocessors, ``agent:input:before``) changed it before it was
+recorded, the log holds the submitter's input's :func:`sent_digest` with it, and the input
+sent again is compared with that, not with what the hooks made of it.
+
 Unlike the other projections this one is folded in place (:meth:`InputIds.fold`): a
 session keeps the last :data:`KEEP_INPUT_IDS` ids, and rebuilding a dict of that size
 for every event a decision adds would cost the size of the dict per event. Its owner
@@ -11,6 +16,7 @@ log when the session starts, as it rebuilds the view. No I/O, no clock, no threa
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 
 import msgspec
@@ -25,7 +31,15 @@ from aalis_agent.events.schema import (
     TurnRecorded,
 )
 
-__all__ = ["KEEP_INPUT_IDS", "Handled", "InputIds", "digest"]
+__all__ = [
+    "KEEP_INPUT_IDS",
+    "Handled",
+    "InputIds",
+    "digest",
+    "same_input",
+    "sent_digest",
+    "unchanged",
+]
 
 KEEP_INPUT_IDS = 10_000
 """How many input ids a session remembers (the most recently received ones). An id older
@@ -41,18 +55,49 @@ def digest(inp: Input) -> int:
     return hash(msgspec.structs.replace(inp, timestamp=None, gateway_seq=None))
 
 
+_encode = msgspec.msgpack.Encoder(order="deterministic").encode
+
+
+def sent_digest(inp: Input) -> str:
+    """A digest of an input as its submitter sent it, recorded with the input
+    (``InputReceived.sent_digest``) when the input hooks changed it: stable across
+    processes (BLAKE2b, 128 bits, of its encoding), and, as :func:`digest`, of all of it
+    but the time and the gateway's delivery number, and also but its id (an input is
+    looked up by the id it was recorded under, which a hook may have given it)."""
+    bare = msgspec.structs.replace(inp, id="", timestamp=None, gateway_seq=None)
+    return hashlib.blake2b(_encode(bare), digest_size=16).hexdigest()
+
+
+def unchanged(sent: Input, recorded: Input) -> bool:
+    """Whether the input hooks left ``sent`` as it was (``recorded``), as far as
+    :func:`sent_digest` reads it (its id, time and delivery number aside)."""
+    skip = {"id": "", "timestamp": None, "gateway_seq": None}
+    return msgspec.structs.replace(sent, **skip) == msgspec.structs.replace(recorded, **skip)
+
+
 class Handled(msgspec.Struct, frozen=True, gc=False):
     """One input received: its :func:`digest`, the turn it entered (its last one), and
     once it is over, how: the turn's outcome, reason and the seq of its reply (the
     ``MessageSaved`` holding the text, read back from the log when an input is sent again:
     the texts of 10,000 replies are not kept), or ``released`` with the release's reason.
-    ``outcome`` is None while it waits or runs."""
+    ``outcome`` is None while it waits or runs. ``sent``: the :func:`sent_digest` of the
+    input as its submitter sent it, when the input hooks changed it (None: as received)."""
 
     digest: int
     turn_id: str | None = None
     outcome: str | None = None
     reason: str | None = None
     reply_seq: int | None = None
+    sent: str | None = None
+
+
+def same_input(handled: Handled, inp: Input) -> bool:
+    """Whether ``inp``, as its submitter sends it under the id ``handled`` was received
+    under, is the input received then: what its submitter sent then when the input hooks
+    changed that (:func:`sent_digest`), else the input as received (:func:`digest`)."""
+    if handled.sent is not None:
+        return sent_digest(inp) == handled.sent
+    return digest(inp) == handled.digest
 
 
 class InputIds:
@@ -117,12 +162,13 @@ class InputIds:
                             by_id[oldest] = kept
                             continue
                         del by_id[oldest]
-                by_id[inp.id] = Handled(digest(inp))
+                sent = event.sent_digest  # type: ignore[union-attr]
+                by_id[inp.id] = Handled(digest(inp), sent=sent)
             elif kind is InputJoined:
                 input_id, turn_id = event.input_id, event.turn_id  # type: ignore[union-attr]
                 found = by_id.get(input_id)
                 if found is not None:
-                    by_id[input_id] = Handled(found.digest, turn_id)
+                    by_id[input_id] = Handled(found.digest, turn_id, sent=found.sent)
                 joined = turns.get(turn_id)
                 if joined is None:
                     turns[turn_id] = [input_id]
@@ -135,7 +181,9 @@ class InputIds:
                 for input_id in turns.pop(turn_id, ()):
                     found = by_id.get(input_id)
                     if found is not None and found.turn_id == turn_id:
-                        by_id[input_id] = Handled(found.digest, turn_id, outcome, reason, reply)
+                        by_id[input_id] = Handled(
+                            found.digest, turn_id, outcome, reason, reply, found.sent
+                        )
             elif kind is InputReleased:
                 input_id = event.input_id  # type: ignore[union-attr]
                 found = by_id.get(input_id)
@@ -145,6 +193,7 @@ class InputIds:
                         None,
                         "released",
                         event.reason,  # type: ignore[union-attr]
+                        sent=found.sent,
                     )
             else:  # InputRequeued: back in the queue, not answered by that turn
                 joined = turns.get(event.turn_id)  # type: ignore[union-attr]

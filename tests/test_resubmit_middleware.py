@@ -1,0 +1,361 @@
+"""An input sent again under an id its session knows does not go through the input hooks
+again: ``agent:input:before`` and the input preprocessors ran for it the first time.
+
+A retry (a caller whose submit timed out, a cancelled ``asubmit``, a gateway delivering
+twice) is answered as the first input: its live handle while it waits or runs, how it
+ended once it is over. A middleware that counts, drops duplicates or rewrites the input
+sees it once. The retry must be what the caller sent the first time, not what the hooks
+made of it (the session records the submitter's input's digest when a hook changed it);
+another input under a used id is refused. An input a middleware dropped never reached the
+session: sent again, it goes through the hooks again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from aalis_agent.actors.aio import AsyncRuntime
+from aalis_agent.actors.hooks import Hooks
+from aalis_agent.actors.runtime import InputBefore, Runtime
+from aalis_agent.events import (
+    FixedClock,
+    InMemoryEventStore,
+    Input,
+    InputReceived,
+    InvalidInput,
+    SequentialIds,
+    SqliteEventStore,
+)
+from aalis_agent.events.store import EventStore
+from aalis_agent.services import ChatRequest, ScriptedModel, ScriptedReply, Services
+
+SID = "qq:private:7"
+
+
+class Gate:
+    """A model whose calls wait for ``go`` (set by default), counting them."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.go.set()
+        self.called = threading.Event()
+        self.model = ScriptedModel(self._reply)
+
+    def _reply(self, request: ChatRequest, n: int) -> ScriptedReply:
+        self.called.set()
+        assert self.go.wait(10)
+        return ScriptedReply(text=f"答{n}")
+
+    @property
+    def calls(self) -> int:
+        return self.model.calls
+
+
+class Seen:
+    """An ``agent:input:before`` middleware (or a preprocessor) recording the input ids it
+    was called with, changing nothing."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    def middleware(self, ctx: InputBefore, next_: Any) -> Any:
+        self.ids.append(ctx.message.id)
+        return next_()
+
+    def preprocess(self, inp: Input) -> Input:
+        self.ids.append(inp.id)
+        return inp
+
+
+def _runtime(store: EventStore, gate: Gate, hooks: Hooks) -> Runtime:
+    return Runtime(
+        store, Services(llm=gate.model), FixedClock(), SequentialIds(), hooks=hooks, janitor=False
+    )
+
+
+@pytest.fixture
+def gate() -> Gate:
+    return Gate()
+
+
+@pytest.fixture
+def runtime(gate: Gate) -> Iterator[Runtime]:
+    rt = _runtime(InMemoryEventStore(), gate, Hooks())
+    yield rt
+    gate.go.set()
+    rt.shutdown(timeout=10)
+
+
+def _received(store: EventStore, input_id: str) -> list[InputReceived]:
+    return [e for e in store.read(SID) if isinstance(e, InputReceived) and e.input.id == input_id]
+
+
+def _again(rt: Runtime, inp: Input) -> Any:
+    """Send ``inp`` again after its turn ended: answered at once, nothing written."""
+    before = rt.store.read(SID)
+    handle = rt.submit(SID, inp)
+    assert handle.where == "handled"
+    assert handle.done()
+    assert rt.store.read(SID) == before
+    return handle.result(0)
+
+
+def _stamping(counter: list[int]) -> Any:
+    """A middleware that rewrites every input's text with a number it counts up (as one
+    stamping the time into it would): never the same twice."""
+
+    def stamp(ctx: InputBefore, next_: Any) -> Any:
+        counter[0] += 1
+        msg = ctx.message
+        ctx.message = msgspec.structs.replace(msg, content=f"[{counter[0]}] {msg.content}")
+        return next_()
+
+    return stamp
+
+
+def test_a_counting_middleware_sees_an_input_sent_again_after_it_ended_once(
+    runtime: Runtime, gate: Gate
+) -> None:
+    seen = Seen()
+    runtime.hooks.use("agent:input:before", seen.middleware)
+    first = runtime.run(SID, Input(id="x", content="你好"))
+    assert first.outcome == "replied" and first.reply == "答1"
+    assert _again(runtime, Input(id="x", content="你好")) == first
+    assert runtime.run(SID, Input(id="x", content="你好", timestamp=99)) == first
+    assert seen.ids == ["x"]
+    assert gate.calls == 1 and len(_received(runtime.store, "x")) == 1
+
+
+def test_a_counting_middleware_sees_an_input_sent_again_while_it_waits_once(
+    runtime: Runtime, gate: Gate
+) -> None:
+    seen = Seen()
+    runtime.hooks.use("agent:input:before", seen.middleware)
+    gate.go.clear()
+    busy = runtime.submit(SID, Input(id="busy", content="占着"))
+    assert gate.called.wait(10)  # the turn is held in its model call
+    waiting = runtime.submit(SID, Input(id="x", content="你好"))
+    assert waiting.where in ("pending", "queued")
+    again = runtime.submit(SID, Input(id="x", content="你好"))
+    assert again.where == waiting.where  # it follows the waiting one
+    assert seen.ids == ["busy", "x"]
+    gate.go.set()
+    busy.result(10)
+    assert again.result(10) == waiting.result(10)
+    assert len(_received(runtime.store, "x")) == 1
+
+
+def test_a_middleware_dropping_seen_ids_does_not_answer_a_retry_dropped(
+    runtime: Runtime, gate: Gate
+) -> None:
+    seen: set[str] = set()
+
+    def dedup(ctx: InputBefore, next_: Any) -> Any:
+        if ctx.message.id in seen:
+            return None  # drops it: not calling next()
+        seen.add(ctx.message.id)
+        return next_()
+
+    runtime.hooks.use("agent:input:before", dedup)
+    first = runtime.run(SID, Input(id="x", content="你好"))
+    assert first.outcome == "replied"
+    retried = _again(runtime, Input(id="x", content="你好"))
+    assert retried == first  # the first input's real outcome and reply, not "dropped"
+    assert retried.reply == "答1"
+
+
+def test_a_rewriting_middleware_does_not_make_a_retry_another_input(
+    runtime: Runtime, gate: Gate
+) -> None:
+    counter = [0]
+    runtime.hooks.use("agent:input:before", _stamping(counter))
+    gate.go.clear()
+    busy = runtime.submit(SID, Input(id="busy", content="占着"))
+    assert gate.called.wait(10)
+    waiting = runtime.submit(SID, Input(id="x", content="你好"))
+    # while it waits: the same as the caller sent it, so the same input
+    assert runtime.submit(SID, Input(id="x", content="你好")).where == waiting.where
+    gate.go.set()
+    busy.result(10)
+    first = waiting.result(10)
+    assert first.outcome == "replied"
+    (received,) = _received(runtime.store, "x")
+    assert received.input.content == "[2] 你好"  # as the middleware left it
+    # once it ended: answered from the log, not refused as another input
+    assert _again(runtime, Input(id="x", content="你好")) == first
+    assert counter[0] == 2 and gate.calls == 2
+
+
+def test_preprocessors_do_not_run_for_an_input_sent_again(runtime: Runtime, gate: Gate) -> None:
+    seen = Seen()
+    count = [0]
+
+    def stamp(inp: Input) -> Input:
+        count[0] += 1
+        return msgspec.structs.replace(inp, content=f"{inp.content} ({count[0]})")
+
+    runtime.hooks.add_preprocessor(seen.preprocess)
+    runtime.hooks.add_preprocessor(stamp)
+    first = runtime.run(SID, Input(id="x", content="你好"))
+    assert _received(runtime.store, "x")[0].input.content == "你好 (1)"
+    assert _again(runtime, Input(id="x", content="你好")) == first
+    assert seen.ids == ["x"] and count[0] == 1
+
+
+def test_an_input_the_middleware_dropped_goes_through_it_again(
+    runtime: Runtime, gate: Gate
+) -> None:
+    calls: list[str] = []
+
+    def drop_the_first(ctx: InputBefore, next_: Any) -> Any:
+        calls.append(ctx.message.id)
+        if len(calls) == 1:
+            return None
+        return next_()
+
+    runtime.hooks.use("agent:input:before", drop_the_first)
+    dropped = runtime.submit(SID, Input(id="x", content="你好"))
+    assert dropped.where == "dropped"
+    assert _received(runtime.store, "x") == []
+    # the session never knew it: sent again, the middleware sees it again and lets it in
+    first = runtime.run(SID, Input(id="x", content="你好"))
+    assert first.outcome == "replied" and calls == ["x", "x"]
+    # now it is known: a third send is a retry, answered without the middleware
+    assert _again(runtime, Input(id="x", content="你好")) == first
+    assert calls == ["x", "x"]
+
+
+def test_another_input_under_a_used_id_is_refused_without_the_middleware(
+    runtime: Runtime, gate: Gate
+) -> None:
+    counter = [0]
+    runtime.hooks.use("agent:input:before", _stamping(counter))
+    first = runtime.run(SID, Input(id="x", content="你好"))
+    before = runtime.store.read(SID)
+    with pytest.raises(InvalidInput, match="input id 'x' was used by another input"):
+        runtime.submit(SID, Input(id="x", content="别的话"))
+    # What the middleware made of the first one is not what the caller sent: refused too.
+    with pytest.raises(InvalidInput, match="input id 'x' was used by another input"):
+        runtime.submit(SID, Input(id="x", content="[1] 你好"))
+    assert counter[0] == 1  # refused by the session, not counted by the middleware
+    assert runtime.store.read(SID) == before
+    gate.go.clear()
+    runtime.submit(SID, Input(id="busy", content="占着"))
+    assert gate.called.wait(10)
+    runtime.submit(SID, Input(id="w", content="等着"))
+    with pytest.raises(InvalidInput, match="input id 'w' is taken by another input"):
+        runtime.submit(SID, Input(id="w", content="别的话"))
+    assert counter[0] == 3
+    gate.go.set()
+    assert _again(runtime, Input(id="x", content="你好")) == first
+
+
+def test_a_rewritten_input_sent_again_after_a_restart_is_answered(tmp_path: Path) -> None:
+    path = tmp_path / "agent.db"
+    gate, counter = Gate(), [0]
+    hooks = Hooks()
+    hooks.use("agent:input:before", _stamping(counter))
+    rt = _runtime(SqliteEventStore(path), gate, hooks)
+    first = rt.run(SID, Input(id="x", content="你好"))
+    plain = rt.run(SID, Input(id="y", content="[9] 原样"))
+    rt.shutdown(timeout=10)
+    rt.store.close()
+
+    again = Gate()
+    rt = _runtime(SqliteEventStore(path), again, hooks)
+    try:
+        assert _again(rt, Input(id="x", content="你好")) == first
+        with pytest.raises(InvalidInput, match="input id 'x' was used by another input"):
+            rt.submit(SID, Input(id="x", content="别的话"))
+        assert _again(rt, Input(id="y", content="[9] 原样")) == plain
+        assert counter[0] == 2 and again.calls == 0
+    finally:
+        rt.shutdown(timeout=10)
+        rt.store.close()
+    # Without the middleware, the retry is still what the caller sent.
+    rt = _runtime(SqliteEventStore(path), Gate(), Hooks())
+    try:
+        assert _again(rt, Input(id="x", content="你好")) == first
+    finally:
+        rt.shutdown(timeout=10)
+        rt.store.close()
+
+
+def test_an_input_the_hooks_left_unchanged_is_recorded_as_before(runtime: Runtime) -> None:
+    runtime.hooks.use("agent:input:before", Seen().middleware)
+    runtime.run(SID, Input(id="x", content="你好"))
+    counter = [0]
+    runtime.hooks.use("agent:input:before", _stamping(counter))
+    runtime.run(SID, Input(id="y", content="你好"))
+    (unchanged,) = _received(runtime.store, "x")
+    (rewritten,) = _received(runtime.store, "y")
+    # the submitter's input is recorded (as a digest) only when a hook changed it
+    assert unchanged.sent_digest is None
+    assert isinstance(rewritten.sent_digest, str) and rewritten.sent_digest
+
+
+def test_asubmit_sent_again_skips_the_middleware() -> None:
+    gate, seen = Gate(), Seen()
+    hooks = Hooks()
+    hooks.use("agent:input:before", seen.middleware)
+    rt = _runtime(InMemoryEventStore(), gate, hooks)
+
+    async def main() -> tuple[Any, Any, str, str]:
+        async with AsyncRuntime(rt) as agent:
+            gate.go.clear()
+            inp = Input(id="x", content="你好")
+            handle = await agent.asubmit(SID, inp)
+            assert await asyncio.to_thread(gate.called.wait, 10)
+            live = await agent.asubmit(SID, inp)  # while its turn runs
+            gate.go.set()
+            result = await live.result(10)
+            over = await agent.asubmit(SID, inp)  # once it is over
+            assert await handle.result(10) == result
+            return result, await over.result(10), live.where, over.where
+
+    try:
+        result, recorded, live_where, over_where = asyncio.run(main())
+    finally:
+        gate.go.set()
+        rt.shutdown(timeout=10)
+    assert (live_where, over_where) == ("opened", "handled")
+    assert result == recorded and result.reply == "答1"
+    assert seen.ids == ["x"]
+    assert gate.calls == 1 and len(_received(rt.store, "x")) == 1
+
+
+def test_a_retry_the_session_no_longer_knows_goes_through_the_hooks(
+    runtime: Runtime, gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runtime takes an input as a retry when its session knew the id a moment before;
+    a session that does not know it when the input arrives (forgotten meanwhile, or a
+    deletion winding down) answers so, writing nothing, and the input goes through the
+    hooks as a new one."""
+    seen = Seen()
+    runtime.hooks.use("agent:input:before", seen.middleware)
+    monkeypatch.setattr(runtime, "_knows_input", lambda session_id, input_id: True)
+    first = runtime.run(SID, Input(id="x", content="你好"))
+    assert first.outcome == "replied" and seen.ids == ["x"]
+    assert len(_received(runtime.store, "x")) == 1
+
+
+def test_a_retry_that_went_through_the_hooks_is_compared_as_sent(
+    runtime: Runtime, gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sends of one input racing (both found the id unknown, so the hooks ran for
+    both): the session compares what each submitter sent, not what the hooks made of it."""
+    counter = [0]
+    runtime.hooks.use("agent:input:before", _stamping(counter))
+    first = runtime.run(SID, Input(id="x", content="你好"))
+    # raising=False: on a runtime without the look-up, the hooks run for every send
+    monkeypatch.setattr(runtime, "_knows_input", lambda session_id, input_id: False, raising=False)
+    assert _again(runtime, Input(id="x", content="你好")) == first
+    with pytest.raises(InvalidInput, match="input id 'x' was used by another input"):
+        runtime.submit(SID, Input(id="x", content="别的话"))
+    assert counter[0] == 3 and gate.calls == 1
