@@ -7,7 +7,9 @@ ended once it is over. A middleware that counts, drops duplicates or rewrites th
 sees it once. The retry must be what the caller sent the first time, not what the hooks
 made of it (the session records the submitter's input's digest when a hook changed it);
 another input under a used id is refused. An input a middleware dropped never reached the
-session: sent again, it goes through the hooks again.
+session: sent again, it goes through the hooks again. Past one process too: a retry at
+the next owner of a session (PostgreSQL leases) and at a Ray shard's next incarnation
+(the fixtures skip without a PostgreSQL server).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from aalis_agent.events import (
 )
 from aalis_agent.events.store import EventStore
 from aalis_agent.services import ChatRequest, ScriptedModel, ScriptedReply, Services
+
+from tests.faults import RunIds
+from tests.pg import pg_cluster, pg_url  # noqa: F401 -- the fixtures (skip without a server)
 
 SID = "qq:private:7"
 
@@ -359,3 +364,104 @@ def test_a_retry_that_went_through_the_hooks_is_compared_as_sent(
     with pytest.raises(InvalidInput, match="input id 'x' was used by another input"):
         runtime.submit(SID, Input(id="x", content="别的话"))
     assert counter[0] == 3 and gate.calls == 1
+
+
+def test_a_rewritten_input_sent_again_to_the_next_owner_is_answered(
+    pg_url: str,  # noqa: F811
+) -> None:
+    """Past one process: A runs x through a rewriting middleware; A's lease lapses and x
+    comes again to B (the same middleware installed there): B answers it from the shared
+    log, without its middleware, and writes nothing."""
+    pytest.importorskip("psycopg", reason="psycopg is not installed (pip install -e .[postgres])")
+    import psycopg
+    from aalis_agent.events.postgres import PostgresEventStore
+    from aalis_agent.scale.leases import PostgresLeases
+
+    made: list[tuple[Runtime, Any, Any]] = []
+
+    def node(tag: str, counter: list[int]) -> tuple[Runtime, Gate]:
+        store = PostgresEventStore(pg_url)
+        leases = PostgresLeases(store, owner=f"node-{tag}", ttl_s=1.0)
+        hooks = Hooks()
+        hooks.use("agent:input:before", _stamping(counter))
+        gate = Gate()
+        rt = Runtime(
+            store,
+            Services(llm=gate.model),
+            FixedClock(),
+            RunIds(tag),
+            hooks=hooks,
+            janitor=False,
+            ownership=leases,
+        )
+        made.append((rt, leases, store))
+        return rt, gate
+
+    at_a, at_b = [0], [100]  # each node stamps its own numbers, as with its own clock
+    try:
+        a, gate_a = node("a", at_a)
+        b, gate_b = node("b", at_b)
+        first = a.run(SID, Input(id="x", content="你好"))
+        assert first.outcome == "replied"
+        with psycopg.connect(pg_url, autocommit=True) as conn:  # A stopped renewing
+            conn.execute("UPDATE aalis_leases SET expires_at = now() - interval '1 s'")
+        assert _again(b, Input(id="x", content="你好", timestamp=99)) == first
+        with pytest.raises(InvalidInput, match="input id 'x' was used by another input"):
+            b.submit(SID, Input(id="x", content="别的话"))
+        assert (at_a[0], at_b[0]) == (1, 100)
+        assert (gate_a.calls, gate_b.calls) == (1, 0)
+    finally:
+        for rt, leases, store in reversed(made):
+            rt.shutdown(timeout=10)
+            leases.close()
+            store.close()
+
+
+def test_a_shard_runs_its_middleware_once_for_an_input_and_its_retries(
+    pg_url: str,  # noqa: F811
+) -> None:
+    """Through a Ray shard (what the Ray client's submits and its resends after a shard
+    restart reach): x sent again while it runs and after goes through the shard's
+    middleware once; the next incarnation of the shard answers x sent again from the log,
+    not refusing it as another input for what its own middleware made of it."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'aalis-agent[ray]')")
+    from aalis_agent.scale.ray_shards import RuntimeShard
+
+    def shard_with(gate: Gate, counter: list[int]) -> Any:
+        hooks = Hooks()
+        hooks.use("agent:input:before", _stamping(counter))
+        return RuntimeShard(
+            0,
+            1,
+            pg_url,
+            lambda: Services(llm=gate.model),
+            ttl_s=1.0,
+            runtime_options={"hooks": hooks},
+        )
+
+    x = Input(id="x", content="你好")
+    gate, counter = Gate(), [0]
+    gate.go.clear()
+    shard = shard_with(gate, counter)
+    try:
+        assert shard.submit(SID, x) == ("x", "opened")
+        assert gate.called.wait(30)
+        assert shard.submit(SID, x) == ("x", "opened")  # follows the first
+        gate.go.set()
+        first = shard.outcome(SID, "x", 30)
+        assert first is not None and first.outcome == "replied"
+        assert shard.submit(SID, x) == ("x", "handled")
+        assert counter == [1]
+    finally:
+        gate.go.set()
+        shard.shutdown()
+    later, counter = Gate(), [100]
+    shard = shard_with(later, counter)
+    try:
+        before = shard.store.read(SID)
+        assert shard.submit(SID, x) == ("x", "handled")
+        assert shard.outcome(SID, "x", 30) == first
+        assert shard.store.read(SID) == before
+        assert counter == [100] and later.calls == 0
+    finally:
+        shard.shutdown()
