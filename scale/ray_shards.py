@@ -27,6 +27,16 @@ embedded :class:`~aalis_agent.actors.runtime.Runtime` over the shared PostgreSQL
   (Ray's error says it may or may not have been accepted): an input without an id gets
   one in the client first, and the restarted shard answers the retry as the first
   attempt if that was accepted (``ShardedRuntime.submit``, bounded by its timeout).
+- A shard Ray will not restart (its ``max_restarts`` used up, killed with
+  ``no_restart=True``, its creation failing) is not waited for: Ray raises
+  ``ActorDiedError`` for it (``ActorUnavailableError`` for one it is restarting), the GCS
+  confirms it DEAD (one query per failure), and the client raises :class:`ShardDead` at
+  once, naming the session, the shard and Ray's reason, and whether the input may have
+  been accepted. Its sessions are not moved to another shard (each shard's ownership
+  refuses the others' sessions): they wait for a new placement, a new
+  ``ShardedRuntime``, whose shard of the same index takes their leases (at once, or
+  once they expire with ``incarnation_owners``) and answers an input sent again under
+  its id from the log if it was accepted.
 
 ``services`` is a picklable callable building the shard's :class:`Services` (a model,
 tools, gateway), called in the shard's process.
@@ -58,16 +68,100 @@ from aalis_agent.events import (
     SessionEvent,
     TurnRecorded,
 )
+from aalis_agent.events.errors import RunError
 from aalis_agent.events.postgres import PostgresEventStore
 from aalis_agent.scale.leases import PostgresLeases
 from aalis_agent.scale.ownership import ShardOwnership, shard_of
 from aalis_agent.services import Services
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-__all__ = ["RayHandle", "RuntimeShard", "ShardedRuntime", "logged_outcome"]
+__all__ = ["RayHandle", "RuntimeShard", "ShardDead", "ShardedRuntime", "logged_outcome"]
 
 _RETRYABLE = (RayActorError, ActorUnavailableError)
 log = structlog.get_logger("aalis.ray")
+
+
+class ShardDead(RunError):
+    """The shard of ``session_id`` is dead and Ray will not restart it (its restarts used
+    up, killed with ``no_restart=True``, its creation failing): ``reason`` is what Ray
+    says. ``maybe_accepted``: the input may have reached the shard before it died (False
+    when the client knew the shard dead and did not send it this time). Sent again under its id
+    once the session is placed on a live shard (a new :class:`ShardedRuntime`), it is
+    answered from the log if it was accepted, and runs once if it was not."""
+
+    def __init__(
+        self,
+        session_id: str,
+        shard: int,
+        reason: str,
+        input_id: str,
+        *,
+        maybe_accepted: bool,
+        asking: str = "submit",
+    ) -> None:
+        if asking == "outcome":
+            what = (
+                f"the outcome of input {input_id!r} cannot be asked of it; ask again under "
+                "the same id once the session is placed on a live shard (what its log "
+                "recorded is kept)"
+            )
+        elif maybe_accepted:
+            what = (
+                f"input {input_id!r} may have been accepted before it died; send it again "
+                "under the same id once the session is placed on a live shard (it is "
+                "answered from the log if it was accepted, and runs once if not)"
+            )
+        else:
+            what = (
+                f"input {input_id!r} was not sent to it, found dead before (it holds the "
+                "input only if an earlier send under this id reached it); send it again "
+                "under the same id once the session is placed on a live shard"
+            )
+        super().__init__(
+            f"session {session_id!r}: its shard {shard} is dead and will not be "
+            f"restarted ({reason}); {what}"
+        )
+        self.session_id = session_id
+        self.shard = shard
+        self.reason = reason
+        self.input_id = input_id
+        self.maybe_accepted = maybe_accepted
+
+
+def _actor_state(actor_id: str | None) -> dict[str, Any] | None:
+    """The GCS's record of actor ``actor_id`` (its ``State``: ALIVE, RESTARTING, DEAD...;
+    ``NumRestarts``), in one query; None when it cannot be had."""
+    if not actor_id:
+        return None
+    try:
+        from ray._private import state
+
+        found = state.actors(actor_id=actor_id)
+    except Exception:  # an API of Ray's own: the error's type decides alone
+        log.warning("the actor's state could not be read", actor_id=actor_id, exc_info=True)
+        return None
+    return found if isinstance(found, dict) and "State" in found else None
+
+
+def _dead_for_good(exc: BaseException) -> str | None:
+    """Why the shard behind ``exc`` will not come back (Ray's words), or None when it
+    may: Ray raises ``ActorUnavailableError`` for an actor it is restarting and
+    ``ActorDiedError`` for one it will not restart. The GCS confirms the latter (one
+    query: an actor it still lists as restarting or alive is waited for)."""
+    if not isinstance(exc, ActorDiedError):
+        return None
+    state = _actor_state(exc.actor_id)
+    if state is not None and state["State"] != "DEAD":
+        return None
+    lines = [
+        line.strip()
+        for line in str(exc).splitlines()
+        if line.strip() and not line.startswith("\t") and line != ActorDiedError.BASE_ERROR_MSG
+    ]
+    reason = " ".join(lines) or str(exc) or type(exc).__name__
+    if state is not None and state.get("NumRestarts"):
+        reason += f" (after {state['NumRestarts']} restart(s))"
+    return reason
 
 
 def logged_outcome(events: Sequence[SessionEvent], input_id: str) -> InputOutcome | None:
@@ -275,6 +369,9 @@ class ShardedRuntime:
             )
             for i in range(shards)
         ]
+        # Shards found dead for good: index -> (that actor, Ray's reason). DEAD is final
+        # in Ray, so later calls to the same actor are refused without being sent.
+        self._dead: dict[int, tuple[Any, str]] = {}
 
     def shard(self, session_id: str) -> Any:
         """The Ray actor that runs ``session_id``."""
@@ -283,23 +380,49 @@ class ShardedRuntime:
     def info(self) -> list[dict[str, Any]]:
         return list(ray.get([a.info.remote() for a in self.actors]))
 
+    def _live_shard(self, session_id: str, input_id: str, asking: str) -> tuple[int, Any]:
+        """The index and actor of the session's shard; ShardDead when that actor was
+        found dead for good before (nothing is sent to it)."""
+        index = shard_of(session_id, self.shards)
+        actor = self.actors[index]
+        dead = self._dead.get(index)
+        if dead is not None and dead[0] is actor:
+            raise ShardDead(
+                session_id, index, dead[1], input_id, maybe_accepted=False, asking=asking
+            )
+        return index, actor
+
+    def _shard_died(
+        self, session_id: str, index: int, actor: Any, input_id: str, reason: str, asking: str
+    ) -> ShardDead:
+        self._dead[index] = (actor, reason)
+        log.error("shard dead for good", shard=index, session_id=session_id, reason=reason)
+        return ShardDead(session_id, index, reason, input_id, maybe_accepted=True, asking=asking)
+
     def submit(self, session_id: str, inp: Input, timeout: float | None = 60.0) -> RayHandle:
         """Hand the input to its session's shard; returns once it is durably accepted.
 
-        A shard lost or restarting meanwhile (Ray's ``RayActorError`` or
-        ``ActorUnavailableError``: the input may or may not have been accepted) is asked
+        A shard lost or restarting meanwhile (Ray's ``ActorUnavailableError``, or
+        another ``RayActorError``: the input may or may not have been accepted) is asked
         again once Ray has restarted it, the input sent again under its id (given here
         when it has none): the restarted shard answers it as the earlier attempt if that
         was accepted, else takes it; it never runs twice. The error is raised once
-        ``timeout`` seconds have passed."""
+        ``timeout`` seconds have passed. A shard Ray will not restart (``ActorDiedError``,
+        the GCS listing it DEAD) raises :class:`ShardDead` at once, naming the session,
+        the shard and Ray's reason, and whether the input may have been accepted."""
         inp = _with_id(inp)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            index, actor = self._live_shard(session_id, inp.id, "submit")
             try:
-                ref = self.shard(session_id).submit.remote(session_id, inp)
-                input_id, where = ray.get(ref)
+                input_id, where = ray.get(actor.submit.remote(session_id, inp))
                 return RayHandle(self, session_id, input_id, where)
-            except _RETRYABLE:
+            except _RETRYABLE as exc:
+                reason = _dead_for_good(exc)
+                if reason is not None:
+                    raise self._shard_died(
+                        session_id, index, actor, inp.id, reason, "submit"
+                    ) from exc
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
                 time.sleep(0.2)  # the shard is restarting
@@ -309,24 +432,36 @@ class ShardedRuntime:
         inp = _with_id(inp)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            index, actor = self._live_shard(session_id, inp.id, "submit")
             try:
-                input_id, where = await self.shard(session_id).submit.remote(session_id, inp)
+                input_id, where = await actor.submit.remote(session_id, inp)
                 return RayHandle(self, session_id, input_id, where)
-            except _RETRYABLE:
+            except _RETRYABLE as exc:
+                reason = await asyncio.to_thread(_dead_for_good, exc)
+                if reason is not None:
+                    raise self._shard_died(
+                        session_id, index, actor, inp.id, reason, "submit"
+                    ) from exc
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(0.2)
 
     def outcome(self, session_id: str, input_id: str, timeout: float | None = 60.0) -> InputOutcome:
         """How the input ended; a shard that dies meanwhile is asked again once Ray has
-        restarted it. TimeoutError after ``timeout``."""
+        restarted it. TimeoutError after ``timeout``; :class:`ShardDead` at once when
+        the shard is dead for good."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = 3600.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+            index, actor = self._live_shard(session_id, input_id, "outcome")
             try:
-                ref = self.shard(session_id).outcome.remote(session_id, input_id, min(left, 5.0))
-                found = ray.get(ref)
-            except _RETRYABLE:
+                found = ray.get(actor.outcome.remote(session_id, input_id, min(left, 5.0)))
+            except _RETRYABLE as exc:
+                reason = _dead_for_good(exc)
+                if reason is not None:
+                    raise self._shard_died(
+                        session_id, index, actor, input_id, reason, "outcome"
+                    ) from exc
                 found = None
                 time.sleep(0.2)  # the shard is restarting
             if found is not None:
@@ -340,10 +475,15 @@ class ShardedRuntime:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = 3600.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+            index, actor = self._live_shard(session_id, input_id, "outcome")
             try:
-                ref = self.shard(session_id).outcome.remote(session_id, input_id, min(left, 5.0))
-                found = await ref
-            except _RETRYABLE:
+                found = await actor.outcome.remote(session_id, input_id, min(left, 5.0))
+            except _RETRYABLE as exc:
+                reason = await asyncio.to_thread(_dead_for_good, exc)
+                if reason is not None:
+                    raise self._shard_died(
+                        session_id, index, actor, input_id, reason, "outcome"
+                    ) from exc
                 found = None
                 await asyncio.sleep(0.2)
             if found is not None:

@@ -29,6 +29,7 @@ pytest.importorskip("psycopg", reason="psycopg is not installed (pip install -e 
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'aalis-agent[ray]')")
 
 import ray
+from aalis_agent.actors.messages import InputOutcome
 from aalis_agent.events import Input, TurnRecorded
 from aalis_agent.events.postgres import PostgresEventStore
 from aalis_agent.scale.ownership import shard_of
@@ -250,6 +251,7 @@ def test_the_client_sends_an_input_again_when_its_shard_is_lost(
     monkeypatch.setattr(ray_shards.time, "sleep", lambda s: None)
     client = object.__new__(ray_shards.ShardedRuntime)
     client.shards = 1
+    client._dead = {}
     client.actors = [Shard(failures=3)]
     handle = client.submit("room", Input(id="", content="你好"))
     assert handle.where == "opened" and handle.input_id.startswith("in-")
@@ -301,5 +303,236 @@ def test_an_input_sent_again_through_the_client_runs_once_and_answers_alike(
             events = store.read(session)
         assert sum(isinstance(e, InputReceived) for e in events) == 1
         assert sum(isinstance(e, ModelCallStarted) for e in events) == 1
+    finally:
+        client.shutdown()
+
+
+def test_a_died_error_is_retried_only_while_the_gcs_lists_the_shard_restarting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray's ``ActorDiedError`` for a shard the GCS still lists as restarting (one query
+    per failure) is retried as before; one listed DEAD raises ShardDead at once, naming
+    the session, the shard and Ray's reason, and the next submit to that shard is refused
+    without being sent. (Stand-ins for the actors; the cluster tests below kill real
+    ones.)"""
+    from aalis_agent.scale import ray_shards
+    from aalis_agent.scale.ray_shards import ShardDead
+    from ray.exceptions import ActorDiedError
+
+    died = ActorDiedError()
+    died.actor_id = "ab12"
+    died.error_msg = f"{ActorDiedError.BASE_ERROR_MSG}\n\tpid: 7\nThe actor is dead because X."
+    states = ["RESTARTING", "DEAD"]
+    queried: list[str | None] = []
+
+    def actor_state(actor_id: str | None) -> dict[str, object]:
+        queried.append(actor_id)
+        return {"State": states.pop(0), "NumRestarts": 3}
+
+    sent: list[str] = []
+
+    class Shard:
+        def __init__(self) -> None:
+            self.submit = self
+
+        def remote(self, session_id: str, inp: Input) -> object:
+            sent.append(inp.id)
+            assert len(sent) < 10, "a shard dead for good is sent the input again and again"
+            raise died
+
+    monkeypatch.setattr(ray_shards, "_actor_state", actor_state)
+    monkeypatch.setattr(ray_shards.ray, "get", lambda ref: ref)
+    monkeypatch.setattr(ray_shards.time, "sleep", lambda s: None)
+    client = object.__new__(ray_shards.ShardedRuntime)
+    client.shards = 1
+    client._dead = {}
+    client.actors = [Shard()]
+    with pytest.raises(ShardDead) as dead:
+        client.submit("room", Input(id="x", content="你好"), timeout=None)
+    assert sent == ["x", "x"] and queried == ["ab12", "ab12"]  # retried once, then DEAD
+    assert (dead.value.session_id, dead.value.shard, dead.value.input_id) == ("room", 0, "x")
+    assert dead.value.reason == "The actor is dead because X. (after 3 restart(s))"
+    assert dead.value.maybe_accepted and dead.value.__cause__ is died
+    assert "session 'room': its shard 0 is dead and will not be restarted" in str(dead.value)
+    assert "input 'x' may have been accepted before it died" in str(dead.value)
+    with pytest.raises(ShardDead) as again:
+        client.submit("room", Input(id="y", content="再来"))
+    assert sent == ["x", "x"] and not again.value.maybe_accepted  # not sent
+    assert "input 'y' was not sent to it" in str(again.value)
+    client.actors = [Shard()]  # the shard's place taken by a new actor: sent to it
+    states.append("ALIVE")
+    states.append("DEAD")
+    with pytest.raises(ShardDead):
+        client.submit("room", Input(id="y", content="再来"), timeout=None)
+    assert sent == ["x", "x", "y", "y"]
+
+
+def _new_placement_answers(
+    pg_url: str,  # noqa: F811
+    session: str,
+    inp: Input,
+) -> tuple[str, InputOutcome]:
+    """``inp`` sent again under its id through a new client (a new placement of every
+    session): where it went, and its outcome."""
+    from aalis_agent.scale.ray_shards import ShardedRuntime
+
+    client = ShardedRuntime(pg_url, 2, slow_services, ttl_s=5.0, num_cpus=0.5)
+    try:
+        handle = client.submit(session, inp, timeout=20)
+        return handle.where, handle.result(timeout=60)
+    finally:
+        client.shutdown()
+
+
+def test_a_shard_killed_for_good_fails_a_submit_at_once_naming_it(
+    ray_cluster: str,
+    pg_url: str,  # noqa: F811
+) -> None:
+    """A shard killed with ``no_restart=True`` (and dead): a submit to it raises ShardDead (not the
+    ``ActorDiedError`` its 20 s timeout would end in), naming the session, the shard and
+    Ray's reason, as does asking an outcome of it; the other shard serves on. The input
+    sent again under its id to a new placement is answered from the log (one accepted
+    before) or run once (one never accepted)."""
+    from aalis_agent.events import InputReceived, ModelCallStarted
+    from aalis_agent.scale.ray_shards import ShardDead, ShardedRuntime
+    from ray._private import state as ray_state
+
+    from tests.faults import wait_until
+
+    client = ShardedRuntime(pg_url, 2, slow_services, ttl_s=5.0, num_cpus=0.5)
+    session = "room-gone"
+    other = next(
+        f"room-{i}" for i in range(100) if shard_of(f"room-{i}", 2) != shard_of(session, 2)
+    )
+    x, y = Input(id="gone-x", content="你好"), Input(id="gone-y", content="再来")
+    try:
+        first = client.submit(session, x).result(timeout=60)
+        assert first.outcome == "replied"
+        victim = client.shard(session)
+        ray.kill(victim, no_restart=True)  # returns before the actor is dead: awaited
+
+        def dead_in_gcs() -> bool:
+            return bool(ray_state.actors(victim._actor_id.hex())["State"] == "DEAD")
+
+        assert wait_until(dead_in_gcs, timeout=20)
+        with pytest.raises(ShardDead) as dead:
+            client.submit(session, y, timeout=20)
+        shard = shard_of(session, 2)
+        assert (dead.value.session_id, dead.value.shard, dead.value.input_id) == (
+            session,
+            shard,
+            "gone-y",
+        )
+        assert "killed by `ray.kill`" in dead.value.reason, dead.value.reason
+        text = str(dead.value)
+        assert f"session {session!r}: its shard {shard} is dead and will not be restarted" in text
+        assert dead.value.reason in text and dead.value.maybe_accepted
+        with pytest.raises(ShardDead) as again:  # known dead: not sent
+            asyncio.run(client.asubmit(session, y, timeout=20))
+        assert not again.value.maybe_accepted
+        with pytest.raises(ShardDead, match="the outcome of input 'gone-x' cannot be asked"):
+            client.outcome(session, "gone-x", timeout=20)
+        assert client.submit(other, Input(id="o", content="在吗")).result(60).outcome == "replied"
+    finally:
+        client.shutdown()
+    assert _new_placement_answers(pg_url, session, x) == ("handled", first)
+    where, outcome = _new_placement_answers(pg_url, session, y)
+    assert where != "handled" and outcome.outcome == "replied"
+    with PostgresEventStore(pg_url, read_only=True) as store:
+        events = store.read(session)
+    assert not any(audit_log(events, acked=["gone-x", "gone-y"]).values())
+    assert sum(isinstance(e, InputReceived) for e in events) == 2
+    assert sum(isinstance(e, ModelCallStarted) for e in events) == 2
+
+
+def test_a_shard_killed_for_good_mid_submit_fails_it_at_once(
+    ray_cluster: str,
+    pg_url: str,  # noqa: F811
+) -> None:
+    """A submit in flight inside its shard (held on the session's lease row, which the
+    test keeps locked) when the shard is killed with ``no_restart=True``: the caller gets
+    ShardDead saying the input may have been accepted, not the timeout; sent again to a
+    new placement it runs once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import psycopg
+    from aalis_agent.events import InputReceived
+    from aalis_agent.scale.leases import session_key
+    from aalis_agent.scale.ray_shards import ShardDead, ShardedRuntime
+
+    from tests.faults import wait_until
+
+    client = ShardedRuntime(pg_url, 2, slow_services, ttl_s=5.0, num_cpus=0.5)
+    session, z = "room-cut", Input(id="cut-z", content="你好")
+    client.info()  # the shards are up (their lease table made)
+    holder = psycopg.connect(pg_url)
+    waiting = (
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        " AND query LIKE 'INSERT INTO aalis_leases%%' AND pid <> pg_backend_pid()"
+    )
+    try:
+        holder.execute(
+            "INSERT INTO aalis_leases (session, owner, expires_at)"
+            " VALUES (%s, 'test-holder', now() + interval '1 minute')",
+            [session_key(session)],
+        )  # uncommitted: the shard's acquire of the session waits for it
+        with ThreadPoolExecutor(1) as pool, psycopg.connect(pg_url, autocommit=True) as watch:
+            submitted = pool.submit(client.submit, session, z, 20)
+
+            def stuck() -> bool:
+                row = watch.execute(waiting).fetchone()
+                return row is not None and row[0] > 0
+
+            assert wait_until(stuck, timeout=20)  # the submit is inside the shard
+            ray.kill(client.shard(session), no_restart=True)
+            with pytest.raises(ShardDead) as dead:
+                submitted.result(timeout=30)
+        assert dead.value.maybe_accepted and dead.value.input_id == "cut-z"
+        assert "may have been accepted before it died" in str(dead.value)
+        assert "killed by `ray.kill`" in dead.value.reason
+    finally:
+        holder.rollback()
+        holder.close()
+        client.shutdown()
+    outcome = _new_placement_answers(pg_url, session, z)[1]
+    assert outcome.outcome == "replied"
+    with PostgresEventStore(pg_url, read_only=True) as store:
+        events = store.read(session)
+    assert sum(isinstance(e, InputReceived) for e in events) == 1
+    assert not any(audit_log(events, acked=["cut-z"]).values())
+
+
+def test_a_shard_whose_restarts_are_used_up_fails_a_submit_at_once(
+    ray_cluster: str,
+    pg_url: str,  # noqa: F811
+) -> None:
+    """``max_restarts=1``: the shard's process SIGKILLed once is restarted and a submit
+    meanwhile retried and answered (as before); killed again, it is dead for good, and a
+    submit raises ShardDead with Ray's reason and the restart count, not the timeout's
+    ``ActorDiedError``."""
+    from aalis_agent.scale.ray_shards import ShardDead, ShardedRuntime
+    from ray._private import state as ray_state
+
+    from tests.faults import wait_until
+
+    client = ShardedRuntime(pg_url, 2, slow_services, ttl_s=5.0, num_cpus=0.5, max_restarts=1)
+    session = "room-worn"
+    index = shard_of(session, 2)
+    victim = client.actors[index]
+    try:
+        os.kill(client.info()[index]["pid"], signal.SIGKILL)
+        handle = client.submit(session, Input(id="worn-1", content="你好"), timeout=20)
+        assert handle.result(timeout=60).outcome == "replied"  # the restarted shard
+        os.kill(client.info()[index]["pid"], signal.SIGKILL)
+
+        def dead_in_gcs() -> bool:
+            return bool(ray_state.actors(victim._actor_id.hex())["State"] == "DEAD")
+
+        assert wait_until(dead_in_gcs, timeout=20)
+        with pytest.raises(ShardDead) as dead:
+            client.submit(session, Input(id="worn-2", content="再来"), timeout=20)
+        assert dead.value.shard == index and dead.value.session_id == session
+        assert "worker process has died" in dead.value.reason, dead.value.reason
+        assert dead.value.reason.endswith("(after 1 restart(s))")
     finally:
         client.shutdown()
