@@ -32,7 +32,8 @@ A stdio server runs through the transport of :mod:`aalis_agent.services.mcp_stdi
 SDK's on Windows): a line it writes that is not a JSON-RPC message fails the call it
 answers at once, quoting it (the server stays connected); a line past its
 ``max_line_bytes`` is refused, naming the limit; closing ends its process group, the
-processes it started with it.
+processes it started with it. An answer that is not a valid tool result fails its call
+with one line naming the field and what the server sent there.
 
 Usage::
 
@@ -444,7 +445,7 @@ class McpClient:
                     f"MCP server {server!r}: tool {name!r} failed: its connection ended "
                     f"({_leaf(exc)}); the server is started again at its next call"
                 ) from None
-            raise ToolError(f"MCP server {server!r}: tool {name!r} failed: {_leaf(exc)}") from None
+            raise ToolError(f"MCP server {server!r}: tool {name!r} failed: {_why(exc)}") from None
         text = _result_text(result)
         if result.is_error:
             raise ToolError(text or f"MCP tool {name!r} failed")
@@ -764,6 +765,27 @@ def _sdk_error(exc: BaseException, code: str | None) -> bool:
     if not isinstance(exc, MCPError):
         return False
     return code is None or bool(exc.error.code == getattr(mcp.types, code))
+
+
+def _why(exc: BaseException) -> str:
+    """Why a call failed, on one line: an answer that is not a valid tool result (the
+    SDK's pydantic error, many lines long) is named with its first fault and what the
+    server sent there (cut short); any other error as :func:`_leaf` gives it."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    errors = getattr(exc, "errors", None)
+    if type(exc).__name__ != "ValidationError" or not callable(errors):
+        return _leaf(exc)
+    try:
+        found = list(errors())
+    except Exception:  # pragma: no cover - pydantic's errors() does not fail
+        return _leaf(exc)
+    first = next((e for e in found if tuple(e.get("loc", ()))[:1] == ("CallToolResult",)), None)
+    first = first or (found[0] if found else {})
+    where = ".".join(str(p) for p in tuple(first.get("loc", ()))[1:]) or "it"
+    sent = repr(first.get("input"))
+    sent = sent if len(sent) <= 200 else sent[:200] + " [...]"
+    return f"its answer is not a valid tool result ({where}: {first.get('msg', '')}): {sent}"
 
 
 def _leaf(exc: BaseException) -> str:

@@ -113,6 +113,18 @@ def test_a_bad_line_naming_no_call_under_way_fails_none(odd: McpClient) -> None:
     assert odd.call("odd", "add", {"a": 1, "b": 1}) == "2"
 
 
+def test_an_answer_that_is_not_a_tool_result_is_named_on_one_line(odd: McpClient) -> None:
+    """A JSON-RPC response whose result is not a tool result: one line naming the field
+    and what the server sent there (the SDK's error ran to several lines, with a link)."""
+    bad = '{"jsonrpc": "2.0", "id": {id}, "result": {"resultType": "complete", "content": "nope"}}'
+    with pytest.raises(ToolError) as info:
+        odd.call("odd", "say", {"line": bad})
+    assert str(info.value) == (
+        "MCP server 'odd': tool 'say' failed: its answer is not a valid tool result "
+        "(content: Input should be a valid list): 'nope'"
+    )
+
+
 def test_a_server_that_answers_its_start_with_a_bad_line_is_named_at_once() -> None:
     """A server that writes a banner in place of each answer: the start fails at once
     (it waited out its startup timeout), naming the server and what it wrote."""
