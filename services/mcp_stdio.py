@@ -135,14 +135,14 @@ async def stdio_transport(
         waiting.clear()
         return [fail(rid, message) for rid in ids]
 
-    def too_long(line: bytes | bytearray) -> tuple[Any, str]:
-        """The id a line past the limit names in its opening (None if it names none),
-        and the error it causes."""
-        opening = _OPENING_ID.match(line[:1024])
-        named = opening.group(1).decode().strip('"') if opening is not None else None
+    def too_long(opening: bytes | bytearray) -> tuple[Any, str]:
+        """The id a line past the limit names in its ``opening`` (its first 1,024 bytes;
+        None if it names none), and the error it causes."""
+        found = _OPENING_ID.match(opening)
+        named = found.group(1).decode().strip('"') if found is not None else None
         return named, (
             f"the server sent a line longer than {max_line_bytes} bytes (max_line_bytes), "
-            f"which is not read: {_quote(line)}"
+            f"which is not read: {_quote(opening)}"
         )
 
     def parse(line: bytes | bytearray) -> list[SessionMessage]:
@@ -200,7 +200,7 @@ async def stdio_transport(
                         if skipping:
                             skipping = False
                         elif end - start > max_line_bytes:
-                            items += failures(*too_long(buf[start:end]))
+                            items += failures(*too_long(buf[start : min(end, start + 1024)]))
                         else:
                             items += parse(buf[start:end])
                         start = scanned = end + 1
@@ -208,7 +208,7 @@ async def stdio_transport(
                         del buf[:start]
                     scanned = len(buf)
                     if not skipping and len(buf) > max_line_bytes:
-                        items += failures(*too_long(buf))
+                        items += failures(*too_long(buf[:1024]))
                         skipping = True
                     if skipping:
                         buf.clear()
