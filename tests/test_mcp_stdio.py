@@ -143,16 +143,16 @@ def test_a_server_that_answers_its_start_with_a_bad_line_is_named_at_once() -> N
 
 @pytest.mark.parametrize(
     ("limit", "mb"),
-    [(1_000_000, 5), (1_000, 0.002)],
+    [(1_000_000, 5), (20_000, 0.03)],
     ids=["read-over-many-chunks", "shorter-than-a-chunk"],
 )
 def test_a_line_past_the_limit_is_refused_naming_it_and_the_rest_skipped(
     limit: int, mb: float
 ) -> None:
-    """A 5 MB answer (a 10 MB line) with a 1 MB limit, a 2 kB one with a 1 kB limit (the
-    whole line in one read, most likely): the call fails naming the limit and what the
-    line began with, and the connection serves the next call (the rest of the line
-    skipped)."""
+    """A 5 MB answer (a 10 MB line) with a 1 MB limit, and a 30 kB answer (a 60 kB line,
+    most likely read at once) with a 20 kB limit (the list of tools takes some 4 kB): the
+    call fails naming the limit and what the line began with, and the connection serves
+    the next call (the rest of the line skipped)."""
     with McpClient([odd_server(max_line_bytes=limit)]) as client:
         with pytest.raises(ToolError) as info:
             client.call("odd", "big", {"mb": mb})
