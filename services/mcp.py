@@ -29,8 +29,9 @@ call's error, with the server's message, once the server answers a request after
 -32000) or when the call's time is not up (for -32001).
 
 A stdio server runs through the transport of :mod:`aalis_agent.services.mcp_stdio` (the
-SDK's on Windows): a line it writes that is not a JSON-RPC message fails the call it
-answers at once, quoting it (the server stays connected); a line past its
+SDK's on Windows): a line it writes that answers a call but is not a valid JSON-RPC
+message fails that call at once, quoting it (the server stays connected), and a line
+naming no call (a banner, a stray print) is logged and dropped; a line past its
 ``max_line_bytes`` is refused, naming the limit; closing ends its process group, the
 processes it started with it. An answer that is not a valid tool result fails its call
 with one line naming the field and what the server sent there.

@@ -3,12 +3,14 @@
 It speaks what the SDK's ``stdio_client`` speaks (one JSON-RPC message a line, both ways)
 and differs where a server misbehaves:
 
-- A line from the server that is not a JSON-RPC message (not JSON, or a response whose
-  ``result`` is not an object), or an error reply with no request id, fails the requests
-  waiting for an answer at once, with an error quoting what the server sent (cut to
-  :data:`QUOTE_CHARS`): the request the line names by its ``id`` when it names one that
-  waits, else every one waiting. The SDK logged such a line and dropped it, and the call
-  waited out its whole timeout. The connection stays in use.
+- A line from the server that is not a JSON-RPC message but answers a request waiting
+  (it names the request's ``id``: a response whose ``result`` is not an object, or a
+  line cut short that opens as an answer) fails that request at once, with an error
+  quoting what the server sent (cut to :data:`QUOTE_CHARS`); an error reply with no
+  request id fails every request waiting. The SDK logged such a line and dropped it, and
+  the call waited out its whole timeout. The connection stays in use. A line that names
+  no request (a banner, a log line written to stdout, JSON that is no message) is logged
+  and dropped, as the SDK did: the calls under way go on.
 - A line longer than ``max_line_bytes`` is not kept: the requests waiting fail as above
   (the one its opening names, when it does), naming the limit, and the rest of the line
   is skipped. Lines are split in linear time (the SDK joined its buffer with each chunk
@@ -154,11 +156,21 @@ async def stdio_transport(
             decoded: object = None
             with contextlib.suppress(msgspec.DecodeError):
                 decoded = msgspec.json.decode(line)
-            named = None  # a line not meant as a message, or with no id: all waiting
-            if isinstance(decoded, dict) and decoded.get("id") is not None:
-                named = decoded["id"] if "method" not in decoded else _NONE
-            why = _reason(exc, decoded)
-            return failures(named, f"the server sent a line that is {why}: {_quote(line)}")
+            named: Any = None  # the request the line answers, by its opening
+            if isinstance(decoded, dict):
+                if decoded.get("id") is not None:
+                    named = decoded["id"] if "method" not in decoded else _NONE
+            elif decoded is None:  # not JSON: cut short, say, if it opens as an answer
+                found = _OPENING_ID.match(line[:1024])
+                if found is not None:
+                    named = found.group(1).decode("utf-8", "replace").strip('"')
+            why = f"the server sent a line that is {_reason(exc, decoded)}: {_quote(line)}"
+            if named is None:
+                # Stray output naming no request (a banner, a log line on stdout): as
+                # the SDK did, logged and dropped; the calls under way go on.
+                log.warning("MCP server wrote a line that is not a message", error=why)
+                return []
+            return failures(named, why)
         if isinstance(message, types.JSONRPCResponse | types.JSONRPCError):
             if message.id is None:  # an error for no request: the ones waiting hear of it
                 assert isinstance(message, types.JSONRPCError)

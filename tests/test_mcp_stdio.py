@@ -42,7 +42,12 @@ def odd() -> Iterator[McpClient]:
 @pytest.mark.parametrize(
     ("line", "said"),
     [
-        ("Server ready!", re.escape("the server sent a line that is not JSON: 'Server ready!'")),
+        (
+            '{"jsonrpc": "2.0", "id": {id}, "result": {"content": [',
+            re.escape("""the server sent a line that is not JSON: '{"jsonrpc": "2.0", "id": """)
+            + r"\d+"
+            + re.escape(""", "result": {"content": ['"""),
+        ),
         (
             '{"jsonrpc": "2.0", "id": {id}, "result": 5}',
             re.escape(
@@ -56,21 +61,16 @@ def odd() -> Iterator[McpClient]:
             '{"jsonrpc": "2.0", "id": null, "error": {"code": -32603, "message": "boom"}}',
             re.escape("the server sent an error for no request: boom (code -32603)"),
         ),
-        (
-            "[1, 2]",
-            re.escape(
-                "the server sent a line that is not a JSON-RPC message (a JSON list): '[1, 2]'"
-            ),
-        ),
     ],
-    ids=["not-json", "result-not-an-object", "error-for-no-request", "not-an-object"],
+    ids=["cut-short", "result-not-an-object", "error-for-no-request"],
 )
 def test_a_line_that_is_not_a_message_fails_the_call_at_once_naming_it(
     odd: McpClient, line: str, said: str
 ) -> None:
     """The server writes the line in place of its answer, then waits: the call fails at
     once with an error quoting the line (it waited out its whole timeout), and the
-    connection goes on serving (the same process: not started again)."""
+    connection goes on serving (the same process: not started again). The line answers
+    the call (it names its id), or is an error for no request."""
     pid = odd.call("odd", "pid", {})
     with pytest.raises(ToolError, match=f"^MCP server 'odd': tool 'say' failed: MCPError: {said}$"):
         odd.call("odd", "say", {"line": line})
@@ -79,10 +79,13 @@ def test_a_line_that_is_not_a_message_fails_the_call_at_once_naming_it(
 
 
 def test_a_long_bad_line_is_quoted_cut_short(odd: McpClient) -> None:
+    opening = '{"jsonrpc": "2.0", "id": {id}, "result": "'
     with pytest.raises(ToolError) as info:
-        odd.call("odd", "say", {"line": "é" * 5000})
+        odd.call("odd", "say", {"line": opening + "é" * 5000})
     message = str(info.value)
-    assert message.endswith("not JSON: '" + "é" * 200 + "' [...]")  # 200 characters
+    quoted = message.partition("not JSON: '")[2]
+    assert quoted.startswith('{"jsonrpc": "2.0", "id": ') and quoted.endswith("é' [...]")
+    assert len(quoted.removesuffix("' [...]")) == 200  # 200 characters
 
 
 def test_a_bad_answer_fails_only_its_own_call(odd: McpClient) -> None:
@@ -99,11 +102,39 @@ def test_a_bad_answer_fails_only_its_own_call(odd: McpClient) -> None:
     assert answers == ["done"]
 
 
-def test_a_bad_line_naming_no_call_under_way_fails_none(odd: McpClient) -> None:
-    """A bad answer to an id no call waits for (a late one), and a bad request of the
-    server's own under a call's id, fail no call: the line after them, a bad answer to
-    the call, is the one its error quotes."""
+def test_stray_lines_that_name_no_request_are_dropped_and_the_call_answered(
+    odd: McpClient,
+) -> None:
+    """Output that is no message and names no request (a banner, a log line on stdout,
+    JSON that is no message): logged and dropped, as the SDK did; the call under way is
+    answered, on the same connection."""
     lines = [
+        "Server ready!",
+        "[1, 2]",
+        '{"level": "info", "msg": "working"}',
+        '{"jsonrpc": "2.0", "method": 5}',
+        "é" * 5000,
+    ]
+    pid = odd.call("odd", "pid", {})
+    assert odd.call("odd", "chatter", {"lines": lines}) == "answered"
+    assert odd.call("odd", "pid", {}) == pid and odd.reconnects == 0
+
+
+def test_a_server_that_writes_a_banner_before_it_serves_starts() -> None:
+    """A banner written to stdout before the server answers its start: dropped, and the
+    server starts and serves."""
+    server = odd_server("banner", env={"ODD_BANNER": "Welcome! (listening on stdio)"})
+    with McpClient([server]) as client:
+        assert client.call("banner", "add", {"a": 2, "b": 3}) == "5"
+
+
+def test_a_bad_line_naming_no_call_under_way_fails_none(odd: McpClient) -> None:
+    """A bad answer to an id no call waits for (a late one), a bad request of the
+    server's own under a call's id, and stray lines naming no request fail no call: the
+    line after them, a bad answer to the call, is the one its error quotes."""
+    lines = [
+        "Server ready!",
+        "[1, 2]",
         '{"jsonrpc": "2.0", "id": "nobody", "result": 5}',
         '{"jsonrpc": "2.0", "id": {id}, "method": "ping", "params": 5}',
         '{"jsonrpc": "2.0", "id": {id}, "result": []}',
@@ -125,20 +156,25 @@ def test_an_answer_that_is_not_a_tool_result_is_named_on_one_line(odd: McpClient
     )
 
 
-def test_a_server_that_answers_its_start_with_a_bad_line_is_named_at_once() -> None:
-    """A server that writes a banner in place of each answer: the start fails at once
-    (it waited out its startup timeout), naming the server and what it wrote."""
-    banner = McpServer(
-        "banner",
-        command=sys.executable,
-        args=("-c", "import sys\nfor _ in sys.stdin: print('Welcome!', flush=True)"),
-        startup_timeout_s=SAFETY_S,
+def test_a_server_that_answers_its_start_with_a_bad_answer_is_named_at_once() -> None:
+    """A server that answers its start with a line that is not a valid response to it:
+    the start fails at once (it waited out its startup timeout), naming the server and
+    what it wrote."""
+    script = (
+        "import json, sys\n"
+        "for line in sys.stdin:\n"
+        "    rid = json.loads(line).get('id')\n"
+        "    if rid is not None:\n"
+        "        answer = {'jsonrpc': '2.0', 'id': rid, 'result': 'Welcome!'}\n"
+        "        print(json.dumps(answer), flush=True)\n"
     )
+    bad = McpServer("bad", command=sys.executable, args=("-c", script), startup_timeout_s=SAFETY_S)
     with pytest.raises(McpError) as info:
-        McpClient([banner]).start()
+        McpClient([bad]).start()
     message = str(info.value)
-    assert message.startswith("MCP server 'banner' (command ")
-    assert "the server sent a line that is not JSON: 'Welcome!'" in message
+    assert message.startswith("MCP server 'bad' (command ")
+    assert "not a valid JSON-RPC response (result: Input should be an object)" in message
+    assert "'Welcome!'" in message
 
 
 @pytest.mark.parametrize(
