@@ -28,6 +28,14 @@ for a connection it found closed (-32000) or for its read timeout (-32001): that
 call's error, with the server's message, once the server answers a request after it (for
 -32000) or when the call's time is not up (for -32001).
 
+A stdio server runs through the transport of :mod:`aalis_agent.services.mcp_stdio` (the
+SDK's on Windows): a line it writes that answers a call but is not a valid JSON-RPC
+message fails that call at once, quoting it (the server stays connected), and a line
+naming no call (a banner, a stray print) is logged and dropped; a line past its
+``max_line_bytes`` is refused, naming the limit; closing ends its process group, the
+processes it started with it. An answer that is not a valid tool result fails its call
+with one line naming the field and what the server sent there.
+
 Usage::
 
     client = McpClient([McpServer("files", command="uvx", args=("mcp-server-fs", "."))])
@@ -45,6 +53,7 @@ import concurrent.futures
 import contextlib
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -67,11 +76,16 @@ log = structlog.get_logger(__name__)
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as providers accept a tool's name (fullmatch)
 
-_CANCELLED_END_S = 6.0  # a cancelled connection's ending: the SDK's 2 s grace, then kill
+# A cancelled connection's ending: for a stdio server, 2 s to exit, 2 s more after
+# SIGTERM to its group, then SIGKILL and up to 2 s to see it gone.
+_CANCELLED_END_S = 7.0
 
 _STDERR_LINE_MAX = 500  # characters of a server's stderr line kept and logged
 
 _PROBE_S = 2.0  # the longest a request may take that asks whether a connection is still there
+
+DEFAULT_MAX_LINE_BYTES = 16 * 1024 * 1024
+"""The longest message a stdio server may send by default (one line): 16 MiB."""
 
 RECONNECT_GAP_S = 5.0
 """The least time between two starts of a server whose connection ended: a call that finds
@@ -101,10 +115,22 @@ class McpServer:
     """The longest a tool call may take, waiting for its server to start again included."""
     startup_timeout_s: float = 30.0
     """The longest connecting and listing the tools may take."""
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    """The longest message a stdio server may send (one line): a longer one fails the
+    call it answers, naming the limit, and is not read (POSIX)."""
 
     def __post_init__(self) -> None:
         if (self.command is None) == (self.url is None):
             raise ValueError(f"MCP server {self.name!r}: give a command or a url (one of them)")
+        if (
+            isinstance(self.max_line_bytes, bool)
+            or not isinstance(self.max_line_bytes, int)
+            or self.max_line_bytes < 1
+        ):
+            raise ValueError(
+                f"MCP server {self.name!r}: max_line_bytes must be a positive integer, got "
+                f"{self.max_line_bytes!r}"
+            )
 
     @property
     def tool_group(self) -> str:
@@ -420,7 +446,7 @@ class McpClient:
                     f"MCP server {server!r}: tool {name!r} failed: its connection ended "
                     f"({_leaf(exc)}); the server is started again at its next call"
                 ) from None
-            raise ToolError(f"MCP server {server!r}: tool {name!r} failed: {_leaf(exc)}") from None
+            raise ToolError(f"MCP server {server!r}: tool {name!r} failed: {_why(exc)}") from None
         text = _result_text(result)
         if result.is_error:
             raise ToolError(text or f"MCP tool {name!r} failed")
@@ -576,8 +602,8 @@ class McpClient:
     def close(self, timeout_s: float = 10.0) -> None:
         """Close every connection (a stdio server's process ends), give up the starts
         under way, and close the loop thread. A connection that has not closed within
-        ``timeout_s`` is cancelled, and its process ended (the SDK ends a stdio server's
-        process tree within a few seconds)."""
+        ``timeout_s`` is cancelled, and its process ended (a stdio server's process group is
+        ended within a few seconds)."""
         with self._lock:
             self._closed = True
             connections, self._connections = list(self._connections.values()), {}
@@ -626,12 +652,23 @@ async def _transport(spec: McpServer, conn: _Connection, stack: contextlib.Async
                 )
             )
         return streamable_http_client(spec.url, http_client=http_client)
-    from mcp import StdioServerParameters
-    from mcp.client.stdio import stdio_client
-
     assert spec.command is not None
     errlog, conn.stderr_reader = _stderr_pipe(spec.name, conn.stderr)
     stack.callback(errlog.close)  # our copy of the write end; the child keeps its own
+    if sys.platform != "win32":
+        from aalis_agent.services.mcp_stdio import stdio_transport
+
+        return stdio_transport(
+            spec.command,
+            list(spec.args),
+            env=spec.env,
+            cwd=spec.cwd,
+            errlog=errlog,
+            max_line_bytes=spec.max_line_bytes,
+        )
+    from mcp import StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
     params = StdioServerParameters(
         command=spec.command,
         args=list(spec.args),
@@ -729,6 +766,27 @@ def _sdk_error(exc: BaseException, code: str | None) -> bool:
     if not isinstance(exc, MCPError):
         return False
     return code is None or bool(exc.error.code == getattr(mcp.types, code))
+
+
+def _why(exc: BaseException) -> str:
+    """Why a call failed, on one line: an answer that is not a valid tool result (the
+    SDK's pydantic error, many lines long) is named with its first fault and what the
+    server sent there (cut short); any other error as :func:`_leaf` gives it."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    errors = getattr(exc, "errors", None)
+    if type(exc).__name__ != "ValidationError" or not callable(errors):
+        return _leaf(exc)
+    try:
+        found = list(errors())
+    except Exception:  # pragma: no cover - pydantic's errors() does not fail
+        return _leaf(exc)
+    first = next((e for e in found if tuple(e.get("loc", ()))[:1] == ("CallToolResult",)), None)
+    first = first or (found[0] if found else {})
+    where = ".".join(str(p) for p in tuple(first.get("loc", ()))[1:]) or "it"
+    sent = repr(first.get("input"))
+    sent = sent if len(sent) <= 200 else sent[:200] + " [...]"
+    return f"its answer is not a valid tool result ({where}: {first.get('msg', '')}): {sent}"
 
 
 def _leaf(exc: BaseException) -> str:
