@@ -466,7 +466,8 @@ def audit_log(
       and not archived exactly once (without a turn id), or archived without a turn id
       when it was not released to be;
     - ``call_unended``: a model call started without its end, in a turn never recorded
-      (when ``settled``);
+      (when ``settled``); a tool call started without its finish in a turn recorded
+      otherwise than cut by a crash or wound down by a deletion or clear;
     - ``resend_wrong``: an input sent again (``resends``: records ``{"id", "where"}``, with
       ``outcome``, ``reason``, ``turn``, ``reply`` when ``where`` is ``handled`` or
       ``run`` or the record says it ``followed`` a live input to its end; ``error`` when
@@ -528,6 +529,14 @@ def audit_log(
         for turn_id, index in sorted(facts.calls_started - facts.calls_ended):
             if turn_id not in facts.recorded:
                 out["call_unended"].append(f"model call {index} of {turn_id}: no end, no record")
+    for turn_id, call_id in sorted(facts.tool_started - facts.tool_finished):
+        # Only a turn cut by a crash, or wound down by a deletion or clear (it writes
+        # nothing more), may leave a tool call started without its finish.
+        if turn_id in facts.recorded and facts.recorded_reason[turn_id] not in _CUT:
+            out["call_unended"].append(
+                f"tool call {call_id} of {turn_id} (recorded {facts.recorded[turn_id]}/"
+                f"{facts.recorded_reason[turn_id]}): started, never finished"
+            )
     for r in resends:
         out["resend_wrong"] += _resend_findings(facts, r)
     for d in delivered:
@@ -561,6 +570,10 @@ def audit_log(
         if input_id not in facts.archived:
             out["half_applied"].append(f"input {input_id} reached the model, never archived")
     return out
+
+
+_CUT = frozenset({"crash", "delete", "clear"})
+"""The reasons of turns that may end with a tool call started and not finished."""
 
 
 def _resend_findings(facts: LogFacts, r: Mapping[str, Any]) -> list[str]:

@@ -8,10 +8,12 @@ ones, and some whose submit a kill cut: a caller retrying after a timeout or a c
 Then it submits inputs in a loop to a few sessions, each under an id of its own (the
 model calls a tool, then answers; some inputs are scheduled injections; now and then a
 turn is stopped, a tool raises or its ``agent:tool:after`` fails, a turn is held by a
-slow tool while several inputs wait and then all are released by a stop-all or a mute,
-or a session is deleted), sending recent inputs again now and then, on this thread and
-on another (a caller retrying, racing the turns). Side files, one JSON line per record,
-each fsynced before the worker goes on:
+slow tool while several inputs wait and then all are released by a stop-all, a mute, a
+deletion or a ``/clear``, or a session is deleted), sending recent inputs again now and
+then, on this thread and on another (a caller retrying, racing the turns). Every other
+run (by its seed) has an ``agent:turn:before`` middleware, so that a kill can cut a turn
+before a model call carried its inputs. Side files, one JSON line per record, each
+fsynced before the worker goes on:
 
 - ``sent.jsonl``: ``{"id", "session", "source"}`` before each first ``submit``;
 - ``acked.jsonl``: ``{"id", "session", "where", "source"}`` right after ``submit``
@@ -21,7 +23,8 @@ each fsynced before the worker goes on:
   when it was sent with ``Runtime.run`` (``where`` ``run``); a line
   ``{"followed": true, ...}`` with the outcome when a resend that followed a live input
   resolves; ``{"error": ...}`` when a resend was refused;
-- ``ops.jsonl``: ``{"op", "session", "tag"}`` for each stop-all, mute and deletion done;
+- ``ops.jsonl``: ``{"op", "session", "tag"}`` for each stop-all, mute, deletion and clear
+  done;
 - ``replies.jsonl``: ``{"session", "turn", "text", "kind"}`` for every message the
   gateway delivers.
 
@@ -33,6 +36,7 @@ shuts down and exits 0 (printing ``SETTLED``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import random
@@ -123,8 +127,9 @@ class FileGateway:
 
 class Faults:
     """The seeded choices turns make on their threads: which tool calls raise (an error
-    the model sees; ``SystemExit``, which ends the turn), whose ``agent:tool:after``
-    fails, and which sessions' tools are slow (a turn held while inputs wait)."""
+    the model sees; ``SystemExit`` or ``KeyboardInterrupt``, which end the turn), whose
+    ``agent:tool:after`` fails, and which sessions' tools are slow (a turn held while
+    inputs wait)."""
 
     def __init__(self, tag: str) -> None:
         self.rng = random.Random(f"{tag}-tool")
@@ -140,7 +145,13 @@ class Faults:
             return self.rng.uniform(0.001, 0.01)
 
 
-def build(db: str, side: Path, tag: str) -> tuple[SqliteEventStore, Runtime, Faults]:
+def build(
+    db: str, side: Path, tag: str, *, turn_before: bool = False
+) -> tuple[SqliteEventStore, Runtime, Faults]:
+    """The worker's store and runtime. With ``turn_before``, an ``agent:turn:before``
+    middleware (which passes the turn on after a moment) runs before each turn's first
+    model call: the commit that opens a turn does not archive its inputs then, so a kill
+    can cut a turn before any model call carried them (a recovery puts them back)."""
     script = tool_then_reply(tag)
 
     def reply(request: ChatRequest, n: int) -> ScriptedReply:
@@ -157,8 +168,10 @@ def build(db: str, side: Path, tag: str) -> tuple[SqliteEventStore, Runtime, Fau
         draw = faults.draw()
         if draw < 0.03:
             raise RuntimeError("查询失败")  # the model sees the error; the turn goes on
-        if draw < 0.045:
+        if draw < 0.04:
             raise SystemExit(3)  # ends the turn: ToolFinished, then TurnRecorded aborted
+        if draw < 0.05:
+            raise KeyboardInterrupt  # as SystemExit (reason interrupt)
         return "查到了"
 
     def after(ctx: Any, next_: Callable[[], Any]) -> Any:
@@ -167,8 +180,14 @@ def build(db: str, side: Path, tag: str) -> tuple[SqliteEventStore, Runtime, Fau
             raise RuntimeError("agent:tool:after failed")  # fails the turn (error)
         return result
 
+    def before(ctx: Any, next_: Callable[[], Any]) -> Any:
+        time.sleep(faults.duration())
+        return next_()
+
     hooks = Hooks()
     hooks.use("agent:tool:after", after)
+    if turn_before:
+        hooks.use("agent:turn:before", before)
     # A small WAL mark: the store's checkpoint thread runs every few turns, so kills
     # land inside checkpoints too.
     store = SqliteEventStore(db, wal_autocheckpoint=16)
@@ -263,7 +282,8 @@ def main() -> int:
     settle_only = "--settle" in sys.argv[5:]
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     default_counter().count("预热")  # load the tokenizer now, not inside the first turn
-    store, runtime, faults = build(db, side, tag)
+    # Every other run (by its seed) has an agent:turn:before middleware.
+    store, runtime, faults = build(db, side, tag, turn_before=seed % 2 == 1)
     runtime.recover()
     (side / f"ready-{tag}").touch()
     resender = Resender(runtime, side, tag)
@@ -318,8 +338,9 @@ def main() -> int:
         draw = rng.random()
         if draw < 0.03:
             # A turn held by a slow tool, several inputs waiting behind it (some sent
-            # again while they wait), all released at once (queued and pending, archived
-            # in one folded batch).
+            # again while they wait), all released at once (queued and pending): by a
+            # stop-all or a mute (archived in one folded batch), a deletion or a /clear
+            # (not archived).
             faults.slow.add(session)
             try:
                 burst = [submit(session, "schedule" if rng.random() < 0.3 else None)]
@@ -331,9 +352,15 @@ def main() -> int:
                 for record in rng.sample(waiting, min(len(waiting), rng.randint(1, 3))):
                     resender.resend(record)
                 time.sleep(rng.uniform(0.01, 0.05))
-                op = "stop-all" if rng.random() < 0.6 else "mute"
+                op = rng.choices(["stop-all", "mute", "delete", "clear"], [5, 3, 2, 1])[0]
+                release: dict[str, Callable[[str], Any]] = {
+                    "stop-all": runtime.stop_all,
+                    "mute": runtime.mute,
+                    "delete": functools.partial(runtime.delete, timeout=10),
+                    "clear": functools.partial(runtime.clear, timeout=10),
+                }
                 with contextlib.suppress(StoreError):
-                    (runtime.stop_all if op == "stop-all" else runtime.mute)(session)
+                    release[op](session)
                     ops.write({"op": op, "session": session, "tag": tag})
             finally:
                 faults.slow.discard(session)

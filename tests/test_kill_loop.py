@@ -22,7 +22,8 @@ end, all must be 0:
   back from);
 - release archive: released inputs released again, or not archived exactly once when
   released to be (stop-all, mute), or archived when released not to be (deletion);
-- call unended: model calls with neither their end nor their turn's record;
+- call unended: model calls with neither their end nor their turn's record; tool calls
+  started, not finished, in a turn not cut by a crash, a deletion or a clear;
 - resend wrong: an input sent again that was refused, or answered (``handled`` at once,
   or followed to its end) otherwise than the log says it ended;
 - final resend not handled: an acknowledged input sent again once all had settled that

@@ -5,8 +5,9 @@ queued) that a stop-all then releases, and each input is sent again under its id
 log this leaves passes every check; each check is then shown to fire on a log or an
 answer that breaks its rule (an answer differing from the log, an input received twice
 or run by two turns, a released input archived twice or not at all, a model call with
-neither its end nor its turn's record). Without this, a check that can never fire would
-pass the kill loop as well as a sound runtime does.
+neither its end nor its turn's record, a tool call never finished in a turn no crash
+cut). Without this, a check that can never fire would pass the kill loop as well as a
+sound runtime does.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from aalis_agent.events import (
     MessageSaved,
     ModelCallEnded,
     SessionEvent,
+    ToolFinished,
     TurnOpened,
     TurnRecorded,
 )
@@ -187,3 +189,21 @@ def test_a_model_call_with_neither_its_end_nor_its_turns_record_is_found(
     found = audit_log(cut_log, settled=True)["call_unended"]
     assert found and all(first in f for f in found), found
     assert audit_log(cut_log, settled=False)["call_unended"] == []
+
+
+def test_a_tool_call_left_unfinished_by_a_turn_not_cut_is_found(
+    session: tuple[list[SessionEvent], list[dict[str, Any]]],
+) -> None:
+    events, _ = session
+    first = next(e for e in events if isinstance(e, ToolFinished))
+    unfinished = _renumbered([e for e in events if e is not first])
+    found = audit_log(unfinished)["call_unended"]
+    assert len(found) == 1 and first.call_id in found[0], found
+    # A turn a crash cut may leave it so: not a finding.
+    cut = [
+        msgspec.structs.replace(e, reason="crash")
+        if isinstance(e, TurnRecorded) and e.turn_id == first.turn_id
+        else e
+        for e in unfinished
+    ]
+    assert audit_log(cut)["call_unended"] == []
