@@ -397,8 +397,14 @@ class LogFacts:
         return (turn_id, text) in self.replies
 
     def answered(self, input_id: str) -> bool:
-        """Archived in a turn the log records as ended."""
-        return any(t is not None and t in self.recorded for t in self.archived.get(input_id, []))
+        """Archived in a turn the log records as ended, or entered a turn a deletion or
+        a clear wound down (DEL1: it writes nothing more, so inputs it had not archived
+        yet never are; its record answers them)."""
+        if any(t is not None and t in self.recorded for t in self.archived.get(input_id, [])):
+            return True
+        return any(
+            self.recorded_reason.get(t) in ("delete", "clear") for t in self.turns_entered(input_id)
+        )
 
     def turns_entered(self, input_id: str) -> list[str]:
         """The turns the input joined (opening one or inserted), less those a recovery
@@ -450,8 +456,8 @@ def audit_log(
     """Check one session's log against what was acknowledged, delivered, executed and
     sent to the model. Returns the findings by kind (empty lists when all is well):
 
-    - ``lost``: an acknowledged input neither answered (archived in a recorded turn),
-      released, nor still queued;
+    - ``lost``: an acknowledged input neither answered (archived in a recorded turn, or
+      in a turn a deletion or clear wound down), released, nor still queued;
     - ``twice``: an input archived twice, or run by two turns;
     - ``missing_history``: an acknowledged input, not released, absent from the history;
     - ``reply_not_logged``: a reply delivered but not saved as an assistant message of

@@ -12,8 +12,8 @@ inside recovery, a model call, a tool, a release, a deletion, between a commit a
 effect. The final run settles, then sends every acknowledged input again. Counted at the
 end, all must be 0:
 
-- lost: acknowledged inputs neither answered (archived in a recorded turn), released,
-  nor queued;
+- lost: acknowledged inputs neither answered (archived in a recorded turn, or in a
+  turn a deletion or clear wound down before it archived them), released, nor queued;
 - run twice: inputs archived twice, or run by two turns;
 - missing from history: acknowledged inputs, not released, absent from the history
   (unless a deletion emptied it since);

@@ -12,6 +12,8 @@ sound runtime does.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -23,13 +25,22 @@ from aalis_agent.events import (
     MessageSaved,
     ModelCallEnded,
     SessionEvent,
+    StopRequested,
     ToolFinished,
     TurnOpened,
     TurnRecorded,
 )
 
-from aalis_agent import InMemoryEventStore, Input, Runtime, ScriptedModel, Services, ToolRegistry
-from tests.faults import RecordingTool, audit_log, tool_then_reply
+from aalis_agent import (
+    Hooks,
+    InMemoryEventStore,
+    Input,
+    Runtime,
+    ScriptedModel,
+    Services,
+    ToolRegistry,
+)
+from tests.faults import RecordingTool, audit_log, tool_then_reply, wait_until
 
 SID = "room"
 
@@ -207,3 +218,43 @@ def test_a_tool_call_left_unfinished_by_a_turn_not_cut_is_found(
         for e in unfinished
     ]
     assert audit_log(cut)["call_unended"] == []
+
+
+def test_inputs_of_a_turn_deleted_before_it_archived_them_are_answered_not_lost() -> None:
+    """A turn whose inputs are archived by its runner (an ``agent:turn:before``
+    middleware runs first), deleted while that middleware runs: the deletion writes
+    nothing more for it (DEL1), so its input is never archived; the turn's record
+    (aborted, reason delete) answers it, and sent again it is answered so. The audit
+    counted such an input lost (seed 303 of the kill loop, 3 of 442 inputs)."""
+    store = InMemoryEventStore()
+    entered, go = threading.Event(), threading.Event()
+
+    def before(ctx: Any, next_: Callable[[], Any]) -> Any:
+        entered.set()
+        go.wait(10)
+        return next_()
+
+    hooks = Hooks()
+    hooks.use("agent:turn:before", before)
+    services = Services(llm=ScriptedModel(tool_then_reply("t")), tools=ToolRegistry([]))
+    runtime = Runtime(store, services, hooks=hooks, janitor=False)
+    try:
+        handle = runtime.submit(SID, Input(id="a", content="hi"))
+        assert entered.wait(10)
+        deleting = threading.Thread(target=runtime.delete, args=(SID,), kwargs={"timeout": 10})
+        deleting.start()
+        assert wait_until(lambda: any(isinstance(e, StopRequested) for e in store.read(SID)), 10)
+        go.set()
+        deleting.join(10)
+        outcome = handle.result(10)
+        again = runtime.submit(SID, Input(id="a", content="hi"))
+        events = store.read(SID)
+    finally:
+        go.set()
+        runtime.shutdown(timeout=10)
+    assert (outcome.outcome, outcome.reason) == ("aborted", "delete")
+    assert again.where == "handled" and again.result(0) == outcome
+    assert not any(isinstance(e, MessageSaved) for e in events)  # never archived
+    resent = [{"id": "a", "where": "handled", **_answer(outcome)}]
+    report = audit_log(events, acked=["a"], resends=resent)
+    assert report == {k: [] for k in report}
