@@ -42,6 +42,7 @@ from aalis_agent.events import (
     SessionDeleted,
     SessionEvent,
     StopMarkerSaved,
+    StopRequested,
     ToolCall,
     ToolFinished,
     ToolStarted,
@@ -311,6 +312,7 @@ class LogFacts:
     released_archived: dict[str, bool] = field(default_factory=dict)
     releases: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     requeued: set[tuple[str, str]] = field(default_factory=set)  # (input, turn)
+    stopped: set[str] = field(default_factory=set)  # turns with a StopRequested
     archived_loose: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     archived: dict[str, list[str | None]] = field(default_factory=lambda: defaultdict(list))
     opened: list[str] = field(default_factory=list)
@@ -346,6 +348,8 @@ class LogFacts:
                     facts.releases[e.input_id] += 1
                 case InputRequeued():
                     facts.requeued.add((e.input_id, e.turn_id))
+                case StopRequested():
+                    facts.stopped.add(e.turn_id)
                 case TurnOpened():
                     facts.opened.append(e.turn_id)
                 case TurnRecorded():
@@ -474,6 +478,8 @@ def audit_log(
     - ``call_unended``: a model call started without its end, in a turn never recorded
       (when ``settled``); a tool call started without its finish in a turn recorded
       otherwise than cut by a crash or wound down by a deletion or clear;
+    - ``stop_undone``: an input put back in the queue by a recovery from a turn whose
+      stop was durable (it would run after the user stopped it);
     - ``resend_wrong``: an input sent again (``resends``: records ``{"id", "where"}``, with
       ``outcome``, ``reason``, ``turn``, ``reply`` when ``where`` is ``handled`` or
       ``run`` or the record says it ``followed`` a live input to its end; ``error`` when
@@ -492,6 +498,7 @@ def audit_log(
         "entered_twice": [],
         "release_archive": [],
         "call_unended": [],
+        "stop_undone": [],
         "resend_wrong": [],
     }
     for input_id in acked:
@@ -543,6 +550,9 @@ def audit_log(
                 f"tool call {call_id} of {turn_id} (recorded {facts.recorded[turn_id]}/"
                 f"{facts.recorded_reason[turn_id]}): started, never finished"
             )
+    for input_id, turn_id in sorted(facts.requeued):
+        if turn_id in facts.stopped:
+            out["stop_undone"].append(f"{input_id}: put back from {turn_id}, which was stopped")
     for r in resends:
         out["resend_wrong"] += _resend_findings(facts, r)
     for d in delivered:

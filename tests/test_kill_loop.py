@@ -24,6 +24,7 @@ end, all must be 0:
   released to be (stop-all, mute), or archived when released not to be (deletion);
 - call unended: model calls with neither their end nor their turn's record; tool calls
   started, not finished, in a turn not cut by a crash, a deletion or a clear;
+- stop undone: an input a recovery put back from a turn whose stop was durable;
 - resend wrong: an input sent again that was refused, or answered (``handled`` at once,
   or followed to its end) otherwise than the log says it ended;
 - final resend not handled: an acknowledged input sent again once all had settled that
@@ -194,6 +195,7 @@ def test_random_sigkills_lose_nothing_acknowledged_and_run_nothing_twice(
         "entered twice": len(found("entered_twice")),
         "release archive": len(found("release_archive")),
         "call unended": len(found("call_unended")),
+        "stop undone": len(found("stop_undone")),
         "resend wrong": len(found("resend_wrong")),
         "final resend not handled": len(not_handled),
     }
@@ -213,7 +215,7 @@ def test_random_sigkills_lose_nothing_acknowledged_and_run_nothing_twice(
     print("counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     print(f"half-applied (not asserted here): {len(found('half_applied'))}")
     kinds = ("lost", "twice", "missing_history", "reply_not_logged", "half_applied")
-    kinds += ("entered_twice", "release_archive", "call_unended", "resend_wrong")
+    kinds += ("entered_twice", "release_archive", "call_unended", "stop_undone", "resend_wrong")
     for kind in kinds:
         for item in found(kind)[:5]:
             print(f"  {kind}: {item}")

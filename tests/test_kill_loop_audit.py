@@ -6,8 +6,8 @@ log this leaves passes every check; each check is then shown to fire on a log or
 answer that breaks its rule (an answer differing from the log, an input received twice
 or run by two turns, a released input archived twice or not at all, a model call with
 neither its end nor its turn's record, a tool call never finished in a turn no crash
-cut). Without this, a check that can never fire would pass the kill loop as well as a
-sound runtime does.
+cut, an input put back from a stopped turn). Without this, a check that can never fire
+would pass the kill loop as well as a sound runtime does.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from aalis_agent.events import (
     InputJoined,
     InputReceived,
     InputReleased,
+    InputRequeued,
     MessageSaved,
     ModelCallEnded,
     SessionEvent,
@@ -258,3 +259,13 @@ def test_inputs_of_a_turn_deleted_before_it_archived_them_are_answered_not_lost(
     resent = [{"id": "a", "where": "handled", **_answer(outcome)}]
     report = audit_log(events, acked=["a"], resends=resent)
     assert report == {k: [] for k in report}
+
+
+def test_an_input_put_back_from_a_stopped_turn_is_found(
+    session: tuple[list[SessionEvent], list[dict[str, Any]]],
+) -> None:
+    events, _ = session
+    stopped = next(e for e in events if isinstance(e, StopRequested)).turn_id
+    undone = _renumbered([*events, InputRequeued(input_id="b", turn_id=stopped, reason="crash")])
+    found = audit_log(undone)["stop_undone"]
+    assert found == [f"b: put back from {stopped}, which was stopped"]
