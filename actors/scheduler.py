@@ -469,7 +469,9 @@ def decide_recover(
 ) -> str | None:
     """On start: a turn opened without a record was cut by a crash (or a failed write).
     Its inputs that no model call carried (nor the archive took) go back to the head of
-    the queue: they never reached the model, so they run rather than being lost. The turn
+    the queue: they never reached the model, so they run rather than being lost; unless
+    the turn's stop was durable: then they are archived in it, as a stopped turn's are,
+    and not run (a stop holds across a crash, SCH6). The turn
     is recorded ``aborted`` (reason ``crash``), or ``replied`` when its reply was already
     durable, with the time it ran until its last durable event (not until now: the
     process may have been down for days); then the queue is scheduled as usual. Returns
@@ -479,8 +481,29 @@ def decide_recover(
     cut = None
     if current is not None and running is not None:
         cut = current.turn_id
-        for w in running.uncarried:
-            step.add(InputRequeued(input_id=w.input.id, turn_id=cut, reason="crash"))
+        if running.stop_requested and not running.reply_saved:
+            # Its stop was durable: the turn ends as a stopped turn does (SCH6), its
+            # inputs archived in it, not run again in a new turn (as the put-back
+            # below would: the input the user stopped would run after all).
+            joined = {e.input_id: e for e in current.events if isinstance(e, InputJoined)}
+            step.add_all(
+                [
+                    MessageSaved(
+                        message=archived_input_message(
+                            w.input,
+                            cut,
+                            joined[w.input.id].entry if w.input.id in joined else "opened",
+                            message_id(),
+                            joined[w.input.id].at if w.input.id in joined else None,
+                        )
+                    )
+                    for w in running.uncarried
+                    if w.input.trigger_type != "idle"  # an idle prompt is not archived
+                ]
+            )
+        else:
+            for w in running.uncarried:
+                step.add(InputRequeued(input_id=w.input.id, turn_id=cut, reason="crash"))
         replied = running.reply_saved
         last_at = current.events[-1].at if current.events else current.opened.at
         left = not replied and turn_left_history(step.view, cut)

@@ -30,14 +30,19 @@ from pathlib import Path
 from typing import Any
 
 from aalis_agent.events import (
+    ContextCleared,
     EventStore,
     InputJoined,
     InputReceived,
     InputReleased,
+    InputRequeued,
     MessageSaved,
+    ModelCallEnded,
     ModelCallStarted,
+    SessionDeleted,
     SessionEvent,
     StopMarkerSaved,
+    StopRequested,
     ToolCall,
     ToolFinished,
     ToolStarted,
@@ -300,12 +305,24 @@ class LogFacts:
 
     events: list[SessionEvent]
     received: set[str] = field(default_factory=set)
+    received_count: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    received_at: dict[str, int] = field(default_factory=dict)  # input: seq of its receipt
     joined: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     released: dict[str, str] = field(default_factory=dict)
+    released_archived: dict[str, bool] = field(default_factory=dict)
+    releases: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    requeued: set[tuple[str, str]] = field(default_factory=set)  # (input, turn)
+    stopped: set[str] = field(default_factory=set)  # turns with a StopRequested
+    archived_loose: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     archived: dict[str, list[str | None]] = field(default_factory=lambda: defaultdict(list))
     opened: list[str] = field(default_factory=list)
     recorded: dict[str, str] = field(default_factory=dict)
+    recorded_reason: dict[str, str | None] = field(default_factory=dict)
     model_calls: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    calls_started: set[tuple[str, int]] = field(default_factory=set)  # (turn, index)
+    calls_ended: set[tuple[str, int]] = field(default_factory=set)
+    turn_replies: dict[str, str] = field(default_factory=dict)  # turn: its reply's text
+    last_reset: int = 0  # the seq of the last deletion or clear of the context
     joined_at: dict[tuple[str, str], int] = field(default_factory=dict)  # (input, turn): seq
     tool_started: set[tuple[str, str]] = field(default_factory=set)
     tool_finished: set[tuple[str, str]] = field(default_factory=set)
@@ -320,17 +337,33 @@ class LogFacts:
             match e:
                 case InputReceived():
                     facts.received.add(e.input.id)
+                    facts.received_count[e.input.id] += 1
+                    facts.received_at.setdefault(e.input.id, e.seq)
                 case InputJoined():
                     facts.joined[e.input_id].append(e.turn_id)
                     facts.joined_at.setdefault((e.input_id, e.turn_id), e.seq)
                 case InputReleased():
                     facts.released[e.input_id] = e.reason
+                    facts.released_archived[e.input_id] = e.archived
+                    facts.releases[e.input_id] += 1
+                case InputRequeued():
+                    facts.requeued.add((e.input_id, e.turn_id))
+                case StopRequested():
+                    facts.stopped.add(e.turn_id)
                 case TurnOpened():
                     facts.opened.append(e.turn_id)
                 case TurnRecorded():
                     facts.recorded[e.turn_id] = e.outcome
+                    facts.recorded_reason[e.turn_id] = e.reason
                 case ModelCallStarted():
                     facts.model_calls[e.turn_id].append(e.seq)
+                    facts.calls_started.add((e.turn_id, e.index))
+                case ModelCallEnded():
+                    facts.calls_ended.add((e.turn_id, e.index))
+                case SessionDeleted():
+                    facts.last_reset = e.seq
+                case ContextCleared() if not e.kinds or "context" in e.kinds:
+                    facts.last_reset = e.seq
                 case ToolStarted():
                     facts.tool_started.add((e.turn_id, e.call_id))
                 case ToolFinished():
@@ -347,8 +380,18 @@ class LogFacts:
             self.texts.add(m.meta.visible_content)
         if m.role == "user" and m.meta.input_id is not None:
             self.archived[m.meta.input_id].append(m.meta.turn_id)
+            if m.meta.turn_id is None:
+                self.archived_loose[m.meta.input_id] += 1
         elif m.role == "tool" and m.tool_call_id is not None:
             self.tool_results.add(m.tool_call_id)
+        elif m.role == "assistant" and m.meta.turn_record is not None and m.meta.turn_id:
+            # a turn's reply (the last one saved is what its inputs are answered with)
+            self.turn_replies[m.meta.turn_id] = (
+                m.meta.visible_content if m.meta.visible_content is not None else m.content
+            )
+            self.replies.add((m.meta.turn_id, m.content))
+            if m.meta.visible_content is not None:
+                self.replies.add((m.meta.turn_id, m.meta.visible_content))
         elif m.role == "assistant" and not m.tool_calls:
             self.replies.add((m.meta.turn_id, m.content))
             if m.meta.visible_content is not None:
@@ -358,8 +401,40 @@ class LogFacts:
         return (turn_id, text) in self.replies
 
     def answered(self, input_id: str) -> bool:
-        """Archived in a turn the log records as ended."""
-        return any(t is not None and t in self.recorded for t in self.archived.get(input_id, []))
+        """Archived in a turn the log records as ended, or entered a turn a deletion or
+        a clear wound down (DEL1: it writes nothing more, so inputs it had not archived
+        yet never are; its record answers them)."""
+        if any(t is not None and t in self.recorded for t in self.archived.get(input_id, [])):
+            return True
+        return any(
+            self.recorded_reason.get(t) in ("delete", "clear") for t in self.turns_entered(input_id)
+        )
+
+    def turns_entered(self, input_id: str) -> list[str]:
+        """The turns the input joined (opening one or inserted), less those a recovery
+        put it back from (cut before a model call carried it)."""
+        return [t for t in self.joined.get(input_id, []) if (input_id, t) not in self.requeued]
+
+    def answer(self, input_id: str) -> dict[str, Any] | None:
+        """How the log says the input ended, as a handle answers it (``outcome``,
+        ``reason``, ``turn``, ``reply``); None while it waits or runs (or is unknown)."""
+        if input_id in self.released:
+            return {
+                "outcome": "released",
+                "reason": self.released[input_id],
+                "turn": None,
+                "reply": None,
+            }
+        entered = self.turns_entered(input_id)
+        if not entered or entered[-1] not in self.recorded:
+            return None
+        turn = entered[-1]
+        return {
+            "outcome": self.recorded[turn],
+            "reason": self.recorded_reason[turn],
+            "turn": turn,
+            "reply": self.turn_replies.get(turn),
+        }
 
     def turns_run(self, input_id: str) -> int:
         """Turns that ran the input: it was archived in them, or they called the model
@@ -379,13 +454,14 @@ def audit_log(
     delivered: Sequence[Delivered] = (),
     tool_runs: Sequence[ToolRun] = (),
     model_calls: Sequence[ModelCall] = (),
+    resends: Sequence[Mapping[str, Any]] = (),
     settled: bool = True,
 ) -> dict[str, list[str]]:
     """Check one session's log against what was acknowledged, delivered, executed and
     sent to the model. Returns the findings by kind (empty lists when all is well):
 
-    - ``lost``: an acknowledged input neither answered (archived in a recorded turn),
-      released, nor still queued;
+    - ``lost``: an acknowledged input neither answered (archived in a recorded turn, or
+      in a turn a deletion or clear wound down), released, nor still queued;
     - ``twice``: an input archived twice, or run by two turns;
     - ``missing_history``: an acknowledged input, not released, absent from the history;
     - ``reply_not_logged``: a reply delivered but not saved as an assistant message of
@@ -393,7 +469,21 @@ def audit_log(
     - ``half_applied``: a turn recorded ``replied`` without a saved reply, a turn opened
       without a record (when ``settled``), a tool run without its ToolStarted, a tool
       result the model saw without its ToolFinished and saved result, an input the model
-      saw that was never archived, a running turn left in the log (when ``settled``).
+      saw that was never archived, a running turn left in the log (when ``settled``);
+    - ``entered_twice``: an input received twice, or that entered (opened or joined) two
+      turns, besides a turn a recovery put it back from before a model call carried it;
+    - ``release_archive``: an input released more than once, or released to be archived
+      and not archived exactly once (without a turn id), or archived without a turn id
+      when it was not released to be;
+    - ``call_unended``: a model call started without its end, in a turn never recorded
+      (when ``settled``); a tool call started without its finish in a turn recorded
+      otherwise than cut by a crash or wound down by a deletion or clear;
+    - ``stop_undone``: an input put back in the queue by a recovery from a turn whose
+      stop was durable (it would run after the user stopped it);
+    - ``resend_wrong``: an input sent again (``resends``: records ``{"id", "where"}``, with
+      ``outcome``, ``reason``, ``turn``, ``reply`` when ``where`` is ``handled`` or
+      ``run`` or the record says it ``followed`` a live input to its end; ``error`` when
+      refused) refused, or answered otherwise than the log says it ended.
     """
     facts = LogFacts.of(events)
     view = project(events)
@@ -405,6 +495,11 @@ def audit_log(
         "missing_history": [],
         "reply_not_logged": [],
         "half_applied": [],
+        "entered_twice": [],
+        "release_archive": [],
+        "call_unended": [],
+        "stop_undone": [],
+        "resend_wrong": [],
     }
     for input_id in acked:
         released = input_id in facts.released
@@ -413,13 +508,53 @@ def audit_log(
                 f"{input_id}: acknowledged, joined {facts.joined.get(input_id, [])}, archived "
                 f"{facts.archived.get(input_id, [])}, neither answered, released nor queued"
             )
-        if not released and input_id not in history_inputs and input_id not in waiting:
+        before_reset = facts.received_at.get(input_id, 0) < facts.last_reset
+        if (
+            not released
+            and not before_reset  # a deletion or clear emptied the history since
+            and input_id not in history_inputs
+            and input_id not in waiting
+        ):
             out["missing_history"].append(f"{input_id}: not in the history")
     for input_id, turns in facts.archived.items():
         if len(turns) > 1 or facts.turns_run(input_id) > 1:
             out["twice"].append(
                 f"{input_id}: archived in {turns}, joined {facts.joined.get(input_id, [])}"
             )
+    for input_id, n in facts.received_count.items():
+        entered = facts.turns_entered(input_id)
+        if n > 1 or len(set(entered)) > 1:
+            out["entered_twice"].append(
+                f"{input_id}: received {n} times, entered turns {entered} "
+                f"(joined {facts.joined.get(input_id, [])})"
+            )
+    for input_id, n in facts.releases.items():
+        loose = facts.archived_loose.get(input_id, 0)
+        if n > 1 or loose != (1 if facts.released_archived[input_id] else 0):
+            out["release_archive"].append(
+                f"{input_id}: released {n} times ({facts.released[input_id]}, archived "
+                f"{facts.released_archived[input_id]}), archived without a turn {loose} times"
+            )
+    for input_id in facts.archived_loose:
+        if input_id not in facts.releases:
+            out["release_archive"].append(f"{input_id}: archived without a turn, not released")
+    if settled:
+        for turn_id, index in sorted(facts.calls_started - facts.calls_ended):
+            if turn_id not in facts.recorded:
+                out["call_unended"].append(f"model call {index} of {turn_id}: no end, no record")
+    for turn_id, call_id in sorted(facts.tool_started - facts.tool_finished):
+        # Only a turn cut by a crash, or wound down by a deletion or clear (it writes
+        # nothing more), may leave a tool call started without its finish.
+        if turn_id in facts.recorded and facts.recorded_reason[turn_id] not in _CUT:
+            out["call_unended"].append(
+                f"tool call {call_id} of {turn_id} (recorded {facts.recorded[turn_id]}/"
+                f"{facts.recorded_reason[turn_id]}): started, never finished"
+            )
+    for input_id, turn_id in sorted(facts.requeued):
+        if turn_id in facts.stopped:
+            out["stop_undone"].append(f"{input_id}: put back from {turn_id}, which was stopped")
+    for r in resends:
+        out["resend_wrong"] += _resend_findings(facts, r)
     for d in delivered:
         if d.kind == "reply" and not facts.has_reply(d.turn_id, d.content):
             out["reply_not_logged"].append(f"reply {d.content!r} of {d.turn_id} not in the log")
@@ -451,6 +586,29 @@ def audit_log(
         if input_id not in facts.archived:
             out["half_applied"].append(f"input {input_id} reached the model, never archived")
     return out
+
+
+_CUT = frozenset({"crash", "delete", "clear"})
+"""The reasons of turns that may end with a tool call started and not finished."""
+
+
+def _resend_findings(facts: LogFacts, r: Mapping[str, Any]) -> list[str]:
+    """What is wrong with the answer to one input sent again (see :func:`audit_log`)."""
+    input_id = r["id"]
+    if "error" in r:
+        return [f"{input_id} sent again ({r.get('tag')}): refused: {r['error']}"]
+    if input_id not in facts.received:
+        return [
+            f"{input_id} sent again ({r.get('tag')}): answered {r.get('where')}, not in the log"
+        ]
+    if not (r.get("where") in ("handled", "run") or r.get("followed")):
+        return []  # followed a live input (or ran a new one): its end is checked if seen
+    answered = {k: r.get(k) for k in ("outcome", "reason", "turn", "reply")}
+    logged = facts.answer(input_id)
+    if answered != logged:
+        how = "followed to its end" if r.get("followed") else f"answered {r.get('where')}"
+        return [f"{input_id} sent again ({r.get('tag')}): {how} {answered}, the log says {logged}"]
+    return []
 
 
 def _committed(store: EventStore, session_id: str) -> LogFacts:

@@ -1,17 +1,37 @@
 """The kill loop: SIGKILL a busy worker at random (seeded) moments, restart it, repeat;
 then let it settle and audit the log against what it acknowledged and delivered.
 
-The worker (``tests/kill_loop_worker.py``) recovers on every start, submits inputs to a
-few sessions (tool turns, scheduled injections, the odd stop), and fsyncs a line per
-acknowledged input and per delivered message to side files. A kill may land anywhere:
-inside recovery, a model call, a tool, between a commit and its effect. Counted at the
+The worker (``tests/kill_loop_worker.py``) recovers on every start, sends again under
+their ids a seeded sample of the inputs earlier runs sent (acknowledged, or cut by the
+kill mid-submit), submits inputs with ids of their own to a few sessions (tool turns,
+scheduled injections, the odd stop; tools that raise, an ``agent:tool:after`` that fails;
+a turn held by a slow tool while several inputs wait, then a stop-all or a mute releasing
+them all; the odd deletion), and fsyncs a line per acknowledged input, per answer to an
+input sent again and per delivered message to side files. A kill may land anywhere:
+inside recovery, a model call, a tool, a release, a deletion, between a commit and its
+effect. The final run settles, then sends every acknowledged input again. Counted at the
 end, all must be 0:
 
-- lost: acknowledged inputs neither answered (archived in a recorded turn), released,
-  nor queued;
+- lost: acknowledged inputs neither answered (archived in a recorded turn, or in a
+  turn a deletion or clear wound down before it archived them), released, nor queued;
 - run twice: inputs archived twice, or run by two turns;
-- missing from history: acknowledged inputs, not released, absent from the history;
-- delivered, not logged: messages the gateway delivered that the log does not hold.
+- missing from history: acknowledged inputs, not released, absent from the history
+  (unless a deletion emptied it since);
+- delivered, not logged: messages the gateway delivered that the log does not hold;
+- entered twice: inputs received twice, or in two turns (bar one a recovery put them
+  back from);
+- release archive: released inputs released again, or not archived exactly once when
+  released to be (stop-all, mute), or archived when released not to be (deletion);
+- call unended: model calls with neither their end nor their turn's record; tool calls
+  started, not finished, in a turn not cut by a crash, a deletion or a clear;
+- stop undone: an input a recovery put back from a turn whose stop was durable;
+- resend wrong: an input sent again that was refused, or answered (``handled`` at once,
+  or followed to its end) otherwise than the log says it ended;
+- final resend not handled: an acknowledged input sent again once all had settled that
+  was not answered from the log.
+
+``KILL_LOOP_SEEDS`` (a comma-separated list of seeds, or a count ``N`` for N seeds from
+the default one on) runs the loop with other seeds; the suite runs the default only.
 """
 
 from __future__ import annotations
@@ -37,6 +57,19 @@ from tests.faults import Delivered, audit_log, wait_until
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "kill_loop_worker.py"
 SEED = 20251203
+
+
+def seeds() -> list[int]:
+    """The seeds to run: ``KILL_LOOP_SEEDS`` (``"7,8,9"``, or ``"10"`` for ten seeds from
+    the default on), else the default."""
+    given = os.environ.get("KILL_LOOP_SEEDS", "").strip()
+    if not given:
+        return [SEED]
+    if "," not in given and len(given) <= 3:
+        return [SEED + k for k in range(int(given))]
+    return [int(x) for x in given.split(",") if x.strip()]
+
+
 KILLS = 24  # at least 20 must land
 MIN_KILLS = 20
 KILL_PHASE_S = 45.0  # the kill phase stops early (fewer kills) past this
@@ -80,8 +113,11 @@ def tail(path: Path, n: int = 2000) -> str:
 
 
 @pytest.mark.slow
-def test_random_sigkills_lose_nothing_acknowledged_and_run_nothing_twice(tmp_path: Path) -> None:
-    rng = random.Random(SEED)
+@pytest.mark.parametrize("seed", seeds())
+def test_random_sigkills_lose_nothing_acknowledged_and_run_nothing_twice(
+    tmp_path: Path, seed: int
+) -> None:
+    rng = random.Random(seed)
     db, side = tmp_path / "kill.db", tmp_path
     kills, early = 0, 0
     started = time.monotonic()
@@ -123,6 +159,10 @@ def test_random_sigkills_lose_nothing_acknowledged_and_run_nothing_twice(tmp_pat
     acked, torn_acks = read_lines(side / "acked.jsonl")
     lines, torn_replies = read_lines(side / "replies.jsonl")
     delivered = [Delivered(d["session"], d["turn"], d["text"], d["kind"], True, 0) for d in lines]
+    resends, torn_resends = read_lines(side / "resends.jsonl")
+    ops, _ = read_lines(side / "ops.jsonl")
+    final_resends = [r for r in resends if r["tag"] == "final" and not r.get("followed")]
+    not_handled = [r for r in final_resends if r.get("where") != "handled"]
     store = SqliteEventStore(db, read_only=True)
     reports: dict[str, dict[str, list[str]]] = {}
     outcomes: Counter[str] = Counter()
@@ -135,6 +175,7 @@ def test_random_sigkills_lose_nothing_acknowledged_and_run_nothing_twice(tmp_pat
                 events,
                 acked=[a["id"] for a in acked if a["session"] == session],
                 delivered=[d for d in delivered if d.session_id == session],
+                resends=[r for r in resends if r["session"] == session],
             )
             for e in events:
                 if isinstance(e, TurnRecorded):
@@ -151,18 +192,35 @@ def test_random_sigkills_lose_nothing_acknowledged_and_run_nothing_twice(tmp_pat
         "run twice": len(found("twice")),
         "missing from history": len(found("missing_history")),
         "delivered, not logged": len(found("reply_not_logged")),
+        "entered twice": len(found("entered_twice")),
+        "release archive": len(found("release_archive")),
+        "call unended": len(found("call_unended")),
+        "stop undone": len(found("stop_undone")),
+        "resend wrong": len(found("resend_wrong")),
+        "final resend not handled": len(not_handled),
     }
+    live_resends = Counter(
+        r["where"]
+        for r in resends
+        if r["tag"] != "final" and "where" in r and not r.get("followed")
+    )
     print(
         f"\nkill loop: {kills} kills ({early} during start-up) in {kill_phase:.1f}s; "
         f"settled={settled}; {len(acked)} inputs acknowledged, {len(delivered)} messages "
-        f"delivered, torn side-file lines {torn_acks}+{torn_replies}; turns {dict(outcomes)}; "
-        f"inputs requeued by recovery {requeued}"
+        f"delivered, torn side-file lines {torn_acks}+{torn_replies}+{torn_resends}; turns "
+        f"{dict(outcomes)}; inputs requeued by recovery {requeued}; sent again while "
+        f"running {dict(live_resends)}, {len(final_resends)} after settling; "
+        f"{dict(Counter(o['op'] for o in ops))}"
     )
     print("counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     print(f"half-applied (not asserted here): {len(found('half_applied'))}")
-    for kind in ("lost", "twice", "missing_history", "reply_not_logged", "half_applied"):
+    kinds = ("lost", "twice", "missing_history", "reply_not_logged", "half_applied")
+    kinds += ("entered_twice", "release_archive", "call_unended", "stop_undone", "resend_wrong")
+    for kind in kinds:
         for item in found(kind)[:5]:
             print(f"  {kind}: {item}")
+    for r in not_handled[:5]:
+        print(f"  final resend not handled: {r}")
     assert kills >= MIN_KILLS, f"only {kills} kills in {KILL_PHASE_S}s"
     assert settled, f"the final run did not settle:\n{tail(side / 'worker-final.log')}"
     assert sum(counts.values()) == 0, counts
