@@ -222,11 +222,13 @@ class TurnRunner(ToolBatch, ReplyStep):
                 self._on_exit(self)
 
     def _run(self) -> tuple[TurnOutcome, str | None]:
+        if not self.hooks.has_middleware("agent:turn:before"):
+            return self._turn(self.inputs)  # nothing to run around it: no payload built
         ctx = TurnBefore(self.turn_id, self.session_id, list(self.inputs))
         result: list[tuple[TurnOutcome, str | None]] = []
 
         def body(c: TurnBefore) -> None:
-            result.append(self._turn(c))
+            result.append(self._turn(c.inputs))
 
         ran, _ = self.hooks.run("agent:turn:before", ctx, body)
         if not ran:
@@ -237,12 +239,13 @@ class TurnRunner(ToolBatch, ReplyStep):
             return "silent", "turn:before"
         return result[0]
 
-    def _turn(self, ctx: TurnBefore) -> tuple[TurnOutcome, str | None]:
+    def _turn(self, turn_inputs: Sequence[Input]) -> tuple[TurnOutcome, str | None]:
+        """The turn's body, on its inputs as ``agent:turn:before`` left them."""
         services = self.services
         settings = self.opened.settings
         now = self.clock.now_ms()
         tz = services.tz
-        inputs = list(ctx.inputs)
+        inputs = list(turn_inputs)
         instruction_input = inputs[0] if len(inputs) == 1 and is_instruction(inputs[0]) else None
 
         # SAVE1: inputs archived first, in order, entry "opened". An idle prompt is not
@@ -290,16 +293,17 @@ class TurnRunner(ToolBatch, ReplyStep):
             prompt.volatile = volatile_for(
                 now, tz, self.opened.platform, settings.multi_party, texts=self.texts
             )
-        add_contributions(
-            self.hooks,
-            services,
-            prompt,
-            session_id=self.session_id,
-            user_id=self._user_id(),
-            platform=self.opened.platform,
-            trigger_type=self._trigger(),
-            dry_run=False,
-        )
+        if self.hooks.has_contributions():  # else none to build (nor their view)
+            add_contributions(
+                self.hooks,
+                services,
+                prompt,
+                session_id=self.session_id,
+                user_id=self._user_id(),
+                platform=self.opened.platform,
+                trigger_type=self._trigger(),
+                dry_run=False,
+            )
         tools = services.tools.available(settings.tool_groups)
         tool_defs = [t.definition() for t in tools]
 

@@ -53,8 +53,11 @@ class ToolBatch(TurnBase):
         authority = self.services.authority
         participants: list[str] = []
         owner_seen = False
+        speakers: set[str | None] = set()  # as ``_user_id`` finds them, from the same origins
         for inp in self.inputs:
-            for platform, who in self._origin(inp)[0]:
+            parties, speaker = self._origin(inp)
+            speakers.add(speaker)
+            for platform, who in parties:
                 if authority.is_owner(platform, who):
                     if owner_seen:
                         continue  # the owner's identities are one participant
@@ -74,7 +77,7 @@ class ToolBatch(TurnBase):
                 from_turn=last.from_turn if last else None,
                 message_id=last.message_id if last else None,
             ),
-            user_id=self._user_id(),
+            user_id=next(iter(speakers)) if len(speakers) == 1 else None,
         )
 
     def _run_tools(self, call: _Call) -> list[ChatMessage]:
@@ -267,6 +270,8 @@ class ToolBatch(TurnBase):
         if not ran and "result" not in holder and "error" not in holder:
             holder["error"] = self.texts("tool.blocked")
         after = ToolAfter(tc.name, holder.get("result"), context, error=holder.get("error"))
+        if not self.hooks.has_middleware("agent:tool:after"):
+            return self._recordable(tc, after)  # left as built: what the tool gave
         try:
             self.hooks.run("agent:tool:after", after, lambda c: c)
         except BaseException:
