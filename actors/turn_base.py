@@ -357,7 +357,10 @@ class TurnBase:
         """ACC2: ``token:usage`` after a call that returned, and the budget log (ACC4)."""
         services = self.services
         assert self._last_call is not None  # every call is trimmed before it is made
-        appended = sum(1 for m in prompt.tail if m.role == "tool" or m.tool_calls)
+        appended = 0  # this turn's tool groups' messages
+        for m in prompt.tail:
+            if m.role == "tool" or m.tool_calls:
+                appended += 1
         usage = call_usage(
             self.model,
             self._last_call,
