@@ -139,13 +139,12 @@ class _Direct:
     """What a turn runner holds of its actor: its asks and tells are handled on the
     runner's own thread (:meth:`SessionActor.call`)."""
 
-    __slots__ = ("_actor",)
+    __slots__ = ("_actor", "ask")
 
     def __init__(self, actor: SessionActor) -> None:
         self._actor = actor
-
-    def ask(self, message: Any) -> Any:
-        return self._actor.call(message)
+        # An ask is the actor's call itself (three or more a turn: no call in between).
+        self.ask: Callable[[Any], Any] = actor.call
 
     def tell(self, message: Any) -> None:
         self._actor.call(message)
@@ -563,11 +562,11 @@ class SessionActor(pykka.ThreadingActor):
         A failed append fences the actor (:meth:`_fence`). Only where ``refusable`` (a
         new input, a setting) is a batch the store refuses as invalid merely refused:
         nothing was written, so the session goes on without that message."""
-        if not step.events:
+        events = step.batch.events  # (``step.events``, without the property's call)
+        if not events:
             return
         if step.opened is not None:  # most commits open no turn
             self._first_call_at_open(step)
-        events = step.events
         before = self.view
         try:
             self.store.append(

@@ -454,7 +454,7 @@ class TurnRunner(ToolBatch, ReplyStep):
         entry = started.model or entry_id(model)
         self._still_owned()  # not sent for a session another runtime has taken
         try:
-            sent = self._trim(prompt, messages, tools, index)
+            sent = self._trim(prompt, messages, tools, index, model)
             request = ChatRequest(
                 messages=tuple(sent),
                 tools=tuple(tools),
@@ -554,16 +554,17 @@ class TurnRunner(ToolBatch, ReplyStep):
         # so each is answered exactly once in every later request. A call's id and name
         # are cleaned as its text is (a lone surrogate cannot be stored); its arguments
         # when its tool starts.
-        call.tool_calls = unique_call_ids(
-            [
-                ToolCall(
-                    id=clean_text(call_ids.get(i, tc.id) or tc.id),
-                    name=clean_text(tc.name),
-                    arguments=tc.arguments,
-                )
-                for i, tc in enumerate(call.tool_calls)
-            ]
-        )
+        if call.tool_calls:
+            call.tool_calls = unique_call_ids(
+                [
+                    ToolCall(
+                        id=clean_text(call_ids.get(i, tc.id) or tc.id),
+                        name=clean_text(tc.name),
+                        arguments=tc.arguments,
+                    )
+                    for i, tc in enumerate(call.tool_calls)
+                ]
+            )
         # Text enters here: a surrogate pair split across chunks is joined, a lone half
         # replaced, so what is sent and saved can always be stored.
         if received > limit:  # each part kept within the limit (together at most twice)
@@ -571,7 +572,7 @@ class TurnRunner(ToolBatch, ReplyStep):
             call.reasoning = clean_text("".join(reasoning)[:limit]) or None
         else:
             call.text = clean_text("".join(text))
-            call.reasoning = clean_text("".join(reasoning)) or None
+            call.reasoning = clean_text("".join(reasoning)) or None if reasoning else None
         if final:
             # Capped (maxToolIterations): its reply is the last; the tool calls the model
             # still returned are not run, so this is the final call, and inserts are over
@@ -586,7 +587,7 @@ class TurnRunner(ToolBatch, ReplyStep):
         else:
             # The final call: inserts are over from now on (SCH2), so the actor hears at once.
             self.actor.tell(CallEnded(self.turn_id, index, "ok", 0))
-        self._usage(prompt, sent, tools, call)  # FLOW11
+        self._usage(prompt, sent, tools, call, model)  # FLOW11
         if not self.hooks.has_middleware("agent:llm:after"):
             return call  # no one to see a copy of the request
         after = LlmAfter(

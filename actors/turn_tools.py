@@ -86,7 +86,8 @@ class ToolBatch(TurnBase):
         services = self.services
         stored: list[ToolCall] = []
         results: list[ChatMessage] = []
-        max_tokens = _max_result_tokens(services, self.model)
+        model = self.model
+        max_tokens = _max_result_tokens(services, model)
         last = len(call.tool_calls) - 1
         for n, tc in enumerate(call.tool_calls):
             if self.abort.aborted:
@@ -98,9 +99,7 @@ class ToolBatch(TurnBase):
             raw = clean_text(tc.arguments)
             # No longer than the model's output limit can hold (a broken endpoint's 50 MB
             # would be stored and counted): refused as too long, naming the limit.
-            args, error = parse_tool_arguments(
-                raw, max_chars=reply_limit(self.model), texts=self.texts
-            )
+            args, error = parse_tool_arguments(raw, max_chars=reply_limit(model), texts=self.texts)
             if error is not None and call.cut and n == last:
                 # Cut off at the output limit while the model wrote them: say so, so
                 # that it writes them shorter rather than the same again.
