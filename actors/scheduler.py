@@ -41,6 +41,7 @@ from aalis_agent.events.schema import ReleaseReason, TurnEntry
 from aalis_agent.projections import SessionView, evolve, project, queue
 from aalis_agent.projections.turns import TurnLog, input_origin
 from aalis_agent.request.texts import ZH, Texts
+from msgspec.structs import replace
 
 __all__ = [
     "OpenContext",
@@ -117,8 +118,18 @@ class Step:
     """The first turn this step opened, if any."""
 
     def add(self, event: E) -> E:
-        """Stamp ``event`` into the batch and fold it into the view."""
-        stamped = self.batch.add(event)
+        """Stamp ``event`` into the batch and fold it into the view. Stamped here as
+        :meth:`Batch.add` stamps it (its session, the next seq, the time), without that
+        call: a tool turn adds 16 events."""
+        batch = self.batch
+        events = batch.events
+        stamped = replace(
+            event,
+            session_id=batch.session_id,
+            seq=batch.expected_seq + len(events) + 1,
+            at=batch.now_ms(),
+        )
+        events.append(stamped)
         self.view = evolve(self.view, stamped)
         return stamped
 
@@ -327,8 +338,8 @@ def decide_call_ended(
             turn_id=turn_id, index=index, status=status, tool_calls=tool_calls, error=error
         )
     )
-    if status == "ok" and tool_calls == 0:  # folded together: thousands may wait
-        pending = step.view.queue.pending
+    pending = step.view.queue.pending
+    if status == "ok" and tool_calls == 0 and pending:  # folded together: thousands may wait
         step.add_all([InputQueued(input_id=w.input.id) for w in pending if w.held_for == turn_id])
 
 
@@ -439,8 +450,10 @@ def decide_settled(
             duration_ms=duration_ms,
         )
     )
-    _archive_released(step, message_id)
-    step.add_all([InputQueued(input_id=w.input.id) for w in step.view.queue.pending])
+    if step.view.queue.to_archive:
+        _archive_released(step, message_id)
+    if step.view.queue.pending:
+        step.add_all([InputQueued(input_id=w.input.id) for w in step.view.queue.pending])
     if open_next:
         decide_open_next(step, ctx)
 

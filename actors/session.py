@@ -122,6 +122,8 @@ log = structlog.get_logger(_LOG)
 
 _TOLD = (AppendEvents, CallEnded, Settled, Delete, Clear)
 """Messages sent with ``tell``: a failure handling one must not stop the actor."""
+_UNTIMED = (Passivate, Ping, GetView)
+"""Messages that are not a session's activity (its idle time goes on)."""
 
 
 def _is_reply(event: SessionEvent) -> bool:
@@ -137,13 +139,12 @@ class _Direct:
     """What a turn runner holds of its actor: its asks and tells are handled on the
     runner's own thread (:meth:`SessionActor.call`)."""
 
-    __slots__ = ("_actor",)
+    __slots__ = ("_actor", "ask")
 
     def __init__(self, actor: SessionActor) -> None:
         self._actor = actor
-
-    def ask(self, message: Any) -> Any:
-        return self._actor.call(message)
+        # An ask is the actor's call itself (three or more a turn: no call in between).
+        self.ask: Callable[[Any], Any] = actor.call
 
     def tell(self, message: Any) -> None:
         self._actor.call(message)
@@ -561,10 +562,11 @@ class SessionActor(pykka.ThreadingActor):
         A failed append fences the actor (:meth:`_fence`). Only where ``refusable`` (a
         new input, a setting) is a batch the store refuses as invalid merely refused:
         nothing was written, so the session goes on without that message."""
-        if not step.events:
+        events = step.batch.events  # (``step.events``, without the property's call)
+        if not events:
             return
-        self._first_call_at_open(step)
-        events = step.events
+        if step.opened is not None:  # most commits open no turn
+            self._first_call_at_open(step)
         before = self.view
         try:
             self.store.append(
@@ -919,7 +921,7 @@ class SessionActor(pykka.ThreadingActor):
             if isinstance(done, Future) and not done.done():
                 done.set_exception(self._failed)
             return None
-        if not isinstance(message, Passivate | Ping | GetView):
+        if not isinstance(message, _UNTIMED):
             self._last_activity = time.monotonic()
         handler = self._HANDLERS.get(type(message))
         if handler is None:
@@ -1137,10 +1139,6 @@ class SessionActor(pykka.ThreadingActor):
         opened) and commit it."""
         winding = self._winding_down
         running = step.view.queue.running
-        by = None
-        if step.view.turns.current is not None:
-            stops = [e for e in step.view.turns.current.events if isinstance(e, StopRequested)]
-            by = stops[-1].by if stops else None
         marker = None
         if (
             msg.outcome == "aborted"
@@ -1148,6 +1146,10 @@ class SessionActor(pykka.ThreadingActor):
             and running is not None
             and turn_left_history(step.view, msg.turn_id)
         ):
+            by = None  # who stopped it, named by the marker
+            if step.view.turns.current is not None:
+                stops = [e for e in step.view.turns.current.events if isinstance(e, StopRequested)]
+                by = stops[-1].by if stops else None
             marker = self._marker(by)
         self._notice = msg.notice if not winding else None
         decide_settled(

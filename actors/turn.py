@@ -222,11 +222,13 @@ class TurnRunner(ToolBatch, ReplyStep):
                 self._on_exit(self)
 
     def _run(self) -> tuple[TurnOutcome, str | None]:
+        if not self.hooks.has_middleware("agent:turn:before"):
+            return self._turn(self.inputs)  # nothing to run around it: no payload built
         ctx = TurnBefore(self.turn_id, self.session_id, list(self.inputs))
         result: list[tuple[TurnOutcome, str | None]] = []
 
         def body(c: TurnBefore) -> None:
-            result.append(self._turn(c))
+            result.append(self._turn(c.inputs))
 
         ran, _ = self.hooks.run("agent:turn:before", ctx, body)
         if not ran:
@@ -237,12 +239,13 @@ class TurnRunner(ToolBatch, ReplyStep):
             return "silent", "turn:before"
         return result[0]
 
-    def _turn(self, ctx: TurnBefore) -> tuple[TurnOutcome, str | None]:
+    def _turn(self, turn_inputs: Sequence[Input]) -> tuple[TurnOutcome, str | None]:
+        """The turn's body, on its inputs as ``agent:turn:before`` left them."""
         services = self.services
         settings = self.opened.settings
         now = self.clock.now_ms()
         tz = services.tz
-        inputs = list(ctx.inputs)
+        inputs = list(turn_inputs)
         instruction_input = inputs[0] if len(inputs) == 1 and is_instruction(inputs[0]) else None
 
         # SAVE1: inputs archived first, in order, entry "opened". An idle prompt is not
@@ -290,16 +293,17 @@ class TurnRunner(ToolBatch, ReplyStep):
             prompt.volatile = volatile_for(
                 now, tz, self.opened.platform, settings.multi_party, texts=self.texts
             )
-        add_contributions(
-            self.hooks,
-            services,
-            prompt,
-            session_id=self.session_id,
-            user_id=self._user_id(),
-            platform=self.opened.platform,
-            trigger_type=self._trigger(),
-            dry_run=False,
-        )
+        if self.hooks.has_contributions():  # else none to build (nor their view)
+            add_contributions(
+                self.hooks,
+                services,
+                prompt,
+                session_id=self.session_id,
+                user_id=self._user_id(),
+                platform=self.opened.platform,
+                trigger_type=self._trigger(),
+                dry_run=False,
+            )
         tools = services.tools.available(settings.tool_groups)
         tool_defs = [t.definition() for t in tools]
 
@@ -450,7 +454,7 @@ class TurnRunner(ToolBatch, ReplyStep):
         entry = started.model or entry_id(model)
         self._still_owned()  # not sent for a session another runtime has taken
         try:
-            sent = self._trim(prompt, messages, tools, index)
+            sent = self._trim(prompt, messages, tools, index, model)
             request = ChatRequest(
                 messages=tuple(sent),
                 tools=tuple(tools),
@@ -550,16 +554,17 @@ class TurnRunner(ToolBatch, ReplyStep):
         # so each is answered exactly once in every later request. A call's id and name
         # are cleaned as its text is (a lone surrogate cannot be stored); its arguments
         # when its tool starts.
-        call.tool_calls = unique_call_ids(
-            [
-                ToolCall(
-                    id=clean_text(call_ids.get(i, tc.id) or tc.id),
-                    name=clean_text(tc.name),
-                    arguments=tc.arguments,
-                )
-                for i, tc in enumerate(call.tool_calls)
-            ]
-        )
+        if call.tool_calls:
+            call.tool_calls = unique_call_ids(
+                [
+                    ToolCall(
+                        id=clean_text(call_ids.get(i, tc.id) or tc.id),
+                        name=clean_text(tc.name),
+                        arguments=tc.arguments,
+                    )
+                    for i, tc in enumerate(call.tool_calls)
+                ]
+            )
         # Text enters here: a surrogate pair split across chunks is joined, a lone half
         # replaced, so what is sent and saved can always be stored.
         if received > limit:  # each part kept within the limit (together at most twice)
@@ -567,7 +572,7 @@ class TurnRunner(ToolBatch, ReplyStep):
             call.reasoning = clean_text("".join(reasoning)[:limit]) or None
         else:
             call.text = clean_text("".join(text))
-            call.reasoning = clean_text("".join(reasoning)) or None
+            call.reasoning = clean_text("".join(reasoning)) or None if reasoning else None
         if final:
             # Capped (maxToolIterations): its reply is the last; the tool calls the model
             # still returned are not run, so this is the final call, and inserts are over
@@ -582,7 +587,7 @@ class TurnRunner(ToolBatch, ReplyStep):
         else:
             # The final call: inserts are over from now on (SCH2), so the actor hears at once.
             self.actor.tell(CallEnded(self.turn_id, index, "ok", 0))
-        self._usage(prompt, sent, tools, call)  # FLOW11
+        self._usage(prompt, sent, tools, call, model)  # FLOW11
         if not self.hooks.has_middleware("agent:llm:after"):
             return call  # no one to see a copy of the request
         after = LlmAfter(

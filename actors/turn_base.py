@@ -353,13 +353,18 @@ class TurnBase:
         sent: Sequence[ChatMessage],
         tools: list[dict[str, Any]],
         call: _Call,
+        model: ChatModel,
     ) -> None:
-        """ACC2: ``token:usage`` after a call that returned, and the budget log (ACC4)."""
+        """ACC2: ``token:usage`` after a call that returned (of the turn's ``model``), and
+        the budget log (ACC4)."""
         services = self.services
         assert self._last_call is not None  # every call is trimmed before it is made
-        appended = sum(1 for m in prompt.tail if m.role == "tool" or m.tool_calls)
+        appended = 0  # this turn's tool groups' messages
+        for m in prompt.tail:
+            if m.role == "tool" or m.tool_calls:
+                appended += 1
         usage = call_usage(
-            self.model,
+            model,
             self._last_call,
             session_id=self.session_id,
             turn_id=self.turn_id,
@@ -383,12 +388,14 @@ class TurnBase:
         messages: Sequence[ChatMessage],
         tools: list[dict[str, Any]],
         index: int,
+        model: ChatModel,
     ) -> Sequence[ChatMessage]:
-        """FLOW9: trim the assembled list to the budget (TRIM); keep the trace."""
+        """FLOW9: trim the assembled list to the budget of the turn's ``model`` (TRIM);
+        keep the trace."""
         services = self.services
         trimmed = trim_call(
             services,
-            self.model,
+            model,
             messages,
             tools,
             self._history,

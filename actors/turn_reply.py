@@ -44,7 +44,11 @@ class ReplyStep(TurnBase):
         saved (SAVE4)."""
         content = strip_leaked_special_tokens(call.text)
         attempt = 0
-        while True:
+        # With no middleware on the hook, its payload would leave the chain as built: the
+        # reply is the call's text, archived as sent, with no retry (no payload built).
+        hooked = self.hooks.has_middleware("agent:reply:before")
+        archive: str | None = None
+        while hooked:
             ctx = ReplyBefore(
                 content=content,
                 session_id=self.session_id,
@@ -55,6 +59,7 @@ class ReplyStep(TurnBase):
             )
             self.hooks.run("agent:reply:before", ctx, lambda c: c)
             if not ctx.retry_requested or attempt >= ctx.max_retries:
+                content, archive = ctx.content, ctx.archive_content
                 break
             attempt += 1
             # A format retry: feedback, then the model again without tools; no inserts.
@@ -76,10 +81,9 @@ class ReplyStep(TurnBase):
             if retry.aborted:
                 return "aborted", self.abort.reason
             content = strip_leaked_special_tokens(retry.text)
-        final = _hook_text(ctx.content, "content")
+        final = _hook_text(content, "content")
         outcome: TurnOutcome = "replied" if final.strip() else "silent"
         if outcome == "replied":
-            archive = ctx.archive_content
             stored = final if archive is None else _hook_text(archive, "archive_content")
             self._archive(
                 ChatMessage(
@@ -105,6 +109,8 @@ class ReplyStep(TurnBase):
                 duration = max(self.clock.now_ms() - self._started_ms, 0)
                 ended = Settled(self.turn_id, "replied", None, duration, (), self._outbound(final))
                 self._flush(final=True, settle=ended)
+        if not self.hooks.has_middleware("agent:turn:after"):
+            return outcome, None  # nothing to run: no payload built
         after = TurnAfter(
             message=list(self.inputs),
             reply=final if outcome == "replied" else None,

@@ -53,8 +53,11 @@ class ToolBatch(TurnBase):
         authority = self.services.authority
         participants: list[str] = []
         owner_seen = False
+        speakers: set[str | None] = set()  # as ``_user_id`` finds them, from the same origins
         for inp in self.inputs:
-            for platform, who in self._origin(inp)[0]:
+            parties, speaker = self._origin(inp)
+            speakers.add(speaker)
+            for platform, who in parties:
                 if authority.is_owner(platform, who):
                     if owner_seen:
                         continue  # the owner's identities are one participant
@@ -74,7 +77,7 @@ class ToolBatch(TurnBase):
                 from_turn=last.from_turn if last else None,
                 message_id=last.message_id if last else None,
             ),
-            user_id=self._user_id(),
+            user_id=next(iter(speakers)) if len(speakers) == 1 else None,
         )
 
     def _run_tools(self, call: _Call) -> list[ChatMessage]:
@@ -83,7 +86,8 @@ class ToolBatch(TurnBase):
         services = self.services
         stored: list[ToolCall] = []
         results: list[ChatMessage] = []
-        max_tokens = _max_result_tokens(services, self.model)
+        model = self.model
+        max_tokens = _max_result_tokens(services, model)
         last = len(call.tool_calls) - 1
         for n, tc in enumerate(call.tool_calls):
             if self.abort.aborted:
@@ -95,9 +99,7 @@ class ToolBatch(TurnBase):
             raw = clean_text(tc.arguments)
             # No longer than the model's output limit can hold (a broken endpoint's 50 MB
             # would be stored and counted): refused as too long, naming the limit.
-            args, error = parse_tool_arguments(
-                raw, max_chars=reply_limit(self.model), texts=self.texts
-            )
+            args, error = parse_tool_arguments(raw, max_chars=reply_limit(model), texts=self.texts)
             if error is not None and call.cut and n == last:
                 # Cut off at the output limit while the model wrote them: say so, so
                 # that it writes them shorter rather than the same again.
@@ -267,6 +269,8 @@ class ToolBatch(TurnBase):
         if not ran and "result" not in holder and "error" not in holder:
             holder["error"] = self.texts("tool.blocked")
         after = ToolAfter(tc.name, holder.get("result"), context, error=holder.get("error"))
+        if not self.hooks.has_middleware("agent:tool:after"):
+            return self._recordable(tc, after)  # left as built: what the tool gave
         try:
             self.hooks.run("agent:tool:after", after, lambda c: c)
         except BaseException:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeVar
 
 from aalis_agent.events.clock import Clock
@@ -34,8 +35,11 @@ class Batch:
             raise TypeError("Batch needs a clock or now_ms")
         self.session_id = session_id
         self.expected_seq = last_seq
-        self._clock = clock
-        self._now = now_ms
+        self.now_ms: Callable[[], int] = (
+            clock.now_ms if clock is not None else _fixed(now_ms)  # type: ignore[arg-type]
+        )
+        """The time each event added is stamped with: the clock read per event, or the
+        fixed ``now_ms``."""
         self.events: list[SessionEvent] = []
 
     @property
@@ -47,13 +51,18 @@ class Batch:
         """Stamp ``event`` with this batch's session, the next seq and the time, and add
         it; returns the stamped event. The event is built typed by the caller
         (``InputQueued(input_id=...)``), so a misspelled field is a type error."""
-        at = self._clock.now_ms() if self._clock is not None else self._now
-        assert at is not None
         events = self.events
         seq = self.expected_seq + len(events) + 1  # last_seq + 1, without the call
-        stamped = replace(event, session_id=self.session_id, seq=seq, at=at)
+        stamped = replace(event, session_id=self.session_id, seq=seq, at=self.now_ms())
         events.append(stamped)
         return stamped
 
     def __len__(self) -> int:
         return len(self.events)
+
+
+def _fixed(now_ms: int) -> Callable[[], int]:
+    def fixed() -> int:
+        return now_ms
+
+    return fixed

@@ -160,21 +160,25 @@ def assemble_at(prompt: TurnPrompt) -> tuple[tuple[ChatMessage, ...], int]:
 def _around_history(prompt: TurnPrompt) -> tuple[list[ChatMessage], list[ChatMessage]]:
     """The head (before the history) and the turn (after it, before ``tail``)."""
     head = [ChatMessage(id="system", role="system", content=prompt.system)]
-    # A contribution already present by injector key (added to the turn's messages along
-    # the way) is not materialised again; archived history carries no injector keys.
-    present = {m.meta.injector for m in prompt.tail if m.meta.injector}
-    by_anchor: dict[str, list[ChatMessage]] = {}
-    for n, block in enumerate(prompt.blocks):
-        if block.injector in present:
-            continue
-        by_anchor.setdefault(block.anchor, []).append(_block_message(block, n))
-    head += by_anchor.get("identity", [])
-    head += by_anchor.get("knowledge", [])
-    head += by_anchor.get("context", [])
-    turn: list[ChatMessage] = list(by_anchor.get("turn-context", []))
+    turn: list[ChatMessage] = []
+    hints: list[ChatMessage] = []
+    if prompt.blocks:  # else no contribution to place
+        # A contribution already present by injector key (added to the turn's messages
+        # along the way) is not materialised again; archived history carries no injector
+        # keys.
+        present = {m.meta.injector for m in prompt.tail if m.meta.injector}
+        by_anchor: dict[str, list[ChatMessage]] = {}
+        for n, block in enumerate(prompt.blocks):
+            if block.injector in present:
+                continue
+            by_anchor.setdefault(block.anchor, []).append(_block_message(block, n))
+        head += by_anchor.get("identity", [])
+        head += by_anchor.get("knowledge", [])
+        head += by_anchor.get("context", [])
+        turn += by_anchor.get("turn-context", [])
+        hints = by_anchor.get("turn-hint", [])
     if prompt.volatile is not None:
         turn.append(ChatMessage(id="volatile", role="system", content=prompt.volatile))
-    hints = by_anchor.get("turn-hint", [])
     if prompt.instruction is not None:
         turn += hints
         turn.append(prompt.instruction)

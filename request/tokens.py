@@ -197,4 +197,7 @@ def count_messages(counter: TokenCounter, messages: Iterable[ChatMessage]) -> in
 
 def tool_definition_tokens(counter: TokenCounter, tools: Iterable[dict[str, Any]]) -> int:
     """Tool definitions, counted as compact JSON."""
-    return sum(counter.count(_json.encode(t).decode()) for t in tools)
+    n = 0
+    for t in tools:
+        n += counter.count(_json.encode(t).decode())
+    return n

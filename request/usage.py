@@ -66,51 +66,45 @@ def breakdown(
     history costs passes only the other messages. ``counts``: each message's tokens, in
     order, when the caller has counted them already.
     """
-    fields = dict.fromkeys(
-        (
-            "system",
-            "memory_summary",
-            "memory_vector",
-            "skills",
-            "platform",
-            "subtask",
-            "system_other",
-            "history",
-            "tool_results",
-        ),
-        0,
-    )
-    fields["history"] = history_tokens
+    system = tool_results = 0
+    history = history_tokens
+    injected: dict[str, int] = {}  # the injected system messages' tokens, by category
     injectors: dict[str, int] = {}
     if counts is None:
         counts = [message_tokens(counter, m) for m in messages]
-    for i, (m, n) in enumerate(zip(messages, counts, strict=True)):
-        if i == 0 and m.role == "system":
-            fields["system"] += n
-        elif m.id in history_ids:
-            fields["history"] += n
-        elif m.role == "tool":
-            fields["tool_results"] += n
-        elif m.role == "system" and m.kind is None:
+    first = True
+    for m, n in zip(messages, counts, strict=True):
+        role = m.role
+        if first:
+            first = False
+            if role == "system":
+                system += n
+                continue
+        if m.id in history_ids:
+            history += n
+        elif role == "tool":
+            tool_results += n
+        elif role == "system" and m.kind is None:
             key = _category(m.meta.injector)
-            fields[key] += n
+            injected[key] = injected.get(key, 0) + n
             if key == "system_other":
                 name = m.meta.injector or "agent/other"
                 injectors[name] = injectors.get(name, 0) + n
         else:
-            fields["history"] += n  # this turn's conversation counts with the history
-    persona = min(persona_tokens, fields["system"])
+            history += n  # this turn's conversation counts with the history
+    persona = min(persona_tokens, system)
+    get = injected.get
     return TokenBreakdown(
-        system=fields["system"] - persona,
+        system=system - persona,
         persona=persona,
-        memory_summary=fields["memory_summary"],
-        memory_vector=fields["memory_vector"],
-        skills=fields["skills"],
-        platform=fields["platform"],
-        subtask=fields["subtask"],
-        system_other=fields["system_other"],
-        history=fields["history"],
-        tool_results=fields["tool_results"],
+        memory_summary=get("memory_summary", 0),
+        memory_vector=get("memory_vector", 0),
+        skills=get("skills", 0),
+        platform=get("platform", 0),
+        subtask=get("subtask", 0),
+        system_other=get("system_other", 0),
+        history=history,
+        tool_results=tool_results,
         tool_defs=tool_defs_tokens,
         reserved_for_reply=reserved,
         injectors=injectors,
