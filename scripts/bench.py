@@ -962,7 +962,7 @@ class _FloorWork:
         self.raw_turn((len(self.rows) // 2, len(self.rows)))
 
     def floor_new_session(self) -> None:
-        """The same, each time as a new session (what the floor was until stop 32)."""
+        """The same, each time as a new session (the floor as first defined)."""
         self.raw_turn((len(self.rows) // 2, len(self.rows)), new_session=True)
 
     def floor_4(self) -> None:
@@ -984,9 +984,9 @@ def bench_floor(tmp: Path) -> None:
     machine weighs on both alike and each is timed warm, as it runs back to back.
     Beside it, not the target's: the same rows in the four commits the turn makes
     (persist-then-act: before each model call, before the tool, before the outcome),
-    timed the same way after each block's floors; and the floor as it was until stop 32,
-    written each time as a new session (``floor_new_session_ms``): that adds work no turn
-    of a session does (about 60 us) and put the ratio at about 4.2 where it is about 6.
+    timed the same way after each block's floors; and the floor written each time as a
+    new session (``floor_new_session_ms``, as it was first defined): that adds work no
+    turn of a session does (about 60 us) and lowers the ratio (``over_floor_new_session``).
 
     The process is warmed first: 200 turns and floors of a workload of its own, closed
     before the timed one starts. CPython specializes a function's bytecode only once it
@@ -1071,7 +1071,7 @@ def bench_floor(tmp: Path) -> None:
         floor_4_commits_ms=round(min(floors4) * 1000, 3),
         over_floor_4_commits=round(turn / min(floors4), 2),
         cold_turn_ms=round(statistics.median(cold) * 1000, 3),
-        # Nor this: the floor written each time as a new session (the floor until stop 32).
+        # Nor this: the floor written each time as a new session (as first defined).
         floor_new_session_ms=round(min(floors_new) * 1000, 3),
         over_floor_new_session=round(turn / min(floors_new), 2),
         # One commit's median where it runs: in a turn (cache-cold after the turn's own
