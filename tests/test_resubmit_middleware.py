@@ -465,3 +465,73 @@ def test_a_shard_runs_its_middleware_once_for_an_input_and_its_retries(
         assert counter == [100] and later.calls == 0
     finally:
         shard.shutdown()
+
+
+def _prefixing(counter: list[int]) -> Any:
+    """A middleware that rewrites every input's text the same way (a fixed prefix),
+    counting its calls."""
+
+    def prefix(ctx: InputBefore, next_: Any) -> Any:
+        counter[0] += 1
+        ctx.message = msgspec.structs.replace(ctx.message, content=f"[qq] {ctx.message.content}")
+        return next_()
+
+    return prefix
+
+
+def test_a_retry_of_an_input_rewritten_before_digests_were_recorded_is_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log written before ``InputReceived.sent_digest`` holds what a rewriting middleware
+    made of an input, and nothing of what its submitter sent. A retry of it is not refused
+    as another input: it goes through the hooks again, as it did when that log was
+    written, and a middleware rewriting the same way makes it the input received."""
+    path = tmp_path / "agent.db"
+    counter = [0]
+    hooks = Hooks()
+    hooks.use("agent:input:before", _prefixing(counter))
+    import aalis_agent.actors.runtime as runtime_module
+
+    with monkeypatch.context() as old:  # as written then: no digest of the input as sent
+        old.setattr(runtime_module, "unchanged", lambda sent, recorded: True)
+        rt = _runtime(SqliteEventStore(path), Gate(), hooks)
+        try:
+            first = rt.run(SID, Input(id="x", content="你好"))
+        finally:
+            rt.shutdown(timeout=10)
+            rt.store.close()
+    (received,) = _received(SqliteEventStore(path), "x")
+    assert received.input.content == "[qq] 你好" and received.sent_digest is None
+
+    later = Gate()
+    rt = _runtime(SqliteEventStore(path), later, hooks)
+    try:
+        assert _again(rt, Input(id="x", content="你好")) == first
+        with pytest.raises(InvalidInput, match="input id 'x' was used by another input"):
+            rt.submit(SID, Input(id="x", content="别的话"))
+        assert later.calls == 0
+    finally:
+        rt.shutdown(timeout=10)
+        rt.store.close()
+
+
+def test_a_retry_of_a_waiting_input_received_without_its_digest_follows_it(
+    runtime: Runtime, gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for an input still waiting (received by a process that recorded no digest
+    of it as sent): its retry follows it, it is not refused as another input."""
+    counter = [0]
+    runtime.hooks.use("agent:input:before", _prefixing(counter))
+    import aalis_agent.actors.runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "unchanged", lambda sent, recorded: True)
+    gate.go.clear()
+    busy = runtime.submit(SID, Input(id="busy", content="占着"))
+    assert gate.called.wait(10)
+    waiting = runtime.submit(SID, Input(id="x", content="你好"))
+    again = runtime.submit(SID, Input(id="x", content="你好"))
+    assert again.where == waiting.where
+    gate.go.set()
+    busy.result(10)
+    assert again.result(10) == waiting.result(10)
+    assert len(_received(runtime.store, "x")) == 1
