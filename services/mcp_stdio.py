@@ -19,7 +19,9 @@ and differs where a server misbehaves:
   ends the whole group: the server's stdin is closed, then, once the server has exited
   or after :data:`EXIT_GRACE_S`, the group gets SIGTERM and, after :data:`KILL_GRACE_S`,
   SIGKILL. The SDK ended the group only when the server itself outlived its grace, so the
-  children of a server that exited on its stdin's end were left running.
+  children of a server that exited on its stdin's end were left running. No group is
+  signalled once the server's process id leads another one (the server and its group
+  gone, the number given again), where ``/proc`` tells the two apart by start time.
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ async def stdio_transport(
         cwd=cwd,
         start_new_session=True,  # its group is its own: closing ends its children too
     )
+    started = _start_time(process.pid)  # tells its group from a later one under its number
     reader_in, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](0)
     write_stream, writer_out = anyio.create_memory_object_stream[SessionMessage](0)
     waiting: dict[str, Any] = {}  # the requests sent and not answered: their ids, by str
@@ -258,7 +261,7 @@ async def stdio_transport(
         write_stream.close()
         with anyio.move_on_after(_FLUSH_S):
             await writer_done.wait()
-        await _stop(process)
+        await _stop(process, started)
         for stream in (read_stream, write_stream, reader_in, writer_out):
             await stream.aclose()
         await anyio.lowlevel.checkpoint()
@@ -274,15 +277,16 @@ async def stdio_transport(
             tg.cancel_scope.cancel()
 
 
-async def _stop(process: anyio.abc.Process) -> None:
+async def _stop(process: anyio.abc.Process, started: int | None) -> None:
     """Close the server's stdin, give it :data:`EXIT_GRACE_S` to exit, then end its whole
     process group (SIGTERM, then SIGKILL after :data:`KILL_GRACE_S`): its children too,
-    whether it exited by itself or not."""
+    whether it exited by itself or not. ``started``: the server's start time
+    (:func:`_start_time`)."""
     if process.stdin is not None:
         with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
             await process.stdin.aclose()
     await _exited(process, EXIT_GRACE_S)
-    await _end_group(process)
+    await _end_group(process, started)
     if not await _exited(process, _REAP_S):
         log.warning("MCP server process still alive after SIGKILL", pid=process.pid)
     if process.stdout is not None:
@@ -296,23 +300,48 @@ async def _stop(process: anyio.abc.Process) -> None:
             close()
 
 
-async def _end_group(process: anyio.abc.Process) -> None:
+async def _end_group(process: anyio.abc.Process, started: int | None) -> None:
     """SIGTERM to the server's process group (its id is the server's: a session of its
     own), SIGKILL to what still runs of it after :data:`KILL_GRACE_S`, and wait (at most
-    :data:`_REAP_S`) until none of it runs."""
+    :data:`_REAP_S`) until none of it runs. Neither is sent once the server's number
+    leads another group (see :func:`_group_is_servers`)."""
     pgid = process.pid  # not getpgid(): it fails once the server is reaped, its group not
+    if not _group_is_servers(pgid, started):
+        return
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
         return  # none of it is left
     except PermissionError:
         pass  # some of it is not ours to signal: SIGKILL reaches what is
-    if await _group_ended(process, KILL_GRACE_S):
+    if await _group_ended(process, KILL_GRACE_S) or not _group_is_servers(pgid, started):
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
     if not await _group_ended(process, _REAP_S):
         log.warning("MCP server's process group still runs after SIGKILL", pgid=pgid)
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, from ``/proc``); None where
+    ``/proc`` does not tell, or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _group_is_servers(pgid: int, started: int | None) -> bool:
+    """Whether group ``pgid`` may be the server's (``started``: its start time), not one
+    led by a later process given the server's number once the server exited and was
+    reaped and the last of its group was gone: the number is not given again while a
+    process of the group runs, so a group under it is the server's unless a process
+    holds the number with another start time. True where that cannot be told."""
+    if started is None:
+        return True
+    now = _start_time(pgid)
+    return now is None or now == started
 
 
 async def _group_ended(process: anyio.abc.Process, timeout: float) -> bool:

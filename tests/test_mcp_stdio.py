@@ -12,6 +12,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aalis_agent.events.errors import ToolError
@@ -273,3 +274,58 @@ def test_a_child_that_ignores_sigterm_is_killed(
     children.append(child)
     client.close()
     assert not _alive(child)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_closing_signals_no_group_that_took_the_servers_number(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server that exited and was reaped (its children too) frees its process id, which
+    may be given again to a process leading a group of its own (another server, a
+    daemon): closing the connection later signals no such group. The reuse is stood in
+    for by pointing the server's process at such a process once the server is gone."""
+    import subprocess
+
+    import anyio
+    from aalis_agent.services import mcp_stdio
+
+    opened: list[Any] = []
+    open_process = anyio.open_process
+
+    async def recording(*args: Any, **kwargs: Any) -> Any:
+        process = await open_process(*args, **kwargs)
+        opened.append(process)
+        return process
+
+    monkeypatch.setattr(mcp_stdio.anyio, "open_process", recording)
+    monkeypatch.setattr(mcp_stdio, "EXIT_GRACE_S", 0.2)
+    monkeypatch.setattr(mcp_stdio, "KILL_GRACE_S", 0.2)
+    others: list[subprocess.Popen[bytes]] = []
+
+    async def main() -> None:
+        async with mcp_stdio.stdio_transport(
+            sys.executable,
+            ["-c", "import time; time.sleep(0.05)"],  # exits by itself
+            env=None,
+            cwd=None,
+            errlog=sys.stderr,
+            max_line_bytes=1000,
+        ):
+            (process,) = opened
+            with anyio.fail_after(10):
+                while process.returncode is None:  # exited and reaped
+                    await anyio.sleep(0.01)
+            other = subprocess.Popen(  # leads a group of its own, as a server does
+                [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+            )
+            others.append(other)
+            process._process.pid = other.pid  # the server's number, given to it
+
+    try:
+        anyio.run(main)
+        (other,) = others
+        assert other.poll() is None, "closing signalled a group that was not the server's"
+    finally:
+        for other in others:
+            other.kill()
+            other.wait()
