@@ -535,3 +535,68 @@ def test_a_retry_of_a_waiting_input_received_without_its_digest_follows_it(
     busy.result(10)
     assert again.result(10) == waiting.result(10)
     assert len(_received(runtime.store, "x")) == 1
+
+
+def test_an_input_sent_again_while_its_first_send_is_in_the_hooks_waits_for_it(
+    runtime: Runtime, gate: Gate
+) -> None:
+    """A gateway delivering an input twice while the first delivery is still inside a slow
+    middleware (a billing or rate-limit service): the second waits for the first to reach
+    its session, then follows it as a retry; the middleware sees the input once."""
+    from tests.faults import wait_until
+
+    calls: list[str] = []
+    first_in, go = threading.Event(), threading.Event()
+
+    def slow(ctx: InputBefore, next_: Any) -> Any:
+        calls.append(ctx.message.id)
+        if len(calls) == 1:
+            first_in.set()
+            assert go.wait(10)
+        return next_()
+
+    runtime.hooks.use("agent:input:before", slow)
+    handles: dict[str, Any] = {}
+
+    def send(name: str) -> None:
+        handles[name] = runtime.submit(SID, Input(id="x", content="你好"))
+
+    first = threading.Thread(target=send, args=("first",))
+    first.start()
+    assert first_in.wait(10)
+    second = threading.Thread(target=send, args=("second",))
+    second.start()
+
+    def second_is_waiting() -> bool:  # in the runtime, or (before) in the middleware
+        held = getattr(runtime, "_in_hooks", {}).get((SID, "x"))
+        return len(calls) > 1 or (held is not None and held.waiting > 0)
+
+    assert wait_until(second_is_waiting, 10)
+    go.set()
+    first.join(10)
+    second.join(10)
+    assert calls == ["x"]
+    assert handles["second"].result(10) == handles["first"].result(10)
+    assert len(_received(runtime.store, "x")) == 1 and gate.calls == 1
+
+
+def test_an_input_sent_again_from_its_own_middleware_does_not_wait_for_itself(
+    runtime: Runtime, gate: Gate
+) -> None:
+    """A middleware that submits the input it was given again (on its own thread) is not
+    made to wait for that input's hooks, which wait for it: the hooks run for the inner
+    send too, as for any send the session has not received."""
+    calls: list[str] = []
+    inner: list[Any] = []
+
+    def again(ctx: InputBefore, next_: Any) -> Any:
+        calls.append(ctx.message.id)
+        if len(calls) == 1:
+            inner.append(runtime.submit(SID, Input(id="x", content="你好")))
+        return next_()
+
+    runtime.hooks.use("agent:input:before", again)
+    outer = runtime.submit(SID, Input(id="x", content="你好"))
+    assert calls == ["x", "x"]
+    assert outer.result(10) == inner[0].result(10)
+    assert len(_received(runtime.store, "x")) == 1
