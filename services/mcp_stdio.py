@@ -10,7 +10,10 @@ and differs where a server misbehaves:
   request id fails every request waiting. The SDK logged such a line and dropped it, and
   the call waited out its whole timeout. The connection stays in use. A line that names
   no request (a banner, a log line written to stdout, JSON that is no message) is logged
-  and dropped, as the SDK did: the calls under way go on.
+  and dropped, as the SDK did: the calls under way go on. What the server wrote after
+  its last line break before its output ended is read as a line too (the SDK dropped
+  it): an answer whole is taken, one cut short fails its call as above, where the SDK's
+  failed with "Connection closed".
 - A line longer than ``max_line_bytes`` is not kept: the requests waiting fail as above
   (the one its opening names, when it does), naming the limit, and the rest of the line
   is skipped. Lines are split in linear time (the SDK joined its buffer with each chunk
@@ -204,8 +207,12 @@ async def stdio_transport(
                 while True:
                     try:
                         chunk = await process.stdout.receive(_CHUNK)
-                    except _READ_ENDED:
-                        break  # the server's end, or ours (shutdown closed the pipe)
+                    except _READ_ENDED:  # the server's end, or ours (shutdown closed it)
+                        if open_ and buf and not skipping:
+                            # Its last line, with no line break: whole, or cut short as
+                            # the server ended (a call it answers fails, quoting it).
+                            await deliver(parse(buf))
+                        break
                     if not open_:
                         continue  # drained, so that a server writing can exit
                     buf += chunk

@@ -329,3 +329,42 @@ def test_closing_signals_no_group_that_took_the_servers_number(
         for other in others:
             other.kill()
             other.wait()
+
+
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [
+        (
+            '{"jsonrpc": "2.0", "id": {id}, "result": {"content": [',
+            re.escape("""the server sent a line that is not JSON: '{"jsonrpc": "2.0", "id": """)
+            + r"\d+"
+            + re.escape(""", "result": {"content": ['"""),
+        ),
+        (
+            '{"jsonrpc": "2.0", "id": {id}, "result": 5}',
+            re.escape("the server sent a line that is not a valid JSON-RPC response (result:"),
+        ),
+    ],
+    ids=["cut-short", "result-not-an-object"],
+)
+def test_a_last_line_with_no_line_break_fails_the_call_it_names(line: str, said: str) -> None:
+    """A server that exits mid-line (killed while writing, or never ending its last
+    line): what it wrote is read as its last line, and an answer cut short fails the call
+    it names quoting it, as within the stream (not a bare "Connection closed")."""
+    with (
+        McpClient([odd_server()]) as client,
+        pytest.raises(ToolError, match=f"tool 'cut' failed: MCPError: {said}"),
+    ):
+        client.call("odd", "cut", {"line": line})
+
+
+def test_a_whole_last_answer_with_no_line_break_is_taken() -> None:
+    """A server whose last answer, whole, lacks its line break before it exits: the call
+    gets it."""
+    answer = (
+        '{"jsonrpc": "2.0", "id": {id}, "result": '
+        '{"content": [{"type": "text", "text": "last words"}], "isError": false, '
+        '"structuredContent": {"result": "last words"}, "resultType": "complete"}}'
+    )
+    with McpClient([odd_server()]) as client:
+        assert client.call("odd", "cut", {"line": answer}) == "last words"
