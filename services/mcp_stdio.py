@@ -15,8 +15,9 @@ and differs where a server misbehaves:
   it): an answer whole is taken, one cut short fails its call as above, where the SDK's
   failed with "Connection closed".
 - A line longer than ``max_line_bytes`` is not kept: the requests waiting fail as above
-  (the one its opening names, when it does), naming the limit, and the rest of the line
-  is skipped. Lines are split in linear time (the SDK joined its buffer with each chunk
+  (the one its opening names, when it does; none when it opens as a notification or a
+  request of the server's own), naming the limit, and the rest of the line is skipped.
+  Lines are split in linear time (the SDK joined its buffer with each chunk
   read, so a 10 MB line took 6 s and a 50 MB one minutes).
 - The server runs in a session (process group) of its own, and closing the connection
   ends the whole group: the server's stdin is closed, then, once the server has exited
@@ -65,6 +66,22 @@ _REAP_S = 2.0  # for the loop to see a killed server exit
 _OPENING_ID = re.compile(
     rb'\A\s*\{\s*(?:"jsonrpc"\s*:\s*"2\.0"\s*,\s*)?"id"\s*:\s*(-?\d{1,30}|"[^"\\]{0,200}")'
 )
+# The opening of a notification or of a request of the server's own: it answers no call.
+_OPENING_METHOD = re.compile(rb'\A\s*\{\s*(?:"jsonrpc"\s*:\s*"2\.0"\s*,\s*)?"method"\s*:')
+_THEN_METHOD = re.compile(rb'\s*,\s*"method"\s*:')  # after the id: the server's request
+
+
+def _opening_names(opening: bytes | bytearray) -> Any:
+    """The request a line that cannot be read whole answers, by its ``opening``: the id
+    it names (a str); ``_NONE`` when it opens as a notification or a request of the
+    server's own (a ``method``: no request of ours, whatever its id); None when it names
+    neither (it may be an answer)."""
+    found = _OPENING_ID.match(opening)
+    if found is not None:
+        if _THEN_METHOD.match(opening, found.end()):
+            return _NONE
+        return found.group(1).decode("utf-8", "replace").strip('"')
+    return _NONE if _OPENING_METHOD.match(opening) else None
 
 
 def _quote(data: bytes | bytearray) -> str:
@@ -145,10 +162,9 @@ async def stdio_transport(
 
     def too_long(opening: bytes | bytearray) -> tuple[Any, str]:
         """The id a line past the limit names in its ``opening`` (its first 1,024 bytes;
-        None if it names none), and the error it causes."""
-        found = _OPENING_ID.match(opening)
-        named = found.group(1).decode().strip('"') if found is not None else None
-        return named, (
+        None if it names none: it may be an answer; no request's when it opens as a
+        notification or a request of the server's), and the error it causes."""
+        return _opening_names(opening), (
             f"the server sent a line longer than {max_line_bytes} bytes (max_line_bytes), "
             f"which is not read: {_quote(opening)}"
         )
@@ -167,9 +183,7 @@ async def stdio_transport(
                 if decoded.get("id") is not None:
                     named = decoded["id"] if "method" not in decoded else _NONE
             elif decoded is None:  # not JSON: cut short, say, if it opens as an answer
-                found = _OPENING_ID.match(line[:1024])
-                if found is not None:
-                    named = found.group(1).decode("utf-8", "replace").strip('"')
+                named = _opening_names(line[:1024])
             why = f"the server sent a line that is {_reason(exc, decoded)}: {_quote(line)}"
             if named is None:
                 # Stray output naming no request (a banner, a log line on stdout): as

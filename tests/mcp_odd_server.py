@@ -37,11 +37,12 @@ def cut(line: str, ctx: Context) -> str:
 
 
 @server.tool()
-async def chatter(lines: list[str]) -> str:
-    """Write ``lines`` to stdout as they are (stray output: no message), then answer."""
+async def chatter(lines: list[str], ctx: Context) -> str:
+    """Write ``lines`` to stdout as they are (stray output: no message; ``{id}``: this
+    call's request id), then answer."""
     wire = _wire()
     for line in lines:
-        os.write(wire, (line + "\n").encode())
+        os.write(wire, (line.replace("{id}", ctx.request_id) + "\n").encode())
     return "answered"
 
 

@@ -368,3 +368,26 @@ def test_a_whole_last_answer_with_no_line_break_is_taken() -> None:
     )
     with McpClient([odd_server()]) as client:
         assert client.call("odd", "cut", {"line": answer}) == "last words"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"jsonrpc": "2.0", "method": "notifications/message", '
+        '"params": {"level": "info", "data": "' + "y" * 30_000 + '"}}',
+        # Requests of the server's own, under the call's id (each side numbers its own).
+        '{"jsonrpc":"2.0","id":{id},"method":"roots/list","params":{"x":"' + "z" * 30_000 + '"}}',
+        '{"jsonrpc":"2.0","id":{id},"method":"roots/list","params":{"x":"cut short',
+    ],
+    ids=["notification-past-the-limit", "request-past-the-limit", "request-cut-short"],
+)
+def test_a_line_of_the_servers_own_that_cannot_be_read_fails_no_call(line: str) -> None:
+    """A line past the limit, or cut short, that opens as a notification or a request of
+    the server's own (its opening names a ``method``, after the id or not) answers no call:
+    it is skipped, and the call under way is answered, on the same connection. (One whose
+    opening names no method may be an answer: it fails the call it names, or every call
+    waiting when it names none.)"""
+    with McpClient([odd_server(max_line_bytes=20_000)]) as client:
+        pid = client.call("odd", "pid", {})
+        assert client.call("odd", "chatter", {"lines": [line]}) == "answered"
+        assert client.call("odd", "pid", {}) == pid and client.reconnects == 0
