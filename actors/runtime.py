@@ -690,7 +690,9 @@ class Runtime:
         input hooks or on its way from them to its session, then hold the id for this
         one: what to release once it has reached its session (None when this thread holds
         it already: a middleware sending the input it was given again is not made to
-        wait for itself)."""
+        wait for itself; nor when the other send has not reached its session within
+        ``ask_timeout_s``: it may be waiting for this one, a middleware handing its input
+        to another thread that sends it again)."""
         me = threading.get_ident()
         while True:
             with self._lock:
@@ -703,10 +705,18 @@ class Runtime:
                 other.waiting += 1
             try:
                 with self.workers.gate.released():
-                    other.done.wait()
+                    reached = other.done.wait(self.ask_timeout_s)
             finally:
                 with self._lock:
                     other.waiting -= 1
+            if not reached:
+                log.warning(
+                    "input still in its hooks on another thread; sent on without waiting",
+                    session_id=key[0],
+                    input_id=key[1],
+                    waited_s=self.ask_timeout_s,
+                )
+                return None
 
     def _submit_checked(
         self,

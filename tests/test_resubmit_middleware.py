@@ -600,3 +600,42 @@ def test_an_input_sent_again_from_its_own_middleware_does_not_wait_for_itself(
     assert calls == ["x", "x"]
     assert outer.result(10) == inner[0].result(10)
     assert len(_received(runtime.store, "x")) == 1
+
+
+def test_a_middleware_waiting_for_another_thread_sending_its_input_is_not_stuck() -> None:
+    """A middleware that hands the input it was given to another thread, which sends it
+    again, and waits for that send: the other send waits for the first at most the
+    runtime's ``ask_timeout_s``, then goes through the hooks itself (as any send the
+    session has not received), rather than both waiting for each other for good."""
+    gate, calls = Gate(), []
+    hooks = Hooks()
+    rt = Runtime(
+        InMemoryEventStore(),
+        Services(llm=gate.model),
+        FixedClock(),
+        SequentialIds(),
+        hooks=hooks,
+        janitor=False,
+        ask_timeout_s=0.2,
+    )
+    inner: list[Any] = []
+
+    def hand_over(ctx: InputBefore, next_: Any) -> Any:
+        calls.append(ctx.message.id)
+        if len(calls) == 1:
+            other = threading.Thread(
+                target=lambda: inner.append(rt.submit(SID, Input(id="x", content="你好")))
+            )
+            other.start()
+            other.join(10)
+            assert not other.is_alive(), "the other send waits for this one, which waits for it"
+        return next_()
+
+    hooks.use("agent:input:before", hand_over)
+    try:
+        outer = rt.submit(SID, Input(id="x", content="你好"))
+        assert calls == ["x", "x"]
+        assert outer.result(10) == inner[0].result(10)
+        assert len(_received(rt.store, "x")) == 1
+    finally:
+        rt.shutdown(timeout=10)
