@@ -62,7 +62,9 @@ class Submit(msgspec.Struct, frozen=True):
     # Sent again under an id the session received: the input hooks have not run for it.
     # Taken only as that input sent again (followed, or answered with how it ended);
     # None is answered when the session does not know the id (any more, or yet: a
-    # deletion or clear winding down), and the submit goes through the hooks.
+    # deletion or clear winding down), or when it differs from the input received under
+    # it, of which no digest as sent was recorded (the hooks may have rewritten it), and
+    # the submit goes through the hooks.
     retry: bool = False
 
 

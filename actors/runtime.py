@@ -258,6 +258,18 @@ class _Entry:
     calling: int = 0
 
 
+class _InHooks:
+    """A send of an input (under the id its caller gave) in its input hooks, or on its
+    way from them to its session: another send of that id waits for it (``done``)."""
+
+    __slots__ = ("done", "thread", "waiting")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.thread = threading.get_ident()
+        self.waiting = 0  # sends waiting for it
+
+
 class Runtime:
     """Hosts session actors over one event store, with embedded default services."""
 
@@ -313,6 +325,8 @@ class Runtime:
         self._lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
         self._generations: dict[str, int] = {}
+        # Inputs in their input hooks, by (session, the id their caller gave). Under _lock.
+        self._in_hooks: dict[tuple[str, str], _InHooks] = {}
         self._runners: set[TurnRunner] = set()
         self._runners_idle = threading.Condition(threading.Lock())
         # Turns of fenced actors still running (a tool that ignores the stop), by session,
@@ -577,7 +591,8 @@ class Runtime:
         handle (``where="handled"``) resolves at once to how it ended, and nothing is
         written. Another input under a used id raises :class:`InvalidInput` naming it.
         Such a retry does not go through the input preprocessors and
-        ``agent:input:before`` again (they ran for it the first time), and it is
+        ``agent:input:before`` again (they ran for it the first time; one sent while the
+        first is still in them waits for it to reach its session), and it is
         compared with what its submitter sent then, not with what they made of it (the
         log holds a digest of that when they changed it). The session remembers its
         last ``KEEP_INPUT_IDS`` (10,000) ids (``projections/inputs.py``), across
@@ -642,7 +657,6 @@ class Runtime:
             if arrived_in is None:  # not live: its log's, read now (the submit would)
                 self._entry(session_id)
                 arrived_in = self._generations[session_id]
-        done: Future[InputOutcome] = Future()
         hooks = self.hooks
         hooked = hooks.has_preprocessors() or hooks.has_middleware("agent:input:before")
         # The same input sent again under an id its session received (a retry) does not
@@ -650,6 +664,75 @@ class Runtime:
         # deduplicating or rewriting middleware would see it twice). It goes to the
         # session as its submitter sent it, taken only as that input sent again.
         retry = hooked and assigned is None and self._knows_input(session_id, inp.id)
+        if retry or not hooked or assigned is not None:
+            return self._submit_checked(
+                session_id, inp, assigned, arrived_in, hooked, retry, here, wait_deferred
+            )
+        # Another send of this id in its hooks (a gateway delivering twice while the
+        # first delivery is in a slow middleware) is waited for: this one is then its
+        # retry, the hooks not run for it again.
+        key = (session_id, inp.id)
+        mine = self._hold_input_id(key)
+        try:
+            retry = self._knows_input(session_id, inp.id)
+            return self._submit_checked(
+                session_id, inp, assigned, arrived_in, hooked, retry, here, wait_deferred
+            )
+        finally:
+            if mine is not None:
+                with self._lock:
+                    if self._in_hooks.get(key) is mine:
+                        del self._in_hooks[key]
+                mine.done.set()
+
+    def _hold_input_id(self, key: tuple[str, str]) -> _InHooks | None:
+        """Wait (the gate open) while another send of the input ``key`` names is in its
+        input hooks or on its way from them to its session, then hold the id for this
+        one: what to release once it has reached its session (None when this thread holds
+        it already: a middleware sending the input it was given again is not made to
+        wait for itself; nor when the other send has not reached its session within
+        ``ask_timeout_s``: it may be waiting for this one, a middleware handing its input
+        to another thread that sends it again)."""
+        me = threading.get_ident()
+        while True:
+            with self._lock:
+                other = self._in_hooks.get(key)
+                if other is None:
+                    mine = self._in_hooks[key] = _InHooks()
+                    return mine
+                if other.thread == me:
+                    return None
+                other.waiting += 1
+            try:
+                with self.workers.gate.released():
+                    reached = other.done.wait(self.ask_timeout_s)
+            finally:
+                with self._lock:
+                    other.waiting -= 1
+            if not reached:
+                log.warning(
+                    "input still in its hooks on another thread; sent on without waiting",
+                    session_id=key[0],
+                    input_id=key[1],
+                    waited_s=self.ask_timeout_s,
+                )
+                return None
+
+    def _submit_checked(
+        self,
+        session_id: str,
+        inp: Input,
+        assigned: str | None,
+        arrived_in: int | None,
+        hooked: bool,
+        retry: bool,
+        here: bool,
+        wait_deferred: bool,
+    ) -> tuple[SubmitHandle, TurnRunner | None]:
+        """:meth:`_submit` of an input checked, its id given, its time stamped, its
+        generation read; ``hooked``: input hooks are installed; ``retry``: sent again
+        under an id its session received (the hooks not run for it)."""
+        done: Future[InputOutcome] = Future()
         sent = None  # the input as its submitter sent it, when the hooks changed it
         if hooked and not retry:
             before = self._before_hooks(session_id, inp, assigned, done)

@@ -107,7 +107,7 @@ from aalis_agent.events import (
 )
 from aalis_agent.projections import SessionView, project, queue, turns
 from aalis_agent.projections.chain import Chain
-from aalis_agent.projections.inputs import Handled, InputIds, same_input, sent_digest
+from aalis_agent.projections.inputs import Handled, InputIds, digest, same_input, sent_digest
 from aalis_agent.projections.turns import TurnLog, turn_participants
 from aalis_agent.request.tokens import default_counter
 from aalis_agent.services import AbortSignal, OutboundMessage, Services
@@ -178,6 +178,16 @@ def _comparable(inp: Input) -> Input:
     """What must match for an input to be the same one sent again: all of it but the
     time it was stamped with and the gateway's delivery number."""
     return msgspec.structs.replace(inp, timestamp=None, gateway_seq=None)
+
+
+def _same_input(handled: Handled, msg: Submit) -> bool:
+    """Whether ``msg``'s input is the one received under its id: as its submitter sent it
+    (:func:`~aalis_agent.projections.inputs.same_input`), or, where no digest of the
+    input as sent was recorded (the hooks left it as it was, or the log was written before
+    ``sent_digest``), as the input hooks left it this time, as it was recorded."""
+    if same_input(handled, msg.input if msg.sent is None else msg.sent):
+        return True
+    return handled.sent is None and msg.sent is not None and digest(msg.input) == handled.digest
 
 
 _WITH_EFFECTS = frozenset(
@@ -986,20 +996,23 @@ class SessionActor(pykka.ThreadingActor):
             self._start_here = None
         return where
 
-    def _follow(self, msg: Submit, earlier: Input, where: Where) -> str:
+    def _follow(self, msg: Submit, earlier: Input, where: Where) -> str | None:
         """An input whose id is taken by one still waiting or running here: the same input
         sent again (a retry, a gateway delivering twice) is not recorded a second time,
         its handle follows the earlier one's outcome; another input under that id is
         refused (each would answer for the other). The same: as its submitter sent it
         (see :func:`~aalis_agent.projections.inputs.same_input`)."""
         inp = msg.input
-        sent = inp if msg.sent is None else msg.sent
         handled = self._input_ids.get(inp.id)
         if handled is not None:
-            same = same_input(handled, sent)
+            same = _same_input(handled, msg)
         else:  # not remembered (a log folded without it): as the queue holds it
-            same = _comparable(sent) == _comparable(earlier)
+            same = _comparable(inp) == _comparable(earlier) or (
+                msg.sent is not None and _comparable(msg.sent) == _comparable(earlier)
+            )
         if not same:
+            if msg.retry and (handled is None or handled.sent is None):
+                return None  # perhaps rewritten, unrecorded: see _answer_again
             raise InvalidInput(
                 f"session {self.session_id!r}: input id {inp.id!r} is taken by another "
                 "input that is still waiting or running; give this one an id of its own"
@@ -1010,7 +1023,7 @@ class SessionActor(pykka.ThreadingActor):
             self._waiters[inp.id] = msg.done  # accepted by an earlier actor (recovered)
         return where
 
-    def _answer_again(self, msg: Submit, handled: Handled) -> str:
+    def _answer_again(self, msg: Submit, handled: Handled) -> str | None:
         """An input whose id this session received before, and whose turn is over or
         which was released: the same input sent again (a retry after a timeout or a
         cancelled wait) is answered with how it ended, and nothing is written; another
@@ -1018,7 +1031,13 @@ class SessionActor(pykka.ThreadingActor):
         same: as its submitter sent it, whatever the input hooks made of it (see
         :func:`~aalis_agent.projections.inputs.same_input`)."""
         inp = msg.input
-        if not same_input(handled, inp if msg.sent is None else msg.sent):
+        if not _same_input(handled, msg):
+            if msg.retry and handled.sent is None:
+                # Sent without the input hooks, and differing from the input received,
+                # of which no digest as sent was recorded (a log written before
+                # sent_digest, whose hooks may have rewritten it): it goes through the
+                # hooks, as it did then, and is compared as they leave it.
+                return None
             raise InvalidInput(
                 f"session {self.session_id!r}: input id {inp.id!r} was used by another "
                 "input, which was already handled (its turn is over, or it was released); "

@@ -30,9 +30,11 @@ embedded :class:`~aalis_agent.actors.runtime.Runtime` over the shared PostgreSQL
 - A shard Ray will not restart (its ``max_restarts`` used up, killed with
   ``no_restart=True``, its creation failing) is not waited for: Ray raises
   ``ActorDiedError`` for it (``ActorUnavailableError`` for one it is restarting), the GCS
-  confirms it DEAD (one query per failure), and the client raises :class:`ShardDead` at
-  once, naming the session, the shard and Ray's reason, and whether the input may have
-  been accepted. Its sessions are not moved to another shard (each shard's ownership
+  confirms it DEAD (one query per failure, by the shard's actor id), and the client
+  raises :class:`ShardDead` at once, naming the session, the shard and Ray's reason, and
+  whether the input may have been accepted (when the GCS cannot be asked, the error's
+  type decides for that call alone: the shard is not taken as dead for the next). Its
+  sessions are not moved to another shard (each shard's ownership
   refuses the others' sessions): they wait for a new placement, a new
   ``ShardedRuntime``, whose shard of the same index takes their leases (at once, or
   once they expire with ``incarnation_owners``) and answers an input sent again under
@@ -143,14 +145,17 @@ def _actor_state(actor_id: str | None) -> dict[str, Any] | None:
     return found if isinstance(found, dict) and "State" in found else None
 
 
-def _dead_for_good(exc: BaseException) -> str | None:
-    """Why the shard behind ``exc`` will not come back (Ray's words), or None when it
-    may: Ray raises ``ActorUnavailableError`` for an actor it is restarting and
-    ``ActorDiedError`` for one it will not restart. The GCS confirms the latter (one
-    query: an actor it still lists as restarting or alive is waited for)."""
+def _dead_for_good(exc: BaseException, actor: Any = None) -> tuple[str, bool] | None:
+    """Why the shard behind ``exc`` will not come back (Ray's words), and whether the GCS
+    confirmed it; None when it may come back: Ray raises ``ActorUnavailableError`` for an
+    actor it is restarting and ``ActorDiedError`` for one it will not restart. The GCS
+    confirms the latter (one query, by the id of ``actor``, the shard the call went to,
+    or else the error's: an actor it still lists as restarting or alive is waited for);
+    when it cannot be asked, the error's type decides, unconfirmed."""
     if not isinstance(exc, ActorDiedError):
         return None
-    state = _actor_state(exc.actor_id)
+    own = getattr(actor, "_actor_id", None)  # an ActorDiedError may come without one
+    state = _actor_state(own.hex() if own is not None else exc.actor_id)
     if state is not None and state["State"] != "DEAD":
         return None
     lines = [
@@ -161,7 +166,7 @@ def _dead_for_good(exc: BaseException) -> str | None:
     reason = " ".join(lines) or str(exc) or type(exc).__name__
     if state is not None and state.get("NumRestarts"):
         reason += f" (after {state['NumRestarts']} restart(s))"
-    return reason
+    return reason, state is not None
 
 
 def logged_outcome(events: Sequence[SessionEvent], input_id: str) -> InputOutcome | None:
@@ -393,9 +398,17 @@ class ShardedRuntime:
         return index, actor
 
     def _shard_died(
-        self, session_id: str, index: int, actor: Any, input_id: str, reason: str, asking: str
+        self,
+        session_id: str,
+        index: int,
+        actor: Any,
+        input_id: str,
+        dead: tuple[str, bool],
+        asking: str,
     ) -> ShardDead:
-        self._dead[index] = (actor, reason)
+        reason, confirmed = dead
+        if confirmed:  # DEAD in the GCS is final; a guess from the error's type is not kept
+            self._dead[index] = (actor, reason)
         log.error("shard dead for good", shard=index, session_id=session_id, reason=reason)
         return ShardDead(session_id, index, reason, input_id, maybe_accepted=True, asking=asking)
 
@@ -418,10 +431,10 @@ class ShardedRuntime:
                 input_id, where = ray.get(actor.submit.remote(session_id, inp))
                 return RayHandle(self, session_id, input_id, where)
             except _RETRYABLE as exc:
-                reason = _dead_for_good(exc)
-                if reason is not None:
+                dead = _dead_for_good(exc, actor)
+                if dead is not None:
                     raise self._shard_died(
-                        session_id, index, actor, inp.id, reason, "submit"
+                        session_id, index, actor, inp.id, dead, "submit"
                     ) from exc
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
@@ -437,10 +450,10 @@ class ShardedRuntime:
                 input_id, where = await actor.submit.remote(session_id, inp)
                 return RayHandle(self, session_id, input_id, where)
             except _RETRYABLE as exc:
-                reason = await asyncio.to_thread(_dead_for_good, exc)
-                if reason is not None:
+                dead = await asyncio.to_thread(_dead_for_good, exc, actor)
+                if dead is not None:
                     raise self._shard_died(
-                        session_id, index, actor, inp.id, reason, "submit"
+                        session_id, index, actor, inp.id, dead, "submit"
                     ) from exc
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
@@ -457,10 +470,10 @@ class ShardedRuntime:
             try:
                 found = ray.get(actor.outcome.remote(session_id, input_id, min(left, 5.0)))
             except _RETRYABLE as exc:
-                reason = _dead_for_good(exc)
-                if reason is not None:
+                dead = _dead_for_good(exc, actor)
+                if dead is not None:
                     raise self._shard_died(
-                        session_id, index, actor, input_id, reason, "outcome"
+                        session_id, index, actor, input_id, dead, "outcome"
                     ) from exc
                 found = None
                 time.sleep(0.2)  # the shard is restarting
@@ -479,10 +492,10 @@ class ShardedRuntime:
             try:
                 found = await actor.outcome.remote(session_id, input_id, min(left, 5.0))
             except _RETRYABLE as exc:
-                reason = await asyncio.to_thread(_dead_for_good, exc)
-                if reason is not None:
+                dead = await asyncio.to_thread(_dead_for_good, exc, actor)
+                if dead is not None:
                     raise self._shard_died(
-                        session_id, index, actor, input_id, reason, "outcome"
+                        session_id, index, actor, input_id, dead, "outcome"
                     ) from exc
                 found = None
                 await asyncio.sleep(0.2)

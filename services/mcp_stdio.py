@@ -10,16 +10,22 @@ and differs where a server misbehaves:
   request id fails every request waiting. The SDK logged such a line and dropped it, and
   the call waited out its whole timeout. The connection stays in use. A line that names
   no request (a banner, a log line written to stdout, JSON that is no message) is logged
-  and dropped, as the SDK did: the calls under way go on.
+  and dropped, as the SDK did: the calls under way go on. What the server wrote after
+  its last line break before its output ended is read as a line too (the SDK dropped
+  it): an answer whole is taken, one cut short fails its call as above, where the SDK's
+  failed with "Connection closed".
 - A line longer than ``max_line_bytes`` is not kept: the requests waiting fail as above
-  (the one its opening names, when it does), naming the limit, and the rest of the line
-  is skipped. Lines are split in linear time (the SDK joined its buffer with each chunk
+  (the one its opening names, when it does; none when it opens as a notification or a
+  request of the server's own), naming the limit, and the rest of the line is skipped.
+  Lines are split in linear time (the SDK joined its buffer with each chunk
   read, so a 10 MB line took 6 s and a 50 MB one minutes).
 - The server runs in a session (process group) of its own, and closing the connection
   ends the whole group: the server's stdin is closed, then, once the server has exited
   or after :data:`EXIT_GRACE_S`, the group gets SIGTERM and, after :data:`KILL_GRACE_S`,
   SIGKILL. The SDK ended the group only when the server itself outlived its grace, so the
-  children of a server that exited on its stdin's end were left running.
+  children of a server that exited on its stdin's end were left running. No group is
+  signalled once the server's process id leads another one (the server and its group
+  gone, the number given again), where ``/proc`` tells the two apart by start time.
 """
 
 from __future__ import annotations
@@ -60,6 +66,22 @@ _REAP_S = 2.0  # for the loop to see a killed server exit
 _OPENING_ID = re.compile(
     rb'\A\s*\{\s*(?:"jsonrpc"\s*:\s*"2\.0"\s*,\s*)?"id"\s*:\s*(-?\d{1,30}|"[^"\\]{0,200}")'
 )
+# The opening of a notification or of a request of the server's own: it answers no call.
+_OPENING_METHOD = re.compile(rb'\A\s*\{\s*(?:"jsonrpc"\s*:\s*"2\.0"\s*,\s*)?"method"\s*:')
+_THEN_METHOD = re.compile(rb'\s*,\s*"method"\s*:')  # after the id: the server's request
+
+
+def _opening_names(opening: bytes | bytearray) -> Any:
+    """The request a line that cannot be read whole answers, by its ``opening``: the id
+    it names (a str); ``_NONE`` when it opens as a notification or a request of the
+    server's own (a ``method``: no request of ours, whatever its id); None when it names
+    neither (it may be an answer)."""
+    found = _OPENING_ID.match(opening)
+    if found is not None:
+        if _THEN_METHOD.match(opening, found.end()):
+            return _NONE
+        return found.group(1).decode("utf-8", "replace").strip('"')
+    return _NONE if _OPENING_METHOD.match(opening) else None
 
 
 def _quote(data: bytes | bytearray) -> str:
@@ -116,6 +138,7 @@ async def stdio_transport(
         cwd=cwd,
         start_new_session=True,  # its group is its own: closing ends its children too
     )
+    started = _start_time(process.pid)  # tells its group from a later one under its number
     reader_in, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](0)
     write_stream, writer_out = anyio.create_memory_object_stream[SessionMessage](0)
     waiting: dict[str, Any] = {}  # the requests sent and not answered: their ids, by str
@@ -139,10 +162,9 @@ async def stdio_transport(
 
     def too_long(opening: bytes | bytearray) -> tuple[Any, str]:
         """The id a line past the limit names in its ``opening`` (its first 1,024 bytes;
-        None if it names none), and the error it causes."""
-        found = _OPENING_ID.match(opening)
-        named = found.group(1).decode().strip('"') if found is not None else None
-        return named, (
+        None if it names none: it may be an answer; no request's when it opens as a
+        notification or a request of the server's), and the error it causes."""
+        return _opening_names(opening), (
             f"the server sent a line longer than {max_line_bytes} bytes (max_line_bytes), "
             f"which is not read: {_quote(opening)}"
         )
@@ -161,9 +183,7 @@ async def stdio_transport(
                 if decoded.get("id") is not None:
                     named = decoded["id"] if "method" not in decoded else _NONE
             elif decoded is None:  # not JSON: cut short, say, if it opens as an answer
-                found = _OPENING_ID.match(line[:1024])
-                if found is not None:
-                    named = found.group(1).decode("utf-8", "replace").strip('"')
+                named = _opening_names(line[:1024])
             why = f"the server sent a line that is {_reason(exc, decoded)}: {_quote(line)}"
             if named is None:
                 # Stray output naming no request (a banner, a log line on stdout): as
@@ -201,8 +221,12 @@ async def stdio_transport(
                 while True:
                     try:
                         chunk = await process.stdout.receive(_CHUNK)
-                    except _READ_ENDED:
-                        break  # the server's end, or ours (shutdown closed the pipe)
+                    except _READ_ENDED:  # the server's end, or ours (shutdown closed it)
+                        if open_ and buf and not skipping:
+                            # Its last line, with no line break: whole, or cut short as
+                            # the server ended (a call it answers fails, quoting it).
+                            await deliver(parse(buf))
+                        break
                     if not open_:
                         continue  # drained, so that a server writing can exit
                     buf += chunk
@@ -258,7 +282,7 @@ async def stdio_transport(
         write_stream.close()
         with anyio.move_on_after(_FLUSH_S):
             await writer_done.wait()
-        await _stop(process)
+        await _stop(process, started)
         for stream in (read_stream, write_stream, reader_in, writer_out):
             await stream.aclose()
         await anyio.lowlevel.checkpoint()
@@ -274,15 +298,16 @@ async def stdio_transport(
             tg.cancel_scope.cancel()
 
 
-async def _stop(process: anyio.abc.Process) -> None:
+async def _stop(process: anyio.abc.Process, started: int | None) -> None:
     """Close the server's stdin, give it :data:`EXIT_GRACE_S` to exit, then end its whole
     process group (SIGTERM, then SIGKILL after :data:`KILL_GRACE_S`): its children too,
-    whether it exited by itself or not."""
+    whether it exited by itself or not. ``started``: the server's start time
+    (:func:`_start_time`)."""
     if process.stdin is not None:
         with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
             await process.stdin.aclose()
     await _exited(process, EXIT_GRACE_S)
-    await _end_group(process)
+    await _end_group(process, started)
     if not await _exited(process, _REAP_S):
         log.warning("MCP server process still alive after SIGKILL", pid=process.pid)
     if process.stdout is not None:
@@ -296,23 +321,48 @@ async def _stop(process: anyio.abc.Process) -> None:
             close()
 
 
-async def _end_group(process: anyio.abc.Process) -> None:
+async def _end_group(process: anyio.abc.Process, started: int | None) -> None:
     """SIGTERM to the server's process group (its id is the server's: a session of its
     own), SIGKILL to what still runs of it after :data:`KILL_GRACE_S`, and wait (at most
-    :data:`_REAP_S`) until none of it runs."""
+    :data:`_REAP_S`) until none of it runs. Neither is sent once the server's number
+    leads another group (see :func:`_group_is_servers`)."""
     pgid = process.pid  # not getpgid(): it fails once the server is reaped, its group not
+    if not _group_is_servers(pgid, started):
+        return
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
         return  # none of it is left
     except PermissionError:
         pass  # some of it is not ours to signal: SIGKILL reaches what is
-    if await _group_ended(process, KILL_GRACE_S):
+    if await _group_ended(process, KILL_GRACE_S) or not _group_is_servers(pgid, started):
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
     if not await _group_ended(process, _REAP_S):
         log.warning("MCP server's process group still runs after SIGKILL", pgid=pgid)
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, from ``/proc``); None where
+    ``/proc`` does not tell, or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _group_is_servers(pgid: int, started: int | None) -> bool:
+    """Whether group ``pgid`` may be the server's (``started``: its start time), not one
+    led by a later process given the server's number once the server exited and was
+    reaped and the last of its group was gone: the number is not given again while a
+    process of the group runs, so a group under it is the server's unless a process
+    holds the number with another start time. True where that cannot be told."""
+    if started is None:
+        return True
+    now = _start_time(pgid)
+    return now is None or now == started
 
 
 async def _group_ended(process: anyio.abc.Process, timeout: float) -> bool:

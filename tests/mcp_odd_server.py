@@ -1,6 +1,7 @@
 """The test MCP server (tests/mcp_server.py) with tools that misbehave, over stdio: ``say``
 writes a line of its own to stdout in place of its answer (``{id}`` in it becomes the
-call's request id) and then waits, ``chatter`` writes lines that are no message and
+call's request id) and then waits, ``cut`` writes one with no line break and exits,
+``chatter`` writes lines that are no message and
 then answers, ``big`` answers with ``mb`` megabytes of text on one
 line, ``spawn`` starts a child process that runs until it is killed and answers its
 process id."""
@@ -28,11 +29,20 @@ async def say(line: str, ctx: Context) -> str:
 
 
 @server.tool()
-async def chatter(lines: list[str]) -> str:
-    """Write ``lines`` to stdout as they are (stray output: no message), then answer."""
+def cut(line: str, ctx: Context) -> str:
+    """Write ``line`` to stdout with no line break after it (``{id}``: this call's request
+    id), then exit: the server's last output, cut short or whole."""
+    os.write(_wire(), line.replace("{id}", ctx.request_id).encode())
+    os._exit(0)
+
+
+@server.tool()
+async def chatter(lines: list[str], ctx: Context) -> str:
+    """Write ``lines`` to stdout as they are (stray output: no message; ``{id}``: this
+    call's request id), then answer."""
     wire = _wire()
     for line in lines:
-        os.write(wire, (line + "\n").encode())
+        os.write(wire, (line.replace("{id}", ctx.request_id) + "\n").encode())
     return "answered"
 
 

@@ -12,6 +12,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aalis_agent.events.errors import ToolError
@@ -273,3 +274,120 @@ def test_a_child_that_ignores_sigterm_is_killed(
     children.append(child)
     client.close()
     assert not _alive(child)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_closing_signals_no_group_that_took_the_servers_number(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server that exited and was reaped (its children too) frees its process id, which
+    may be given again to a process leading a group of its own (another server, a
+    daemon): closing the connection later signals no such group. The reuse is stood in
+    for by pointing the server's process at such a process once the server is gone."""
+    import subprocess
+
+    import anyio
+    from aalis_agent.services import mcp_stdio
+
+    opened: list[Any] = []
+    open_process = anyio.open_process
+
+    async def recording(*args: Any, **kwargs: Any) -> Any:
+        process = await open_process(*args, **kwargs)
+        opened.append(process)
+        return process
+
+    monkeypatch.setattr(mcp_stdio.anyio, "open_process", recording)
+    monkeypatch.setattr(mcp_stdio, "EXIT_GRACE_S", 0.2)
+    monkeypatch.setattr(mcp_stdio, "KILL_GRACE_S", 0.2)
+    others: list[subprocess.Popen[bytes]] = []
+
+    async def main() -> None:
+        async with mcp_stdio.stdio_transport(
+            sys.executable,
+            ["-c", "import time; time.sleep(0.05)"],  # exits by itself
+            env=None,
+            cwd=None,
+            errlog=sys.stderr,
+            max_line_bytes=1000,
+        ):
+            (process,) = opened
+            with anyio.fail_after(10):
+                while process.returncode is None:  # exited and reaped
+                    await anyio.sleep(0.01)
+            other = subprocess.Popen(  # leads a group of its own, as a server does
+                [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+            )
+            others.append(other)
+            process._process.pid = other.pid  # the server's number, given to it
+
+    try:
+        anyio.run(main)
+        (other,) = others
+        assert other.poll() is None, "closing signalled a group that was not the server's"
+    finally:
+        for other in others:
+            other.kill()
+            other.wait()
+
+
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [
+        (
+            '{"jsonrpc": "2.0", "id": {id}, "result": {"content": [',
+            re.escape("""the server sent a line that is not JSON: '{"jsonrpc": "2.0", "id": """)
+            + r"\d+"
+            + re.escape(""", "result": {"content": ['"""),
+        ),
+        (
+            '{"jsonrpc": "2.0", "id": {id}, "result": 5}',
+            re.escape("the server sent a line that is not a valid JSON-RPC response (result:"),
+        ),
+    ],
+    ids=["cut-short", "result-not-an-object"],
+)
+def test_a_last_line_with_no_line_break_fails_the_call_it_names(line: str, said: str) -> None:
+    """A server that exits mid-line (killed while writing, or never ending its last
+    line): what it wrote is read as its last line, and an answer cut short fails the call
+    it names quoting it, as within the stream (not a bare "Connection closed")."""
+    with (
+        McpClient([odd_server()]) as client,
+        pytest.raises(ToolError, match=f"tool 'cut' failed: MCPError: {said}"),
+    ):
+        client.call("odd", "cut", {"line": line})
+
+
+def test_a_whole_last_answer_with_no_line_break_is_taken() -> None:
+    """A server whose last answer, whole, lacks its line break before it exits: the call
+    gets it."""
+    answer = (
+        '{"jsonrpc": "2.0", "id": {id}, "result": '
+        '{"content": [{"type": "text", "text": "last words"}], "isError": false, '
+        '"structuredContent": {"result": "last words"}, "resultType": "complete"}}'
+    )
+    with McpClient([odd_server()]) as client:
+        assert client.call("odd", "cut", {"line": answer}) == "last words"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"jsonrpc": "2.0", "method": "notifications/message", '
+        '"params": {"level": "info", "data": "' + "y" * 30_000 + '"}}',
+        # Requests of the server's own, under the call's id (each side numbers its own).
+        '{"jsonrpc":"2.0","id":{id},"method":"roots/list","params":{"x":"' + "z" * 30_000 + '"}}',
+        '{"jsonrpc":"2.0","id":{id},"method":"roots/list","params":{"x":"cut short',
+    ],
+    ids=["notification-past-the-limit", "request-past-the-limit", "request-cut-short"],
+)
+def test_a_line_of_the_servers_own_that_cannot_be_read_fails_no_call(line: str) -> None:
+    """A line past the limit, or cut short, that opens as a notification or a request of
+    the server's own (its opening names a ``method``, after the id or not) answers no call:
+    it is skipped, and the call under way is answered, on the same connection. (One whose
+    opening names no method may be an answer: it fails the call it names, or every call
+    waiting when it names none.)"""
+    with McpClient([odd_server(max_line_bytes=20_000)]) as client:
+        pid = client.call("odd", "pid", {})
+        assert client.call("odd", "chatter", {"lines": [line]}) == "answered"
+        assert client.call("odd", "pid", {}) == pid and client.reconnects == 0

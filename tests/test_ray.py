@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -536,3 +537,88 @@ def test_a_shard_whose_restarts_are_used_up_fails_a_submit_at_once(
         assert dead.value.reason.endswith("(after 1 restart(s))")
     finally:
         client.shutdown()
+
+
+class _DyingShard:
+    """A stand-in for a shard's actor whose submits fail ``failures`` times with
+    ``died``, then open; its Ray id is ``hex``."""
+
+    class _Id:
+        def __init__(self, hex_: str) -> None:
+            self._hex = hex_
+
+        def hex(self) -> str:
+            return self._hex
+
+    def __init__(self, died: BaseException, failures: int, hex_: str = "cd34") -> None:
+        self.died = died
+        self.failures = failures
+        self.sent: list[str] = []
+        self.submit = self  # shard.submit.remote(...)
+        self._actor_id = self._Id(hex_)
+
+    def remote(self, session_id: str, inp: Input) -> object:
+        self.sent.append(inp.id)
+        assert len(self.sent) < 10, "sent again and again"
+        if self.failures:
+            self.failures -= 1
+            raise self.died
+        return (inp.id, "opened")
+
+
+def _client_of(monkeypatch: pytest.MonkeyPatch, shard: object) -> Any:
+    from aalis_agent.scale import ray_shards
+
+    monkeypatch.setattr(ray_shards.ray, "get", lambda ref: ref)
+    monkeypatch.setattr(ray_shards.time, "sleep", lambda s: None)
+    client = object.__new__(ray_shards.ShardedRuntime)
+    client.shards = 1
+    client._dead = {}
+    client.actors = [shard]
+    return client
+
+
+def test_a_died_error_without_an_actor_id_is_checked_under_the_shards_own_id(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray's ``ActorDiedError`` may come without the actor's id (its cause unknown): the
+    GCS is asked about the shard the call was sent to, by that actor's id, and a shard it
+    lists as restarting is waited for, not declared dead for good."""
+    from aalis_agent.scale import ray_shards
+    from ray.exceptions import ActorDiedError
+
+    died = ActorDiedError()
+    assert died.actor_id is None
+    queried: list[str | None] = []
+
+    def actor_state(actor_id: str | None) -> dict[str, object] | None:
+        queried.append(actor_id)
+        return {"State": "RESTARTING"} if actor_id == "cd34" else None
+
+    monkeypatch.setattr(ray_shards, "_actor_state", actor_state)
+    shard = _DyingShard(died, failures=2)
+    client = _client_of(monkeypatch, shard)
+    handle = client.submit("room", Input(id="x", content="你好"), timeout=None)
+    assert (handle.input_id, handle.where) == ("x", "opened")
+    assert shard.sent == ["x", "x", "x"] and queried == ["cd34", "cd34"]
+
+
+def test_a_shard_not_confirmed_dead_is_not_remembered_dead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When the GCS cannot be asked, an ``ActorDiedError`` raises ShardDead (its type
+    decides) but the shard is not taken as dead for later calls: the next submit is sent
+    to it, and a shard that came back takes it."""
+    from aalis_agent.scale import ray_shards
+    from aalis_agent.scale.ray_shards import ShardDead
+    from ray.exceptions import ActorDiedError
+
+    monkeypatch.setattr(ray_shards, "_actor_state", lambda actor_id: None)
+    shard = _DyingShard(ActorDiedError(), failures=1)
+    client = _client_of(monkeypatch, shard)
+    with pytest.raises(ShardDead) as dead:
+        client.submit("room", Input(id="x", content="你好"), timeout=None)
+    assert dead.value.maybe_accepted
+    handle = client.submit("room", Input(id="x", content="你好"), timeout=None)
+    assert (handle.input_id, handle.where) == ("x", "opened")
+    assert shard.sent == ["x", "x"]

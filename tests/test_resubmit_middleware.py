@@ -465,3 +465,177 @@ def test_a_shard_runs_its_middleware_once_for_an_input_and_its_retries(
         assert counter == [100] and later.calls == 0
     finally:
         shard.shutdown()
+
+
+def _prefixing(counter: list[int]) -> Any:
+    """A middleware that rewrites every input's text the same way (a fixed prefix),
+    counting its calls."""
+
+    def prefix(ctx: InputBefore, next_: Any) -> Any:
+        counter[0] += 1
+        ctx.message = msgspec.structs.replace(ctx.message, content=f"[qq] {ctx.message.content}")
+        return next_()
+
+    return prefix
+
+
+def test_a_retry_of_an_input_rewritten_before_digests_were_recorded_is_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log written before ``InputReceived.sent_digest`` holds what a rewriting middleware
+    made of an input, and nothing of what its submitter sent. A retry of it is not refused
+    as another input: it goes through the hooks again, as it did when that log was
+    written, and a middleware rewriting the same way makes it the input received."""
+    path = tmp_path / "agent.db"
+    counter = [0]
+    hooks = Hooks()
+    hooks.use("agent:input:before", _prefixing(counter))
+    import aalis_agent.actors.runtime as runtime_module
+
+    with monkeypatch.context() as old:  # as written then: no digest of the input as sent
+        old.setattr(runtime_module, "unchanged", lambda sent, recorded: True)
+        rt = _runtime(SqliteEventStore(path), Gate(), hooks)
+        try:
+            first = rt.run(SID, Input(id="x", content="你好"))
+        finally:
+            rt.shutdown(timeout=10)
+            rt.store.close()
+    (received,) = _received(SqliteEventStore(path), "x")
+    assert received.input.content == "[qq] 你好" and received.sent_digest is None
+
+    later = Gate()
+    rt = _runtime(SqliteEventStore(path), later, hooks)
+    try:
+        assert _again(rt, Input(id="x", content="你好")) == first
+        with pytest.raises(InvalidInput, match="input id 'x' was used by another input"):
+            rt.submit(SID, Input(id="x", content="别的话"))
+        assert later.calls == 0
+    finally:
+        rt.shutdown(timeout=10)
+        rt.store.close()
+
+
+def test_a_retry_of_a_waiting_input_received_without_its_digest_follows_it(
+    runtime: Runtime, gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for an input still waiting (received by a process that recorded no digest
+    of it as sent): its retry follows it, it is not refused as another input."""
+    counter = [0]
+    runtime.hooks.use("agent:input:before", _prefixing(counter))
+    import aalis_agent.actors.runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "unchanged", lambda sent, recorded: True)
+    gate.go.clear()
+    busy = runtime.submit(SID, Input(id="busy", content="占着"))
+    assert gate.called.wait(10)
+    waiting = runtime.submit(SID, Input(id="x", content="你好"))
+    again = runtime.submit(SID, Input(id="x", content="你好"))
+    assert again.where == waiting.where
+    gate.go.set()
+    busy.result(10)
+    assert again.result(10) == waiting.result(10)
+    assert len(_received(runtime.store, "x")) == 1
+
+
+def test_an_input_sent_again_while_its_first_send_is_in_the_hooks_waits_for_it(
+    runtime: Runtime, gate: Gate
+) -> None:
+    """A gateway delivering an input twice while the first delivery is still inside a slow
+    middleware (a billing or rate-limit service): the second waits for the first to reach
+    its session, then follows it as a retry; the middleware sees the input once."""
+    from tests.faults import wait_until
+
+    calls: list[str] = []
+    first_in, go = threading.Event(), threading.Event()
+
+    def slow(ctx: InputBefore, next_: Any) -> Any:
+        calls.append(ctx.message.id)
+        if len(calls) == 1:
+            first_in.set()
+            assert go.wait(10)
+        return next_()
+
+    runtime.hooks.use("agent:input:before", slow)
+    handles: dict[str, Any] = {}
+
+    def send(name: str) -> None:
+        handles[name] = runtime.submit(SID, Input(id="x", content="你好"))
+
+    first = threading.Thread(target=send, args=("first",))
+    first.start()
+    assert first_in.wait(10)
+    second = threading.Thread(target=send, args=("second",))
+    second.start()
+
+    def second_is_waiting() -> bool:  # in the runtime, or (before) in the middleware
+        held = getattr(runtime, "_in_hooks", {}).get((SID, "x"))
+        return len(calls) > 1 or (held is not None and held.waiting > 0)
+
+    assert wait_until(second_is_waiting, 10)
+    go.set()
+    first.join(10)
+    second.join(10)
+    assert calls == ["x"]
+    assert handles["second"].result(10) == handles["first"].result(10)
+    assert len(_received(runtime.store, "x")) == 1 and gate.calls == 1
+
+
+def test_an_input_sent_again_from_its_own_middleware_does_not_wait_for_itself(
+    runtime: Runtime, gate: Gate
+) -> None:
+    """A middleware that submits the input it was given again (on its own thread) is not
+    made to wait for that input's hooks, which wait for it: the hooks run for the inner
+    send too, as for any send the session has not received."""
+    calls: list[str] = []
+    inner: list[Any] = []
+
+    def again(ctx: InputBefore, next_: Any) -> Any:
+        calls.append(ctx.message.id)
+        if len(calls) == 1:
+            inner.append(runtime.submit(SID, Input(id="x", content="你好")))
+        return next_()
+
+    runtime.hooks.use("agent:input:before", again)
+    outer = runtime.submit(SID, Input(id="x", content="你好"))
+    assert calls == ["x", "x"]
+    assert outer.result(10) == inner[0].result(10)
+    assert len(_received(runtime.store, "x")) == 1
+
+
+def test_a_middleware_waiting_for_another_thread_sending_its_input_is_not_stuck() -> None:
+    """A middleware that hands the input it was given to another thread, which sends it
+    again, and waits for that send: the other send waits for the first at most the
+    runtime's ``ask_timeout_s``, then goes through the hooks itself (as any send the
+    session has not received), rather than both waiting for each other for good."""
+    gate, calls = Gate(), []
+    hooks = Hooks()
+    rt = Runtime(
+        InMemoryEventStore(),
+        Services(llm=gate.model),
+        FixedClock(),
+        SequentialIds(),
+        hooks=hooks,
+        janitor=False,
+        ask_timeout_s=0.2,
+    )
+    inner: list[Any] = []
+
+    def hand_over(ctx: InputBefore, next_: Any) -> Any:
+        calls.append(ctx.message.id)
+        if len(calls) == 1:
+            other = threading.Thread(
+                target=lambda: inner.append(rt.submit(SID, Input(id="x", content="你好")))
+            )
+            other.start()
+            other.join(10)
+            assert not other.is_alive(), "the other send waits for this one, which waits for it"
+        return next_()
+
+    hooks.use("agent:input:before", hand_over)
+    try:
+        outer = rt.submit(SID, Input(id="x", content="你好"))
+        assert calls == ["x", "x"]
+        assert outer.result(10) == inner[0].result(10)
+        assert len(_received(rt.store, "x")) == 1
+    finally:
+        rt.shutdown(timeout=10)
