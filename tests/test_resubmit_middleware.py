@@ -35,31 +35,13 @@ from aalis_agent.events import (
     SqliteEventStore,
 )
 from aalis_agent.events.store import EventStore
-from aalis_agent.services import ChatRequest, ScriptedModel, ScriptedReply, Services
+from aalis_agent.services import Services
 
 from tests.faults import RunIds
 from tests.pg import pg_cluster, pg_url  # noqa: F401 -- the fixtures (skip without a server)
+from tests.test_resubmit import Gate
 
 SID = "qq:private:7"
-
-
-class Gate:
-    """A model whose calls wait for ``go`` (set by default), counting them."""
-
-    def __init__(self) -> None:
-        self.go = threading.Event()
-        self.go.set()
-        self.called = threading.Event()
-        self.model = ScriptedModel(self._reply)
-
-    def _reply(self, request: ChatRequest, n: int) -> ScriptedReply:
-        self.called.set()
-        assert self.go.wait(10)
-        return ScriptedReply(text=f"答{n}")
-
-    @property
-    def calls(self) -> int:
-        return self.model.calls
 
 
 class Seen:
