@@ -53,6 +53,7 @@ what is wrong; nothing is half-loaded. The layout, with every table optional::
     env = { LOG_LEVEL = "warning" }
     group = "files"             # the tool group its tools join (default: the server's name)
     timeoutMs = 60000           # a tool call's limit; startupTimeoutMs limits connecting
+    maxLineBytes = 16777216     # a stdio server's longest line (one message) read
     [mcp.search]
     url = "http://127.0.0.1:8000/mcp"   # or streamable HTTP: url (and headers)
     toolPrefix = "search_"      # prepended to its tool names (default: none)
@@ -78,7 +79,7 @@ from aalis_agent.services import shapes
 from aalis_agent.services.config import AgentConfig
 from aalis_agent.services.files import read_text_file
 from aalis_agent.services.llm import ChatModel, ScriptedModel, ScriptedReply, ThinkLevel
-from aalis_agent.services.mcp import McpServer
+from aalis_agent.services.mcp import DEFAULT_MAX_LINE_BYTES, McpServer
 from aalis_agent.services.models import LlmService, Provider, parse_model_ref
 from aalis_agent.services.outbound import StaticPersonas
 from aalis_agent.services.settings import (
@@ -91,6 +92,9 @@ from aalis_agent.services.settings import (
 )
 from aalis_agent.services.shapes import bare, info_at, value_at
 from msgspec import Meta
+
+MAX_LINE_BYTES = 1 << 30
+"""The most ``maxLineBytes`` an MCP server may be given: a line is held whole while it is read."""
 
 if TYPE_CHECKING:
     from aalis_agent.services import Services
@@ -176,6 +180,7 @@ class _Mcp(_Spec):
     tool_prefix: str = ""
     timeout_ms: Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_MS)] = 60_000
     startup_timeout_ms: Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_MS)] = 30_000
+    max_line_bytes: Annotated[int, Meta(ge=1, le=MAX_LINE_BYTES)] = DEFAULT_MAX_LINE_BYTES
 
 
 class _Layers(_Spec):
@@ -566,6 +571,7 @@ def _mcp_servers(r: _Reader, table: dict[str, Any]) -> tuple[McpServer, ...]:
                 prefix=m.tool_prefix,
                 timeout_s=m.timeout_ms / 1000,
                 startup_timeout_s=m.startup_timeout_ms / 1000,
+                max_line_bytes=m.max_line_bytes,
             )
         )
     return tuple(servers)

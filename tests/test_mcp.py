@@ -27,7 +27,7 @@ from aalis_agent.events import (
     ToolCall,
     ToolFinished,
 )
-from aalis_agent.events.errors import Aborted, ToolError
+from aalis_agent.events.errors import Aborted, ConfigError, ToolError
 from aalis_agent.services import (
     AbortSignal,
     ScriptedModel,
@@ -38,7 +38,7 @@ from aalis_agent.services import (
 )
 from aalis_agent.services import mcp as mcp_module
 from aalis_agent.services.config_file import parse_config
-from aalis_agent.services.mcp import McpClient, McpError, McpServer
+from aalis_agent.services.mcp import DEFAULT_MAX_LINE_BYTES, McpClient, McpError, McpServer
 from aalis_agent.services.typed_tools import run_awaitable
 
 pytest.importorskip("mcp")
@@ -527,6 +527,16 @@ def test_the_config_file_declares_servers() -> None:
         "math",
     )
     assert (web.url, web.tool_group, web.timeout_s) == ("http://127.0.0.1:1/mcp", "web", 5.0)
+    assert calc.max_line_bytes == DEFAULT_MAX_LINE_BYTES
+
+
+def test_the_config_file_sets_a_servers_line_limit_within_bounds() -> None:
+    calc = {"command": sys.executable, "args": [SERVER]}
+    (server,) = parse_config({"mcp": {"calc": {**calc, "maxLineBytes": 1_000_000}}}).mcp
+    assert server.max_line_bytes == 1_000_000
+    for bad in (0, -5, 1 << 31, "16MiB", 1.5, True):
+        with pytest.raises(ConfigError, match=r"mcp\.calc\.maxLineBytes"):
+            parse_config({"mcp": {"calc": {**calc, "maxLineBytes": bad}}})
 
 
 @pytest.fixture
