@@ -70,7 +70,7 @@ from aalis_agent.events import (
     SessionEvent,
     TurnRecorded,
 )
-from aalis_agent.events.errors import RunError
+from aalis_agent.events.errors import RunError, RuntimeClosed
 from aalis_agent.events.postgres import PostgresEventStore
 from aalis_agent.scale.leases import PostgresLeases
 from aalis_agent.scale.ownership import ShardOwnership, shard_of
@@ -377,17 +377,28 @@ class ShardedRuntime:
         # Shards found dead for good: index -> (that actor, Ray's reason). DEAD is final
         # in Ray, so later calls to the same actor are refused without being sent.
         self._dead: dict[int, tuple[Any, str]] = {}
+        self._closed = False  # shut down: every call is refused (RuntimeClosed)
 
     def shard(self, session_id: str) -> Any:
         """The Ray actor that runs ``session_id``."""
         return self.actors[shard_of(session_id, self.shards)]
 
     def info(self) -> list[dict[str, Any]]:
+        self._refuse_if_closed("info")
         return list(ray.get([a.info.remote() for a in self.actors]))
+
+    def _refuse_if_closed(self, asking: str) -> None:
+        if self._closed:
+            raise RuntimeClosed(
+                f"the sharded runtime is shut down (its shards were stopped): {asking} "
+                "needs a new ShardedRuntime"
+            )
 
     def _live_shard(self, session_id: str, input_id: str, asking: str) -> tuple[int, Any]:
         """The index and actor of the session's shard; ShardDead when that actor was
-        found dead for good before (nothing is sent to it)."""
+        found dead for good before (nothing is sent to it); RuntimeClosed once
+        :meth:`shutdown` was called."""
+        self._refuse_if_closed(asking)
         index = shard_of(session_id, self.shards)
         actor = self.actors[index]
         dead = self._dead.get(index)
@@ -505,10 +516,14 @@ class ShardedRuntime:
                 raise TimeoutError(f"input {input_id!r} of {session_id!r}: no outcome yet")
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
+        self._refuse_if_closed("wait_idle")
         return all(ray.get([a.wait_idle.remote(timeout) for a in self.actors]))
 
     def shutdown(self) -> None:
-        """Shut every shard's runtime down (releasing its leases), then the actors."""
+        """Shut every shard's runtime down (releasing its leases), then the actors. Calls
+        after it raise :class:`RuntimeClosed` (not :class:`ShardDead`: the shards were
+        stopped, not lost)."""
+        self._closed = True
         for actor in self.actors:
             with contextlib.suppress(Exception):  # a dead shard's leases expire by themselves
                 ray.get(actor.shutdown.remote(), timeout=60)

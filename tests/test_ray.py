@@ -252,7 +252,7 @@ def test_the_client_sends_an_input_again_when_its_shard_is_lost(
     monkeypatch.setattr(ray_shards.time, "sleep", lambda s: None)
     client = object.__new__(ray_shards.ShardedRuntime)
     client.shards = 1
-    client._dead = {}
+    client._dead, client._closed = {}, False
     client.actors = [Shard(failures=3)]
     handle = client.submit("room", Input(id="", content="你好"))
     assert handle.where == "opened" and handle.input_id.startswith("in-")
@@ -265,6 +265,47 @@ def test_the_client_sends_an_input_again_when_its_shard_is_lost(
     client.actors = [Shard(failures=10**6)]
     with pytest.raises(RayActorError):
         client.submit("room", Input(id="y", content="一直失败"), timeout=0)
+
+
+def test_calls_after_shutdown_are_refused_as_closed_not_as_a_dead_shard(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After ``shutdown()`` the client's calls raise RuntimeClosed, sending nothing (its
+    shards were stopped on purpose: ShardDead would send the caller to a new placement of
+    a runtime it shut down itself). (A stand-in for the actor.)"""
+    from aalis_agent.events.errors import RuntimeClosed
+    from aalis_agent.scale import ray_shards
+
+    sent: list[str] = []
+
+    class Shard:
+        def __init__(self) -> None:
+            self.submit = self.outcome = self.shutdown = self.info = self.wait_idle = self
+
+        def remote(self, *args: object) -> object:
+            sent.append(type(args[1]).__name__ if len(args) > 1 else "call")
+            return None
+
+    monkeypatch.setattr(ray_shards.ray, "get", lambda ref, timeout=None: ref)
+    monkeypatch.setattr(ray_shards.ray, "kill", lambda actor, no_restart=True: None)
+    client = object.__new__(ray_shards.ShardedRuntime)
+    client.shards = 1
+    client._dead, client._closed = {}, False
+    client.actors = [Shard()]
+    client.shutdown()
+    sent.clear()
+    calls = [
+        lambda: client.submit("room", Input(id="x", content="你好")),
+        lambda: client.outcome("room", "x", timeout=0),
+        lambda: asyncio.run(client.asubmit("room", Input(id="x", content="你好"))),
+        lambda: asyncio.run(client.aoutcome("room", "x", timeout=0)),
+        client.info,
+        client.wait_idle,
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeClosed, match="the sharded runtime is shut down"):
+            call()
+    assert sent == []
 
 
 def test_an_input_sent_again_through_the_client_runs_once_and_answers_alike(
@@ -346,7 +387,7 @@ def test_a_died_error_is_retried_only_while_the_gcs_lists_the_shard_restarting(
     monkeypatch.setattr(ray_shards.time, "sleep", lambda s: None)
     client = object.__new__(ray_shards.ShardedRuntime)
     client.shards = 1
-    client._dead = {}
+    client._dead, client._closed = {}, False
     client.actors = [Shard()]
     with pytest.raises(ShardDead) as dead:
         client.submit("room", Input(id="x", content="你好"), timeout=None)
@@ -573,7 +614,7 @@ def _client_of(monkeypatch: pytest.MonkeyPatch, shard: object) -> Any:
     monkeypatch.setattr(ray_shards.time, "sleep", lambda s: None)
     client = object.__new__(ray_shards.ShardedRuntime)
     client.shards = 1
-    client._dead = {}
+    client._dead, client._closed = {}, False
     client.actors = [shard]
     return client
 
