@@ -240,6 +240,7 @@ def test_another_input_under_a_used_id_is_refused_without_the_middleware(
         runtime.submit(SID, Input(id="w", content="别的话"))
     assert counter[0] == 3
     gate.go.set()
+    assert runtime.wait_idle(10)  # the turns let go end first: _again compares the log
     assert _again(runtime, Input(id="x", content="你好")) == first
 
 
