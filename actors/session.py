@@ -964,14 +964,19 @@ class SessionActor(pykka.ThreadingActor):
                 done.set_exception(exc)
             return None
 
-    def _on_submit(self, msg: Submit) -> str | None:
+    def _on_submit(self, msg: Submit) -> str | Future[str] | None:
         if msg.retry and (self._winding_down or msg.generation > self.view.queue.generation):
             return None  # its submitter runs the input hooks, then submits it as new
         if self._winding_down or msg.generation > self.view.queue.generation:
             # Handled once the deletion or clear is done (or, for an input of the
             # generation a deletion still on its way here raised, once that deletion is);
             # its submitter waits for that (``handed_on``): nothing is acknowledged
-            # before it is in the log.
+            # before it is in the log. A submit that came without that future (the
+            # runtime's: most inputs are never deferred) is answered with it, made now.
+            if msg.handed_on is None:
+                msg = msgspec.structs.replace(msg, handed_on=Future())
+                self._deferred.append(msg)
+                return msg.handed_on
             self._deferred.append(msg)
             return "deferred"
         input_id = msg.input.id
@@ -1277,7 +1282,9 @@ class SessionActor(pykka.ThreadingActor):
                 continue
             try:
                 where = self._on_submit(submit)
-                assert where is not None  # a retry is never deferred (see _on_submit)
+                # A retry is never deferred, and a held-back submit has its future (see
+                # _on_submit): where it went, or "deferred" again.
+                assert isinstance(where, str)
                 if where == "deferred":
                     continue  # for a later deletion still on its way: held again
             except Exception as exc:
