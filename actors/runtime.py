@@ -748,7 +748,6 @@ class Runtime:
                 generation = arrived_in if arrived_in is not None else entry.generation
                 if attempt == 1:  # a deletion the stopped actor did not write did not happen
                     generation = min(generation, entry.generation)
-            handed_on: Future[str] = Future()
             try:  # on this thread, under the actor's lock: no hop to its mailbox
                 if assigned is not None:
                     # An id source may restart (SequentialIds after a restart): an id
@@ -762,7 +761,6 @@ class Runtime:
                         generation,
                         done,
                         here=here,
-                        handed_on=handed_on,
                         assigned=assigned is not None,
                         sent=sent,
                         retry=retry,
@@ -778,6 +776,11 @@ class Runtime:
             finally:
                 with self._lock:
                     entry.calling -= 1
+            # Held back (a deletion or clear winds down): answered with the future that
+            # says where it went once handed on (made then: most inputs never wait so).
+            handed_on: Future[str] | None = None
+            if isinstance(where, Future):
+                handed_on, where = where, "deferred"
             if where is None:
                 # Sent as a retry, but the session does not know the id (forgotten
                 # meanwhile, or a deletion or clear winds down): a new input, which goes
@@ -788,7 +791,7 @@ class Runtime:
                     return before, None
                 inp, assigned, sent = before
                 continue
-            if where == "deferred" and wait_deferred and not in_a_turn():
+            if handed_on is not None and wait_deferred and not in_a_turn():
                 # A deletion or clear is winding down: the input is handed on once it
                 # is done, and only then durable. Waited for with the gate open (the
                 # turn winding down needs it). Not from inside a turn (a tool, its

@@ -262,6 +262,7 @@ class SessionActor(pykka.ThreadingActor):
         self._lock = threading.Lock()  # held while any message is handled (see call)
         self._holder: int | None = None  # the thread handling a message now
         self._ready = threading.Event()  # on_start has run: calls may be handled
+        self._recovered = False  # _ready is set (a plain read: calls check it first)
         self._closed = False  # passivated or stopped: calls are refused (ActorDeadError)
         # The mailbox thread: None until a message is put in the mailbox; False once the
         # actor stopped without one (it never starts then).
@@ -413,8 +414,8 @@ class SessionActor(pykka.ThreadingActor):
         callers = self._callers
         callers.append(None)
         try:
-            ready = self._ready  # set once recovered: read it without its lock first
-            acquired = (ready.is_set() or ready.wait(timeout)) and self._lock.acquire(
+            # Recovered (as a rule): no wait for it, read without its lock first.
+            acquired = (self._recovered or self._ready.wait(timeout)) and self._lock.acquire(
                 timeout=-1 if timeout is None else timeout
             )
         finally:
@@ -456,6 +457,7 @@ class SessionActor(pykka.ThreadingActor):
             raise
         finally:
             self._ready.set()
+            self._recovered = True
 
     def on_stop(self) -> None:
         with self._lock:
@@ -922,21 +924,27 @@ class SessionActor(pykka.ThreadingActor):
 
     def _receive(self, message: Any) -> Any:
         self.fresh = False
+        kind = type(message)
+        # Whether it is told and whether it is activity: looked up for a known type.
+        flags = _FLAGS.get(kind)
+        if flags is None:  # another type (a subclass): checked as such
+            flags = (isinstance(message, _TOLD), not isinstance(message, _UNTIMED))
+        told, timed = flags
         if self._failed is not None:
             # Fenced after a failed write: nothing more happens here. Asks get the error;
             # told messages with a future get it there.
-            if not isinstance(message, _TOLD):
+            if not told:
                 raise self._failed
             done = getattr(message, "done", None)
             if isinstance(done, Future) and not done.done():
                 done.set_exception(self._failed)
             return None
-        if not isinstance(message, _UNTIMED):
+        if timed:
             self._last_activity = time.monotonic()
-        handler = self._HANDLERS.get(type(message))
+        handler = self._HANDLERS.get(kind)
         if handler is None:
             raise TypeError(f"SessionActor: unknown message {type(message).__name__}")
-        if not isinstance(message, _TOLD):
+        if not told:
             return handler(self, message)  # an ask: the caller gets the exception
         try:
             return handler(self, message)
@@ -956,14 +964,19 @@ class SessionActor(pykka.ThreadingActor):
                 done.set_exception(exc)
             return None
 
-    def _on_submit(self, msg: Submit) -> str | None:
+    def _on_submit(self, msg: Submit) -> str | Future[str] | None:
         if msg.retry and (self._winding_down or msg.generation > self.view.queue.generation):
             return None  # its submitter runs the input hooks, then submits it as new
         if self._winding_down or msg.generation > self.view.queue.generation:
             # Handled once the deletion or clear is done (or, for an input of the
             # generation a deletion still on its way here raised, once that deletion is);
             # its submitter waits for that (``handed_on``): nothing is acknowledged
-            # before it is in the log.
+            # before it is in the log. A submit that came without that future (the
+            # runtime's: most inputs are never deferred) is answered with it, made now.
+            if msg.handed_on is None:
+                msg = msgspec.structs.replace(msg, handed_on=Future())
+                self._deferred.append(msg)
+                return msg.handed_on
             self._deferred.append(msg)
             return "deferred"
         input_id = msg.input.id
@@ -1269,7 +1282,9 @@ class SessionActor(pykka.ThreadingActor):
                 continue
             try:
                 where = self._on_submit(submit)
-                assert where is not None  # a retry is never deferred (see _on_submit)
+                # A retry is never deferred, and a held-back submit has its future (see
+                # _on_submit): where it went, or "deferred" again.
+                assert isinstance(where, str)
                 if where == "deferred":
                     continue  # for a later deletion still on its way: held again
             except Exception as exc:
@@ -1357,3 +1372,12 @@ class SessionActor(pykka.ThreadingActor):
         Ping: _on_ping,
         GetView: _on_get_view,
     }
+
+
+_FLAGS: dict[type, tuple[bool, bool]] = {
+    kind: (issubclass(kind, _TOLD), not issubclass(kind, _UNTIMED))
+    for kind in SessionActor._HANDLERS
+}
+"""By message type: whether it is told (``_TOLD``), and whether it counts as the
+session's activity (not ``_UNTIMED``), as ``isinstance`` says of a message of that
+type (one of another type is checked with ``isinstance`` itself)."""
