@@ -39,7 +39,7 @@ from aalis_agent.services import Services
 
 from tests.faults import RunIds
 from tests.pg import pg_cluster, pg_url  # noqa: F401 -- the fixtures (skip without a server)
-from tests.test_resubmit import Gate
+from tests.test_resubmit import Gate, _again
 
 SID = "qq:private:7"
 
@@ -81,16 +81,6 @@ def runtime(gate: Gate) -> Iterator[Runtime]:
 
 def _received(store: EventStore, input_id: str) -> list[InputReceived]:
     return [e for e in store.read(SID) if isinstance(e, InputReceived) and e.input.id == input_id]
-
-
-def _again(rt: Runtime, inp: Input) -> Any:
-    """Send ``inp`` again after its turn ended: answered at once, nothing written."""
-    before = rt.store.read(SID)
-    handle = rt.submit(SID, inp)
-    assert handle.where == "handled"
-    assert handle.done()
-    assert rt.store.read(SID) == before
-    return handle.result(0)
 
 
 def _stamping(counter: list[int]) -> Any:
