@@ -323,11 +323,18 @@ class InputJoined(Event, frozen=True, tag="input_joined"):
 
 
 class InputReleased(Event, frozen=True, tag="input_released"):
-    """The input left without entering a turn (SCH6, DEL1-DEL2)."""
+    """The input left without entering a turn (SCH6, DEL1-DEL2).
+
+    Released for a deletion or a clear of the context (``reason`` ``delete``, ``clear``),
+    it begins that deletion or clear in the log: ``SessionDeleted`` (``ContextCleared``)
+    follows once the running turn has settled, and recovery writes it when a crash came
+    between the two. ``kinds``: a clear's kinds (what its ``ContextCleared`` records);
+    empty otherwise."""
 
     input_id: str
     reason: ReleaseReason
     archived: bool = False
+    kinds: tuple[str, ...] = ()
 
 
 class InputRequeued(Event, frozen=True, tag="input_requeued"):
@@ -409,11 +416,15 @@ class UsageRecorded(Event, frozen=True, tag="usage_recorded"):
 
 
 class StopRequested(Event, frozen=True, tag="stop_requested"):
-    """Someone asked the running turn to stop; ``by`` is who, when anyone (SCH6)."""
+    """Someone asked the running turn to stop; ``by`` is who, when anyone (SCH6).
+
+    With ``reason`` ``delete`` or ``clear`` it begins a deletion or a clear of the
+    context, as an :class:`InputReleased` for one does; ``kinds``: that clear's kinds."""
 
     turn_id: str
     by: str | None = None
     reason: str = "stop"
+    kinds: tuple[str, ...] = ()
 
 
 class StopMarkerSaved(Event, frozen=True, tag="stop_marker_saved"):

@@ -2,13 +2,15 @@
 
 An input is *queued* (it waits for a later turn, SCH3) or *pending* (it waits to join the
 running turn at its next insertion point, SCH2) until it joins a turn or is released.
-The state also knows the running turn, as far as scheduling needs it, and the session
-generation that deletion bumps (DEL2).
+The state also knows the running turn, as far as scheduling needs it, the session
+generation that deletion bumps (DEL2), and a deletion or clear begun in the log and not
+yet written as done (``winding_down``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Literal
 
 import msgspec
 from aalis_agent.events.schema import (
@@ -43,11 +45,13 @@ __all__ = [
     "QueueState",
     "RunningTurn",
     "Waiting",
+    "WindDown",
     "evolve",
     "has_open_work",
     "head",
     "project",
     "waiting",
+    "wound_down",
 ]
 
 
@@ -90,6 +94,31 @@ class RunningTurn(msgspec.Struct, frozen=True):
         return tuple(w for w in self.joined if w.input.id not in self.carried)
 
 
+class WindDown(msgspec.Struct, frozen=True):
+    """A deletion (``kind`` ``delete``) or a clear of the context (``clear``, its
+    ``kinds``) that the log shows begun, by its release of the waiting inputs or its stop
+    of the running turn, and not done: no ``SessionDeleted`` (no ``ContextCleared`` of
+    the context) after it. The two are separate commits (the turn settles in between);
+    a crash between them leaves this, and recovery writes the rest (DEL1)."""
+
+    kind: Literal["delete", "clear"]
+    kinds: tuple[str, ...] = ()
+
+
+_WIND_REASONS = frozenset({"delete", "clear"})
+
+
+def wound_down(current: WindDown | None, reason: str, kinds: tuple[str, ...]) -> WindDown | None:
+    """The deletion or clear begun after an event released an input or stopped the turn
+    for ``reason``: a deletion or clear now begun, unless one already was (a deletion
+    takes the place of a clear: it clears the history too)."""
+    if reason not in _WIND_REASONS:
+        return current
+    if current is None or (reason == "delete" and current.kind == "clear"):
+        return WindDown("delete" if reason == "delete" else "clear", kinds)
+    return current
+
+
 class QueueState(msgspec.Struct, frozen=True):
     """Queued and pending inputs in the order they were placed, the running turn and the
     generation.
@@ -105,6 +134,7 @@ class QueueState(msgspec.Struct, frozen=True):
     pending: Chain[Waiting] = msgspec.field(default_factory=Chain)
     running: RunningTurn | None = None
     to_archive: tuple[Waiting, ...] = ()  # released with archived=True, not yet archived
+    winding_down: WindDown | None = None  # a deletion or clear begun, not yet done
 
 
 def _without(items: tuple[Waiting, ...], input_id: str) -> tuple[Waiting, ...]:
@@ -197,6 +227,9 @@ def _on_call_started(state: QueueState, event: ModelCallStarted) -> QueueState:
 
 
 def _on_released(state: QueueState, event: InputReleased) -> QueueState:
+    wind = wound_down(state.winding_down, event.reason, event.kinds)
+    if wind is not state.winding_down:
+        state = replace(state, winding_down=wind)
     state, taken = _take(state, event.input_id)
     if taken is None or not event.archived:
         return state
@@ -240,7 +273,8 @@ def _on_stop(state: QueueState, event: StopRequested) -> QueueState:
     running = state.running
     if running is None or running.turn_id != event.turn_id:
         return state
-    return replace(state, running=replace(running, stop_requested=True))
+    wind = wound_down(state.winding_down, event.reason, event.kinds)
+    return replace(state, running=replace(running, stop_requested=True), winding_down=wind)
 
 
 def _on_recorded(state: QueueState, event: TurnRecorded) -> QueueState:
@@ -251,7 +285,14 @@ def _on_recorded(state: QueueState, event: TurnRecorded) -> QueueState:
 
 
 def _on_deleted(state: QueueState, event: SessionDeleted) -> QueueState:
-    return replace(state, generation=event.generation)
+    return replace(state, generation=event.generation, winding_down=None)
+
+
+def _on_cleared(state: QueueState, event: ContextCleared) -> QueueState:
+    wind = state.winding_down
+    if wind is None or wind.kind != "clear" or (event.kinds and "context" not in event.kinds):
+        return state  # a clear of other kinds leaves the context's clear to come
+    return replace(state, winding_down=None)
 
 
 HANDLERS: dict[type, Handler[QueueState]] = {
@@ -268,13 +309,13 @@ HANDLERS: dict[type, Handler[QueueState]] = {
     StopRequested: _on_stop,
     TurnRecorded: _on_recorded,
     SessionDeleted: _on_deleted,
+    ContextCleared: _on_cleared,
     **dict.fromkeys(
         (
             ToolStarted,
             ToolFinished,
             UsageRecorded,
             StopMarkerSaved,
-            ContextCleared,
             SettingsChanged,
         ),
         keep,
@@ -312,5 +353,12 @@ def head(state: QueueState) -> Waiting | None:
 
 def has_open_work(state: QueueState) -> bool:
     """Whether the session has unfinished work: a running turn, inputs accepted but not
-    yet decided, or inputs queued or pending. A restart must resume such a session."""
-    return bool(state.running is not None or state.arrived or state.queued or state.pending)
+    yet decided, inputs queued or pending, or a deletion or clear begun and not done. A
+    restart must resume such a session."""
+    return bool(
+        state.running is not None
+        or state.arrived
+        or state.queued
+        or state.pending
+        or state.winding_down is not None
+    )

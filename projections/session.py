@@ -18,7 +18,14 @@ from aalis_agent.projections import history, queue, turns
 from aalis_agent.projections._dispatch import EVENT_TYPES, keep
 from aalis_agent.projections.chain import Chain
 from aalis_agent.projections.history import COMPACTION_KIND, HistoryState
-from aalis_agent.projections.queue import QueueState, RunningTurn, Waiting, _without
+from aalis_agent.projections.queue import (
+    QueueState,
+    RunningTurn,
+    Waiting,
+    WindDown,
+    _without,
+    wound_down,
+)
 from aalis_agent.projections.turns import TurnLog, TurnsState
 from msgspec.structs import replace
 
@@ -87,7 +94,7 @@ _STEPS: dict[tuple[object, object, object, bool], int] = {
     (keep, keep, keep, False): _KEEP,
     (keep, turns._on_turn_event, queue._on_stop, False): _STOP,
     (history._on_stop_marker, turns._on_turn_event, keep, False): _MARKER,
-    (history._on_cleared, keep, keep, False): _CLEARED,
+    (history._on_cleared, keep, queue._on_cleared, False): _CLEARED,
     (history._on_deleted, keep, queue._on_deleted, True): _DELETED,
     (keep, keep, keep, True): _SETTINGS,
     (keep, turns._on_turn_event, queue._on_joined, False): _JOINED,
@@ -241,6 +248,7 @@ _QueueFields = tuple[
     tuple[Waiting, ...],
     frozenset[str],
     bool,
+    WindDown | None,
 ]
 
 
@@ -263,6 +271,7 @@ def _queue_fields(q: QueueState) -> _QueueFields:
             (),
             _NO_CARRIED,
             False,
+            q.winding_down,
         )
     return (
         q.generation,
@@ -278,6 +287,7 @@ def _queue_fields(q: QueueState) -> _QueueFields:
         r.joined,
         r.carried,
         r.reply_saved,
+        q.winding_down,
     )
 
 
@@ -344,6 +354,7 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
         r_joined,
         r_carried,
         r_reply,
+        wind,
     ) = _queue_fields(view.queue)
     # Gathered as a run of inputs joins (a turn's insertion point may take thousands, a
     # turn opened from the queue as many): inputs carried and joined since ``r_carried``
@@ -496,6 +507,12 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                 # ``to_archive`` when archived. Else by the queue's handler.
                 code = _QUEUE_CALL
                 input_id = event.input_id  # type: ignore[union-attr]
+                reason = event.reason  # type: ignore[union-attr]
+                if reason == "delete" or reason == "clear":  # a deletion or clear begun
+                    begun = wound_down(wind, reason, event.kinds)  # type: ignore[union-attr]
+                    if begun is not wind:
+                        wind = begun
+                        q_obj = None
                 if all(w.input.id != input_id for w in arrived):
                     released: Waiting | None = None
                     if input_id not in q_drop:
@@ -582,7 +599,9 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                         r_obj = RunningTurn(
                             r_id, r_source, r_stop, r_final, r_joined, r_carried, r_reply
                         )
-                    q_obj = QueueState(generation, arrived, queued, pending, r_obj, to_archive)
+                    q_obj = QueueState(
+                        generation, arrived, queued, pending, r_obj, to_archive, wind
+                    )
                 q_obj = queue.HANDLERS[type(event)](q_obj, event)
                 a_dupes = False
                 (
@@ -599,6 +618,7 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                     r_joined,
                     r_carried,
                     r_reply,
+                    wind,
                 ) = _queue_fields(q_obj)
         elif code == _STOP:
             turn_id = event.turn_id  # type: ignore[union-attr]
@@ -607,6 +627,7 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
             if r_id is not None and turn_id == r_id:
                 r_stop = True
                 r_obj = q_obj = None
+                wind = wound_down(wind, event.reason, event.kinds)  # type: ignore[union-attr,arg-type]
         elif code == _MARKER:
             h_append(event.message)  # type: ignore[union-attr]
             if event.turn_id == c_id:  # type: ignore[union-attr]
@@ -620,8 +641,10 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
             h_append = h_list.append
             if code == _DELETED:
                 generation = event.generation  # type: ignore[union-attr]
-                q_obj = None
+                wind = q_obj = None
                 settings = _settings(settings, event)
+            elif wind is not None and wind.kind == "clear":  # the clear begun is done
+                wind = q_obj = None
     if event is None:
         return view
     if h_from != hist.active_from or not h_start.views_whole(h_list):
@@ -656,5 +679,5 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
             r_obj = None
         elif r_obj is None:
             r_obj = RunningTurn(r_id, r_source, r_stop, r_final, r_joined, r_carried, r_reply)
-        q_obj = QueueState(generation, arrived, queued, pending, r_obj, to_archive)
+        q_obj = QueueState(generation, arrived, queued, pending, r_obj, to_archive, wind)
     return SessionView(event.session_id, event.seq, hist, turns_state, q_obj, settings)
