@@ -425,8 +425,10 @@ class Runtime:
             raise actor.failure
         if entry is not None:  # a dead actor's acquisition: the new one holds its own
             self._release(session_id, entry.owned)
-        entry = _Entry(actor, actor.actor_ref, view.queue.generation, self.ownership is not None)
-        self._generations.setdefault(session_id, view.queue.generation)
+        # The generation as recovery left it (it finishes a deletion a crash cut short).
+        generation = actor.view.queue.generation
+        entry = _Entry(actor, actor.actor_ref, generation, self.ownership is not None)
+        self._generations.setdefault(session_id, generation)
         self._entries[session_id] = entry
         return entry
 

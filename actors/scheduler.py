@@ -18,6 +18,7 @@ import msgspec
 from aalis_agent.events import (
     Batch,
     ChatMessage,
+    ContextCleared,
     Input,
     InputHeld,
     InputJoined,
@@ -28,6 +29,7 @@ from aalis_agent.events import (
     MessageMeta,
     MessageSaved,
     ModelCallEnded,
+    SessionDeleted,
     SessionEvent,
     StopMarkerSaved,
     StopRequested,
@@ -343,15 +345,19 @@ def decide_call_ended(
         step.add_all([InputQueued(input_id=w.input.id) for w in pending if w.held_for == turn_id])
 
 
-def decide_stop(step: Step, by: str | None = None, reason: str = "stop") -> str | None:
+def decide_stop(
+    step: Step, by: str | None = None, reason: str = "stop", kinds: tuple[str, ...] = ()
+) -> str | None:
     """Stop the running turn (SCH6); returns its id, or None when none runs. A turn whose
     reply is already durable is past stopping: it ends as replied, and for a stop no turn
-    runs any more."""
+    runs any more. A deletion or clear (``reason`` ``delete``, ``clear``, a clear's
+    ``kinds``) stops a turn stopped already once more: its stop begins the deletion in
+    the log (see ``decide_recover``)."""
     running = step.view.queue.running
     if running is None or not running.stoppable:
         return None
-    if not running.stop_requested:
-        step.add(StopRequested(turn_id=running.turn_id, by=by, reason=reason))
+    if not running.stop_requested or reason in ("delete", "clear"):
+        step.add(StopRequested(turn_id=running.turn_id, by=by, reason=reason, kinds=kinds))
     return running.turn_id
 
 
@@ -376,12 +382,15 @@ def decide_release(
     *,
     by: str | None = None,
     message_id: Callable[[], str],
+    kinds: tuple[str, ...] = (),
 ) -> str | None:
     """Stop-all, mute, shutdown (archived after the running turn settles), delete and
     clear (never archived): stop the running turn and release every queued and pending
-    input (SCH6, DEL1). Returns the stopped turn's id, if one runs."""
+    input (SCH6, DEL1). Returns the stopped turn's id, if one runs. For a deletion or a
+    clear the stop and the releases begin it in the log (a clear's with its ``kinds``):
+    its ``SessionDeleted`` (``ContextCleared``) follows once the turn has settled."""
     archived = reason in ("stop-all", "mute", "shutdown")
-    stopped = decide_stop(step, by=by if reason == "stop-all" else None, reason=reason)
+    stopped = decide_stop(step, by=by if reason == "stop-all" else None, reason=reason, kinds=kinds)
     # Folded together: thousands may wait (an idle prompt is never archived, INS3).
     step.add_all(
         [
@@ -389,6 +398,7 @@ def decide_release(
                 input_id=w.input.id,
                 reason=reason,
                 archived=archived and w.input.trigger_type != "idle",
+                kinds=kinds,
             )
             for w in queue.waiting(step.view.queue)
         ]
@@ -488,11 +498,36 @@ def decide_recover(
     is recorded ``aborted`` (reason ``crash``), or ``replied`` when its reply was already
     durable, with the time it ran until its last durable event (not until now: the
     process may have been down for days); then the queue is scheduled as usual. Returns
-    the cut turn's id."""
+    the cut turn's id.
+
+    A deletion or clear of the context begun in the log and not done (its release
+    committed, then a crash before its ``SessionDeleted`` or ``ContextCleared``, see
+    :class:`~aalis_agent.projections.queue.WindDown`) is finished as the session would
+    have finished it (DEL1): the cut turn recorded ``aborted`` for it, nothing of it
+    archived or run again, then the deletion (the clear) written, before anything new."""
     current = step.view.turns.current
     running = step.view.queue.running
+    wind = step.view.queue.winding_down
     cut = None
-    if current is not None and running is not None:
+    if current is not None and running is not None and wind is not None:
+        # Wound down as a deletion's turn is: its uncarried inputs neither archived nor
+        # run again, no marker, no record message (the session winds down unarchived).
+        cut = current.turn_id
+        last_at = current.events[-1].at if current.events else current.opened.at
+        # Its first stop names its end, as its stopped runner would have (the first wins).
+        stop = next((e for e in current.events if isinstance(e, StopRequested)), None)
+        decide_settled(
+            step,
+            cut,
+            "replied" if running.reply_saved else "aborted",
+            ctx,
+            reason=stop.reason if stop is not None else wind.kind,
+            duration_ms=max(last_at - current.opened.at, 0),
+            message_id=message_id,
+            open_next=False,
+            archive=False,
+        )
+    elif current is not None and running is not None:
         cut = current.turn_id
         if running.stop_requested and not running.reply_saved:
             # Its stop was durable: the turn ends as a stopped turn does (SCH6), its
@@ -532,6 +567,11 @@ def decide_recover(
             message_id=message_id,
             open_next=False,
         )
+    if wind is not None:  # written as _finish_winding_down writes it
+        if wind.kind == "delete":
+            step.add(SessionDeleted(generation=step.view.queue.generation + 1))
+        else:
+            step.add(ContextCleared(kinds=wind.kinds))
     # Inputs received but never placed (a crash inside a batch cannot leave any, since
     # batches are atomic; kept for logs written by other tools) are queued.
     for w in step.view.queue.arrived:

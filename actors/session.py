@@ -1236,10 +1236,12 @@ class SessionActor(pykka.ThreadingActor):
         return turn
 
     def _wind_down(self, kind: str, done: Future[Any], kinds: tuple[str, ...]) -> None:
-        """Stop at once and release unarchived (DEL1); finish once the turn has settled."""
+        """Stop at once and release unarchived (DEL1); finish once the turn has settled.
+        The stop and the releases begin the deletion (the clear) in the log: when a crash
+        comes before it is finished, recovery finishes it (``decide_recover``)."""
         step = self._step()
         reason = "delete" if kind == "delete" else "clear"
-        decide_release(step, reason, message_id=self._message_id)  # type: ignore[arg-type]
+        decide_release(step, reason, message_id=self._message_id, kinds=kinds)  # type: ignore[arg-type]
         self._commit(step)
         self._winding_down.append((kind, done, kinds))
         # A turn past its reply is not stopped (its reply is durable) but still runs (its

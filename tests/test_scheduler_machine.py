@@ -298,6 +298,9 @@ class STurn:
     tools_finished: int = 0
     groups: int = 0  # tool-call groups saved
     stop: tuple[str, str | None] | None = None  # (reason, by) of the stop request
+    # A deletion or clear of a turn stopped already stops it once more (its stop begins
+    # the deletion in the log); the first stop still names the turn's end.
+    stopped_again: list[tuple[str, str | None]] = field(default_factory=list)
     left_history: bool = False
     winding: bool = False  # deleted or cleared: the turn writes nothing more (DEL1)
     cut_seq: int | None = None  # log seq when the deletion or clear was handled
@@ -404,6 +407,8 @@ class SSession:
         turn = self.running
         if turn is not None and turn.stop is None:
             turn.stop = (reason, by)
+        elif turn is not None and reason in ("delete", "clear"):
+            turn.stopped_again.append((reason, by))
         return turn
 
     def abort_at_model(self) -> None:
@@ -1118,7 +1123,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 turn.tools_finished,
             )
             assert got.groups == turn.groups
-            assert [(e.reason, e.by) for e in got.stops] == ([turn.stop] if turn.stop else [])
+            assert [(e.reason, e.by) for e in got.stops] == (
+                [turn.stop, *turn.stopped_again] if turn.stop else []
+            )
             assert [m.message.content for m in got.markers] == (
                 [turn.marker] if turn.marker else []
             )
