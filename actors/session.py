@@ -253,6 +253,7 @@ class SessionActor(pykka.ThreadingActor):
         self._history_cache = HistoryCache(default_counter())
         self._winding_down: list[tuple[str, Future[Any], tuple[str, ...]]] = []
         self._deferred: list[Submit | _HeldSetting] = []
+        self._handing_on: list[Submit | _HeldSetting] = []  # the held back, being handed on
         self._last_activity = time.monotonic()
         # Turn ids the log has used, kept up as finished turns are added (_new_turn_id).
         self._used_turn_ids: set[str] = set()
@@ -965,9 +966,9 @@ class SessionActor(pykka.ThreadingActor):
             return None
 
     def _on_submit(self, msg: Submit) -> str | Future[str] | None:
-        if msg.retry and (self._winding_down or msg.generation > self.view.queue.generation):
-            return None  # its submitter runs the input hooks, then submits it as new
         if self._winding_down or msg.generation > self.view.queue.generation:
+            if msg.retry and not self._known_retry(msg):
+                return None  # its submitter runs the input hooks, then submits it as new
             # Handled once the deletion or clear is done (or, for an input of the
             # generation a deletion still on its way here raised, once that deletion is);
             # its submitter waits for that (``handed_on``): nothing is acknowledged
@@ -1008,6 +1009,22 @@ class SessionActor(pykka.ThreadingActor):
         finally:
             self._start_here = None
         return where
+
+    def _known_retry(self, msg: Submit) -> bool:
+        """Whether a retry (sent without the input hooks) that arrives while a deletion or
+        clear winds down is the input received under its id: one this session remembers,
+        or one held back itself (its first send came during the wind-down too). It is
+        then held back as that input's retry, and answered once the wind-down is done;
+        the hooks, which ran for its first send, do not run for it again."""
+        input_id = msg.input.id
+        handled = self._input_ids.get(input_id)
+        if handled is not None:
+            return _same_input(handled, msg)
+        for earlier in self._deferred:
+            if isinstance(earlier, Submit) and earlier.input.id == input_id:
+                first = earlier.input if earlier.sent is None else earlier.sent
+                return _comparable(first) == _comparable(msg.input)
+        return False
 
     def _follow(self, msg: Submit, earlier: Input, where: Where) -> str | None:
         """An input whose id is taken by one still waiting or running here: the same input
@@ -1085,7 +1102,14 @@ class SessionActor(pykka.ThreadingActor):
         """Whether this session has received an input under ``input_id`` (one it still
         remembers, or one live). Read without the actor's lock: ids are added by commits
         of inputs that came with ids of their own, or given earlier by the same id source."""
-        return input_id in self._input_ids or input_id in self._live_ids
+        if input_id in self._input_ids or input_id in self._live_ids:
+            return True
+        # Or one held back while a deletion or clear winds down (not received yet: its
+        # hooks ran, it is handed on once the wind-down is done).
+        for held in (self._deferred, self._handing_on):
+            if held and any(isinstance(s, Submit) and s.input.id == input_id for s in list(held)):
+                return True
+        return False
 
     def _on_insertion(
         self, msg: InsertionPoint
@@ -1269,6 +1293,15 @@ class SessionActor(pykka.ThreadingActor):
             if not done.done():
                 done.set_result(self.view.queue.generation if kind == "delete" else None)
         deferred, self._deferred = self._deferred, []
+        self._handing_on = deferred  # still known (knows_input) while handed on
+        try:
+            self._hand_on(deferred)
+        finally:
+            self._handing_on = []
+
+    def _hand_on(self, deferred: list[Submit | _HeldSetting]) -> None:
+        """Hand on the submits and settings held back while a deletion or clear wound
+        down, in the order they came."""
         for n, submit in enumerate(deferred):
             if self._failed is not None:  # fenced by an earlier one: nothing more is written
                 self._deferred = deferred[n:]
@@ -1284,8 +1317,13 @@ class SessionActor(pykka.ThreadingActor):
                 continue
             try:
                 where = self._on_submit(submit)
-                # A retry is never deferred, and a held-back submit has its future (see
-                # _on_submit): where it went, or "deferred" again.
+                if where is None:
+                    # A retry held back as the input its session knew, which it does not
+                    # know as that any more (the input's first send, held back too, was
+                    # refused): taken as sent, a new input (its hooks ran for it once).
+                    where = self._on_submit(msgspec.structs.replace(submit, retry=False))
+                # A held-back submit has its future (see _on_submit): where it went, or
+                # "deferred" again.
                 assert isinstance(where, str)
                 if where == "deferred":
                     continue  # for a later deletion still on its way: held again

@@ -124,9 +124,12 @@ def main() -> None:
     done = dict.fromkeys(runtimes, 0)
     lock = threading.Lock()
     seq = [one_session()]
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    # A pool of threads per gate: what a gate leaves on its threads (their CPU affinity,
+    # say) does not reach the other's rounds.
+    pools = {name: ThreadPoolExecutor(max_workers=4) for name in runtimes}
+    try:
         for name in order:
-            runtime, k = runtimes[name], done[name]
+            runtime, k, pool = runtimes[name], done[name], pools[name]
             done[name] += 1
 
             def drive(session: str, runtime: Any = runtime, name: str = name) -> None:
@@ -157,6 +160,9 @@ def main() -> None:
             row["cpu_us"].append(round(cpu / turns * 1e6))
             row["switches"].append(round(switches / turns, 2))
             row["changes"].append(round((gate.changes - changes) * 1000 / turns))
+    finally:
+        for pool in pools.values():
+            pool.shutdown()
     for name, runtime in runtimes.items():
         gate = runtime.workers.gate
         lat = sorted(latencies[name])
