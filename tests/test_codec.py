@@ -565,6 +565,19 @@ def test_how_a_row_was_compressed_is_not_the_format(
     assert [e for seq, row in rows for e in reader.read(seq, row)] == events
 
 
+@pytest.mark.parametrize("level", [1, 6, 9])
+def test_rows_read_back_whatever_level_packed_them(
+    level: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compression level is not the format either: rows packed at level 9 (as stores
+    wrote them before level 6) and at any other level read back alike."""
+    monkeypatch.setattr(codec, "_LEVEL", level)
+    events = _stamped([InputQueued(input_id=f"in-{n}", at=n) for n in range(5)])
+    rows = _pack([events[:2], events[2:4], events[4:]])
+    reader = codec.RowReader(ROW_SESSION)
+    assert [e for seq, row in rows for e in reader.read(seq, row)] == events
+
+
 def test_read_all_names_a_continued_row_whose_header_claims_2_to_the_64_events(
     tmp_path: Any,
 ) -> None:
