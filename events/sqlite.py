@@ -77,6 +77,7 @@ STORE_FORMAT = 3
 _OLD_FORMATS = (1, 2)  # one row per event in ``events``; 1 has no ``idle_sessions``
 _CONTEXTS = 1024  # sessions whose last row this store remembers, to continue its group
 _COMPRESSORS = 64  # of those with open work, the last written keep their row compressor
+_IDLE_COMPRESSORS = 2  # of the idle ones, the last written keep theirs for their next turn
 _SESSIONS = 16_384  # sessions whose number, last seq and idle mark are kept in memory
 _PAGE = 4096  # SQLite's default page size: a row's pages in the WAL, roughly
 _FRAMES = 4  # pages an append writes to the WAL besides its row's (b-tree and index leaves)
@@ -331,6 +332,7 @@ class SqliteEventStore:
         # The last row this store wrote per session, for the next row to continue.
         self._contexts: OrderedDict[str, RowChain] = OrderedDict()
         self._compressing: OrderedDict[str, RowChain] = OrderedDict()  # keep a compressor
+        self._idle_compressing: OrderedDict[str, RowChain] = OrderedDict()  # idle, keep one
         self._has_idle_table = True
         self._old_layout = False  # a format-1 or -2 file opened read-only
         self._checkpointer: _Checkpointer | None = None
@@ -548,22 +550,25 @@ class SqliteEventStore:
                     _room(self._idle_cache)
                 self._idle_cache[session_id] = idle
                 # A session keeps its row compressor (about 30 KiB) while it has open
-                # work: across the appends of a turn, not while it idles (an idle
-                # session's next row makes a new one). At most the last written keep it.
+                # work: across the appends of a turn, at most the 64 written last. Idle,
+                # only the two written last keep it (a host serving one conversation at a
+                # time: its next turn's first row goes on from it instead of a new one
+                # taking in the whole dictionary, ~68,000 instructions); the others' next
+                # row makes a new one, so memory does not grow with sessions passivated
+                # and revived.
                 compressing = self._compressing
-                if idle:
-                    deflate = None
-                    compressing.pop(session_id, None)
+                kept = compressing if not idle else self._idle_compressing
+                (self._idle_compressing if not idle else compressing).pop(session_id, None)
                 chain.advance(last, depth, body, deflate)
                 contexts[session_id] = chain
                 contexts.move_to_end(session_id)
                 if len(contexts) > _CONTEXTS:
                     contexts.popitem(last=False)
                 if deflate is not None:
-                    compressing[session_id] = chain
-                    compressing.move_to_end(session_id)
-                    if len(compressing) > _COMPRESSORS:
-                        compressing.popitem(last=False)[1].drop_compressor()
+                    kept[session_id] = chain
+                    kept.move_to_end(session_id)
+                    if len(kept) > (_COMPRESSORS if kept is compressing else _IDLE_COMPRESSORS):
+                        kept.popitem(last=False)[1].drop_compressor()
             if self._checkpointer is not None:
                 # Committed: nothing here may make the append look failed.
                 with suppress(Exception):  # logged where it can be; a later one tries again
@@ -590,6 +595,7 @@ class SqliteEventStore:
         self._position_cache = None
         self._contexts.clear()
         self._compressing.clear()
+        self._idle_compressing.clear()
 
     def mark_idle(self, sessions: Sequence[tuple[str, int]]) -> int:
         self._refuse_if_read_only()

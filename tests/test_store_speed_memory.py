@@ -207,8 +207,9 @@ def _append_one(store: SqliteEventStore, name: str, open_work: bool | None) -> N
 
 def test_only_sessions_with_open_work_written_last_keep_a_compressor(tmp_path: Path) -> None:
     """A kept compressor is about 30 KiB: a session keeps one while it has open work (the
-    appends of a turn), at most the 64 written last do, and an idle session keeps none
-    (memory does not grow with sessions passivated and revived); every row reads back."""
+    appends of a turn), at most the 64 written last do, and of the idle sessions only the
+    two written last keep theirs (memory does not grow with sessions passivated and
+    revived); every row reads back."""
     from aalis_agent.events import sqlite as sqlite_store
 
     store = SqliteEventStore(tmp_path / "many.db")
@@ -226,11 +227,17 @@ def test_only_sessions_with_open_work_written_last_keep_a_compressor(tmp_path: P
         for name in names[-3:]:
             append(name, open_work=False)  # the turn ended: the session idles
         kept = [n for n in names if store._contexts[n]._deflate is not None]
-        assert kept == names[-sqlite_store._COMPRESSORS : -3]
-        assert list(store._compressing) == kept
-        append(names[-1], open_work=True)  # its next turn makes a new one
-        assert store._contexts[names[-1]]._deflate is not None
-        assert [len(store.read(n)) for n in names] == [2] * (len(names) - 3) + [3, 3, 4]
+        assert kept == names[-sqlite_store._COMPRESSORS : -3] + names[-2:]
+        assert list(store._compressing) == names[-sqlite_store._COMPRESSORS : -3]
+        assert list(store._idle_compressing) == names[-2:]
+        idle_kept = store._contexts[names[-1]]._deflate
+        append(names[-1], open_work=True)  # its next turn goes on from the one it kept
+        assert store._contexts[names[-1]]._deflate is idle_kept
+        assert list(store._idle_compressing) == [names[-2]]
+        append(names[-3], open_work=True)  # idle without one: its next turn makes a new one
+        assert store._contexts[names[-3]]._deflate is not None
+        assert list(store._compressing)[-2:] == [names[-1], names[-3]]
+        assert [len(store.read(n)) for n in names] == [2] * (len(names) - 3) + [4, 3, 4]
     finally:
         store.close()
 
