@@ -47,9 +47,59 @@ USER_TEXT = "你好,帮我查一下明天上海的天气,顺便看看要不要�
 REPLY_TEXT = "明天上海多云转小雨,14 到 21 度,东南风 3 级,下午可能有阵雨,出门记得带伞。"
 
 
+_EMITTED: list[dict[str, Any]] = []  # every line printed, for --targets
+
+
 def emit(name: str, value: float, unit: str, **extra: object) -> None:
-    print(json.dumps({"bench": name, "value": round(value, 3), "unit": unit, **extra}))
+    line = {"bench": name, "value": round(value, 3), "unit": unit, **extra}
+    _EMITTED.append(line)
+    print(json.dumps(line))
     sys.stdout.flush()
+
+
+# The speed targets: (benchmark to run, line, field, ">=" or "<=", bound, what it is,
+# and for a line printed several times the fields that pick one).
+TARGETS: tuple[tuple[str, str, str, str, float, str, dict[str, object]], ...] = (
+    ("turns", "turn_overhead_ratio", "value", "<=", 1.2,
+     "turn overhead at 1,000 turns of history over 10", {}),
+    ("turns_workload", "turns_workload", "p50_ms", "<=", 3.0,
+     "tool turn p50 (ms), 200 turns of one session", {}),
+    ("floor", "floor_ratio", "value", "<=", 4.0,
+     "tool turn over its rows written raw in two commits", {}),
+    ("first_token", "first_token_added_ms", "value", "<=", 2.0,
+     "time to first token added (ms), 1,061 messages", {"messages": 1061}),
+    ("many_sessions", "many_sessions_turns_per_s", "ratio", ">=", 1.0,
+     "1,000 sessions x 5 turns from 4 threads over one session run sequentially", {}),
+    ("stored_bytes_per_turn", "stored_bytes_per_turn", "value", "<=", 1024.0,
+     "stored bytes per tool turn", {}),
+    ("replay_eps", "replay_eps", "value", ">=", 400_000.0,
+     "replay into all projections (events/s)", {}),
+)  # fmt: skip
+
+
+def report_targets() -> int:
+    """Print each speed target beside what this run measured (stderr, as a table; stdout,
+    as one ``targets`` line); how many were not met."""
+    rows = []
+    for _bench, line, field, op, bound, what, where in TARGETS:
+        found = [
+            e
+            for e in _EMITTED
+            if e["bench"] == line and all(e.get(k) == v for k, v in where.items())
+        ]
+        value = found[-1].get(field) if found else None
+        met = None if value is None else (value >= bound if op == ">=" else value <= bound)
+        rows.append({"target": f"{line} {field} {op} {bound:g}", "what": what, "value": value,
+                     "met": met})  # fmt: skip
+    width = max(len(r["target"]) for r in rows)
+    for r in rows:
+        mark = {True: "met", False: "NOT MET", None: "not measured"}[r["met"]]
+        print(f"{r['target']:<{width}}  {r['value']!s:>12}  {mark:<12}  {r['what']}",
+              file=sys.stderr)  # fmt: skip
+    missed = sum(r["met"] is not True for r in rows)
+    print(json.dumps({"bench": "targets", "value": len(rows) - missed, "unit": "met",
+                      "of": len(rows), "rows": rows}))  # fmt: skip
+    return missed
 
 
 def fill_session(store: SqliteEventStore, session_id: str, clock: FixedClock) -> None:
@@ -1437,6 +1487,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="turns of the side-by-side workload (turns_workload; default 200)",
     )
+    parser.add_argument(
+        "--targets",
+        action="store_true",
+        help="run the benchmarks that measure the speed targets (with any NAMEs given), "
+        "then print each target beside what was measured; exits 1 when one is not met",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)  # floor_instructions' runs
     args = parser.parse_args(argv)
     if args.child:
@@ -1446,6 +1502,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown benchmark(s): {', '.join(unknown)}; known: {', '.join(ALL)}")
     names = args.names or list(ALL)
+    if args.targets:
+        wanted = {t[0] for t in TARGETS}
+        names = [n for n in ALL if n in wanted or n in args.names]
     with tempfile.TemporaryDirectory(prefix="aalis-bench-") as tmpdir:
         tmp = Path(tmpdir)
         big: SqliteEventStore | None = None
@@ -1525,6 +1584,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench_shards(tmp, emit)
         if big is not None:
             big.close()
+    if args.targets:
+        return 1 if report_targets() else 0
     return 0
 
 
