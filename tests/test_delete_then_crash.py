@@ -378,3 +378,33 @@ def test_sigkill_between_a_deletion_s_two_commits(tmp_path: Path) -> None:
         assert [type(e) for e in store.read(SID)[len(killed) :]][-1] is SessionDeleted
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("kind", ["delete", "clear"])
+def test_a_wind_down_a_recovery_before_it_was_finished_abandoned_is_not_finished_later(
+    kind: str,
+) -> None:
+    """A log written before recovery finished a cut deletion: the deletion's release, a
+    kill, then a restart that recorded the turn cut by the crash and went on; the session
+    took new inputs and ran them. The deletion was abandoned then; finishing it at a later
+    restart would wipe what came since. A session that received an input after a wind-down
+    began (never done while one winds down: those inputs are held back in memory) has
+    none pending."""
+    cut = _begun_log(kind, kinds=(), old=True)
+    b = Batch(SID, len(cut), now_ms=2_000)
+    b.add(TurnRecorded(turn_id="turn-2", outcome="aborted", reason="crash"))
+    b.add(InputReceived(input=Input(id="d", content="四", timestamp=2_000)))
+    b.add(TurnOpened(turn_id="turn-3", input_ids=("d",)))
+    b.add(InputJoined(input_id="d", turn_id="turn-3", entry="opened"))
+    b.add(TurnRecorded(turn_id="turn-3", outcome="silent"))
+    log = [*cut, *b.events]
+    assert project(log).queue.winding_down is None
+    store = InMemoryEventStore()
+    store.append(SID, log, 0)
+    runtime = Runtime(store, Services(llm=_model()), janitor=False)
+    try:
+        assert runtime.recover() == []
+        assert runtime.view(SID).seq == len(log)
+    finally:
+        runtime.shutdown(timeout=10)
+    assert len(store.read(SID)) == len(log)
