@@ -354,7 +354,14 @@ def decide_stop(
     ``kinds``) stops a turn stopped already once more: its stop begins the deletion in
     the log (see ``decide_recover``)."""
     running = step.view.queue.running
-    if running is None or not running.stoppable:
+    if running is None:
+        return None
+    if not running.stoppable:
+        if reason in ("delete", "clear"):
+            # Past stopping (its reply is durable; it is not cut), but the deletion's
+            # stop is written all the same: it begins the deletion in the log, which a
+            # release alone does not when nothing waits.
+            step.add(StopRequested(turn_id=running.turn_id, by=by, reason=reason, kinds=kinds))
         return None
     if not running.stop_requested or reason in ("delete", "clear"):
         step.add(StopRequested(turn_id=running.turn_id, by=by, reason=reason, kinds=kinds))

@@ -1292,8 +1292,10 @@ class SessionActor(pykka.ThreadingActor):
         for kind, done, _kinds in pending:
             if not done.done():
                 done.set_result(self.view.queue.generation if kind == "delete" else None)
-        deferred, self._deferred = self._deferred, []
-        self._handing_on = deferred  # still known (knows_input) while handed on
+        # Listed as being handed on before taken from _deferred: knows_input, read
+        # without the lock, finds them in one or the other at every moment.
+        deferred = self._handing_on = self._deferred
+        self._deferred = []
         try:
             self._hand_on(deferred)
         finally:

@@ -957,7 +957,8 @@ class SessionIndex:
         pending inserts their first :data:`QUEUE_SHOWN` ids (``queued_omitted``,
         ``pending_omitted``), and the running turn, the settings and the event's line are
         cut as :func:`clip` cuts, their whole sizes in ``cut`` (``settings.persona``,
-        ``running_turn.joined``)."""
+        ``running_turn.joined``), and so is a deletion or clear begun and not finished
+        (``winding_down``: its kind and a clear's kinds)."""
         seq = max(0, min(seq, self.last_seq))
         view = self.state_view(seq)
         data = state_json(view)
@@ -975,9 +976,11 @@ class SessionIndex:
                 "turn_id": None if span is None else span.turn_id,
                 "settings": data["settings"],
                 "running_turn": data["running_turn"],
+                "winding_down": data["winding_down"],
             }
         )
         data["running_turn"], data["settings"] = own["running_turn"], own["settings"]
+        data["winding_down"] = own["winding_down"]
         data["seq"] = seq
         data["session_id"] = self.session_id
         data["event"] = (

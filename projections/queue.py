@@ -99,7 +99,10 @@ class WindDown(msgspec.Struct, frozen=True):
     ``kinds``) that the log shows begun, by its release of the waiting inputs or its stop
     of the running turn, and not done: no ``SessionDeleted`` (no ``ContextCleared`` of
     the context) after it. The two are separate commits (the turn settles in between);
-    a crash between them leaves this, and recovery writes the rest (DEL1)."""
+    a crash between them leaves this, and recovery writes the rest (DEL1). An input
+    received after it ends it too: no session receives one while it winds down, so the
+    wind-down was abandoned (a log a restart recovered before wind-downs were finished,
+    which went on taking inputs); finishing it then would wipe what came since."""
 
     kind: Literal["delete", "clear"]
     kinds: tuple[str, ...] = ()
@@ -161,7 +164,11 @@ def _take(state: QueueState, input_id: str) -> tuple[QueueState, Waiting | None]
 
 def _on_received(state: QueueState, event: InputReceived) -> QueueState:
     arrived = Waiting(event.input, event.seq, event.generation)
-    return replace(state, arrived=(*state.arrived, arrived))
+    # A session winding down takes no input (it holds them back in memory, and recovery
+    # finishes the wind-down before anything new): one received after a wind-down began
+    # means it was abandoned (a log recovered before wind-downs were finished on
+    # restart, which went on): not to be finished now, over what came since.
+    return replace(state, arrived=(*state.arrived, arrived), winding_down=None)
 
 
 def _on_queued(state: QueueState, event: InputQueued) -> QueueState:

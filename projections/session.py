@@ -211,7 +211,7 @@ def evolve(view: SessionView, event: SessionEvent) -> SessionView:
                     q = replace(q, running=replace(running, final_call_returned=True))
     elif step == _RECEIVED:
         waiting = Waiting(event.input, event.seq, event.generation)  # type: ignore[union-attr]
-        q = replace(q, arrived=(*q.arrived, waiting))
+        q = replace(q, arrived=(*q.arrived, waiting), winding_down=None)  # see queue's
     elif step == _OPENED:
         finished = turns_state.finished
         if turns_state.current is not None:  # cut off without a record: keep what is known
@@ -449,7 +449,7 @@ def project(events: Iterable[SessionEvent], view: SessionView | None = None) -> 
                 r_obj = q_obj = None
         elif code == _RECEIVED:
             arrived = (*arrived, Waiting(event.input, event.seq, event.generation))  # type: ignore[union-attr]
-            q_obj = None
+            q_obj = wind = None  # a wind-down an input came after was abandoned (see queue's)
         elif code == _OPENED:
             if c_opened is not None:  # cut off without a record: keep what is known
                 f_list.append(TurnLog(c_opened, Chain(c_list)))

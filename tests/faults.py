@@ -480,6 +480,9 @@ def audit_log(
       otherwise than cut by a crash or wound down by a deletion or clear;
     - ``stop_undone``: an input put back in the queue by a recovery from a turn whose
       stop was durable (it would run after the user stopped it);
+    - ``wind_down_unfinished`` (when ``settled``): a deletion or clear begun in the log
+      (its release or its stop) and never finished (``QueueState.winding_down``): the
+      session would be deleted or cleared again at its next start;
     - ``resend_wrong``: an input sent again (``resends``: records ``{"id", "where"}``, with
       ``outcome``, ``reason``, ``turn``, ``reply`` when ``where`` is ``handled`` or
       ``run`` or the record says it ``followed`` a live input to its end; ``error`` when
@@ -500,6 +503,7 @@ def audit_log(
         "call_unended": [],
         "stop_undone": [],
         "resend_wrong": [],
+        "wind_down_unfinished": [],
     }
     for input_id in acked:
         released = input_id in facts.released
@@ -571,6 +575,11 @@ def audit_log(
                 out["half_applied"].append(f"{turn_id} opened, never recorded")
         if view.queue.running is not None:
             out["half_applied"].append(f"{view.queue.running.turn_id} still running in the log")
+        wind = view.queue.winding_down
+        if wind is not None:
+            out["wind_down_unfinished"].append(
+                f"a {wind.kind} (kinds {list(wind.kinds)}) begun in the log, never finished"
+            )
     for run in tool_runs:
         if (run.turn_id, run.call_id) not in facts.tool_started:
             out["half_applied"].append(f"tool {run.call_id} of {run.turn_id} ran, no ToolStarted")

@@ -685,3 +685,39 @@ def test_a_name_held_as_text_and_as_a_blob_reads_the_first_numbered(tmp_path: An
     with SqliteEventStore(path) as store:  # now the blob is number 0: its rows are read
         assert [e.input_id for e in store.read("y")] == ["x"]
         assert store.read("x") == []
+
+
+def test_rows_at_level_6_go_on_from_rows_at_level_9(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group's rows are compressed against the group's plaintext, which the level does
+    not change: rows packed at level 6 continue a group whose first rows were packed at
+    level 9 (one writer's group spanning the change), and read back with them. A
+    database written at level 9 and reopened: the session's next rows (a reopened
+    SQLite store starts a new group) read back with the old ones, there and in the next
+    process."""
+    from aalis_agent.events import SqliteEventStore
+
+    events = _stamped([InputQueued(input_id=f"in-{n}", at=n) for n in range(8)])
+    rows: list[tuple[int, bytes]] = []
+    after: codec.RowContext | None = None
+    for level, batch in ((9, events[:2]), (9, events[2:4]), (6, events[4:6]), (6, events[6:])):
+        monkeypatch.setattr(codec, "_LEVEL", level)
+        parts = [codec.encode_keyless(e) for e in batch]
+        row, after = codec.pack_row(ROW_SESSION, parts, batch[-1].seq, after)
+        rows.append((batch[-1].seq, row))
+    assert [codec.row_header(row)[0] for _, row in rows] == [0, 1, 2, 3]  # type: ignore[index]
+    reader = codec.RowReader(ROW_SESSION)
+    assert [e for seq, row in rows for e in reader.read(seq, row)] == events
+
+    monkeypatch.setattr(codec, "_LEVEL", 9)
+    with SqliteEventStore(tmp_path / "log.db") as store:
+        store.append(ROW_SESSION, events[:2], 0)
+        store.append(ROW_SESSION, events[2:4], 2)
+    monkeypatch.setattr(codec, "_LEVEL", 6)
+    with SqliteEventStore(tmp_path / "log.db") as store:
+        store.append(ROW_SESSION, events[4:6], 4)
+        store.append(ROW_SESSION, events[6:], 6)
+        assert store.read(ROW_SESSION) == events
+    with SqliteEventStore(tmp_path / "log.db") as store:
+        assert store.read(ROW_SESSION) == events

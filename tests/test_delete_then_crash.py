@@ -378,3 +378,84 @@ def test_sigkill_between_a_deletion_s_two_commits(tmp_path: Path) -> None:
         assert [type(e) for e in store.read(SID)[len(killed) :]][-1] is SessionDeleted
     finally:
         store.close()
+
+
+def test_a_deletion_of_a_turn_past_its_reply_is_finished_too() -> None:
+    """A turn whose reply is durable is past stopping (its ``agent:turn:after`` still
+    runs), and with nothing waiting the deletion had no stop and no release to write: its
+    first commit was empty, the log never knew it begun, and a kill before
+    ``SessionDeleted`` left the session undeleted. Now the deletion's stop is written for
+    such a turn too (the turn is not cut: it ends replied), and the restart finishes it."""
+    from aalis_agent.actors.hooks import Hooks
+    from aalis_agent.actors.messages import Ping
+
+    store = InMemoryEventStore()
+    killing = KilledAfter(store, lambda events: any(isinstance(e, TurnRecorded) for e in events))
+    inside, go = threading.Event(), threading.Event()
+
+    def after(ctx: Any, next_: Any) -> Any:
+        result = next_()
+        inside.set()
+        assert go.wait(10)
+        return result
+
+    hooks = Hooks()
+    hooks.use("agent:turn:after", after)
+    runtime = Runtime(killing, Services(llm=_model()), janitor=False, hooks=hooks)  # type: ignore[arg-type]
+    try:
+        handle = runtime.submit(SID, Input(id="a", content=CONTENTS["a"]))
+        assert inside.wait(10)
+        deletion = runtime._begin_delete(SID)
+        runtime._entries[SID].ref.ask(Ping(), timeout=10)  # the deletion handled
+        assert not deletion.done()
+        go.set()
+        with pytest.raises(SessionFailed):
+            deletion.result(10)
+        assert handle.result(10).outcome == "replied"
+    finally:
+        go.set()
+        runtime.shutdown(timeout=10)
+    killed = store.read(SID)
+    assert not any(isinstance(e, SessionDeleted) for e in killed)
+    assert [e.reason for e in killed if isinstance(e, StopRequested)] == ["delete"]
+    # Not cut by that stop: recorded once, as it ended.
+    assert [e.outcome for e in killed if isinstance(e, TurnRecorded)] == ["replied"]
+    restarted = Runtime(store, Services(llm=_model()), janitor=False)
+    try:
+        assert restarted.recover() == [SID]
+        assert restarted.wait_idle(10)
+        view = restarted.view(SID)
+    finally:
+        restarted.shutdown(timeout=10)
+    assert [type(e) for e in store.read(SID)[len(killed) :]] == [SessionDeleted]
+    assert view.queue.generation == 1 and view.history.messages.to_list() == []
+
+
+@pytest.mark.parametrize("kind", ["delete", "clear"])
+def test_a_wind_down_a_recovery_before_it_was_finished_abandoned_is_not_finished_later(
+    kind: str,
+) -> None:
+    """A log written before recovery finished a cut deletion: the deletion's release, a
+    kill, then a restart that recorded the turn cut by the crash and went on; the session
+    took new inputs and ran them. The deletion was abandoned then; finishing it at a later
+    restart would wipe what came since. A session that received an input after a wind-down
+    began (never done while one winds down: those inputs are held back in memory) has
+    none pending."""
+    cut = _begun_log(kind, kinds=(), old=True)
+    b = Batch(SID, len(cut), now_ms=2_000)
+    b.add(TurnRecorded(turn_id="turn-2", outcome="aborted", reason="crash"))
+    b.add(InputReceived(input=Input(id="d", content="四", timestamp=2_000)))
+    b.add(TurnOpened(turn_id="turn-3", input_ids=("d",)))
+    b.add(InputJoined(input_id="d", turn_id="turn-3", entry="opened"))
+    b.add(TurnRecorded(turn_id="turn-3", outcome="silent"))
+    log = [*cut, *b.events]
+    assert project(log).queue.winding_down is None
+    store = InMemoryEventStore()
+    store.append(SID, log, 0)
+    runtime = Runtime(store, Services(llm=_model()), janitor=False)
+    try:
+        assert runtime.recover() == []
+        assert runtime.view(SID).seq == len(log)
+    finally:
+        runtime.shutdown(timeout=10)
+    assert len(store.read(SID)) == len(log)

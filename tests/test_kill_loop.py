@@ -25,6 +25,9 @@ end, all must be 0:
 - call unended: model calls with neither their end nor their turn's record; tool calls
   started, not finished, in a turn not cut by a crash, a deletion or a clear;
 - stop undone: an input a recovery put back from a turn whose stop was durable;
+- wind-down unfinished: a session whose log, after the final start, shows a deletion or
+  clear begun and not finished (``QueueState.winding_down``: its next start would delete
+  or clear it again);
 - resend wrong: an input sent again that was refused, or answered (``handled`` at once,
   or followed to its end) otherwise than the log says it ended;
 - final resend not handled: an acknowledged input sent again once all had settled that
@@ -197,6 +200,7 @@ def test_random_sigkills_lose_nothing_acknowledged_and_run_nothing_twice(
         "call unended": len(found("call_unended")),
         "stop undone": len(found("stop_undone")),
         "resend wrong": len(found("resend_wrong")),
+        "wind-down unfinished": len(found("wind_down_unfinished")),
         "final resend not handled": len(not_handled),
     }
     live_resends = Counter(
@@ -216,6 +220,7 @@ def test_random_sigkills_lose_nothing_acknowledged_and_run_nothing_twice(
     print(f"half-applied (not asserted here): {len(found('half_applied'))}")
     kinds = ("lost", "twice", "missing_history", "reply_not_logged", "half_applied")
     kinds += ("entered_twice", "release_archive", "call_unended", "stop_undone", "resend_wrong")
+    kinds += ("wind_down_unfinished",)
     for kind in kinds:
         for item in found(kind)[:5]:
             print(f"  {kind}: {item}")

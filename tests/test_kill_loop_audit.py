@@ -6,7 +6,8 @@ log this leaves passes every check; each check is then shown to fire on a log or
 answer that breaks its rule (an answer differing from the log, an input received twice
 or run by two turns, a released input archived twice or not at all, a model call with
 neither its end nor its turn's record, a tool call never finished in a turn no crash
-cut, an input put back from a stopped turn). Without this, a check that can never fire
+cut, an input put back from a stopped turn, a deletion or clear begun and never
+finished). Without this, a check that can never fire
 would pass the kill loop as well as a sound runtime does.
 """
 
@@ -19,12 +20,14 @@ from typing import Any
 import msgspec
 import pytest
 from aalis_agent.events import (
+    ContextCleared,
     InputJoined,
     InputReceived,
     InputReleased,
     InputRequeued,
     MessageSaved,
     ModelCallEnded,
+    SessionDeleted,
     SessionEvent,
     StopRequested,
     ToolFinished,
@@ -269,3 +272,30 @@ def test_an_input_put_back_from_a_stopped_turn_is_found(
     undone = _renumbered([*events, InputRequeued(input_id="b", turn_id=stopped, reason="crash")])
     found = audit_log(undone)["stop_undone"]
     assert found == [f"b: put back from {stopped}, which was stopped"]
+
+
+@pytest.mark.parametrize("kind", ["delete", "clear"])
+def test_a_deletion_or_clear_begun_and_never_finished_is_found(
+    session: tuple[list[SessionEvent], list[dict[str, Any]]], kind: str
+) -> None:
+    """A log that ends with a deletion's (a clear's) release and not its
+    ``SessionDeleted`` (``ContextCleared`` of the context) after the last start: the
+    next start would delete (clear) the session again. A clear of other kinds does not
+    finish a clear of the context; an unsettled log (a kill may land between the two
+    commits) is not judged."""
+    events, _ = session
+    begun = [
+        InputReceived(input=Input(id="e", content="late")),
+        InputReleased(input_id="e", reason=kind),  # type: ignore[arg-type]
+    ]
+    cut = _renumbered([*events, *begun])
+    assert _findings(cut, []) == {
+        **{k: [] for k in _findings(events, [])},
+        "wind_down_unfinished": [f"a {kind} (kinds []) begun in the log, never finished"],
+    }
+    assert audit_log(cut, settled=False)["wind_down_unfinished"] == []
+    if kind == "clear":
+        other = _renumbered([*cut, ContextCleared(kinds=("memory",))])
+        assert len(audit_log(other)["wind_down_unfinished"]) == 1
+    end = ContextCleared(kinds=("context",)) if kind == "clear" else SessionDeleted(generation=1)
+    assert audit_log(_renumbered([*cut, end]))["wind_down_unfinished"] == []

@@ -159,6 +159,14 @@ class LogBuilder:
             )
         elif name == "stop":
             b.add(StopRequested(turn_id=self._turn(), by=op[1]))
+        elif name == "wind":
+            # A deletion or clear begun (winding_down): its stop of the running turn, or
+            # its release of an input received, with a clear's kinds.
+            if op[3]:
+                b.add(StopRequested(turn_id=self._turn(), reason=op[1], kinds=op[2]))
+            else:
+                inp = self._receive(None)
+                b.add(InputReleased(input_id=inp.id, reason=op[1], kinds=op[2]))
         elif name == "marker":
             marker = ChatMessage(
                 id=self._next("stop"),
@@ -281,6 +289,12 @@ OPS = st.one_of(
     ),
     st.tuples(st.just("tool"), st.booleans()),
     st.tuples(st.just("stop"), st.sampled_from([None, "u1"])),
+    st.tuples(
+        st.just("wind"),
+        st.sampled_from(["delete", "clear"]),
+        st.sampled_from([(), ("context",), ("memory",), ("context", "memory")]),
+        st.booleans(),
+    ),
     st.tuples(st.just("marker")),
     st.tuples(st.just("record"), st.sampled_from(["replied", "silent", "aborted", "error"])),
     st.tuples(

@@ -357,3 +357,49 @@ def test_replay_reads_a_database_on_a_read_only_mount(tmp_path: Path) -> None:
     done = replay_read_only()
     assert done.returncode == 2, done.stdout
     assert "its WAL file holds commits" in done.stderr
+
+
+def test_a_clear_begun_and_not_finished_is_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log cut between a clear's two commits (its stop and release written, not its
+    ``ContextCleared``): the events name the clear's kinds, and the state at that point
+    (text, ``--json``, the inspector's) says the clear is begun and not finished, as the
+    session's next start finishes it; once written, the state says nothing of it."""
+    from aalis_agent.events import (
+        ContextCleared,
+        Input,
+        InputJoined,
+        InputReceived,
+        InputReleased,
+        StopRequested,
+        TurnOpened,
+    )
+    from aalis_agent.inspector.index import SessionIndex
+
+    path = tmp_path / "cut.db"
+    kinds = ("context", "memory")
+    b = Batch(SESSION, 0, now_ms=1_000)
+    b.add(InputReceived(input=Input(id="b", content="二", timestamp=1_000)))
+    b.add(TurnOpened(turn_id="turn-1", input_ids=("b",)))
+    b.add(InputJoined(input_id="b", turn_id="turn-1", entry="opened"))
+    b.add(InputReceived(input=Input(id="c", content="三", timestamp=1_000)))
+    b.add(StopRequested(turn_id="turn-1", reason="clear", kinds=kinds))
+    b.add(InputReleased(input_id="c", reason="clear", kinds=kinds))
+    b.add(ContextCleared(kinds=kinds))
+    with SqliteEventStore(path) as store:
+        store.append(SESSION, b.events, 0)
+    code, out, _ = run(capsys, "replay", str(path))
+    assert code == 0
+    assert "stop requested (clear of context, memory)" in out
+    assert "input c released (clear of context, memory, not archived)" in out
+    code, out, _ = run(capsys, "replay", str(path), "--at", "6")
+    assert "clear of context, memory begun, not finished" in out
+    code, out, _ = run(capsys, "replay", str(path), "--at", "6", "--json")
+    assert json.loads(out)["winding_down"] == {"kind": "clear", "kinds": list(kinds)}
+    code, out, _ = run(capsys, "replay", str(path), "--at", "7")
+    assert "begun, not finished" not in out
+    index = SessionIndex(SESSION)
+    index.feed(b.events)
+    assert index.state(6)["winding_down"] == {"kind": "clear", "kinds": list(kinds)}
+    assert index.state(7)["winding_down"] is None

@@ -168,3 +168,47 @@ def test_an_input_sent_twice_while_held_back_goes_through_the_hooks_once(
     finally:
         held.go.set()
         runtime.shutdown(timeout=10)
+
+
+def test_an_input_held_back_is_known_until_it_is_handed_on(
+    held: Held, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``knows_input`` is read without the actor's lock (a retry is told from a new input
+    by it, before the hooks). Once the deletion was written, the held-back submits were
+    taken from ``_deferred`` before they were listed as being handed on: read between
+    the two, an input held back was known neither as held back nor as received, and a
+    send of it then ran the hooks again. Checked at the very moment ``_deferred`` is
+    emptied."""
+    from aalis_agent.actors.session import SessionActor
+
+    counting = Counting()
+    runtime = _runtime(held, counting)
+    seen: list[bool] = []
+    watching = threading.Event()
+    plain = SessionActor.__setattr__
+
+    def spy(self: Any, name: str, value: Any) -> None:
+        plain(self, name, value)
+        if name == "_deferred" and value == [] and watching.is_set():
+            seen.append(self.knows_input("y"))
+
+    monkeypatch.setattr(SessionActor, "__setattr__", spy)
+    try:
+        thread = _winding_down(runtime, held, "delete")
+        sent: list[Any] = []
+        sending = threading.Thread(
+            target=lambda: sent.append(runtime.submit(SID, Input(id="y", content="新的")))
+        )
+        sending.start()
+        while not _deferred(runtime) and sending.is_alive():
+            time.sleep(0.005)
+        watching.set()
+        held.go.set()
+        thread.join(10)
+        sending.join(10)
+        assert not thread.is_alive() and not sending.is_alive()
+        assert sent[0].result(10).outcome == "replied"
+    finally:
+        held.go.set()
+        runtime.shutdown(timeout=10)
+    assert seen and all(seen), seen

@@ -118,7 +118,8 @@ def _render_event(event: SessionEvent) -> str:
             return f"input {event.input_id} → {event.turn_id} ({event.entry})"
         case InputReleased():
             archived = "archived" if event.archived else "not archived"
-            return f"input {event.input_id} released ({event.reason}, {archived})"
+            why = f"{event.reason}{_kinds(event.kinds)}"
+            return f"input {event.input_id} released ({why}, {archived})"
         case InputRequeued():
             return (
                 f"input {event.input_id} back to the head of the queue "
@@ -157,7 +158,7 @@ def _render_event(event: SessionEvent) -> str:
             )
         case StopRequested():
             by = f" by {event.by}" if event.by else ""
-            return f"  stop requested{by} ({event.reason})"
+            return f"  stop requested{by} ({event.reason}{_kinds(event.kinds)})"
         case StopMarkerSaved(message=m):
             return f"  stop marker {_preview(m.content)}"
         case TurnRecorded():
@@ -186,12 +187,17 @@ def history_limit_of(view: SessionView) -> int:
     return value if isinstance(value, int) else 0
 
 
+def _kinds(kinds: tuple[str, ...]) -> str:
+    """A clear's kinds, as an event line or the state shows them (nothing when none)."""
+    return f" of {', '.join(kinds)}" if kinds else ""
+
+
 def state_json(view: SessionView) -> dict[str, Any]:
     """The projected state as plain data (what ``--at --json`` prints)."""
     limit = history_limit_of(view)
     window = history.history_window(view.history, limit)
     active = history.active_history(view.history)
-    running = view.queue.running
+    running, wind = view.queue.running, view.queue.winding_down
     return {
         "session_id": view.session_id,
         "seq": view.seq,
@@ -203,6 +209,8 @@ def state_json(view: SessionView) -> dict[str, Any]:
         "queued": [w.input.id for w in view.queue.queued],
         "pending": [w.input.id for w in view.queue.pending],
         "running_turn": None if running is None else to_builtins(running),
+        # A deletion or clear begun and not finished (the next start finishes it).
+        "winding_down": None if wind is None else to_builtins(wind),
         "turns": len(view.turns.finished) + (view.turns.current is not None),
         "settings": dict(view.settings),
     }
@@ -226,6 +234,10 @@ def render_state(view: SessionView) -> str:
         if running.stop_requested:
             flags.append("stop requested")
         lines.append(f"running turn: {running.turn_id} ({', '.join(flags)})")
+    wind = view.queue.winding_down
+    if wind is not None:
+        what = "deletion" if wind.kind == "delete" else f"clear{_kinds(wind.kinds)}"
+        lines.append(f"{what} begun, not finished (the session's next start finishes it)")
     waiting = queue.waiting(view.queue)
     lines.append(f"queue ({len(view.queue.queued)} queued, {len(view.queue.pending)} pending):")
     for w in waiting:

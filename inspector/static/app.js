@@ -470,6 +470,9 @@ function renderState(s) {
     el("h4", {}, "Queue"),
     el("p", { class: "running" }, running ? `running turn: ${running.turn_id}` +
       (running.stop_requested ? " (stop requested)" : "") : "running turn: none"),
+    s.winding_down ? el("p", { class: "winding" }, (s.winding_down.kind === "delete" ? "deletion" :
+      "clear" + (s.winding_down.kinds.length ? ` of ${s.winding_down.kinds.join(", ")}` : "")) +
+      " begun, not finished (the session's next start finishes it)") : "",
     el("p", { class: "queued" }, `queued (${fmtCount(s.queued.length + (s.queued_omitted || 0))}): ` +
       `${s.queued.join(", ") || "—"}${s.queued_omitted ? `, … ${fmtCount(s.queued_omitted)} more not shown` : ""}`),
     el("p", { class: "pending" }, `pending inserts (${fmtCount(s.pending.length + (s.pending_omitted || 0))}): ` +
