@@ -482,8 +482,9 @@ class Runtime:
             if entry is None or entry.ref.actor_urn != ref.actor_urn:
                 return
             del self._entries[session_id]
-            # DEL2: a deletion it did not write (its write failed) did not happen; the
-            # next actor reads the generation from the log.
+            # DEL2: the next actor reads the generation from the log, as its recovery
+            # leaves it: a deletion whose first write failed did not happen; one begun in
+            # the log and cut before its SessionDeleted is finished by that recovery.
             self._generations.pop(session_id, None)
         if runner is not None:
             with self._runners_idle:
@@ -748,7 +749,7 @@ class Runtime:
                 entry = self._entry(session_id)
                 entry.calling += 1
                 generation = arrived_in if arrived_in is not None else entry.generation
-                if attempt == 1:  # a deletion the stopped actor did not write did not happen
+                if attempt == 1:  # the stopped actor's deletion may not have happened
                     generation = min(generation, entry.generation)
             try:  # on this thread, under the actor's lock: no hop to its mailbox
                 if assigned is not None:
