@@ -151,6 +151,20 @@ def _model() -> ScriptedModel:
     return ScriptedModel(lambda request, n: ScriptedReply(text=f"答复 {n}"))
 
 
+def _assert_deleted_on_restart(store: EventStore, killed: list[SessionEvent]) -> None:
+    """A restart's recovery writes the missing ``SessionDeleted``, and nothing else: the
+    session is empty, in generation 1."""
+    restarted = Runtime(store, Services(llm=_model()), janitor=False)
+    try:
+        assert restarted.recover() == [SID]
+        assert restarted.wait_idle(10)
+        view = restarted.view(SID)
+    finally:
+        restarted.shutdown(timeout=10)
+    assert [type(e) for e in store.read(SID)[len(killed) :]] == [SessionDeleted]
+    assert view.queue.generation == 1 and view.history.messages.to_list() == []
+
+
 @pytest.mark.parametrize("cut", ["released", "settled"])
 @pytest.mark.parametrize("kind", ["delete", "clear"])
 def test_a_deletion_cut_by_a_kill_is_finished_on_restart(
@@ -258,15 +272,7 @@ def test_a_deletion_of_a_turn_stopped_already_is_finished_too() -> None:
         runtime.shutdown(timeout=10)
     killed = store.read(SID)
     assert [e.reason for e in killed if isinstance(e, StopRequested)] == ["stop", "delete"]
-    restarted = Runtime(store, Services(llm=_model()), janitor=False)
-    try:
-        assert restarted.recover() == [SID]
-        assert restarted.wait_idle(10)
-        view = restarted.view(SID)
-    finally:
-        restarted.shutdown(timeout=10)
-    assert [type(e) for e in store.read(SID)[len(killed) :]] == [SessionDeleted]
-    assert view.queue.generation == 1 and view.history.messages.to_list() == []
+    _assert_deleted_on_restart(store, killed)
 
 
 def _begun_log(kind: str, *, kinds: tuple[str, ...], old: bool) -> list[SessionEvent]:
@@ -420,15 +426,7 @@ def test_a_deletion_of_a_turn_past_its_reply_is_finished_too() -> None:
     assert [e.reason for e in killed if isinstance(e, StopRequested)] == ["delete"]
     # Not cut by that stop: recorded once, as it ended.
     assert [e.outcome for e in killed if isinstance(e, TurnRecorded)] == ["replied"]
-    restarted = Runtime(store, Services(llm=_model()), janitor=False)
-    try:
-        assert restarted.recover() == [SID]
-        assert restarted.wait_idle(10)
-        view = restarted.view(SID)
-    finally:
-        restarted.shutdown(timeout=10)
-    assert [type(e) for e in store.read(SID)[len(killed) :]] == [SessionDeleted]
-    assert view.queue.generation == 1 and view.history.messages.to_list() == []
+    _assert_deleted_on_restart(store, killed)
 
 
 @pytest.mark.parametrize("kind", ["delete", "clear"])

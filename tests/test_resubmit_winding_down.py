@@ -88,6 +88,18 @@ def _deferred(runtime: Runtime) -> list[Any]:
     return list(runtime._entries[SID].actor._deferred)
 
 
+def _send_held_back(runtime: Runtime, inp: Input) -> tuple[threading.Thread, list[Any]]:
+    """Submit ``inp`` from another thread, and return once the session holds it back
+    (before a fix, it went through the hooks first) or the submit returned: the thread,
+    and the list its handle is put in."""
+    handles: list[Any] = []
+    sending = threading.Thread(target=lambda: handles.append(runtime.submit(SID, inp)))
+    sending.start()
+    while not _deferred(runtime) and sending.is_alive():
+        time.sleep(0.005)
+    return sending, handles
+
+
 def _winding_down(runtime: Runtime, held: Held, kind: str) -> threading.Thread:
     """A turn held past its reply, ``x`` waiting behind it, then a deletion (or clear)
     started on another thread: it releases ``x`` and waits for the turn."""
@@ -115,14 +127,7 @@ def test_a_released_input_sent_again_during_the_wind_down_skips_the_hooks(
     runtime = _runtime(held, counting)
     try:
         thread = _winding_down(runtime, held, kind)
-        retry: list[Any] = []
-        sending = threading.Thread(
-            target=lambda: retry.append(runtime.submit(SID, Input(id="x", content="你好")))
-        )
-        sending.start()
-        # Held back until the wind-down is done (before: run through the hooks first).
-        while not _deferred(runtime) and sending.is_alive():
-            time.sleep(0.005)
+        sending, retry = _send_held_back(runtime, Input(id="x", content="你好"))
         held.go.set()
         thread.join(10)
         sending.join(10)
@@ -195,13 +200,7 @@ def test_an_input_held_back_is_known_until_it_is_handed_on(
     monkeypatch.setattr(SessionActor, "__setattr__", spy)
     try:
         thread = _winding_down(runtime, held, "delete")
-        sent: list[Any] = []
-        sending = threading.Thread(
-            target=lambda: sent.append(runtime.submit(SID, Input(id="y", content="新的")))
-        )
-        sending.start()
-        while not _deferred(runtime) and sending.is_alive():
-            time.sleep(0.005)
+        sending, sent = _send_held_back(runtime, Input(id="y", content="新的"))
         watching.set()
         held.go.set()
         thread.join(10)
