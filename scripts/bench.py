@@ -1477,12 +1477,23 @@ ALL = (
 )
 
 
+def _positive_int(text: str) -> int:
+    """``--turns``: a whole number of turns, at least 1 (the workload's median needs one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/bench", description=__doc__)
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"any of: {', '.join(ALL)}")
     parser.add_argument(
         "--turns",
-        type=int,
+        type=_positive_int,
         default=200,
         metavar="N",
         help="turns of the side-by-side workload (turns_workload; default 200)",

@@ -75,3 +75,16 @@ def test_all_met(bench: ModuleType, capsys: Any) -> None:
     missed, (summary, err) = _report(bench, lines, capsys)
     assert missed == 0 and summary["value"] == len(bench.TARGETS)
     assert "NOT MET" not in err and "not measured" not in err
+
+
+@pytest.mark.parametrize("turns", ["0", "-3", "many"])
+def test_turns_must_be_a_positive_integer(bench: ModuleType, turns: str, capsys: Any) -> None:
+    """``--turns 0`` ran no turn and then failed in the median (a traceback); now the
+    option is refused before any benchmark runs, naming it and the value."""
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--turns", turns, "turns_workload"])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # nothing measured
+    assert "argument --turns: expected a positive integer, got" in err
+    assert turns.lstrip("-") in err
