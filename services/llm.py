@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 import threading
 import tomllib
 from collections.abc import Callable, Iterator, Sequence
@@ -191,6 +192,35 @@ def _known(table: dict[Any, Any], kind: type[msgspec.Struct], where: str) -> Non
             raise ValueError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(fields))})")
 
 
+def _kind(value: object, toml: bool) -> str:
+    """What a value read from a TOML or JSON file is, in that file's words."""
+    if isinstance(value, dict):
+        return "a table" if toml else "an object"
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, bool):
+        return "a boolean"
+    return "a number" if isinstance(value, int | float) else type(value).__name__
+
+
+_AT_REPLY = re.compile(r"^(?P<problem>.*) - at `\$\[(?P<index>\d+)\]\.?(?P<path>.*)`$", re.S)
+
+
+def _where_invalid(exc: msgspec.ValidationError) -> str:
+    """A wrong value in a model script, named as its reply and key are elsewhere
+    (``reply 2: usage: prompt_tokens: Expected `int | null`, got `str```), not by the
+    list's 0-based index (``$[1].usage.prompt_tokens``)."""
+    text = str(exc)
+    found = _AT_REPLY.match(text)
+    if found is None:
+        return text
+    parts = [f"reply {int(found['index']) + 1}"]
+    for key in found["path"].split(".") if found["path"] else ():
+        call = re.fullmatch(r"tool_calls\[(\d+)\]", key)
+        parts.append(f"tool call {int(call[1]) + 1}" if call else key)
+    return f"{': '.join(parts)}: {found['problem']}"
+
+
 def _replies_checked(replies: Any) -> list[ScriptedReply]:
     """``replies`` as a list, each a :class:`ScriptedReply`, or a TypeError naming the
     first that is not (a bare text would be read letter by letter, or fail mid-turn)."""
@@ -282,14 +312,25 @@ class ScriptedModel:
         deep = toml_too_deep(text) if toml else json_too_deep(text, MAX_DEPTH)
         if deep:  # refused before a recursive parser sees it
             raise ConfigError(f"{path}: not a model script: nested deeper than {MAX_DEPTH} levels")
+        # A TOML script named otherwise is read as JSON: say so, or the JSON error
+        # alone leaves its reader guessing.
+        hint = "" if toml else " (read as JSON: a TOML script's name ends in .toml)"
         try:
-            raw = tomllib.loads(text)["replies"] if toml else json.loads(text)
+            if toml:
+                table = tomllib.loads(text)
+                if "replies" not in table:
+                    raise ValueError("no [[replies]] table (one per model call, in order)")
+                raw = table["replies"]
+            else:
+                raw = json.loads(text)
+            if not isinstance(raw, list):
+                what = "replies" if toml else "the JSON document"
+                raise ValueError(f"{what} must be a list of replies, got {_kind(raw, toml)}")
             _refuse_unknown_keys(raw)
             replies = msgspec.convert(raw, list[ScriptedReply])
-        except (KeyError, ValueError, tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
-            # A TOML script named otherwise is read as JSON: say so, or the JSON error
-            # alone leaves its reader guessing.
-            hint = "" if toml else " (read as JSON: a TOML script's name ends in .toml)"
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"{path}: not a model script{hint}: {_where_invalid(exc)}") from None
+        except (ValueError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"{path}: not a model script{hint}: {exc}") from None
         for n, reply in enumerate(replies, 1):
             if not 1 <= reply.chunks <= MAX_CHUNKS:

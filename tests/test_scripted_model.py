@@ -107,6 +107,43 @@ def test_a_model_script_refuses_what_it_does_not_know_naming_it(
 @pytest.mark.parametrize(
     ("name", "text", "problem"),
     [
+        ("text.toml", "[[replies]]\ntext = 5\n", "reply 1: text: Expected `str`, got `int`$"),
+        (
+            "call.toml",
+            '[[replies]]\ntext = "a"\n[[replies]]\ntool_calls = [{ id = "c", name = "x" }, '
+            '{ id = "d", name = "x", arguments = 5 }]\n',
+            "reply 2: tool call 2: arguments: Expected `str`, got `int`$",
+        ),
+        (
+            "use.json",
+            '[{"usage": {"prompt_tokens": "many"}}]',
+            "reply 1: usage: prompt_tokens: Expected `int | null`, got `str`$",
+        ),
+        ("none.toml", '[[reply]]\ntext = "a"\n', r"no \[\[replies\]\] table"),
+        ("flat.toml", 'replies = "a"\n', "replies must be a list of replies, got text$"),
+        (
+            "obj.json",
+            '{"replies": []}',
+            "the JSON document must be a list of replies, got an object$",
+        ),
+    ],
+)
+def test_a_model_script_names_the_reply_and_key_of_a_wrong_value(
+    tmp_path: Path, name: str, text: str, problem: str
+) -> None:
+    """A wrong type named its place as ``$[0].text`` (0-based, unlike the unknown-key
+    errors' ``reply 1``), and a TOML file with no ``[[replies]]`` said only ``'replies'``:
+    each now says which reply (1-based), which key, and what is wrong."""
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    where = re.escape(str(path))
+    with pytest.raises(ConfigError, match=f"^{where}: not a model script.*: {problem}"):
+        ScriptedModel.from_file(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "problem"),
+    [
         ("deep.json", "[" * 5000, "nested deeper than 64 levels"),
         ("deep.toml", "replies = " + "[" * 5000, "nested deeper than 64 levels"),
         ("many.toml", '[[replies]]\ntext = "x"\nchunks = 99999999\n', "chunks must be 1..100000"),
