@@ -1099,8 +1099,8 @@ def _call_lines(call: CallFacts | None, label: str, last: int = 3) -> list[str]:
     else:
         lines.append(
             f"    usage: used {u.used}/{u.token_budget} ({u.usage_ratio:.1%}), "
-            f"trimmed {'yes' if u.trimmed else 'no'}, history {u.history_messages}, "
-            f"untrimmed history {u.untrimmed_history}"
+            f"trimmed {'yes' if u.trimmed else 'no'}, history {u.history_messages} message(s), "
+            f"untrimmed history {u.untrimmed_history} tokens"
         )
     p = call.provider_usage
     if p is not None:

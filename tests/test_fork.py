@@ -7,6 +7,7 @@ import argparse
 import hashlib
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -165,6 +166,12 @@ def test_max_tool_iterations_and_text_report(db: Path) -> None:
     assert "2 tools [current_time, calculate]" in original
     assert "0 tools []" in forked  # the cap is reached: the last call is offered no tools
     assert "usage: used" in original and "usage: used" in forked
+    # Its units said: the history's messages beside the untrimmed history's tokens (ACC2),
+    # which read as two counts of one thing ("history 4, untrimmed history 37").
+    usage = re.compile(
+        r"usage: used \d+/\d+ .*, history 4 message\(s\), untrimmed history \d+ tokens"
+    )
+    assert usage.search(original) and usage.search(forked)
     assert "reply: '6 乘 7 等于 42。'" in original and "reply: '6 乘 7 等于 42。'" in forked
     call1 = out.split("\ncall 1\n")[1].split("\ncall 2\n")[0]
     assert call1.count("reply: tool calls calculate#call-1") == 2
