@@ -100,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not offer the built-in tools (current_time, calculate) to the model",
     )
     chat.add_argument(
-        "--db", default="aalis-chat.db", help="SQLite event database or postgresql:// URL"
+        "--db",
+        default="aalis-chat.db",
+        help="SQLite event database or postgresql:// URL (default: aalis-chat.db)",
     )
     chat.add_argument(
         "--sync",

@@ -409,3 +409,20 @@ def test_another_programs_database_is_refused_and_left_as_it_was(tmp_path: Path)
         )
     assert other.read_bytes() == before
     assert not Path(f"{other}-wal").exists()
+
+
+def test_every_option_with_a_default_names_it_in_its_help() -> None:
+    """``aalis-agent chat --help`` left out where the chat's log goes without ``--db``
+    (aalis-chat.db, as the README says), where ``demo --help`` gave its own."""
+    import argparse
+
+    from aalis_agent.cli.main import build_parser
+
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    checked = []
+    for name, parser in commands.choices.items():
+        for action in parser._actions:
+            if isinstance(action.default, str) and action.default != argparse.SUPPRESS:
+                assert f"(default: {action.default})" in (action.help or ""), (name, action)
+                checked.append((name, action.dest))
+    assert ("chat", "db") in checked and ("demo", "db") in checked
