@@ -792,6 +792,20 @@ class SessionIndex:
             return None
         return self.request_at(ordinal, index)
 
+    def no_call(self, index: int, *, turn_id: str | None = None, ordinal: int = 0) -> str:
+        """Why :meth:`request` (by ``turn_id``) or :meth:`request_at` (by ``ordinal``)
+        found no call: the answer's message, naming what is not there."""
+        if turn_id is not None:
+            if turn_id not in self._by_turn:
+                return f"no turn {turn_id[:80]!r} in this session"
+        elif not 0 <= ordinal < len(self.spans):
+            turns = len(self.spans)
+            have = f"ordinals 0 to {turns - 1}" if turns else "none"
+            return f"no turn at ordinal {ordinal}: the session has {turns} turn(s) ({have})"
+        else:
+            turn_id = self.spans[ordinal].turn_id
+        return f"turn {turn_id[:80]!r} has no model call {index} (calls count from 1)"
+
     def request_at(self, ordinal: int, index: int) -> dict[str, Any] | None:
         """:meth:`request` of the turn at ``ordinal`` (its place in the timeline, as
         ``ordinal`` there says): the page asks this way, since an id too long to be

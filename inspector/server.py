@@ -232,11 +232,25 @@ def route(inspector: Inspector, path: str, query: dict[str, list[str]]) -> dict[
         index = _int(query, "index")
         if query.get("ordinal"):  # the turn by its place in the timeline
             ordinal = _int(query, "ordinal")
-            return inspector.call(session_id, lambda ix: ix.request_at(ordinal, index))
+
+            def at(ix: SessionIndex) -> dict[str, Any]:
+                found = ix.request_at(ordinal, index)
+                if found is None:
+                    raise NotFound(ix.no_call(index, ordinal=ordinal))
+                return found
+
+            return inspector.call(session_id, at)
         turn = (query.get("turn") or [""])[0]
         if not turn:
             raise BadRequest("missing parameter 'turn' (or 'ordinal')")
-        return inspector.call(session_id, lambda ix: ix.request(turn, index))
+
+        def of(ix: SessionIndex) -> dict[str, Any]:
+            found = ix.request(turn, index)
+            if found is None:
+                raise NotFound(ix.no_call(index, turn_id=turn))
+            return found
+
+        return inspector.call(session_id, of)
     if what == "usage":
         return inspector.call(session_id, lambda ix: ix.usage_series())
     if what == "state":

@@ -201,8 +201,16 @@ def test_request_is_the_call_as_recorded(server: InspectorServer, demo_db: Path)
     # The joined input is in the second call's history, with the first call's tool round.
     assert [m["role"] for m in r["history"]] == ["user", "assistant", "tool", "user"]
     assert r["history"][-1]["content"] == "顺便看看杭州"
+    # What is not there is named (it said "no such record in this session" for each).
     status, data = get(server, f"/api/sessions/{quote(SESSION, safe='')}/request?turn=x&index=1")
-    assert status == 404 and "no such record" in data["error"]
+    assert (status, data["error"]) == (404, "no turn 'x' in this session")
+    status, data = get(
+        server, f"/api/sessions/{quote(SESSION, safe='')}/request?turn=turn-1&index=3"
+    )
+    assert (status, data["error"]) == (
+        404,
+        "turn 'turn-1' has no model call 3 (calls count from 1)",
+    )
     status, data = get(server, f"/api/sessions/{quote(SESSION, safe='')}/request?turn=turn-1")
     assert status == 400 and "index" in data["error"]
     # By its place in the timeline (as the page asks): the same answer.
@@ -212,6 +220,9 @@ def test_request_is_the_call_as_recorded(server: InspectorServer, demo_db: Path)
             server, f"/api/sessions/{quote(SESSION, safe='')}/request?ordinal={bad}&index=1"
         )
         assert status == 404, bad
+        assert data["error"] == (
+            f"no turn at ordinal {bad}: the session has 4 turn(s) (ordinals 0 to 3)"
+        )
     status, data = get(server, f"/api/sessions/{quote(SESSION, safe='')}/request?index=1")
     assert status == 400 and "'turn' (or 'ordinal')" in data["error"]
 
