@@ -46,7 +46,12 @@ def acquire_writer(database: str) -> str:
         try:
             fd = os.open(f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise StoreError(f"cannot open event database {database!r}: {exc}") from None
+            # Its lock file is the first thing made: name the folder that is missing, not
+            # the lock file the user never asked for.
+            missing = isinstance(exc, FileNotFoundError) and not os.path.isdir(os.path.dirname(key))
+            folder = os.path.dirname(os.fspath(database)) or "."
+            why = f"its folder {folder!r} does not exist" if missing else str(exc)
+            raise StoreError(f"cannot open event database {database!r}: {why}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -388,6 +388,19 @@ def test_a_database_path_that_is_a_directory_says_so(tmp_path: Path) -> None:
     )
 
 
+def test_a_database_in_a_folder_that_does_not_exist_names_the_folder(tmp_path: Path) -> None:
+    """It named the lock file beside the database (``No such file or directory:
+    '.../x.db.lock'``), a file the user never gave."""
+    db = tmp_path / "nowhere" / "x.db"
+    result = run_cli("chat", "--db", str(db), stdin="你好\n")
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"aalis-agent chat: error: cannot open event database {str(db)!r}: "
+        f"its folder {str(db.parent)!r} does not exist\n"
+    )
+    assert not db.parent.exists()
+
+
 def test_another_programs_database_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
     """A SQLite file of another program (its own tables, none of ours) was taken as an
     empty event database: the demo wrote its tables into it and switched its journal to
