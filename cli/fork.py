@@ -185,6 +185,11 @@ def run_fork(args: argparse.Namespace, out: TextIO | None = None) -> int:
         raise ReplayError("--fork SEQ is required here")
     if args.model and args.script:
         raise ConfigError("--model and --script do not go together")
+    if args.script and args.config:
+        raise ConfigError(
+            "--script and --config do not go together: the fork's model answers from "
+            "the script, or is a model of the configuration file"
+        )
     if args.model and not args.config:
         raise ConfigError("--model names a model of a configuration file: add --config FILE")
     if args.timeout is None:

@@ -251,6 +251,12 @@ def test_a_tool_the_fork_does_not_have_answers_from_the_log(tmp_path: Path) -> N
         (["--fork", "3", "--set", "historyLimit=-1"], ConfigError, "historyLimit"),
         (["--fork", "3", "--script", "missing.toml"], ConfigError, "cannot read the model"),
         (["--fork", "3", "--model", "x/y"], ConfigError, "add --config FILE"),
+        # One model or the other: the configuration's was dropped without a word.
+        (
+            ["--fork", "3", "--script", "s.toml", "--config", "c.toml"],
+            ConfigError,
+            "^--script and --config do not go together",
+        ),
         (["--fork", "3", "--at", "3"], ReplayError, "--at and --fork"),
     ],
 )
