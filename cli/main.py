@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
             "layers, personas; see docs/configuration.md), or --base-url and --model for one "
             "OpenAI-compatible server (key from --api-key-env NAME; for an https server "
             "OPENAI_API_KEY by default), or --script, else a "
-            "scripted model that echoes. The model may call the built-in tools "
+            "scripted model that echoes; with --config, --base-url or --script gives the "
+            "model in place of the file's. The model may call the built-in tools "
             "current_time and calculate (--no-tools: none)."
         ),
     )
@@ -291,6 +292,11 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     if args.base_url or args.model:
         if not (args.base_url and args.model):
             raise ConfigError("--base-url and --model go together")
+        if args.script:
+            raise ConfigError(
+                "--script and --base-url do not go together: the chat's model is the "
+                "script's or the server's"
+            )
         from aalis_agent.services.openai_compat import OpenAICompatibleModel
 
         api_key = None

@@ -213,6 +213,23 @@ def test_limits_without_a_base_url_are_refused(tmp_path: Path) -> None:
     )
 
 
+def test_a_script_with_a_base_url_is_refused(tmp_path: Path) -> None:
+    """The server's model answered and the script was dropped without a word."""
+    script = tmp_path / "s.toml"
+    script.write_text('[[replies]]\ntext = "scripted"\n', encoding="utf-8")
+    db = tmp_path / "c.db"
+    result = run_cli(
+        "chat", "--db", str(db), "--base-url", "http://127.0.0.1:9/v1", "--model", "m",
+        "--script", str(script), stdin="hi\n",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr == (
+        "aalis-agent chat: error: --script and --base-url do not go together: the chat's "
+        "model is the script's or the server's\n"
+    )
+    assert not db.exists()  # refused before anything was opened
+
+
 def _cli(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
         [sys.executable, "-m", "aalis_agent.cli", *args],
