@@ -942,9 +942,10 @@ class _FloorWork:
     turns), the rows of its last turn and the history before it, and a second store the
     floor writes those rows to raw: on into one session of its own, as a turn's rows go
     on into its session (the first commits with work open, the last with none: the store
-    marks the session idle and drops its row compressor, as after a turn); or, for
-    comparison, each time as a new session (which adds the session's own row, its first
-    lookup and a new compressor: about 60 us)."""
+    marks the session idle, as after a turn, and keeps its row compressor as it does for
+    the two idle sessions written last); or, for comparison, each time as a new session
+    (which adds the session's own row, its first lookup and a new compressor: about
+    60 us)."""
 
     def __init__(self, tmp: Path) -> None:
         _quiet_logs()
