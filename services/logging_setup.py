@@ -15,6 +15,8 @@ configuration: :func:`install` only configures structlog when nothing has.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from typing import Any
 
 import structlog
@@ -60,13 +62,17 @@ def filter_by_level(logger: Any, method_name: str, event_dict: Any) -> Any:
     return event_dict
 
 
-def stdlib_processors(*, console: bool = False) -> list[Any]:
+def stdlib_processors(*, console: bool = False, colors: bool | None = None) -> list[Any]:
     """structlog processors for loggers that hand their lines to :mod:`logging`: events
     below the stdlib logger's level are dropped first (cheaply), a traceback is formatted
     as text and masked with every other value, and the line is rendered as
     ``event key=value...`` (the stdlib formatter adds level and name as the application
     chooses). ``console``: structlog's console look instead, with time and level (the
-    CLI's stderr log)."""
+    CLI's stderr log), in colour when ``colors`` says so (by default: when stderr is a
+    terminal and ``NO_COLOR`` is not set, so a log sent to a file or a pipe has no
+    escape codes)."""
+    if colors is None:
+        colors = _terminal(sys.stderr) and not os.environ.get("NO_COLOR")
     processors: list[Any] = [
         filter_by_level,
         structlog.contextvars.merge_contextvars,
@@ -79,11 +85,18 @@ def stdlib_processors(*, console: bool = False) -> list[Any]:
     processors += [
         structlog.processors.format_exc_info,  # the traceback as text, so that...
         redact_processor,  # ...this masks it with every other value
-        structlog.dev.ConsoleRenderer()
+        structlog.dev.ConsoleRenderer(colors=colors)
         if console
         else structlog.dev.ConsoleRenderer(colors=False, pad_event_to=0),
     ]
     return processors
+
+
+def _terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no such method, or closed
+        return False
 
 
 def install() -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests.harness import run_cli
 
@@ -79,3 +81,34 @@ def test_the_cli_still_logs_to_stderr_when_asked(tmp_path: Path) -> None:
     assert "→ 开轮" not in result.stdout
     quiet = run_cli("chat", "--db", str(tmp_path / "c.db"), stdin="你好\n")
     assert quiet.returncode == 0 and quiet.stderr == ""
+
+
+def test_the_cli_log_has_no_colour_codes_when_stderr_is_not_a_terminal(tmp_path: Path) -> None:
+    """A log sent to a file or a pipe is plain text; the console look is coloured only on
+    a terminal, and never with ``NO_COLOR`` set."""
+    result = run_cli("chat", "--db", str(tmp_path / "c.db"), "-v", stdin="你好\n")
+    assert result.returncode == 0, result.stderr
+    assert "→ 开轮" in result.stderr and "\x1b[" not in result.stderr
+
+
+def test_the_console_log_is_coloured_on_a_terminal_only(monkeypatch: Any) -> None:
+    import structlog
+    from aalis_agent.services.logging_setup import stdlib_processors
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    def rendered() -> str:
+        renderer = stdlib_processors(console=True)[-1]
+        assert isinstance(renderer, structlog.dev.ConsoleRenderer)
+        return str(renderer(None, "info", {"event": "开轮", "level": "info", "session": "s"}))
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert "\x1b[" in rendered()
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert "\x1b[" not in rendered()
+    monkeypatch.delenv("NO_COLOR")
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert "\x1b[" not in rendered()
