@@ -64,9 +64,13 @@ class AgentConfig:
         check_locale(self.locale)
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], *, where: str = "config") -> AgentConfig:
+    def from_mapping(
+        cls, values: Mapping[str, Any], *, where: str = "config", table: str | None = None
+    ) -> AgentConfig:
         """Build from ``{"systemPrompt": ..., "historyLimit": ...}``; unknown keys are refused,
-        except ``llm``, which has no effect in the plugin config (SET1)."""
+        except ``llm``, which has no effect in the plugin config (SET1). An error names
+        ``where`` (and the config file's ``table`` the values are from, if given)."""
+        place = where if table is None else f"{where}: {table}"
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
             if key == "llm":
@@ -79,16 +83,27 @@ class AgentConfig:
                 continue
             if key not in _KEYS:
                 known = ", ".join(sorted(_KEYS))
-                raise ConfigError(f"{where}: unknown key {key!r} (known: {known})")
+                raise ConfigError(f"{place}: unknown key {key!r} (known: {known})")
             kwargs[_KEYS[key]] = value
         try:
             return cls(**kwargs)
         except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+            raise ConfigError(keyed(where, str(exc), table)) from None
 
     def to_mapping(self) -> dict[str, Any]:
         names = {v: k for k, v in _KEYS.items()}
         return {names[f.name]: getattr(self, f.name) for f in fields(self)}
+
+
+def keyed(where: str, said: str, table: str | None = None) -> str:
+    """``said`` (a message that begins with a key, as "historyLimit must be ...") placed
+    at ``where``; for a config file's ``table``, the key as a path ("a.toml: agent.
+    historyLimit must be ...")."""
+    if table is None:
+        return f"{where}: {said}"
+    if said.split(" ", 1)[0] in _KEYS:
+        return f"{where}: {table}.{said}"
+    return f"{where}: {table}: {said}"
 
 
 def _check_int(key: str, value: Any, *, minimum: int, maximum: int = 2**63 - 1) -> None:

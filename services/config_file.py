@@ -322,8 +322,8 @@ def parse_config(
         raise r.error(*bad)
     spec = r.convert(data, _File, "")
     try:
-        config = AgentConfig.from_mapping(dict(spec.agent), where=f"{file}: agent")
-        check_config_range(config, where=f"{file}: agent")
+        config = AgentConfig.from_mapping(dict(spec.agent), where=file, table="agent")
+        check_config_range(config, where=file, table="agent")
     except ConfigError as exc:
         raise ConfigError(str(exc)) from None
     except TypeError as exc:  # pragma: no cover - from_mapping names keys itself

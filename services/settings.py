@@ -18,7 +18,7 @@ from aalis_agent.events.errors import ConfigError
 from aalis_agent.events.schema import ModelRef, TurnSettings
 from aalis_agent.request.limits import INT64_MAX, has_lone_surrogate
 from aalis_agent.request.locales import check_locale
-from aalis_agent.services.config import AgentConfig
+from aalis_agent.services.config import AgentConfig, keyed
 
 __all__ = [
     "CONFIG_MAXIMA",
@@ -91,14 +91,18 @@ def shown_value(value: Any) -> str:
         return f"a {type(value).__name__}"
 
 
-def check_config_range(config: AgentConfig, *, where: str = "config") -> None:
+def check_config_range(
+    config: AgentConfig, *, where: str = "config", table: str | None = None
+) -> None:
     """Refuse plugin-config numbers above :data:`CONFIG_MAXIMA` (ConfigError naming the
     key), so every count a turn derives from them fits in the log."""
     for key, value in config.to_mapping().items():
         limit = CONFIG_MAXIMA.get(key)
         if limit is not None and isinstance(value, int | float) and value > limit:
             bound = int(limit) if float(limit).is_integer() else limit
-            raise ConfigError(f"{where}: {key} must be <= {bound}, got {shown_value(value)}")
+            raise ConfigError(
+                keyed(where, f"{key} must be <= {bound}, got {shown_value(value)}", table)
+            )
 
 
 class SettingsResolver(Protocol):

@@ -267,7 +267,7 @@ def test_syntax_errors_and_missing_files_name_the_file(tmp_path: Path) -> None:
 
 def test_parse_config_checks_an_already_parsed_mapping() -> None:
     data: dict[str, Any] = {"agent": {"historyLimit": True}}
-    with pytest.raises(ConfigError, match=r"^inline: agent: historyLimit must be an integer"):
+    with pytest.raises(ConfigError, match=r"^inline: agent.historyLimit must be an integer"):
         parse_config(data, file="inline")
 
 
