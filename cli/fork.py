@@ -35,7 +35,6 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, TextIO
 
 import msgspec
@@ -75,7 +74,7 @@ from aalis_agent.events import (
     UsageRecorded,
     to_builtins,
 )
-from aalis_agent.events.open import is_postgres_url, open_store
+from aalis_agent.events.open import missing_database, open_store
 from aalis_agent.projections import project
 from aalis_agent.request.texts import ZH
 from aalis_agent.scenarios.result import message_json
@@ -201,8 +200,9 @@ def run_fork(args: argparse.Namespace, out: TextIO | None = None) -> int:
         )
     sets = parse_sets(args.set_values or [])
     model_choice = _model_choice(args)
-    if not is_postgres_url(args.db) and not Path(args.db).is_file():
-        raise ReplayError(f"no event database at {args.db!r}")
+    missing = missing_database(args.db)
+    if missing is not None:
+        raise ReplayError(missing)
     store = open_store(args.db, read_only=True)  # the original is only read
     try:
         session_id = _session(store, args.session, args.db)

@@ -15,12 +15,11 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
 from aalis_agent.events import AgentError, ConfigError, ReplayError, StoreError
-from aalis_agent.events.open import is_postgres_url, open_store
+from aalis_agent.events.open import missing_database, open_store
 from aalis_agent.events.sqlite import SqliteEventStore
 
 if TYPE_CHECKING:
@@ -239,8 +238,9 @@ def _limit(text: str) -> int | str:
 def _open_existing(path: str) -> SqliteEventStore | PostgresEventStore:
     """The event database to read (replay only reads): a SQLite file that must exist, or
     a ``postgresql://`` URL."""
-    if not is_postgres_url(path) and not Path(path).is_file():
-        raise ReplayError(f"no event database at {path!r}")
+    missing = missing_database(path)
+    if missing is not None:
+        raise ReplayError(missing)
     return open_store(path, read_only=True)
 
 

@@ -11,7 +11,7 @@ from aalis_agent.events.sqlite import SqliteEventStore
 if TYPE_CHECKING:
     from aalis_agent.events.postgres import PostgresEventStore
 
-__all__ = ["is_postgres_url", "open_store"]
+__all__ = ["is_postgres_url", "missing_database", "open_store"]
 
 _SCHEMES = ("postgresql://", "postgres://")
 
@@ -19,6 +19,19 @@ _SCHEMES = ("postgresql://", "postgres://")
 def is_postgres_url(target: str | Path) -> bool:
     """Whether ``target`` is a PostgreSQL URL (``postgresql://`` or ``postgres://``)."""
     return isinstance(target, str) and target.lower().startswith(_SCHEMES)
+
+
+def missing_database(target: str | Path) -> str | None:
+    """Why there is no event database to read at ``target`` (a SQLite file that must
+    exist), or None: there is one, or it is a PostgreSQL URL (its server says)."""
+    if is_postgres_url(target):
+        return None
+    path = Path(target)
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return f"{str(target)!r} is a directory, not an event database"
+    return f"no event database at {str(target)!r}"
 
 
 def open_store(

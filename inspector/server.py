@@ -49,7 +49,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import msgspec
 from aalis_agent.events import CorruptEvent, SqliteEventStore, StoreError
 from aalis_agent.events.codec import clean_value
-from aalis_agent.events.open import is_postgres_url, open_store
+from aalis_agent.events.open import is_postgres_url, missing_database, open_store
 from aalis_agent.events.store import EventStore
 from aalis_agent.inspector.index import CORRUPT_SHOWN, PREVIEW, SessionIndex
 
@@ -428,10 +428,11 @@ def make_server(
     """Open ``db`` (a SQLite file, or a ``postgresql://`` URL) read-only and bind the
     inspector to ``127.0.0.1:port`` (0: any free)."""
     store: EventStore
+    missing = missing_database(db)
+    if missing is not None:
+        raise StoreError(missing)
     if is_postgres_url(db):
         store = open_store(db, read_only=True)
-    elif not Path(db).is_file():
-        raise StoreError(f"no event database at {str(db)!r}")
     else:
         store = SqliteEventStore(db, read_only=True)
     try:

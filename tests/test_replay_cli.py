@@ -169,6 +169,19 @@ def test_missing_database_is_an_error_and_is_not_created(
     assert not missing.exists()
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["replay"], ["replay", "--session", "s", "--fork", "3"], ["inspect"]],
+    ids=["replay", "fork", "inspect"],
+)
+def test_a_directory_is_named_as_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    code, out, err = run(capsys, argv[0], str(tmp_path), *argv[1:])
+    assert code == 2 and out == ""
+    assert f"{str(tmp_path)!r} is a directory, not an event database" in err
+
+
 def test_not_a_database_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bogus = tmp_path / "notes.txt"
     bogus.write_text("hello, this is not sqlite\n" * 100)
