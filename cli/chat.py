@@ -13,7 +13,7 @@ shows it.
 Input is read as bytes and decoded line by line: a line that is not valid UTF-8 is
 reported on stderr (``chat: line 3 is not valid UTF-8; skipped``) and skipped, and the
 chat goes on with the next one, so no undecodable text (no lone surrogate) reaches the
-runtime.
+runtime; it then ends with status 1, as when a line is refused (a line was not sent).
 """
 
 from __future__ import annotations
@@ -243,10 +243,11 @@ def run_chat(
     UTF-8 bytes; a line that is not valid UTF-8 is reported on ``err`` (default:
     ``sys.stderr``) and skipped. At a terminal, lines are edited with prompt_toolkit
     (history, the reply printed above the input line), and each shows where it went.
-    Returns 1 when a turn failed (its error in one line on ``err``) or a line was
-    refused (too long for ``Runtime.max_input_bytes``: its reason on ``err``, the next
-    lines go on), 130 when a Ctrl-C left piped lines unsent, 143 when a SIGTERM ended
-    it (a running turn stopped, as a Ctrl-C stops it, then the chat leaves), else 0."""
+    Returns 1 when a turn failed (its error in one line on ``err``) or a line was not
+    sent: refused (too long for ``Runtime.max_input_bytes``: its reason on ``err``) or
+    not valid UTF-8 (the next lines go on), 130 when a Ctrl-C left piped lines unsent,
+    143 when a SIGTERM ended it (a running turn stopped, as a Ctrl-C stops it, then the
+    chat leaves), else 0."""
     stdin = sys.stdin if stdin is None else stdin
     err = sys.stderr if err is None else err
     if stdin is None or (out is None and sys.stdout is None):
@@ -277,7 +278,7 @@ def run_chat(
     held: list[str] = []  # command answers waiting for the streaming reply to end
     handles: list[SubmitHandle] = []
     errors: list[str] = []  # the failed turns' errors, each shown once
-    refused_lines: list[str] = []  # lines the runtime refused (too long, say)
+    refused_lines: list[str] = []  # lines not sent: refused (too long, say), undecodable
     cut = False
     at_line_start = [True]
     paused: list[list[str] | None] = [None]  # output held while a typed line is sent
@@ -470,6 +471,7 @@ def run_chat(
             for number, line in lines:
                 if line is None:
                     with lock:
+                        refused_lines.append(f"line {number} is not valid UTF-8")
                         err.write(f"chat: line {number} is not valid UTF-8; skipped\n")
                         err.flush()
                     continue

@@ -364,7 +364,7 @@ def test_a_line_that_is_not_utf8_is_reported_and_skipped(
     )
     result = _pipe_bytes(db, data, **env)
     stderr = result.stderr.decode("utf-8", "replace")
-    assert result.returncode == 0, stderr
+    assert result.returncode == 1, stderr  # lines were not sent
     assert stderr.splitlines() == [
         "chat: line 2 is not valid UTF-8; skipped",
         "chat: line 4 is not valid UTF-8; skipped",
@@ -387,7 +387,7 @@ def test_a_text_stream_with_a_lone_surrogate_never_reaches_the_runtime(
     db = tmp_path / "chat.db"
     out = io.StringIO()
     stdin = io.StringIO("坏\ud800行\n好行\n")
-    assert run_chat(str(db), "cli:console", stdin=stdin, out=out, tools=False) == 0
+    assert run_chat(str(db), "cli:console", stdin=stdin, out=out, tools=False) == 1
     err = capsys.readouterr().err.splitlines()
     assert [line for line in err if line.startswith("chat:")] == [
         "chat: line 1 is not valid UTF-8; skipped"
