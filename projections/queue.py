@@ -10,6 +10,7 @@ yet written as done (``winding_down``).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Literal
 
 import msgspec
@@ -345,10 +346,18 @@ def _order(w: Waiting) -> tuple[bool, int]:
     return not w.front, w.arrival
 
 
+_ARRIVAL = attrgetter("arrival")
+_FRONT = attrgetter("front")
+
+
 def waiting(state: QueueState) -> list[Waiting]:
     """Queued and pending inputs together, in arrival order (what ``agent:queue`` reports);
-    inputs put back by recovery come first."""
-    return sorted((*state.queued, *state.pending), key=_order)
+    inputs put back by recovery come first. (As sorted by :func:`_order`, with keys read
+    in C: ``agent:queue`` sorts every waiting input at each change.)"""
+    both = sorted((*state.queued, *state.pending), key=_ARRIVAL)
+    if any(map(_FRONT, both)):
+        both.sort(key=_FRONT, reverse=True)  # stable: each part stays in arrival order
+    return both
 
 
 def head(state: QueueState) -> Waiting | None:

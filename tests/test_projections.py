@@ -965,3 +965,34 @@ def test_a_step_adding_a_run_together_folds_as_adding_each(
         each.add(event)
     assert together.events == each.events == rest
     assert together.view == each.view == project(events)
+
+
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.booleans()),  # pending, put back by recovery
+        max_size=40,
+    ),
+    st.randoms(use_true_random=False),
+)
+@settings(max_examples=200, deadline=None)
+def test_waiting_lists_recovered_inputs_first_then_by_arrival(
+    flags: list[tuple[bool, bool]], rnd: Any
+) -> None:
+    """``queue.waiting`` (what ``agent:queue`` reports) is the queued and pending inputs
+    ordered by (put back by recovery first, then arrival), however each is stored."""
+    from aalis_agent.events import Input
+    from aalis_agent.projections.queue import Waiting
+
+    arrivals = rnd.sample(range(1, 1000), len(flags))
+    items = [
+        Waiting(Input(id=f"in-{n}", content="x"), arrival, 0, "t" if held else None, front)
+        for n, ((held, front), arrival) in enumerate(zip(flags, arrivals, strict=True))
+    ]
+    pending = [w for w in items if w.held_for]
+    queued = [w for w in items if not w.held_for]
+    rnd.shuffle(pending)
+    rnd.shuffle(queued)
+    state = QueueState(queued=tuple(queued), pending=tuple(pending))
+    expected = sorted(items, key=lambda w: (not w.front, w.arrival))
+    assert queue.waiting(state) == expected
+    assert queue.head(state) == (expected[0] if expected else None)
