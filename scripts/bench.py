@@ -875,10 +875,10 @@ def bench_turns(tmp: Path) -> None:
     )
 
 
-def _tool_turn_runtime(store: SqliteEventStore, max_live_sessions: int | None = None) -> Any:
-    """The side-by-side workload's runtime: an instant scripted model that answers each
-    user message with one tool call, then (after the tool) with a new reply text."""
-    from aalis_agent.actors.runtime import Runtime
+def tool_turn_services() -> Any:
+    """The side-by-side workload's services: an instant scripted model that answers each
+    user message with one tool call, then (after the tool) with a new reply text. A
+    module-level function, so that worker processes can build them too."""
     from aalis_agent.events import ToolCall
     from aalis_agent.services import ScriptedModel, ScriptedReply, Services, Tool, ToolRegistry
 
@@ -887,10 +887,17 @@ def _tool_turn_runtime(store: SqliteEventStore, max_live_sessions: int | None = 
             return ScriptedReply(tool_calls=(ToolCall(id=f"c{n}", name="echo", arguments="{}"),))
         return ScriptedReply(text=f"{n}: {REPLY_TEXT}")
 
-    services = Services(
+    return Services(
         llm=ScriptedModel(reply, context_length=1_000_000, keep_requests=0),
         tools=ToolRegistry([Tool("echo", lambda args, ctx: "好")]),
     )
+
+
+def _tool_turn_runtime(store: SqliteEventStore, max_live_sessions: int | None = None) -> Any:
+    """The side-by-side workload's runtime (:func:`tool_turn_services`)."""
+    from aalis_agent.actors.runtime import Runtime
+
+    services = tool_turn_services()
     return Runtime(store, services, janitor=False, max_live_sessions=max_live_sessions)
 
 

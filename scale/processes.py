@@ -1,0 +1,820 @@
+"""Sessions spread over worker processes on this machine, each shard with a SQLite log of
+its own: more than one core's worth of turns with no server and no Ray.
+
+    shards = ProcessShards("agent-shards", make_services, shards=2)
+    outcome = shards.run("qq:group:1", Input(id="", content="你好"))
+    handle = shards.submit("qq:group:2", Input(id="", content="你好"))  # once accepted
+    outcome = handle.result(timeout=60)
+    shards.shutdown()
+
+One process runs one thread's Python at a time (the GIL), so a runtime's turns use about
+one core however many threads drive them. ``ProcessShards`` starts ``shards`` worker
+processes, each an embedded :class:`~aalis_agent.actors.runtime.Runtime` over its own
+database in ``directory`` (``shard-<n>.db``), and sends each session's inputs to the shard
+``shard_of(session_id, shards)`` names (a stable hash). The directory records the shard
+count (``shards.json``) and is refused with another one: the hash would look for the
+sessions in the wrong files. Each shard file is an ordinary event database (``replay``,
+``inspect`` and ``chat`` read it), held by its worker (``StoreInUse`` for any other
+process, a second ``ProcessShards`` on the directory included).
+
+- ``services`` is a picklable callable (a module-level function) building the shard's
+  :class:`~aalis_agent.services.Services`; it runs in each worker, which starts with the
+  ``spawn`` method: a script using ``ProcessShards`` keeps its start under
+  ``if __name__ == "__main__":``. Logging set up in the parent does not reach the
+  workers: set it up in ``services`` too.
+- Acknowledgement is the shard's: ``submit`` returns once the worker's ``Runtime.submit``
+  returned (the input durably accepted), ``run`` once its ``Runtime.run`` did.
+- Calls go over a Unix socket per shard (in a private temporary directory, with a random
+  key), one connection per call in flight, kept for the next call. In the worker, one
+  thread reads every connection and runs each call itself while the last calls were
+  quick (an in-process model, tools that compute): no hand-over between threads. A call
+  that is not known quick runs on a thread of its own, and a quick-looking one that runs
+  longer than ``inline_s`` (0.02 s) hands the reading to a new thread, so a slow model or
+  tool never holds up the shard's other sessions for longer than that.
+- A worker that dies (killed, crashed) is started again by the next call that finds it
+  gone; its runtime's ``recover()`` then finishes the cut turn and runs what was queued,
+  as after any crash. A call under way when it died is sent again under the input's id
+  (an input without one gets one first): the session answers an input it accepted from
+  its log and never runs it twice; one it never received runs once. A shard that dies
+  more than ``max_restarts`` times within a minute is not started again:
+  :class:`ShardUnavailable` names it and why.
+- A worker whose parent dies (killed too) finds its control pipe closed, shuts its
+  runtime down and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import json
+import multiprocessing
+import os
+import pickle
+import selectors
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+from aalis_agent.actors.messages import InputOutcome
+from aalis_agent.events.codec import checked_input, checked_session_id
+from aalis_agent.events.errors import InvalidInput, RunError, RuntimeClosed, UsageError
+from aalis_agent.events.schema import Input
+from aalis_agent.scale.ownership import shard_of
+
+__all__ = ["ProcessHandle", "ProcessShards", "ShardUnavailable"]
+
+log = structlog.get_logger("aalis.shards")
+
+MANIFEST = "shards.json"
+_QUICK_CALLS = 3  # quick calls in a row before the reading thread runs calls itself
+_RESTART_WINDOW_S = 60.0
+
+
+class ShardUnavailable(RunError):
+    """The worker process of ``session_id``'s shard died and is not started again: it
+    died more than ``max_restarts`` times within a minute, or would not start. ``reason``
+    says how. ``maybe_accepted``: the input may have been accepted before (send it again
+    under its id once the shards run again: it is answered from the log if it was, and
+    runs once if not)."""
+
+    def __init__(
+        self, session_id: str, shard: int, reason: str, input_id: str, *, maybe_accepted: bool
+    ) -> None:
+        if maybe_accepted:
+            what = (
+                f"input {input_id!r} may have been accepted before; send it again under the "
+                "same id once the shards run again (it is answered from the log if it was "
+                "accepted, and runs once if not)"
+            )
+        else:
+            what = f"input {input_id!r} was not sent to it"
+        super().__init__(f"session {session_id!r}: its shard {shard} is down ({reason}); {what}")
+        self.session_id = session_id
+        self.shard = shard
+        self.reason = reason
+        self.input_id = input_id
+        self.maybe_accepted = maybe_accepted
+
+
+def _with_id(inp: Input) -> Input:
+    """``inp`` with an id (a new random one when it has none, as a runtime gives): sent
+    again to a restarted shard it is the same input, which its session never runs twice."""
+    if inp.id:
+        return inp
+    return msgspec.structs.replace(inp, id=f"in-{uuid.uuid4().hex[:16]}")
+
+
+def _portable(exc: BaseException) -> Any:
+    """``exc`` as it crosses to the parent (see :func:`_raised`): its class, args and
+    attributes (an error whose ``__init__`` takes other arguments than its message does
+    not pickle by itself), or a :class:`RunError` with its type and message when those do
+    not pickle."""
+    carried = (type(exc), exc.args, dict(getattr(exc, "__dict__", {})))
+    try:
+        pickle.loads(pickle.dumps(carried))
+    except Exception:
+        return (RunError, (f"{type(exc).__name__}: {exc}",), {})
+    return carried
+
+
+def _raised(carried: Any) -> BaseException:
+    """The error :func:`_portable` carried, rebuilt without calling its ``__init__``."""
+    cls, args, attrs = carried
+    exc: BaseException = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(attrs)
+    return exc
+
+
+def _manifest(directory: Path, shards: int) -> None:
+    """Record the shard count in ``directory``, or refuse a count other than the one it
+    records (and a directory of shard files that records none)."""
+    path = directory / MANIFEST
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        found = sorted(p.name for p in directory.glob("shard-*.db"))
+        if found:
+            raise UsageError(
+                f"{str(directory)!r} holds shard databases ({', '.join(found[:3])}) but no "
+                f"{MANIFEST}: it was not made by ProcessShards, or its {MANIFEST} was removed"
+            ) from None
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"format": 1, "shards": shards}) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+        return
+    try:
+        recorded = json.loads(text)["shards"]
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(f"{str(path)!r} is not a shard manifest: {text[:80]!r}") from None
+    if recorded != shards:
+        raise UsageError(
+            f"{str(directory)!r} holds {recorded} shards ({MANIFEST}); open it with "
+            f"shards={recorded}: sessions are placed by a hash of the count, so another "
+            "count would look for them in the wrong files"
+        )
+
+
+# --- the worker process ---------------------------------------------------------------
+
+
+# The wire: msgpack arrays. A call is [kind, session id, input or nil, seconds or nil]
+# (kinds below); an answer is ["o", input id, turn id, outcome, reason, reply] (how the
+# input ended), ["a", input id, where] (a submit accepted; its "o" follows), ["i", idle],
+# ["n", pid] or ["e", the error pickled] (see _portable).
+_RUN, _SUBMIT, _WAIT_IDLE, _INFO = "run", "submit", "wait_idle", "info"
+_encode = msgspec.msgpack.Encoder().encode
+_call_decoder = msgspec.msgpack.Decoder(tuple[str, str, msgspec.Raw, float | None])
+_input_decoder = msgspec.msgpack.Decoder(Input)
+_answer_decoder = msgspec.msgpack.Decoder()
+
+
+def _error(exc: BaseException) -> bytes:
+    return _encode(("e", pickle.dumps(_portable(exc))))
+
+
+def _outcome_answer(outcome: InputOutcome) -> bytes:
+    o = outcome
+    return _encode(("o", o.input_id, o.turn_id, o.outcome, o.reason, o.reply))
+
+
+class _Server:
+    """A worker's calls: one reading thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        runtime: Any,
+        listener: Listener,
+        control: Connection,
+        inline_s: float,
+        quick_s: float,
+    ) -> None:
+        self.runtime = runtime
+        self.listener = listener
+        self.control = control
+        self.inline_s = inline_s
+        self.quick_s = quick_s
+        self._selector = selectors.DefaultSelector()
+        self._accepted: deque[Connection] = deque()
+        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._selector.register(self.control, selectors.EVENT_READ)
+        self._mu = threading.Lock()
+        self._reader = 0  # which reading thread may read (a newer one takes over)
+        self._busy_since: float | None = None
+        self._quick = 0
+        self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="shard-call")
+        self.closing = threading.Event()
+        self.closed = threading.Event()
+        self.shutdown_timeout: float | None = 30.0
+
+    def serve(self) -> None:
+        threading.Thread(target=self._accept, name="shard-accept", daemon=True).start()
+        threading.Thread(target=self._watch, name="shard-watch", daemon=True).start()
+        self._read(0)
+        self.closed.wait()
+
+    def _accept(self) -> None:
+        while not self.closing.is_set():
+            try:
+                conn = self.listener.accept()
+            except OSError:
+                if self.closing.is_set():
+                    return
+                log.warning("a connection to the shard failed its handshake")
+                continue
+            self._accepted.append(conn)
+            with contextlib.suppress(OSError):
+                self._wake_w.send_bytes(b"")
+
+    def _watch(self) -> None:
+        """Hand the reading to a new thread when a call run by the reading thread takes
+        longer than ``inline_s`` (it was quick before: a slow call after quick ones)."""
+        while not self.closing.wait(min(self.inline_s / 2, 0.01)):
+            with self._mu:
+                since = self._busy_since
+                if since is None or time.monotonic() - since <= self.inline_s:
+                    continue
+                self._reader += 1
+                self._busy_since = None
+                self._quick = 0
+                reader = self._reader
+            threading.Thread(target=self._read, args=(reader,), name="shard-read").start()
+
+    def _read(self, me: int) -> None:
+        selector = self._selector
+        while True:
+            with self._mu:
+                if me != self._reader or self.closing.is_set():
+                    return
+            for key, _ in selector.select():
+                conn = key.fileobj
+                if conn is self._wake_r:
+                    with contextlib.suppress(EOFError, OSError):
+                        self._wake_r.recv_bytes()
+                    while self._accepted:
+                        selector.register(self._accepted.popleft(), selectors.EVENT_READ)
+                    continue
+                if conn is self.control:
+                    self._control()
+                    return
+                assert isinstance(conn, Connection)
+                try:
+                    data = conn.recv_bytes()
+                except (EOFError, OSError):  # the caller went away
+                    selector.unregister(conn)
+                    conn.close()
+                    continue
+                if self._quick < _QUICK_CALLS:
+                    self._pool.submit(self._timed, conn, data)
+                    continue
+                self._busy_since = time.monotonic()
+                self._timed(conn, data)
+                with self._mu:
+                    self._busy_since = None
+                    if me != self._reader:
+                        return  # a slow call: another thread reads now
+
+    def _timed(self, conn: Connection, data: bytes) -> None:
+        start = time.perf_counter()
+        self._answer(conn, data)
+        quick = time.perf_counter() - start < self.quick_s
+        self._quick = min(self._quick + 1, _QUICK_CALLS) if quick else 0
+
+    def _answer(self, conn: Connection, data: bytes) -> None:
+        try:
+            kind, session_id, raw, seconds = _call_decoder.decode(data)
+            if kind in (_RUN, _SUBMIT):
+                try:
+                    inp = _input_decoder.decode(raw)
+                except msgspec.ValidationError as exc:
+                    raise InvalidInput(f"input: {exc}") from None
+                if kind == _RUN:
+                    answer = _outcome_answer(self.runtime.run(session_id, inp))
+                else:
+                    handle = self.runtime.submit(session_id, inp)
+                    self._send(conn, _encode(("a", handle.input_id, handle.where)))
+                    handle.future.add_done_callback(lambda f: self._send(conn, self._done(f)))
+                    return
+            elif kind == _WAIT_IDLE:
+                answer = _encode(("i", self.runtime.wait_idle(seconds)))
+            elif kind == _INFO:
+                answer = _encode(("n", os.getpid()))
+            else:
+                raise UsageError(f"unknown shard call {kind!r}")
+        except Exception as exc:
+            answer = _error(exc)
+        self._send(conn, answer)
+
+    @staticmethod
+    def _done(future: Any) -> bytes:
+        try:
+            return _outcome_answer(future.result())
+        except Exception as exc:
+            return _error(exc)
+
+    @staticmethod
+    def _send(conn: Connection, answer: bytes) -> None:
+        # A caller gone away sends the input again under its id.
+        with contextlib.suppress(OSError, ValueError):
+            conn.send_bytes(answer)
+
+    def _control(self) -> None:
+        """The parent asks the worker to shut down, or died (the pipe closed)."""
+        try:
+            msg = self.control.recv()
+            if msg[0] == "shutdown":
+                self.shutdown_timeout = msg[1]
+        except (EOFError, OSError):
+            self.shutdown_timeout = 10.0  # the parent is gone: end soon
+        self.closing.set()
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        self.closed.set()
+
+
+def _shard_main(
+    index: int,
+    database: str,
+    services: Callable[[], Any],
+    options: dict[str, Any],
+    address: str,
+    authkey: bytes,
+    control: Connection,
+    inline_s: float,
+    quick_s: float,
+) -> None:
+    """A worker process: its shard's runtime, answering calls until told to stop."""
+    from aalis_agent.actors.runtime import Runtime
+    from aalis_agent.events import SqliteEventStore
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops us
+    try:
+        store = SqliteEventStore(database)
+        try:
+            runtime = Runtime(store, services(), **options)
+            recovered = runtime.recover()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(address)  # a dead predecessor's socket
+            listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        except BaseException:
+            store.close()
+            raise
+    except Exception as exc:
+        control.send(("failed", _portable(exc)))
+        return
+    control.send(("ready", os.getpid(), recovered))
+    server = _Server(runtime, listener, control, inline_s, quick_s)
+    code = 0
+    try:
+        server.serve()
+    finally:
+        try:
+            runtime.shutdown(timeout=server.shutdown_timeout)
+            store.close()
+        except Exception:
+            log.exception("shard shutdown failed", shard=index)
+            code = 1
+        with contextlib.suppress(OSError):
+            control.send(("closed",))
+        # Threads a stuck tool keeps would hold the process open: the log is closed.
+        os._exit(code)
+
+
+# --- the parent -----------------------------------------------------------------------
+
+
+class _Shard:
+    """One worker process, started (again) on demand, and its idle connections."""
+
+    def __init__(self, owner: ProcessShards, index: int) -> None:
+        self.owner = owner
+        self.index = index
+        self.database = str(owner.directory / f"shard-{index}.db")
+        self.address = os.path.join(owner._sockets, f"{index}.sock")
+        self.lock = threading.Lock()
+        self.process: Any = None
+        self.control: Connection | None = None
+        self.generation = 0
+        self.idle: list[tuple[int, Connection]] = []
+        self.deaths: deque[float] = deque()
+        self.down: str | None = None  # why it is not started again
+        self.recovered: list[str] = []
+        self.restarts = 0
+
+    def start(self) -> None:
+        """Start the worker and wait until it serves (under ``lock``)."""
+        owner = self.owner
+        ctx = multiprocessing.get_context("spawn")
+        mine, theirs = ctx.Pipe()
+        process = ctx.Process(
+            target=_shard_main,
+            args=(
+                self.index,
+                self.database,
+                owner.services,
+                owner.runtime_options,
+                self.address,
+                owner._authkey,
+                theirs,
+                owner.inline_s,
+                owner.quick_s,
+            ),
+            name=f"aalis-shard-{self.index}",
+            daemon=True,
+        )
+        try:
+            process.start()
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            mine.close()
+            raise UsageError(
+                "ProcessShards: services must be a picklable callable (a function defined "
+                f"at a module's top level), and runtime_options picklable: {exc}"
+            ) from exc
+        finally:
+            theirs.close()
+        ready = mine.poll(owner.start_timeout_s)
+        try:
+            msg = mine.recv() if ready else None
+        except (EOFError, OSError):
+            msg = None
+        if msg is None or msg[0] != "ready":
+            process.kill()
+            process.join(5)
+            mine.close()
+            if msg is not None and msg[0] == "failed":
+                raise _raised(msg[1])
+            why = (
+                f"it exited with status {process.exitcode}"
+                if ready
+                else f"it did not start within {owner.start_timeout_s:g} s"
+            )
+            raise RunError(f"shard {self.index} ({self.database}) did not start: {why}")
+        self.process, self.control = process, mine
+        self.recovered = list(msg[2])
+        self.generation += 1
+        self.idle.clear()
+
+    def connection(self) -> tuple[int, Connection]:
+        """An idle connection to the live worker, or a new one (starting the worker again
+        when it died)."""
+        while True:
+            try:
+                generation, conn = self.idle.pop()
+            except IndexError:
+                break
+            if generation == self.generation:
+                return generation, conn
+            conn.close()
+        with self.lock:
+            if self.owner._closed:
+                raise RuntimeClosed("the shards are shut down")
+            if not self.alive():
+                self.restart()
+            try:
+                return self.generation, self._connect()
+            except (OSError, EOFError) as exc:
+                if self.alive():
+                    raise RunError(f"shard {self.index}: cannot connect: {exc}") from exc
+                self.restart()
+                return self.generation, self._connect()
+
+    def _connect(self) -> Connection:
+        return Client(self.address, family="AF_UNIX", authkey=self.owner._authkey)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    def restart(self) -> None:
+        """Start the worker again after it died (under ``lock``), unless it died too
+        often: then :class:`RunError` (turned into :class:`ShardUnavailable`)."""
+        if self.down is not None:
+            raise _Down(self.down)
+        process = self.process
+        if process is not None:
+            process.join(1)
+            code = process.exitcode
+            why = f"killed by signal {-code}" if code is not None and code < 0 else f"status {code}"
+            now = time.monotonic()
+            self.deaths.append(now)
+            while self.deaths and now - self.deaths[0] > _RESTART_WINDOW_S:
+                self.deaths.popleft()
+            log.warning("shard worker died; starting it again", shard=self.index, how=why)
+            if self.control is not None:
+                self.control.close()
+            if len(self.deaths) > self.owner.max_restarts:
+                self.down = f"its worker died {len(self.deaths)} times within a minute, last {why}"
+                raise _Down(self.down)
+            self.restarts += 1
+        try:
+            self.start()
+        except Exception as exc:
+            self.down = f"its worker would not start again: {exc}"
+            raise _Down(self.down) from exc
+
+    def give_back(self, generation: int, conn: Connection) -> None:
+        if generation == self.generation and not self.owner._closed:
+            self.idle.append((generation, conn))
+        else:
+            conn.close()
+
+    def call(self, call: bytes, session_id: str, input_id: str) -> list[Any]:
+        """Send ``call`` and return the first answer, sending it again to a restarted
+        worker when the worker died before answering (with the connection, for an
+        accepted submit: its outcome follows on it)."""
+        sent = False
+        while True:
+            try:
+                generation, conn = self.connection()
+            except _Down as exc:
+                raise ShardUnavailable(
+                    session_id, self.index, str(exc), input_id, maybe_accepted=sent
+                ) from None
+            try:
+                conn.send_bytes(call)
+                sent = True
+                answer = _answer_decoder.decode(conn.recv_bytes())
+            except (EOFError, OSError):
+                conn.close()
+                self._lost(generation)
+                continue
+            if answer[0] == "a":
+                return [*answer, generation, conn]
+            self.give_back(generation, conn)
+            return answer  # type: ignore[no-any-return]
+
+    def _lost(self, generation: int) -> None:
+        """A connection of ``generation`` broke: when its worker is gone, the next call
+        starts it again; a live worker dropping a connection is an error."""
+        process = self.process
+        if process is not None and generation == self.generation:
+            process.join(5)  # its socket closed: it is dying
+            if process.is_alive():
+                raise RunError(f"shard {self.index}: its worker dropped a call's connection")
+
+    def stop(self, timeout: float | None) -> None:
+        with self.lock:
+            process, control = self.process, self.control
+            for _, conn in self.idle:
+                conn.close()
+            self.idle.clear()
+            if process is None or control is None:
+                return
+            try:
+                control.send(("shutdown", timeout))
+                control.poll(None if timeout is None else timeout + 5)
+            except (OSError, EOFError):
+                pass
+            process.join(None if timeout is None else timeout + 5)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+            control.close()
+
+
+class _Down(RunError):
+    pass
+
+
+def _call(kind: str, session_id: str, inp: Input | None, seconds: float | None = None) -> bytes:
+    """A call as sent (see the wire above). An input msgpack cannot hold is refused as
+    the runtime refuses it (:func:`checked_input` names the field; text with lone
+    surrogates is cleaned as it would be)."""
+    try:
+        return _encode((kind, session_id, inp, seconds))
+    except (msgspec.EncodeError, OverflowError, TypeError, ValueError):
+        if inp is None:
+            raise
+        inp = checked_input(inp)
+        return _encode((kind, session_id, inp, seconds))
+
+
+def _outcome(answer: list[Any]) -> InputOutcome:
+    """The outcome an answer carries, or the error it carries raised."""
+    kind = answer[0]
+    if kind == "o":
+        return InputOutcome(*answer[1:6])
+    if kind == "e":
+        raise _raised(pickle.loads(answer[1]))
+    raise RunError(f"unexpected answer from a shard: {kind!r}")
+
+
+def _at_exit(ref: weakref.ref[ProcessShards]) -> None:
+    shards = ref()
+    if shards is not None and not shards._closed:
+        shards.shutdown(timeout=10)
+
+
+class ProcessHandle:
+    """An input accepted by its shard: ``where`` it went, and its outcome by
+    :meth:`result` (or ``await handle``)."""
+
+    def __init__(
+        self,
+        shard: _Shard,
+        session_id: str,
+        inp: Input,
+        where: str,
+        generation: int,
+        conn: Connection,
+    ) -> None:
+        self.session_id = session_id
+        self.input_id = inp.id
+        self.where = where
+        self._shard = shard
+        self._input = inp
+        self._generation = generation
+        self._conn: Connection | None = conn
+        self._lock = threading.Lock()
+        self._outcome: InputOutcome | None = None
+
+    def result(self, timeout: float | None = None) -> InputOutcome:
+        """The input's outcome; TimeoutError when it has none within ``timeout`` seconds
+        (ask again later). When the worker died meanwhile, the input is sent again to the
+        restarted one under its id, which answers it from the log (or follows it)."""
+        with self._lock:
+            if self._outcome is not None:
+                return self._outcome
+            conn = self._conn
+            answer = None
+            if conn is not None:
+                try:
+                    if not conn.poll(timeout):
+                        raise TimeoutError(
+                            f"input {self.input_id!r} has no outcome yet after {timeout} s"
+                        )
+                    answer = _answer_decoder.decode(conn.recv_bytes())
+                except (EOFError, OSError):
+                    conn.close()
+                    self._conn = None
+                    self._shard._lost(self._generation)
+                else:
+                    self._shard.give_back(self._generation, conn)
+                    self._conn = None
+            if answer is None:
+                # The worker died: its restarted self answers the input sent again.
+                call = _call(_RUN, self.session_id, self._input)
+                answer = self._shard.call(call, self.session_id, self.input_id)
+            self._outcome = _outcome(answer)
+            return self._outcome
+
+    async def aresult(self, timeout: float | None = None) -> InputOutcome:
+        return await asyncio.to_thread(self.result, timeout)
+
+    def __await__(self) -> Any:
+        return self.aresult().__await__()
+
+    def done(self) -> bool:
+        with self._lock:
+            return self._outcome is not None or (self._conn is not None and self._conn.poll(0))
+
+
+class ProcessShards:
+    """``shards`` worker processes on this machine, each a runtime over its own SQLite
+    log in ``directory``; see the module docstring.
+
+    ``services`` builds each worker's services (picklable: a module-level function);
+    ``runtime_options`` are keyword arguments for each worker's ``Runtime`` (say
+    ``max_live_sessions``). ``max_restarts``: how often a shard's worker may die within a
+    minute and be started again. ``inline_s`` and ``quick_s``: a call quicker than
+    ``quick_s`` three times in a row is then run by the worker's reading thread, until one
+    takes longer than ``inline_s``."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        services: Callable[[], Any],
+        shards: int = 2,
+        *,
+        runtime_options: dict[str, Any] | None = None,
+        start_timeout_s: float = 60.0,
+        max_restarts: int = 3,
+        inline_s: float = 0.02,
+        quick_s: float = 0.005,
+    ) -> None:
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise UsageError(f"ProcessShards: shards must be an integer >= 1, not {shards!r}")
+        if not callable(services):
+            raise UsageError(f"ProcessShards: services must be callable, not {services!r}")
+        for name, value in (("inline_s", inline_s), ("quick_s", quick_s)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise UsageError(f"ProcessShards: {name} must be a number > 0, not {value!r}")
+        self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise UsageError(f"{str(self.directory)!r} is not a directory")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        _manifest(self.directory, shards)
+        self.services = services
+        self.runtime_options = dict(runtime_options or {})
+        self.start_timeout_s = start_timeout_s
+        self.max_restarts = max_restarts
+        self.inline_s = float(inline_s)
+        self.quick_s = float(quick_s)
+        self._closed = False
+        self._authkey = os.urandom(32)
+        self._sockets = tempfile.mkdtemp(prefix="aalis-shards-")  # mode 0700
+        self._shards = [_Shard(self, i) for i in range(shards)]
+        atexit.register(_at_exit, weakref.ref(self))  # before multiprocessing ends them
+        try:
+            for shard in self._shards:
+                with shard.lock:
+                    shard.start()
+        except BaseException:
+            self.shutdown(timeout=10)
+            raise
+
+    @property
+    def shards(self) -> int:
+        return len(self._shards)
+
+    def shard_of(self, session_id: str) -> int:
+        """The index of the shard that runs ``session_id``."""
+        return shard_of(checked_session_id(session_id), len(self._shards))
+
+    def _route(self, session_id: str, inp: Input) -> tuple[_Shard, str, Input]:
+        if self._closed:
+            raise RuntimeClosed("the shards are shut down")
+        session_id = checked_session_id(session_id)
+        if not isinstance(inp, Input):
+            raise InvalidInput(f"input must be an Input, not {type(inp).__name__}")
+        inp = _with_id(inp)
+        return self._shards[shard_of(session_id, len(self._shards))], session_id, inp
+
+    def run(self, session_id: str, inp: Input) -> InputOutcome:
+        """``Runtime.run`` on the session's shard: the input's outcome once its turn
+        ended (or it was released). Refusals (``InvalidInput``...) are raised here."""
+        shard, session_id, inp = self._route(session_id, inp)
+        return _outcome(shard.call(_call(_RUN, session_id, inp), session_id, inp.id))
+
+    def submit(self, session_id: str, inp: Input) -> ProcessHandle:
+        """``Runtime.submit`` on the session's shard: returns once the input is durably
+        accepted there; the handle gives its outcome."""
+        shard, session_id, inp = self._route(session_id, inp)
+        answer = shard.call(_call(_SUBMIT, session_id, inp), session_id, inp.id)
+        if answer[0] != "a":
+            _outcome(answer)  # raises the refusal
+        _, _input_id, where, generation, conn = answer
+        return ProcessHandle(shard, session_id, inp, where, generation, conn)
+
+    async def arun(self, session_id: str, inp: Input) -> InputOutcome:
+        """:meth:`run` from an event loop (on a thread of its own)."""
+        return await asyncio.to_thread(self.run, session_id, inp)
+
+    async def asubmit(self, session_id: str, inp: Input) -> ProcessHandle:
+        """:meth:`submit` from an event loop; ``await`` the handle for the outcome."""
+        return await asyncio.to_thread(self.submit, session_id, inp)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Whether every shard had no turn running or queued within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for shard in self._shards:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            answer = shard.call(_call(_WAIT_IDLE, "", None, left), "", "")
+            if answer[0] != "i":
+                _outcome(answer)  # raises the error
+            if not answer[1]:
+                return False
+        return True
+
+    def info(self) -> list[dict[str, Any]]:
+        """Per shard: its index, database, worker pid, restarts, and the sessions its
+        worker recovered when it last started."""
+        return [
+            {
+                "index": s.index,
+                "database": s.database,
+                "pid": s.process.pid if s.process is not None else None,
+                "alive": s.alive(),
+                "restarts": s.restarts,
+                "recovered": list(s.recovered),
+                "down": s.down,
+            }
+            for s in self._shards
+        ]
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Shut every worker's runtime down (waiting up to ``timeout`` for turns) and end
+        the workers. Calls after it raise ``RuntimeClosed``."""
+        self._closed = True
+        for shard in getattr(self, "_shards", ()):
+            shard.stop(timeout)
+        shutil.rmtree(self._sockets, ignore_errors=True)
+
+    def __enter__(self) -> ProcessShards:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

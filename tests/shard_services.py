@@ -1,0 +1,49 @@
+"""Services for the worker processes of ``tests/test_process_shards.py`` (module-level
+functions: a worker builds its services from a pickled reference to one).
+
+The model answers at once: "好的 <n>" for a plain message, and for a message
+``block <dir>`` a call of the ``block`` tool, which writes ``<dir>/started-<pid>`` and waits
+until ``<dir>/release`` exists (then "released"); the turn then replies."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from aalis_agent.events import ToolCall
+from aalis_agent.services import ScriptedModel, ScriptedReply, Services, Tool, ToolRegistry
+
+
+def _reply(request: Any, n: int) -> ScriptedReply:
+    last = request.messages[-1]
+    text = last.content if isinstance(last.content, str) else ""
+    if last.role == "user" and "block " in text:
+        folder = text.split("block ", 1)[1].strip()
+        call = ToolCall(id=f"b{n}", name="block", arguments=json.dumps({"dir": folder}))
+        return ScriptedReply(tool_calls=(call,))
+    return ScriptedReply(text=f"好的 {n}")
+
+
+def _block(args: Any, ctx: Any) -> str:
+    folder = Path(args["dir"])
+    (folder / f"started-{os.getpid()}").write_text("", encoding="utf-8")
+    deadline = time.monotonic() + 60
+    while not (folder / "release").exists():
+        if time.monotonic() > deadline:
+            return "gave up"
+        time.sleep(0.005)
+    return "released"
+
+
+def services() -> Services:
+    return Services(
+        llm=ScriptedModel(_reply, keep_requests=0),
+        tools=ToolRegistry([Tool("block", _block)]),
+    )
+
+
+def broken_services() -> Services:
+    raise RuntimeError("no model configured for this shard")

@@ -1,0 +1,288 @@
+"""``ProcessShards``: sessions over worker processes, each shard a SQLite log of its own
+(``scale/processes.py``). Real worker processes (spawned), real Unix sockets, real
+SIGKILLs; the workers' services are ``tests/shard_services.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aalis_agent.events import Input, InputReceived, SqliteEventStore
+from aalis_agent.events.errors import InvalidInput, RuntimeClosed, StoreInUse, UsageError
+from aalis_agent.scale.ownership import shard_of
+from aalis_agent.scale.processes import MANIFEST, ProcessShards, ShardUnavailable
+
+from tests import shard_services
+from tests.harness import ROOT
+
+OPTIONS = {"janitor": False}
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> Iterator[ProcessShards]:
+    made = ProcessShards(tmp_path / "shards", shard_services.services, 2, runtime_options=OPTIONS)
+    yield made
+    made.shutdown(timeout=10)
+
+
+def _received(database: Path, session: str) -> list[str]:
+    store = SqliteEventStore(database, read_only=True)
+    try:
+        return [e.input.id for e in store.read(session) if isinstance(e, InputReceived)]
+    finally:
+        store.close()
+
+
+def _in_thread(fn: object, *args: object) -> tuple[threading.Thread, list[object]]:
+    box: list[object] = []
+
+    def go() -> None:
+        try:
+            box.append(fn(*args))  # type: ignore[operator]
+        except BaseException as exc:  # the test looks at it
+            box.append(exc)
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def _wait_for(predicate: object, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_each_session_runs_on_its_shard_and_each_file_holds_only_its_sessions(
+    shards: ProcessShards, tmp_path: Path
+) -> None:
+    sessions = [f"room:{i}" for i in range(8)]
+    for s in sessions:
+        outcome = shards.run(s, Input(id="", content="你好"))
+        assert outcome.outcome == "replied"
+        assert outcome.reply is not None and outcome.reply.startswith("好的")
+    pids = {info["pid"] for info in shards.info()}
+    assert len(pids) == 2 and os.getpid() not in pids
+    shards.shutdown(timeout=10)
+    for index in range(2):
+        store = SqliteEventStore(tmp_path / "shards" / f"shard-{index}.db", read_only=True)
+        try:
+            assert set(store.sessions()) == {s for s in sessions if shard_of(s, 2) == index}
+        finally:
+            store.close()
+
+
+def test_submit_returns_once_accepted_and_an_input_sent_again_never_runs_twice(
+    shards: ProcessShards, tmp_path: Path
+) -> None:
+    handle = shards.submit("room:a", Input(id="x1", content="你好"))
+    assert handle.input_id == "x1" and handle.where == "opened"
+    first = handle.result(timeout=30)
+    assert first.outcome == "replied"
+    again = shards.submit("room:a", Input(id="x1", content="你好"))
+    assert again.where == "handled"
+    assert again.result(timeout=30) == first
+    assert shards.run("room:a", Input(id="x1", content="你好")) == first
+    with pytest.raises(InvalidInput, match="x1"):  # refused in the worker, same class here
+        shards.run("room:a", Input(id="x1", content="另一句"))
+    shards.shutdown(timeout=10)
+    database = tmp_path / "shards" / f"shard-{shard_of('room:a', 2)}.db"
+    assert _received(database, "room:a") == ["x1"]
+
+
+def test_bad_input_is_refused_naming_what_is_wrong(shards: ProcessShards) -> None:
+    with pytest.raises(InvalidInput, match="must not be empty"):
+        shards.run("", Input(id="", content="x"))
+    with pytest.raises(InvalidInput, match="Input, not str"):
+        shards.run("room:a", "你好")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="content"):
+        shards.run("room:a", Input(id="", content=5))  # type: ignore[arg-type]
+    # Nothing was accepted by those; the session still serves.
+    assert shards.run("room:a", Input(id="", content="你好")).outcome == "replied"
+
+
+def test_lone_surrogates_are_cleaned_as_the_runtime_cleans_them(shards: ProcessShards) -> None:
+    outcome = shards.run("room:s", Input(id="s1", content="半个\ud83d表情"))
+    assert outcome.outcome == "replied"
+
+
+def test_the_directory_keeps_its_shard_count(tmp_path: Path) -> None:
+    folder = tmp_path / "shards"
+    ProcessShards(folder, shard_services.services, 2, runtime_options=OPTIONS).shutdown(10)
+    assert (folder / MANIFEST).exists()
+    with pytest.raises(UsageError, match="shards=2"):
+        ProcessShards(folder, shard_services.services, 3)
+    (folder / MANIFEST).unlink()
+    with pytest.raises(UsageError, match=r"no shards\.json"):
+        ProcessShards(folder, shard_services.services, 2)
+
+
+def test_a_second_process_on_the_directory_is_refused_and_the_first_serves_on(
+    shards: ProcessShards, tmp_path: Path
+) -> None:
+    with pytest.raises(StoreInUse, match="open for writing by another process"):
+        ProcessShards(tmp_path / "shards", shard_services.services, 2)
+    assert shards.run("room:a", Input(id="", content="你好")).outcome == "replied"
+
+
+def test_services_that_cannot_reach_a_worker_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="picklable"):
+        ProcessShards(tmp_path / "a", lambda: shard_services.services(), 1)
+    with pytest.raises(RuntimeError, match="no model configured"):
+        ProcessShards(tmp_path / "b", shard_services.broken_services, 1)
+    with pytest.raises(UsageError, match="shards must be an integer >= 1"):
+        ProcessShards(tmp_path / "c", shard_services.services, 0)
+
+
+def test_a_slow_call_does_not_hold_up_the_other_sessions_of_its_shard(tmp_path: Path) -> None:
+    shards = ProcessShards(tmp_path / "one", shard_services.services, 1, runtime_options=OPTIONS)
+    try:
+        for n in range(4):  # quick calls: the worker's reading thread now runs them itself
+            shards.run("room:quick", Input(id="", content=f"{n}"))
+        flags = tmp_path / "flags"
+        flags.mkdir()
+        slow, slow_box = _in_thread(shards.run, "room:slow", Input(id="", content=f"block {flags}"))
+        _wait_for(lambda: any(flags.glob("started-*")), "the blocking tool to start")
+        other, other_box = _in_thread(shards.run, "room:other", Input(id="", content="你好"))
+        other.join(20)
+        assert other_box and getattr(other_box[0], "outcome", None) == "replied", other_box
+        assert slow.is_alive()  # still in its tool
+        (flags / "release").write_text("", encoding="utf-8")
+        slow.join(20)
+        assert slow_box and getattr(slow_box[0], "outcome", None) == "replied", slow_box
+    finally:
+        shards.shutdown(timeout=10)
+
+
+def test_a_killed_worker_is_started_again_and_the_call_under_way_answered_once(
+    shards: ProcessShards, tmp_path: Path
+) -> None:
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    session = "room:k"
+    index = shard_of(session, 2)
+    pid = shards.info()[index]["pid"]
+    call, box = _in_thread(shards.run, session, Input(id="k1", content=f"block {flags}"))
+    _wait_for(lambda: (flags / f"started-{pid}").exists(), "the tool to start in the worker")
+    os.kill(pid, signal.SIGKILL)
+    (flags / "release").write_text("", encoding="utf-8")  # a second run of the tool would end
+    call.join(60)
+    assert box, "the call did not return"
+    outcome = box[0]
+    assert getattr(outcome, "input_id", None) == "k1", outcome
+    info = shards.info()[index]
+    assert info["restarts"] == 1 and info["pid"] != pid and info["alive"]
+    assert session in info["recovered"]  # the cut turn was finished by the new worker
+    # The tool ran once (the turn was cut in it; a cut turn's input is not run again).
+    assert [p.name for p in flags.glob("started-*")] == [f"started-{pid}"]
+    assert shards.run(session, Input(id="", content="你好")).outcome == "replied"
+    shards.shutdown(timeout=10)
+    assert _received(tmp_path / "shards" / f"shard-{index}.db", session).count("k1") == 1
+
+
+def test_a_handle_whose_worker_died_is_answered_by_the_restarted_worker(
+    shards: ProcessShards, tmp_path: Path
+) -> None:
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    session = "room:h"
+    index = shard_of(session, 2)
+    pid = shards.info()[index]["pid"]
+    handle = shards.submit(session, Input(id="h1", content=f"block {flags}"))
+    _wait_for(lambda: (flags / f"started-{pid}").exists(), "the tool to start in the worker")
+    os.kill(pid, signal.SIGKILL)
+    (flags / "release").write_text("", encoding="utf-8")
+    outcome = handle.result(timeout=60)
+    assert outcome.input_id == "h1" and outcome.outcome == "aborted"
+    assert shards.info()[index]["restarts"] == 1
+
+
+def test_a_shard_that_keeps_dying_is_given_up_naming_it(tmp_path: Path) -> None:
+    shards = ProcessShards(
+        tmp_path / "d", shard_services.services, 1, runtime_options=OPTIONS, max_restarts=1
+    )
+    try:
+        for _ in range(2):
+            pid = shards.info()[0]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            _wait_for(lambda pid=pid: not shards.info()[0]["alive"], "the worker to die")
+            if shards.info()[0]["restarts"] == 0:
+                assert shards.run("room:a", Input(id="", content="你好")).outcome == "replied"
+        with pytest.raises(ShardUnavailable, match="shard 0 is down") as caught:
+            shards.run("room:a", Input(id="d1", content="你好"))
+        assert caught.value.input_id == "d1" and not caught.value.maybe_accepted
+    finally:
+        shards.shutdown(timeout=10)
+
+
+def test_async_calls(shards: ProcessShards) -> None:
+    async def go() -> tuple[str, str]:
+        first = await shards.arun("room:x", Input(id="", content="你好"))
+        handle = await shards.asubmit("room:y", Input(id="", content="你好"))
+        second = await handle
+        return first.outcome, second.outcome
+
+    assert asyncio.run(go()) == ("replied", "replied")
+
+
+def test_calls_after_shutdown_are_refused(tmp_path: Path) -> None:
+    shards = ProcessShards(tmp_path / "s", shard_services.services, 1, runtime_options=OPTIONS)
+    pid = shards.info()[0]["pid"]
+    shards.shutdown(timeout=10)
+    assert not shards.info()[0]["alive"]
+    with pytest.raises(RuntimeClosed):
+        shards.run("room:a", Input(id="", content="你好"))
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+_PARENT = """
+import sys, time
+from aalis_agent.scale.processes import ProcessShards
+from tests import shard_services
+if __name__ == "__main__":
+    shards = ProcessShards(sys.argv[1], shard_services.services, 2)
+    print(" ".join(str(i["pid"]) for i in shards.info()), flush=True)
+    time.sleep(120)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie not reaped yet
+    except FileNotFoundError:
+        return True
+
+
+def test_workers_end_when_their_parent_is_killed(tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(_PARENT, encoding="utf-8")
+    with subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "shards")],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    ) as parent:
+        try:
+            assert parent.stdout is not None
+            pids = [int(p) for p in parent.stdout.readline().split()]
+            assert len(pids) == 2 and not any(_gone(p) for p in pids)
+            parent.kill()
+            parent.wait(10)
+            _wait_for(lambda: all(_gone(p) for p in pids), "the workers to end", timeout=30)
+        finally:
+            parent.kill()
+    # They shut down cleanly: a new parent opens the directory at once.
+    ProcessShards(tmp_path / "shards", shard_services.services, 2).shutdown(10)
