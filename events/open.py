@@ -11,9 +11,12 @@ from aalis_agent.events.sqlite import SqliteEventStore
 if TYPE_CHECKING:
     from aalis_agent.events.postgres import PostgresEventStore
 
-__all__ = ["is_postgres_url", "missing_database", "open_store"]
+__all__ = ["SHARDS_MANIFEST", "is_postgres_url", "missing_database", "open_store"]
 
 _SCHEMES = ("postgresql://", "postgres://")
+SHARDS_MANIFEST = "shards.json"
+"""What a directory of process shards records its shard count in
+(:class:`~aalis_agent.scale.processes.ProcessShards`)."""
 
 
 def is_postgres_url(target: str | Path) -> bool:
@@ -30,6 +33,12 @@ def missing_database(target: str | Path) -> str | None:
     if path.is_file():
         return None
     if path.is_dir():
+        if (path / SHARDS_MANIFEST).is_file():
+            shards = ", ".join(sorted(p.name for p in path.glob("shard-*.db"))[:4])
+            return (
+                f"{str(target)!r} is a directory of process shards, not an event database: "
+                f"open one of its shard files ({shards or 'none written yet'})"
+            )
         return f"{str(target)!r} is a directory, not an event database"
     return f"no event database at {str(target)!r}"
 

@@ -182,6 +182,19 @@ def test_a_directory_is_named_as_one(
     assert f"{str(tmp_path)!r} is a directory, not an event database" in err
 
 
+@pytest.mark.parametrize("argv", [["replay"], ["inspect"]], ids=["replay", "inspect"])
+def test_a_directory_of_process_shards_names_its_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    (tmp_path / "shards.json").write_text('{"format": 1, "shards": 2}\n')
+    for n in range(2):
+        (tmp_path / f"shard-{n}.db").write_bytes(b"")
+    code, out, err = run(capsys, argv[0], str(tmp_path))
+    assert code == 2 and out == ""
+    assert "is a directory of process shards, not an event database" in err
+    assert "open one of its shard files (shard-0.db, shard-1.db)" in err
+
+
 def test_not_a_database_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bogus = tmp_path / "notes.txt"
     bogus.write_text("hello, this is not sqlite\n" * 100)
