@@ -62,7 +62,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 from typing import Any
 
@@ -406,9 +406,11 @@ class _Shard:
         self.database = str(owner.directory / f"shard-{index}.db")
         self.address = os.path.join(owner._sockets, f"{index}.sock")
         self.lock = threading.Lock()
-        self.process: Any = None
+        # The live worker and its generation (how many started so far), set together: a
+        # thread reading them as another restarts the worker never pairs a new process
+        # with an old generation.
+        self._current: tuple[int, Any] = (0, None)
         self.control: Connection | None = None
-        self.generation = 0
         self.idle: list[tuple[int, Connection]] = []
         self.deaths: deque[float] = deque()
         self.down: str | None = None  # why it is not started again
@@ -463,10 +465,18 @@ class _Shard:
                 else f"it did not start within {owner.start_timeout_s:g} s"
             )
             raise RunError(f"shard {self.index} ({self.database}) did not start: {why}")
-        self.process, self.control = process, mine
+        self.control = mine
         self.recovered = list(msg[2])
-        self.generation += 1
+        self._current = (self._current[0] + 1, process)
         self.idle.clear()
+
+    @property
+    def generation(self) -> int:
+        return self._current[0]
+
+    @property
+    def process(self) -> Any:
+        return self._current[1]
 
     def connection(self) -> tuple[int, Connection]:
         """An idle connection to the live worker, or a new one (starting the worker again
@@ -487,7 +497,9 @@ class _Shard:
             try:
                 return self.generation, self._connect()
             except (OSError, EOFError) as exc:
-                if self.alive():
+                # Refused or cut: a worker dying (killed, its socket closed) is not
+                # always reaped yet; once it has ended, start it again.
+                if not _ended(self.process, 5):
                     raise RunError(f"shard {self.index}: cannot connect: {exc}") from exc
                 self.restart()
                 return self.generation, self._connect()
@@ -496,34 +508,37 @@ class _Shard:
         return Client(self.address, family="AF_UNIX", authkey=self.owner._authkey)
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.is_alive()
+        return self.process is not None and not _ended(self.process)
 
     def restart(self) -> None:
-        """Start the worker again after it died (under ``lock``), unless it died too
-        often: then :class:`RunError` (turned into :class:`ShardUnavailable`)."""
+        """Start the worker again after it died (under ``lock``), and again when it dies
+        or fails while starting, unless it died more than ``max_restarts`` times within a
+        minute: then :class:`_Down` (turned into :class:`ShardUnavailable`), for good."""
         if self.down is not None:
             raise _Down(self.down)
         process = self.process
         if process is not None:
-            process.join(1)
+            _ended(process, 1)
             code = process.exitcode
             why = f"killed by signal {-code}" if code is not None and code < 0 else f"status {code}"
+            if self.control is not None:
+                self.control.close()
+        while True:
             now = time.monotonic()
             self.deaths.append(now)
             while self.deaths and now - self.deaths[0] > _RESTART_WINDOW_S:
                 self.deaths.popleft()
-            log.warning("shard worker died; starting it again", shard=self.index, how=why)
-            if self.control is not None:
-                self.control.close()
             if len(self.deaths) > self.owner.max_restarts:
                 self.down = f"its worker died {len(self.deaths)} times within a minute, last {why}"
                 raise _Down(self.down)
+            log.warning("shard worker died; starting it again", shard=self.index, how=why)
+            try:
+                self.start()
+            except Exception as exc:  # it died, or failed, while starting: counted too
+                why = f"while starting: {exc}"
+                continue
             self.restarts += 1
-        try:
-            self.start()
-        except Exception as exc:
-            self.down = f"its worker would not start again: {exc}"
-            raise _Down(self.down) from exc
+            return
 
     def give_back(self, generation: int, conn: Connection) -> None:
         if generation == self.generation and not self.owner._closed:
@@ -559,11 +574,9 @@ class _Shard:
     def _lost(self, generation: int) -> None:
         """A connection of ``generation`` broke: when its worker is gone, the next call
         starts it again; a live worker dropping a connection is an error."""
-        process = self.process
-        if process is not None and generation == self.generation:
-            process.join(5)  # its socket closed: it is dying
-            if process.is_alive():
-                raise RunError(f"shard {self.index}: its worker dropped a call's connection")
+        current, process = self._current
+        if process is not None and generation == current and not _ended(process, 5):
+            raise RunError(f"shard {self.index}: its worker dropped a call's connection")
 
     def stop(self, timeout: float | None) -> None:
         with self.lock:
@@ -583,6 +596,14 @@ class _Shard:
                 process.kill()
                 process.join(5)
             control.close()
+
+
+def _ended(process: Any, seconds: float = 0.0) -> bool:
+    """Whether ``process`` has ended, waiting up to ``seconds`` for it (a worker
+    whose socket closed under a call is dying). Read from its sentinel, which any thread
+    may wait on: ``is_alive()`` reaps the process, and a thread asking while another
+    reaps it can be told it lives."""
+    return bool(wait([process.sentinel], seconds))
 
 
 class _Down(RunError):
