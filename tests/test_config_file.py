@@ -558,3 +558,24 @@ def test_a_plugin_config_built_in_python_shows_values_the_same_way() -> None:
         with pytest.raises(ConfigError) as err:
             AgentConfig(**kwargs)
         assert said in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("layer", ["platform.qq", "platformType.onebot", "venue.'qq:1'"])
+def test_tool_groups_written_as_a_string_are_refused(tmp_path: Path, layer: str) -> None:
+    """``enabledToolGroups`` is a list; a string in the file is a mistake (it was split
+    at commas and taken as a list), refused naming the key, as a scenario file does."""
+    path = write(tmp_path, f'[settings.{layer}]\nenabledToolGroups = "web, files"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    key = f"settings.{layer.replace(chr(39), '')}.enabledToolGroups"
+    assert str(err.value).startswith(f"{path}: {key}: "), str(err.value)
+    assert str(err.value).endswith(
+        "setting 'enabledToolGroups': must be a list of strings (group names, [\"*\"] for "
+        'all), not a string: "web, files"'
+    )
+    ok = write(tmp_path, f'[settings.{layer}]\nenabledToolGroups = ["web", "files"]\n')
+    layers = load_config(ok).settings
+    assert ("web", "files") in {
+        layers.for_turn("s", "qq", {}, venue="qq:1").tool_groups,
+        layers.for_turn("s", "onebot:x", {}).tool_groups,
+    }
