@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve the page for ``args.db`` on the loopback address until Ctrl-C."""
+    """Serve the page for ``args.db`` on the loopback address until Ctrl-C (status 0);
+    a SIGTERM is raised on to the command (:class:`~aalis_agent.cli.main.Terminated`,
+    status 143), the server closed first."""
     from aalis_agent.events.open import is_postgres_url
     from aalis_agent.inspector.server import make_server
 
@@ -51,8 +53,12 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt as exc:
+        from aalis_agent.cli.main import Terminated
+
+        if isinstance(exc, Terminated):
+            raise  # a SIGTERM: the command leaves with 143, as every command does
+        # Ctrl-C: how the page is stopped by hand (status 0)
     finally:
         server.server_close()
         server.store.close()

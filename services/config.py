@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
+import itertools
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -11,7 +14,7 @@ import structlog
 from aalis_agent.events.errors import ConfigError
 from aalis_agent.request.locales import DEFAULT_LOCALE, check_locale
 
-__all__ = ["AgentConfig"]
+__all__ = ["AgentConfig", "keyed", "toml_value"]
 
 log = structlog.get_logger("aalis.config")
 
@@ -60,8 +63,8 @@ class AgentConfig:
         if not isinstance(self.system_prompt, str):
             raise ConfigError(f"systemPrompt must be text, got {type(self.system_prompt).__name__}")
         if self.think is not None and not isinstance(self.think, str):
-            raise ConfigError(f"think must be a level id (text), got {self.think!r}")
-        check_locale(self.locale)
+            raise ConfigError(f"think must be a level id (text), got {toml_value(self.think)}")
+        check_locale(self.locale, shown=toml_value)
 
     @classmethod
     def from_mapping(
@@ -101,24 +104,106 @@ def keyed(where: str, said: str, table: str | None = None) -> str:
     historyLimit must be ...")."""
     if table is None:
         return f"{where}: {said}"
-    if said.split(" ", 1)[0] in _KEYS:
+    first = said.split(" ", 1)[0]
+    if first in _KEYS or (first.endswith(":") and first[:-1] in _KEYS):
         return f"{where}: {table}.{said}"
     return f"{where}: {table}: {said}"
 
 
 def _check_int(key: str, value: Any, *, minimum: int, maximum: int = 2**63 - 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key} must be an integer, got {value!r}")
+        raise ConfigError(f"{key} must be an integer, got {toml_value(value)}")
     if value < minimum:
-        raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+        raise ConfigError(f"{key} must be >= {minimum}, got {toml_value(value)}")
     if value > maximum:
-        raise ConfigError(f"{key} must be <= {maximum}, got {value}")
+        raise ConfigError(f"{key} must be <= {maximum}, got {toml_value(value)}")
 
 
 def _check_ratio(key: str, value: Any, *, upper: float | None) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"{key} must be a number, got {value!r}")
+        raise ConfigError(f"{key} must be a number, got {toml_value(value)}")
     if value <= 0:
-        raise ConfigError(f"{key} must be > 0, got {value}")
+        raise ConfigError(f"{key} must be > 0, got {toml_value(value)}")
     if upper is not None and value > upper:
-        raise ConfigError(f"{key} must be <= {upper:g}, got {value}")
+        raise ConfigError(f"{key} must be <= {upper:g}, got {toml_value(value)}")
+
+
+_SHOWN_CHARS = 60
+_SHOWN_ITEMS = 4
+_SHOWN_DEPTH = 3
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+", re.ASCII)
+_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\n": "\\n",
+    "\t": "\\t",
+    "\r": "\\r",
+    "\b": "\\b",
+    "\f": "\\f",
+}
+
+
+def toml_value(value: Any, depth: int = _SHOWN_DEPTH) -> str:
+    """``value`` for an error message as a TOML (or JSON) file spells it: ``true``,
+    ``"x"``, ``1.5``, ``inf``, ``[1, "a"]``, ``{a = 1}``, ``2020-01-02`` (and ``null``),
+    never as Python does (``True``, ``'x'``). Shortened: text past 60 characters, more
+    than 4 items and nesting past 3 levels are cut (``...``); a huge integer is
+    described; a value no file holds is named by its type."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        if value.bit_length() > 256:
+            digits = int(value.bit_length() * math.log10(2)) + 1
+            return f"{'a negative' if value < 0 else 'an'} integer of about {digits} digits"
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return _quoted(value)
+    if isinstance(value, datetime.date | datetime.time):  # a datetime is a date
+        return value.isoformat()
+    if isinstance(value, list | tuple):
+        if depth <= 0:
+            return "[...]"
+        items = [toml_value(v, depth - 1) for v in value[:_SHOWN_ITEMS]]
+        if len(value) > _SHOWN_ITEMS:
+            items.append("...")
+        return f"[{', '.join(items)}]"
+    if isinstance(value, Mapping):
+        if depth <= 0:
+            return "{...}"
+        pairs = itertools.islice(value.items(), _SHOWN_ITEMS)
+        items = [f"{_toml_key(k)} = {toml_value(v, depth - 1)}" for k, v in pairs]
+        if len(value) > _SHOWN_ITEMS:
+            items.append("...")
+        return "{" + ", ".join(items) + "}"
+    return f"a {type(value).__name__}"
+
+
+def _toml_key(key: Any) -> str:
+    if isinstance(key, str) and _BARE_KEY.fullmatch(key):
+        return key
+    return _quoted(key) if isinstance(key, str) else toml_value(key, 0)
+
+
+def _quoted(text: str) -> str:
+    """``text`` as a basic string: quotes, backslashes and what does not print escaped
+    (a lone surrogate too); cut after 60 characters."""
+    out = []
+    for ch in text[:_SHOWN_CHARS]:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif ch.isprintable():
+            out.append(ch)
+        elif ord(ch) <= 0xFFFF:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(f"\\U{ord(ch):08x}")
+    more = "..." if len(text) > _SHOWN_CHARS else ""
+    return f'"{"".join(out)}{more}"'

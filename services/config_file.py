@@ -76,7 +76,7 @@ from aalis_agent.events.errors import ConfigError
 from aalis_agent.events.schema import ModelRef
 from aalis_agent.request.limits import MAX_DEPTH, find_unloggable, toml_too_deep
 from aalis_agent.services import shapes
-from aalis_agent.services.config import AgentConfig
+from aalis_agent.services.config import AgentConfig, toml_value
 from aalis_agent.services.files import read_text_file
 from aalis_agent.services.llm import ChatModel, ScriptedModel, ScriptedReply, ThinkLevel
 from aalis_agent.services.mcp import DEFAULT_MAX_LINE_BYTES, McpServer
@@ -504,6 +504,13 @@ def _layers(r: _Reader, spec: _File, config: AgentConfig) -> SettingsLayers:
             values = r.convert(v, dict[str, Any], f"settings.{name}.{k}")
             checked: dict[str, Any] = {}
             for setting, raw in values.items():
+                if setting == "enabledToolGroups" and isinstance(raw, str):
+                    # a list in a file, as in a scenario file (/session.set takes "a,b")
+                    raise r.error(
+                        f"settings.{name}.{k}.{setting}",
+                        f"{label} {k!r} setting {setting!r}: must be a list of strings "
+                        f'(group names, ["*"] for all), not a string: {toml_value(raw)}',
+                    )
                 try:
                     checked[setting] = validate_setting(setting, raw, layer=f"{label} {k!r}")
                 except ConfigError as exc:

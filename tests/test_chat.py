@@ -310,7 +310,7 @@ def test_a_bad_config_file_is_refused_with_its_key(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert result.stderr == (
-        f"aalis-agent chat: error: {config}: agent.historyLimit must be an integer, got 'many'\n"
+        f'aalis-agent chat: error: {config}: agent.historyLimit must be an integer, got "many"\n'
     )
     assert not (tmp_path / "c.db").exists()  # nothing was started
 

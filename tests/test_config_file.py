@@ -505,3 +505,77 @@ def test_an_already_parsed_mapping_is_checked_the_same_way() -> None:
         ConfigError, match=r"^inline: agent\.systemPrompt\[0\]\[0\].*: nested deeper"
     ):
         parse_config({"agent": {"systemPrompt": deep}}, file="inline")
+
+
+@pytest.mark.parametrize(
+    ("toml", "said"),
+    [
+        ("historyLimit = true", "agent.historyLimit must be an integer, got true"),
+        ("historyLimit = 'many'", 'agent.historyLimit must be an integer, got "many"'),
+        ("historyLimit = 1.5", "agent.historyLimit must be an integer, got 1.5"),
+        ("historyLimit = [1, 'a']", 'agent.historyLimit must be an integer, got [1, "a"]'),
+        ("historyLimit = {a = false}", "agent.historyLimit must be an integer, got {a = false}"),
+        ("historyLimit = 2020-01-02", "agent.historyLimit must be an integer, got 2020-01-02"),
+        ("maxToolIterations = false", "agent.maxToolIterations must be an integer, got false"),
+        ("toolResultMaxRatio = 'x'", 'agent.toolResultMaxRatio must be a number, got "x"'),
+        ("trimThresholdRatio = inf", "agent.trimThresholdRatio must be a number, got inf"),
+        ("trimThresholdRatio = nan", "agent.trimThresholdRatio must be a number, got nan"),
+        ("think = true", "agent.think must be a level id (text), got true"),
+        ('think = ["a\\nb"]', 'agent.think must be a level id (text), got ["a\\nb"]'),
+        ("locale = true", "agent.locale: unknown locale true; known: en, zh"),
+        ("locale = 'fr'", 'agent.locale: unknown locale "fr"; known: en, zh'),
+    ],
+)
+def test_agent_errors_show_the_value_as_the_file_wrote_it(
+    tmp_path: Path, toml: str, said: str
+) -> None:
+    """An ``[agent]`` value of the wrong type is shown as TOML spells it (``true``,
+    ``"x"``), not as Python does (``True``, ``'x'``), and its key as a path."""
+    path = write(tmp_path, f"[agent]\n{toml}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: {said}"
+
+
+def test_a_long_or_deep_agent_value_is_shown_shortened(tmp_path: Path) -> None:
+    path = write(tmp_path, "[agent]\nthink = [[[[[1]]]], '" + "x" * 500 + "', 3, 4, 5]\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    shown = str(err.value).split(", got ", 1)[1]
+    assert shown == '[[[[...]]], "' + "x" * 60 + '...", 3, 4, ...]'
+
+
+def test_a_plugin_config_built_in_python_shows_values_the_same_way() -> None:
+    from aalis_agent.services.config import AgentConfig
+
+    for kwargs, said in [
+        ({"max_tool_iterations": "3"}, 'maxToolIterations must be an integer, got "3"'),
+        ({"think": ("\ud800\x01",)}, 'think must be a level id (text), got ["\\ud800\\u0001"]'),
+        ({"history_limit": None}, "historyLimit must be an integer, got null"),
+        ({"history_limit": 10**400}, "<= 9223372036854775807, got an integer of about 401 digits"),
+        ({"history_limit": {"a b": object()}}, 'got {"a b" = a object}'),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            AgentConfig(**kwargs)
+        assert said in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("layer", ["platform.qq", "platformType.onebot", "venue.'qq:1'"])
+def test_tool_groups_written_as_a_string_are_refused(tmp_path: Path, layer: str) -> None:
+    """``enabledToolGroups`` is a list; a string in the file is a mistake (it was split
+    at commas and taken as a list), refused naming the key, as a scenario file does."""
+    path = write(tmp_path, f'[settings.{layer}]\nenabledToolGroups = "web, files"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    key = f"settings.{layer.replace(chr(39), '')}.enabledToolGroups"
+    assert str(err.value).startswith(f"{path}: {key}: "), str(err.value)
+    assert str(err.value).endswith(
+        "setting 'enabledToolGroups': must be a list of strings (group names, [\"*\"] for "
+        'all), not a string: "web, files"'
+    )
+    ok = write(tmp_path, f'[settings.{layer}]\nenabledToolGroups = ["web", "files"]\n')
+    layers = load_config(ok).settings
+    assert ("web", "files") in {
+        layers.for_turn("s", "qq", {}, venue="qq:1").tool_groups,
+        layers.for_turn("s", "onebot:x", {}).tool_groups,
+    }

@@ -591,3 +591,55 @@ def test_the_api_answers_no_page_of_another_origin(server: InspectorServer) -> N
     ):
         assert status(api_path, *allowed) == 200, allowed
     assert status("/", "Sec-Fetch-Site: cross-site", "Sec-Fetch-Mode: navigate") == 200
+
+
+def _inspect_then_signal(db: Path, signum: int) -> tuple[int, str]:
+    """``aalis-agent inspect DB`` as a process, sent ``signum`` once it serves: its exit
+    status and stderr."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "aalis_agent.cli", "inspect", str(db)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline()
+        assert "http://127.0.0.1:" in line
+        url = line.split(" at ", 1)[1].strip()
+        deadline = time.monotonic() + 10
+        while True:  # answering: in its serving loop, past the lines printed before it
+            try:
+                with urllib.request.urlopen(url + "api/sessions", timeout=5):
+                    break
+            except urllib.error.URLError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        proc.send_signal(signum)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # never left hanging: the assertions fail instead
+            proc.wait(10)
+        return proc.returncode, proc.stderr.read()
+
+
+def test_sigterm_ends_inspect_with_143_as_it_ends_the_other_commands(demo_db: Path) -> None:
+    """A service manager's SIGTERM: the server is closed and the command leaves with 143
+    and a 'terminated' line, as chat and replay do (it left with 0, as if stopped by
+    hand)."""
+    import signal
+
+    status, err = _inspect_then_signal(demo_db, signal.SIGTERM)
+    assert status == 143, err
+    assert err == "\naalis-agent inspect: terminated\n"
+
+
+def test_ctrl_c_ends_inspect_with_0(demo_db: Path) -> None:
+    """Ctrl-C is how the page is stopped by hand ("Ctrl-C stops it"): status 0."""
+    import signal
+
+    status, err = _inspect_then_signal(demo_db, signal.SIGINT)
+    assert status == 0, err
+    assert "Traceback" not in err

@@ -187,7 +187,7 @@ def test_every_text_fills_in_both_locales() -> None:
 
 
 def test_an_unknown_locale_is_refused() -> None:
-    with pytest.raises(ConfigError, match="unknown locale 'fr'"):
+    with pytest.raises(ConfigError, match='unknown locale "fr"'):
         AgentConfig(locale="fr")
     with pytest.raises(ConfigError, match="platform profile 'x' setting 'locale'"):
         SettingsLayers(platforms={"x": {"locale": "klingon"}})

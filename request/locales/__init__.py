@@ -9,7 +9,7 @@ may pick another for its sessions (``services/settings.py``). Read them through
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from aalis_agent.events.errors import ConfigError
 from aalis_agent.request.locales import en, zh
@@ -23,9 +23,13 @@ LOCALES: Mapping[str, Mapping[str, str]] = {"zh": zh.TEXTS, "en": en.TEXTS}
 """Every pack by locale name."""
 
 
-def check_locale(value: object, *, where: str = "locale") -> str:
-    """``value`` when it names a pack, else a ConfigError naming ``where`` and the packs."""
+def check_locale(
+    value: object, *, where: str = "locale", shown: Callable[[object], str] | None = None
+) -> str:
+    """``value`` when it names a pack, else a ConfigError naming ``where`` and the packs
+    (the value shown by ``shown``, else as its ``repr``, cut at 60 characters)."""
     if not isinstance(value, str) or value not in LOCALES:
         known = ", ".join(sorted(LOCALES))
-        raise ConfigError(f"{where}: unknown locale {value!r:.60}; known: {known}")
+        said = shown(value) if shown is not None else f"{value!r:.60}"
+        raise ConfigError(f"{where}: unknown locale {said}; known: {known}")
     return value
