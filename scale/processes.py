@@ -231,10 +231,10 @@ class _Server:
         while not self.closing.is_set():
             try:
                 conn = self.listener.accept()
-            except OSError:
+            except Exception as exc:  # OSError, EOFError, AuthenticationError: that one only
                 if self.closing.is_set():
                     return
-                log.warning("a connection to the shard failed its handshake")
+                log.warning("a connection to the shard failed its handshake", error=repr(exc))
                 continue
             self._accepted.append(conn)
             with contextlib.suppress(OSError):

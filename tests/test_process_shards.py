@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
 from pathlib import Path
 
 import pytest
@@ -160,6 +163,31 @@ def test_a_slow_call_does_not_hold_up_the_other_sessions_of_its_shard(tmp_path: 
         (flags / "release").write_text("", encoding="utf-8")
         slow.join(20)
         assert slow_box and getattr(slow_box[0], "outcome", None) == "replied", slow_box
+    finally:
+        shards.shutdown(timeout=10)
+
+
+def test_a_connection_that_fails_its_handshake_does_not_stop_the_shard_accepting(
+    tmp_path: Path,
+) -> None:
+    shards = ProcessShards(tmp_path / "one", shard_services.services, 1, runtime_options=OPTIONS)
+    try:
+        address = shards._shards[0].address
+        with pytest.raises(AuthenticationError):
+            Client(address, family="AF_UNIX", authkey=b"not the key")
+        raw = socket.socket(socket.AF_UNIX)
+        raw.settimeout(20)  # the challenge comes at once while the worker accepts
+        raw.connect(address)
+        assert raw.recv(4096)  # the challenge: the worker waits for the answer
+        raw.close()  # and finds the connection gone
+        # No connection is idle yet: this call needs one accepted after those two.
+        call, box = _in_thread(shards.run, "room:a", Input(id="", content="你好"))
+        call.join(20)
+        stuck = call.is_alive()
+        if stuck:  # in the handshake, holding its shard: end the worker to shut down
+            os.kill(shards.info()[0]["pid"], signal.SIGKILL)
+        assert not stuck, "a new connection was not accepted"
+        assert box and getattr(box[0], "outcome", None) == "replied", box
     finally:
         shards.shutdown(timeout=10)
 
