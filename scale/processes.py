@@ -652,10 +652,14 @@ class ProcessHandle:
             answer = None
             if conn is not None:
                 try:
-                    if not conn.poll(timeout):
-                        raise TimeoutError(
-                            f"input {self.input_id!r} has no outcome yet after {timeout} s"
-                        )
+                    ready = conn.poll(timeout)
+                except (EOFError, OSError):
+                    ready = True  # recv_bytes finds the connection broken
+                if not ready:  # (TimeoutError is an OSError: raised out of the try)
+                    raise TimeoutError(
+                        f"input {self.input_id!r} has no outcome yet after {timeout} s"
+                    )
+                try:
                     answer = _answer_decoder.decode(conn.recv_bytes())
                 except (EOFError, OSError):
                     conn.close()

@@ -235,6 +235,26 @@ def test_a_handle_whose_worker_died_is_answered_by_the_restarted_worker(
     assert shards.info()[index]["restarts"] == 1
 
 
+def test_a_result_that_times_out_raises_timeout_error_and_can_be_asked_again(
+    shards: ProcessShards, tmp_path: Path
+) -> None:
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    session = "room:w"
+    handle = shards.submit(session, Input(id="w1", content=f"block {flags}"))
+    _wait_for(lambda: any(flags.glob("started-*")), "the tool to start in the worker")
+    with pytest.raises(TimeoutError, match="'w1' has no outcome yet"):
+        handle.result(timeout=0.1)
+    assert not handle.done()
+    (flags / "release").write_text("", encoding="utf-8")
+    assert handle.result(timeout=30).outcome == "replied"
+    assert shards.info()[shard_of(session, 2)]["restarts"] == 0
+    shards.shutdown(timeout=10)
+    database = tmp_path / "shards" / f"shard-{shard_of(session, 2)}.db"
+    assert _received(database, session) == ["w1"]
+    assert len(list(flags.glob("started-*"))) == 1  # the tool ran once
+
+
 def test_a_shard_that_keeps_dying_is_given_up_naming_it(tmp_path: Path) -> None:
     shards = ProcessShards(
         tmp_path / "d", shard_services.services, 1, runtime_options=OPTIONS, max_restarts=1
