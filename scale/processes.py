@@ -645,14 +645,20 @@ class ProcessHandle:
         """The input's outcome; TimeoutError when it has none within ``timeout`` seconds
         (ask again later). When the worker died meanwhile, the input is sent again to the
         restarted one under its id, which answers it from the log (or follows it)."""
-        with self._lock:
-            if self._outcome is not None:
-                return self._outcome
-            conn = self._conn
-            answer = None
-            if conn is not None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+            raise TimeoutError(f"input {self.input_id!r} has no outcome yet after {timeout} s")
+        try:
+            while self._outcome is None:
+                if self._conn is None:
+                    # The worker died: its restarted self follows the input sent again
+                    # (or answers it from its log), on a connection of its own.
+                    self._resend()
+                    continue
+                conn = self._conn
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
-                    ready = conn.poll(timeout)
+                    ready = conn.poll(left)
                 except (EOFError, OSError):
                     ready = True  # recv_bytes finds the connection broken
                 if not ready:  # (TimeoutError is an OSError: raised out of the try)
@@ -665,15 +671,23 @@ class ProcessHandle:
                     conn.close()
                     self._conn = None
                     self._shard._lost(self._generation)
-                else:
-                    self._shard.give_back(self._generation, conn)
-                    self._conn = None
-            if answer is None:
-                # The worker died: its restarted self answers the input sent again.
-                call = _call(_RUN, self.session_id, self._input)
-                answer = self._shard.call(call, self.session_id, self.input_id)
-            self._outcome = _outcome(answer)
+                    continue
+                self._conn = None
+                self._shard.give_back(self._generation, conn)
+                self._outcome = _outcome(answer)
             return self._outcome
+        finally:
+            self._lock.release()
+
+    def _resend(self) -> None:
+        """Send the input again as a submit (under ``_lock``): the new connection its
+        outcome comes on, or the outcome when the answer is one."""
+        call = _call(_SUBMIT, self.session_id, self._input)
+        answer = self._shard.call(call, self.session_id, self.input_id)
+        if answer[0] == "a":
+            self._generation, self._conn = answer[3], answer[4]
+        else:
+            self._outcome = _outcome(answer)
 
     async def aresult(self, timeout: float | None = None) -> InputOutcome:
         return await asyncio.to_thread(self.result, timeout)
@@ -682,8 +696,14 @@ class ProcessHandle:
         return self.aresult().__await__()
 
     def done(self) -> bool:
-        with self._lock:
+        """Whether :meth:`result` has the outcome at hand (False while another thread
+        waits in it)."""
+        if not self._lock.acquire(blocking=False):
+            return self._outcome is not None
+        try:
             return self._outcome is not None or (self._conn is not None and self._conn.poll(0))
+        finally:
+            self._lock.release()
 
 
 class ProcessShards:

@@ -255,6 +255,54 @@ def test_a_result_that_times_out_raises_timeout_error_and_can_be_asked_again(
     assert len(list(flags.glob("started-*"))) == 1  # the tool ran once
 
 
+def test_done_and_a_result_with_a_timeout_do_not_wait_for_another_threads_result(
+    shards: ProcessShards, tmp_path: Path
+) -> None:
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    handle = shards.submit("room:w", Input(id="w1", content=f"block {flags}"))
+    waiting, waiting_box = _in_thread(handle.result)
+    _wait_for(handle._lock.locked, "result() to wait on its thread")
+    done, done_box = _in_thread(handle.done)
+    timed, timed_box = _in_thread(handle.result, 0.1)
+    done.join(10)
+    timed.join(10)
+    stuck = done.is_alive() or timed.is_alive()
+    (flags / "release").write_text("", encoding="utf-8")
+    assert not stuck, "done() or result(timeout=0.1) waited for the other result()"
+    assert done_box == [False]
+    assert len(timed_box) == 1 and isinstance(timed_box[0], TimeoutError), timed_box
+    waiting.join(30)
+    assert getattr(waiting_box[0], "outcome", None) == "replied", waiting_box
+    assert handle.done() and handle.result(timeout=0) == waiting_box[0]
+
+
+def test_a_result_timeout_holds_when_the_worker_died_and_the_input_runs_again(
+    shards: ProcessShards, tmp_path: Path
+) -> None:
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    session = "room:t"
+    index = shard_of(session, 2)
+    pid = shards.info()[index]["pid"]
+    first = shards.submit(session, Input(id="t1", content=f"block {flags}"))
+    _wait_for(lambda: (flags / f"started-{pid}").exists(), "the tool to start in the worker")
+    queued = shards.submit(session, Input(id="t2", content=f"block {flags}"))
+    assert queued.where == "pending"  # behind t1's turn
+    os.kill(pid, signal.SIGKILL)
+    # The restarted worker cuts t1 and runs t2, whose tool waits for the release.
+    timed, box = _in_thread(queued.result, 1)
+    timed.join(15)
+    stuck = timed.is_alive()
+    (flags / "release").write_text("", encoding="utf-8")
+    assert not stuck, "result(timeout=1) waited for the turn run again"
+    assert len(box) == 1 and isinstance(box[0], TimeoutError), box
+    assert queued.result(timeout=30).outcome == "replied"
+    assert first.result(timeout=30).outcome == "aborted"
+    shards.shutdown(timeout=10)
+    assert _received(tmp_path / "shards" / f"shard-{index}.db", session) == ["t1", "t2"]
+
+
 def test_a_shard_that_keeps_dying_is_given_up_naming_it(tmp_path: Path) -> None:
     shards = ProcessShards(
         tmp_path / "d", shard_services.services, 1, runtime_options=OPTIONS, max_restarts=1
