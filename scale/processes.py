@@ -551,6 +551,11 @@ class _Shard:
                 conn.close()
                 self._lost(generation)
                 continue
+            except BaseException:
+                # Cut (Ctrl-C) with half the call sent or its answer unread: closed, the
+                # worker does not wait for the rest, and no later call reads that answer.
+                conn.close()
+                raise
             if answer[0] == "a":
                 return [*answer, generation, conn]
             self.give_back(generation, conn)
@@ -672,6 +677,12 @@ class ProcessHandle:
                     self._conn = None
                     self._shard._lost(self._generation)
                     continue
+                except BaseException:
+                    # Cut (Ctrl-C) with the answer read in part or whole: asked again,
+                    # the handle sends the input again rather than wait on this.
+                    conn.close()
+                    self._conn = None
+                    raise
                 self._conn = None
                 self._shard.give_back(self._generation, conn)
                 self._outcome = _outcome(answer)

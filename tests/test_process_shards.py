@@ -14,12 +14,13 @@ import threading
 import time
 from collections.abc import Iterator
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client
+from multiprocessing.connection import Client, Connection
 from pathlib import Path
 
 import pytest
 from aalis_agent.events import Input, InputReceived, SqliteEventStore
 from aalis_agent.events.errors import InvalidInput, RuntimeClosed, StoreInUse, UsageError
+from aalis_agent.scale import processes
 from aalis_agent.scale.ownership import shard_of
 from aalis_agent.scale.processes import MANIFEST, ProcessShards, ShardUnavailable
 
@@ -190,6 +191,52 @@ def test_a_connection_that_fails_its_handshake_does_not_stop_the_shard_accepting
         assert box and getattr(box[0], "outcome", None) == "replied", box
     finally:
         shards.shutdown(timeout=10)
+
+
+def test_a_call_cut_by_an_interrupt_leaves_no_half_call_or_unread_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shards = ProcessShards(tmp_path / "one", shard_services.services, 1, runtime_options=OPTIONS)
+    try:
+        # Ctrl-C while a long call is being sent: its length went, its body did not.
+        real_send = Connection._send
+
+        def send(conn: Connection, buf: bytes, *args: object) -> None:
+            if len(buf) > 100_000:
+                raise KeyboardInterrupt
+            real_send(conn, buf, *args)
+
+        monkeypatch.setattr(Connection, "_send", send)
+        with pytest.raises(KeyboardInterrupt) as cut:  # keeps the call's frame, and its socket
+            shards.run("room:a", Input(id="big", content="x" * 200_000))
+        monkeypatch.setattr(Connection, "_send", real_send)
+        call, box = _in_thread(shards.run, "room:b", Input(id="", content="你好"))
+        call.join(20)
+        stuck = call.is_alive()
+        if stuck:  # the worker's reading thread waits for the rest of the cut call
+            os.kill(shards.info()[0]["pid"], signal.SIGKILL)
+        assert not stuck, "the shard stopped reading calls"
+        assert getattr(box[0], "outcome", None) == "replied", box
+        assert cut.type is KeyboardInterrupt
+
+        # Ctrl-C once a handle's outcome was read, before it was taken: asked again, the
+        # handle has it from the worker (the input sent again under its id).
+        handle = shards.submit("room:c", Input(id="c1", content="你好"))
+        real_decoder = processes._answer_decoder
+
+        class Interrupted:
+            def decode(self, data: bytes) -> object:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(processes, "_answer_decoder", Interrupted())
+        with pytest.raises(KeyboardInterrupt):
+            handle.result(timeout=30)
+        monkeypatch.setattr(processes, "_answer_decoder", real_decoder)
+        outcome = handle.result(timeout=10)
+        assert outcome.input_id == "c1" and outcome.outcome == "replied"
+    finally:
+        shards.shutdown(timeout=10)
+    assert _received(tmp_path / "one" / "shard-0.db", "room:c") == ["c1"]
 
 
 def test_a_killed_worker_is_started_again_and_the_call_under_way_answered_once(
