@@ -390,6 +390,10 @@ def _shard_main(
             code = 1
         with contextlib.suppress(OSError):
             control.send(("closed",))
+        # The sockets' directory goes with the last worker out (its listener gone, its
+        # socket with it): the parent removes it at shutdown, but a parent killed can't.
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(address))
         # Threads a stuck tool keeps would hold the process open: the log is closed.
         os._exit(code)
 

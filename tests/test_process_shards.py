@@ -24,6 +24,7 @@ from aalis_agent.scale import processes
 from aalis_agent.scale.ownership import shard_of
 from aalis_agent.scale.processes import MANIFEST, ProcessShards, ShardUnavailable
 
+import aalis_agent
 from tests import shard_services
 from tests.harness import ROOT
 
@@ -395,9 +396,12 @@ from aalis_agent.scale.processes import ProcessShards
 from tests import shard_services
 if __name__ == "__main__":
     shards = ProcessShards(sys.argv[1], shard_services.services, 2)
-    print(" ".join(str(i["pid"]) for i in shards.info()), flush=True)
+    print(shards._sockets, *(i["pid"] for i in shards.info()), flush=True)
     time.sleep(120)
 """
+
+
+_PACKAGE_PARENT = str(Path(aalis_agent.__file__).parent.parent)
 
 
 def _gone(pid: int) -> bool:
@@ -416,15 +420,18 @@ def test_workers_end_when_their_parent_is_killed(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        # The package this process imports (not another checkout's), and tests.
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([_PACKAGE_PARENT, str(ROOT)])},
     ) as parent:
         try:
             assert parent.stdout is not None
-            pids = [int(p) for p in parent.stdout.readline().split()]
-            assert len(pids) == 2 and not any(_gone(p) for p in pids)
+            sockets, *pids = parent.stdout.readline().split()
+            assert len(pids) == 2 and not any(_gone(int(p)) for p in pids)
+            assert os.path.isdir(sockets)
             parent.kill()
             parent.wait(10)
-            _wait_for(lambda: all(_gone(p) for p in pids), "the workers to end", timeout=30)
+            _wait_for(lambda: all(_gone(int(p)) for p in pids), "the workers to end", timeout=30)
+            assert not os.path.exists(sockets)  # the last worker out removed it
         finally:
             parent.kill()
     # They shut down cleanly: a new parent opens the directory at once.
