@@ -466,7 +466,10 @@ class _Shard:
                 if ready
                 else f"it did not start within {owner.start_timeout_s:g} s"
             )
-            raise RunError(f"shard {self.index} ({self.database}) did not start: {why}")
+            error = f"shard {self.index} ({self.database}) did not start: {why}"
+            if ready and process.exitcode is not None and process.exitcode < 0:
+                raise _KilledStarting(error, process)  # by a signal (SIGKILL, OOM)
+            raise RunError(error)
         self.process, self.control = process, mine
         self.recovered = list(msg[2])
         self.generation += 1
@@ -504,30 +507,40 @@ class _Shard:
 
     def restart(self) -> None:
         """Start the worker again after it died (under ``lock``), unless it died too
-        often: then :class:`RunError` (turned into :class:`ShardUnavailable`)."""
+        often: then :class:`RunError` (turned into :class:`ShardUnavailable`). A worker
+        killed while it starts is one more death, and started again the same way."""
         if self.down is not None:
             raise _Down(self.down)
         process = self.process
         if process is not None:
-            process.join(1)
-            code = process.exitcode
-            why = f"killed by signal {-code}" if code is not None and code < 0 else f"status {code}"
-            now = time.monotonic()
-            self.deaths.append(now)
-            while self.deaths and now - self.deaths[0] > _RESTART_WINDOW_S:
-                self.deaths.popleft()
-            log.warning("shard worker died; starting it again", shard=self.index, how=why)
             if self.control is not None:
                 self.control.close()
-            if len(self.deaths) > self.owner.max_restarts:
-                self.down = f"its worker died {len(self.deaths)} times within a minute, last {why}"
-                raise _Down(self.down)
-            self.restarts += 1
-        try:
-            self.start()
-        except Exception as exc:
-            self.down = f"its worker would not start again: {exc}"
-            raise _Down(self.down) from exc
+            self._died(process)
+        while True:
+            try:
+                self.start()
+                return
+            except _KilledStarting as exc:
+                self._died(exc.process)
+            except Exception as exc:
+                self.down = f"its worker would not start again: {exc}"
+                raise _Down(self.down) from exc
+
+    def _died(self, process: Any) -> None:
+        """Count ``process``'s death (under ``lock``): :class:`_Down` when it is one too
+        many within a minute."""
+        process.join(1)
+        code = process.exitcode
+        why = f"killed by signal {-code}" if code is not None and code < 0 else f"status {code}"
+        now = time.monotonic()
+        self.deaths.append(now)
+        while self.deaths and now - self.deaths[0] > _RESTART_WINDOW_S:
+            self.deaths.popleft()
+        log.warning("shard worker died; starting it again", shard=self.index, how=why)
+        if len(self.deaths) > self.owner.max_restarts:
+            self.down = f"its worker died {len(self.deaths)} times within a minute, last {why}"
+            raise _Down(self.down)
+        self.restarts += 1
 
     def give_back(self, generation: int, conn: Connection) -> None:
         if generation == self.generation and not self.owner._closed:
@@ -596,6 +609,14 @@ class _Shard:
 
 class _Down(RunError):
     pass
+
+
+class _KilledStarting(RunError):
+    """A worker killed by a signal before it served."""
+
+    def __init__(self, message: str, process: Any) -> None:
+        super().__init__(message)
+        self.process = process
 
 
 def _call(kind: str, session_id: str, inp: Input | None, seconds: float | None = None) -> bytes:

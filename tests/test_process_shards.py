@@ -5,6 +5,7 @@ SIGKILLs; the workers' services are ``tests/shard_services.py``."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -349,6 +350,30 @@ def test_a_result_timeout_holds_when_the_worker_died_and_the_input_runs_again(
     assert first.result(timeout=30).outcome == "aborted"
     shards.shutdown(timeout=10)
     assert _received(tmp_path / "shards" / f"shard-{index}.db", session) == ["t1", "t2"]
+
+
+def test_a_worker_killed_while_it_is_started_again_is_started_once_more(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    services = functools.partial(shard_services.gated_services, str(gate))
+    shards = ProcessShards(tmp_path / "g", services, 1, runtime_options=OPTIONS)
+    try:
+        pid = shards.info()[0]["pid"]
+        (gate / "hold").write_text("", encoding="utf-8")
+        os.kill(pid, signal.SIGKILL)
+        _wait_for(lambda: not shards.info()[0]["alive"], "the worker to die")
+        call, box = _in_thread(shards.run, "room:a", Input(id="g1", content="你好"))
+        _wait_for(lambda: any(gate.glob("starting-*")), "the worker to start again")
+        starting = next(gate.glob("starting-*"))
+        os.kill(int(starting.name.split("-")[1]), signal.SIGKILL)  # killed as it starts
+        starting.unlink()
+        (gate / "hold").unlink()
+        call.join(60)
+        assert box and getattr(box[0], "outcome", None) == "replied", box
+        info = shards.info()[0]
+        assert info["restarts"] == 2 and info["down"] is None
+    finally:
+        shards.shutdown(timeout=10)
 
 
 def test_a_shard_that_keeps_dying_is_given_up_naming_it(tmp_path: Path) -> None:
