@@ -62,7 +62,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 from typing import Any
 
@@ -494,7 +494,7 @@ class _Shard:
             try:
                 return self.generation, self._connect()
             except (OSError, EOFError) as exc:
-                if self.alive():
+                if not _ended(self.process, 5):  # else killed as it accepted
                     raise RunError(f"shard {self.index}: cannot connect: {exc}") from exc
                 self.restart()
                 return self.generation, self._connect()
@@ -529,7 +529,7 @@ class _Shard:
     def _died(self, process: Any) -> None:
         """Count ``process``'s death (under ``lock``): :class:`_Down` when it is one too
         many within a minute."""
-        process.join(1)
+        _ended(process, 1)
         code = process.exitcode
         why = f"killed by signal {-code}" if code is not None and code < 0 else f"status {code}"
         now = time.monotonic()
@@ -581,11 +581,10 @@ class _Shard:
     def _lost(self, generation: int) -> None:
         """A connection of ``generation`` broke: when its worker is gone, the next call
         starts it again; a live worker dropping a connection is an error."""
-        process = self.process
-        if process is not None and generation == self.generation:
-            process.join(5)  # its socket closed: it is dying
-            if process.is_alive():
-                raise RunError(f"shard {self.index}: its worker dropped a call's connection")
+        with self.lock:  # not between a restart's new process and its generation
+            process = self.process if generation == self.generation else None
+        if process is not None and not _ended(process, 5):  # it is dying, or dropped it
+            raise RunError(f"shard {self.index}: its worker dropped a call's connection")
 
     def stop(self, timeout: float | None) -> None:
         with self.lock:
@@ -605,6 +604,16 @@ class _Shard:
                 process.kill()
                 process.join(5)
             control.close()
+
+
+def _ended(process: Any, within: float) -> bool:
+    """Whether the worker ``process`` ended within ``within`` seconds. Its sockets and
+    sentinel close as it exits, a moment before it can be reaped (``is_alive()`` is
+    True until then): once the sentinel closed, join waits for that moment."""
+    if not wait([process.sentinel], within):
+        return False
+    process.join()
+    return True
 
 
 class _Down(RunError):
