@@ -231,10 +231,10 @@ class _Server:
         while not self.closing.is_set():
             try:
                 conn = self.listener.accept()
-            except OSError:
+            except Exception as exc:  # OSError, EOFError, AuthenticationError: that one only
                 if self.closing.is_set():
                     return
-                log.warning("a connection to the shard failed its handshake")
+                log.warning("a connection to the shard failed its handshake", error=repr(exc))
                 continue
             self._accepted.append(conn)
             with contextlib.suppress(OSError):
@@ -390,6 +390,10 @@ def _shard_main(
             code = 1
         with contextlib.suppress(OSError):
             control.send(("closed",))
+        # The sockets' directory goes with the last worker out (its listener gone, its
+        # socket with it): the parent removes it at shutdown, but a parent killed can't.
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(address))
         # Threads a stuck tool keeps would hold the process open: the log is closed.
         os._exit(code)
 
@@ -464,7 +468,10 @@ class _Shard:
                 if ready
                 else f"it did not start within {owner.start_timeout_s:g} s"
             )
-            raise RunError(f"shard {self.index} ({self.database}) did not start: {why}")
+            error = f"shard {self.index} ({self.database}) did not start: {why}"
+            if ready and process.exitcode is not None and process.exitcode < 0:
+                raise _KilledStarting(error, process)  # by a signal (SIGKILL, OOM)
+            raise RunError(error)
         self.control = mine
         self.recovered = list(msg[2])
         self._current = (self._current[0] + 1, process)
@@ -511,34 +518,42 @@ class _Shard:
         return self.process is not None and not _ended(self.process)
 
     def restart(self) -> None:
-        """Start the worker again after it died (under ``lock``), and again when it dies
-        or fails while starting, unless it died more than ``max_restarts`` times within a
-        minute: then :class:`_Down` (turned into :class:`ShardUnavailable`), for good."""
+        """Start the worker again after it died (under ``lock``), unless it died too
+        often: then :class:`RunError` (turned into :class:`ShardUnavailable`). A worker
+        killed while it starts is one more death, and started again the same way."""
         if self.down is not None:
             raise _Down(self.down)
         process = self.process
         if process is not None:
-            _ended(process, 1)
-            code = process.exitcode
-            why = f"killed by signal {-code}" if code is not None and code < 0 else f"status {code}"
             if self.control is not None:
                 self.control.close()
+            self._died(process)
         while True:
-            now = time.monotonic()
-            self.deaths.append(now)
-            while self.deaths and now - self.deaths[0] > _RESTART_WINDOW_S:
-                self.deaths.popleft()
-            if len(self.deaths) > self.owner.max_restarts:
-                self.down = f"its worker died {len(self.deaths)} times within a minute, last {why}"
-                raise _Down(self.down)
-            log.warning("shard worker died; starting it again", shard=self.index, how=why)
             try:
                 self.start()
-            except Exception as exc:  # it died, or failed, while starting: counted too
-                why = f"while starting: {exc}"
-                continue
-            self.restarts += 1
-            return
+                return
+            except _KilledStarting as exc:
+                self._died(exc.process)
+            except Exception as exc:
+                self.down = f"its worker would not start again: {exc}"
+                raise _Down(self.down) from exc
+
+    def _died(self, process: Any) -> None:
+        """Count ``process``'s death (under ``lock``): :class:`_Down` when it is one too
+        many within a minute."""
+        _ended(process, 1)
+        code = process.exitcode
+        why = f"killed by signal {-code}" if code is not None and code < 0 else f"status {code}"
+        now = time.monotonic()
+        self.deaths.append(now)
+        while self.deaths and now - self.deaths[0] > _RESTART_WINDOW_S:
+            self.deaths.popleft()
+        if len(self.deaths) > self.owner.max_restarts:
+            self.down = f"its worker died {len(self.deaths)} times within a minute, last {why}"
+            log.error("shard worker died too often; not started again", shard=self.index)
+            raise _Down(self.down)
+        log.warning("shard worker died; starting it again", shard=self.index, how=why)
+        self.restarts += 1
 
     def give_back(self, generation: int, conn: Connection) -> None:
         if generation == self.generation and not self.owner._closed:
@@ -566,6 +581,11 @@ class _Shard:
                 conn.close()
                 self._lost(generation)
                 continue
+            except BaseException:
+                # Cut (Ctrl-C) with half the call sent or its answer unread: closed, the
+                # worker does not wait for the rest, and no later call reads that answer.
+                conn.close()
+                raise
             if answer[0] == "a":
                 return [*answer, generation, conn]
             self.give_back(generation, conn)
@@ -599,15 +619,27 @@ class _Shard:
 
 
 def _ended(process: Any, seconds: float = 0.0) -> bool:
-    """Whether ``process`` has ended, waiting up to ``seconds`` for it (a worker
-    whose socket closed under a call is dying). Read from its sentinel, which any thread
-    may wait on: ``is_alive()`` reaps the process, and a thread asking while another
-    reaps it can be told it lives."""
-    return bool(wait([process.sentinel], seconds))
+    """Whether the worker ``process`` has ended, waiting up to ``seconds`` for it (a
+    worker whose socket closed under a call is dying). Read from its sentinel, which any
+    thread may wait on (``is_alive()`` reaps the process, and a thread asking while
+    another reaps it could be told it lives); its sockets and sentinel close as it exits,
+    a moment before it can be reaped: once the sentinel closed, join waits for that."""
+    if not wait([process.sentinel], seconds):
+        return False
+    process.join()
+    return True
 
 
 class _Down(RunError):
     pass
+
+
+class _KilledStarting(RunError):
+    """A worker killed by a signal before it served."""
+
+    def __init__(self, message: str, process: Any) -> None:
+        super().__init__(message)
+        self.process = process
 
 
 def _call(kind: str, session_id: str, inp: Input | None, seconds: float | None = None) -> bytes:
@@ -666,31 +698,55 @@ class ProcessHandle:
         """The input's outcome; TimeoutError when it has none within ``timeout`` seconds
         (ask again later). When the worker died meanwhile, the input is sent again to the
         restarted one under its id, which answers it from the log (or follows it)."""
-        with self._lock:
-            if self._outcome is not None:
-                return self._outcome
-            conn = self._conn
-            answer = None
-            if conn is not None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+            raise TimeoutError(f"input {self.input_id!r} has no outcome yet after {timeout} s")
+        try:
+            while self._outcome is None:
+                if self._conn is None:
+                    # The worker died: its restarted self follows the input sent again
+                    # (or answers it from its log), on a connection of its own.
+                    self._resend()
+                    continue
+                conn = self._conn
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
-                    if not conn.poll(timeout):
-                        raise TimeoutError(
-                            f"input {self.input_id!r} has no outcome yet after {timeout} s"
-                        )
+                    ready = conn.poll(left)
+                except (EOFError, OSError):
+                    ready = True  # recv_bytes finds the connection broken
+                if not ready:  # (TimeoutError is an OSError: raised out of the try)
+                    raise TimeoutError(
+                        f"input {self.input_id!r} has no outcome yet after {timeout} s"
+                    )
+                try:
                     answer = _answer_decoder.decode(conn.recv_bytes())
                 except (EOFError, OSError):
                     conn.close()
                     self._conn = None
                     self._shard._lost(self._generation)
-                else:
-                    self._shard.give_back(self._generation, conn)
+                    continue
+                except BaseException:
+                    # Cut (Ctrl-C) with the answer read in part or whole: asked again,
+                    # the handle sends the input again rather than wait on this.
+                    conn.close()
                     self._conn = None
-            if answer is None:
-                # The worker died: its restarted self answers the input sent again.
-                call = _call(_RUN, self.session_id, self._input)
-                answer = self._shard.call(call, self.session_id, self.input_id)
-            self._outcome = _outcome(answer)
+                    raise
+                self._conn = None
+                self._shard.give_back(self._generation, conn)
+                self._outcome = _outcome(answer)
             return self._outcome
+        finally:
+            self._lock.release()
+
+    def _resend(self) -> None:
+        """Send the input again as a submit (under ``_lock``): the new connection its
+        outcome comes on, or the outcome when the answer is one."""
+        call = _call(_SUBMIT, self.session_id, self._input)
+        answer = self._shard.call(call, self.session_id, self.input_id)
+        if answer[0] == "a":
+            self._generation, self._conn = answer[3], answer[4]
+        else:
+            self._outcome = _outcome(answer)
 
     async def aresult(self, timeout: float | None = None) -> InputOutcome:
         return await asyncio.to_thread(self.result, timeout)
@@ -699,8 +755,14 @@ class ProcessHandle:
         return self.aresult().__await__()
 
     def done(self) -> bool:
-        with self._lock:
+        """Whether :meth:`result` has the outcome at hand (False while another thread
+        waits in it)."""
+        if not self._lock.acquire(blocking=False):
+            return self._outcome is not None
+        try:
             return self._outcome is not None or (self._conn is not None and self._conn.poll(0))
+        finally:
+            self._lock.release()
 
 
 class ProcessShards:

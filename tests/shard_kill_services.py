@@ -28,17 +28,3 @@ def services() -> Services:
         llm=ScriptedModel(_reply, keep_requests=0),
         tools=ToolRegistry([Tool("work", _work)]),
     )
-
-
-def dying_once_services() -> Services:
-    """:func:`services`, except that a worker starting while ``AALIS_TEST_DIE_ONCE`` names
-    an existing file removes it and kills itself (a worker dying while it starts)."""
-    import os
-    import signal
-    from pathlib import Path
-
-    flag = os.environ.get("AALIS_TEST_DIE_ONCE")
-    if flag and Path(flag).exists():
-        Path(flag).unlink()
-        os.kill(os.getpid(), signal.SIGKILL)
-    return services()

@@ -47,3 +47,15 @@ def services() -> Services:
 
 def broken_services() -> Services:
     raise RuntimeError("no model configured for this shard")
+
+
+def gated_services(folder: str) -> Services:
+    """:func:`services`, except that while ``<folder>/hold`` exists a worker starting
+    writes ``<folder>/starting-<pid>`` and waits until ``hold`` is gone."""
+    gate = Path(folder)
+    if (gate / "hold").exists():
+        (gate / f"starting-{os.getpid()}").write_text("", encoding="utf-8")
+        deadline = time.monotonic() + 60
+        while (gate / "hold").exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+    return services()

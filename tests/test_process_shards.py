@@ -5,21 +5,27 @@ SIGKILLs; the workers' services are ``tests/shard_services.py``."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection
 from pathlib import Path
 
 import pytest
 from aalis_agent.events import Input, InputReceived, SqliteEventStore
 from aalis_agent.events.errors import InvalidInput, RuntimeClosed, StoreInUse, UsageError
+from aalis_agent.scale import processes
 from aalis_agent.scale.ownership import shard_of
 from aalis_agent.scale.processes import MANIFEST, ProcessShards, ShardUnavailable
 
+import aalis_agent
 from tests import shard_services
 from tests.harness import ROOT
 
@@ -164,6 +170,77 @@ def test_a_slow_call_does_not_hold_up_the_other_sessions_of_its_shard(tmp_path: 
         shards.shutdown(timeout=10)
 
 
+def test_a_connection_that_fails_its_handshake_does_not_stop_the_shard_accepting(
+    tmp_path: Path,
+) -> None:
+    shards = ProcessShards(tmp_path / "one", shard_services.services, 1, runtime_options=OPTIONS)
+    try:
+        address = shards._shards[0].address
+        with pytest.raises(AuthenticationError):
+            Client(address, family="AF_UNIX", authkey=b"not the key")
+        raw = socket.socket(socket.AF_UNIX)
+        raw.settimeout(20)  # the challenge comes at once while the worker accepts
+        raw.connect(address)
+        assert raw.recv(4096)  # the challenge: the worker waits for the answer
+        raw.close()  # and finds the connection gone
+        # No connection is idle yet: this call needs one accepted after those two.
+        call, box = _in_thread(shards.run, "room:a", Input(id="", content="你好"))
+        call.join(20)
+        stuck = call.is_alive()
+        if stuck:  # in the handshake, holding its shard: end the worker to shut down
+            os.kill(shards.info()[0]["pid"], signal.SIGKILL)
+        assert not stuck, "a new connection was not accepted"
+        assert box and getattr(box[0], "outcome", None) == "replied", box
+    finally:
+        shards.shutdown(timeout=10)
+
+
+def test_a_call_cut_by_an_interrupt_leaves_no_half_call_or_unread_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shards = ProcessShards(tmp_path / "one", shard_services.services, 1, runtime_options=OPTIONS)
+    try:
+        # Ctrl-C while a long call is being sent: its length went, its body did not.
+        real_send = Connection._send
+
+        def send(conn: Connection, buf: bytes, *args: object) -> None:
+            if len(buf) > 100_000:
+                raise KeyboardInterrupt
+            real_send(conn, buf, *args)
+
+        monkeypatch.setattr(Connection, "_send", send)
+        with pytest.raises(KeyboardInterrupt) as cut:  # keeps the call's frame, and its socket
+            shards.run("room:a", Input(id="big", content="x" * 200_000))
+        monkeypatch.setattr(Connection, "_send", real_send)
+        call, box = _in_thread(shards.run, "room:b", Input(id="", content="你好"))
+        call.join(20)
+        stuck = call.is_alive()
+        if stuck:  # the worker's reading thread waits for the rest of the cut call
+            os.kill(shards.info()[0]["pid"], signal.SIGKILL)
+        assert not stuck, "the shard stopped reading calls"
+        assert getattr(box[0], "outcome", None) == "replied", box
+        assert cut.type is KeyboardInterrupt
+
+        # Ctrl-C once a handle's outcome was read, before it was taken: asked again, the
+        # handle has it from the worker (the input sent again under its id).
+        handle = shards.submit("room:c", Input(id="c1", content="你好"))
+        real_decoder = processes._answer_decoder
+
+        class Interrupted:
+            def decode(self, data: bytes) -> object:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(processes, "_answer_decoder", Interrupted())
+        with pytest.raises(KeyboardInterrupt):
+            handle.result(timeout=30)
+        monkeypatch.setattr(processes, "_answer_decoder", real_decoder)
+        outcome = handle.result(timeout=10)
+        assert outcome.input_id == "c1" and outcome.outcome == "replied"
+    finally:
+        shards.shutdown(timeout=10)
+    assert _received(tmp_path / "one" / "shard-0.db", "room:c") == ["c1"]
+
+
 def test_a_killed_worker_is_started_again_and_the_call_under_way_answered_once(
     shards: ProcessShards, tmp_path: Path
 ) -> None:
@@ -205,6 +282,98 @@ def test_a_handle_whose_worker_died_is_answered_by_the_restarted_worker(
     outcome = handle.result(timeout=60)
     assert outcome.input_id == "h1" and outcome.outcome == "aborted"
     assert shards.info()[index]["restarts"] == 1
+
+
+def test_a_result_that_times_out_raises_timeout_error_and_can_be_asked_again(
+    shards: ProcessShards, tmp_path: Path
+) -> None:
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    session = "room:w"
+    handle = shards.submit(session, Input(id="w1", content=f"block {flags}"))
+    _wait_for(lambda: any(flags.glob("started-*")), "the tool to start in the worker")
+    with pytest.raises(TimeoutError, match="'w1' has no outcome yet"):
+        handle.result(timeout=0.1)
+    assert not handle.done()
+    (flags / "release").write_text("", encoding="utf-8")
+    assert handle.result(timeout=30).outcome == "replied"
+    assert shards.info()[shard_of(session, 2)]["restarts"] == 0
+    shards.shutdown(timeout=10)
+    database = tmp_path / "shards" / f"shard-{shard_of(session, 2)}.db"
+    assert _received(database, session) == ["w1"]
+    assert len(list(flags.glob("started-*"))) == 1  # the tool ran once
+
+
+def test_done_and_a_result_with_a_timeout_do_not_wait_for_another_threads_result(
+    shards: ProcessShards, tmp_path: Path
+) -> None:
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    handle = shards.submit("room:w", Input(id="w1", content=f"block {flags}"))
+    waiting, waiting_box = _in_thread(handle.result)
+    _wait_for(handle._lock.locked, "result() to wait on its thread")
+    done, done_box = _in_thread(handle.done)
+    timed, timed_box = _in_thread(handle.result, 0.1)
+    done.join(10)
+    timed.join(10)
+    stuck = done.is_alive() or timed.is_alive()
+    (flags / "release").write_text("", encoding="utf-8")
+    assert not stuck, "done() or result(timeout=0.1) waited for the other result()"
+    assert done_box == [False]
+    assert len(timed_box) == 1 and isinstance(timed_box[0], TimeoutError), timed_box
+    waiting.join(30)
+    assert getattr(waiting_box[0], "outcome", None) == "replied", waiting_box
+    assert handle.done() and handle.result(timeout=0) == waiting_box[0]
+
+
+def test_a_result_timeout_holds_when_the_worker_died_and_the_input_runs_again(
+    shards: ProcessShards, tmp_path: Path
+) -> None:
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    session = "room:t"
+    index = shard_of(session, 2)
+    pid = shards.info()[index]["pid"]
+    first = shards.submit(session, Input(id="t1", content=f"block {flags}"))
+    _wait_for(lambda: (flags / f"started-{pid}").exists(), "the tool to start in the worker")
+    queued = shards.submit(session, Input(id="t2", content=f"block {flags}"))
+    assert queued.where == "pending"  # behind t1's turn
+    os.kill(pid, signal.SIGKILL)
+    # The restarted worker cuts t1 and runs t2, whose tool waits for the release.
+    timed, box = _in_thread(queued.result, 1)
+    timed.join(15)
+    stuck = timed.is_alive()
+    (flags / "release").write_text("", encoding="utf-8")
+    assert not stuck, "result(timeout=1) waited for the turn run again"
+    assert len(box) == 1 and isinstance(box[0], TimeoutError), box
+    assert queued.result(timeout=30).outcome == "replied"
+    assert first.result(timeout=30).outcome == "aborted"
+    shards.shutdown(timeout=10)
+    assert _received(tmp_path / "shards" / f"shard-{index}.db", session) == ["t1", "t2"]
+
+
+def test_a_worker_killed_while_it_is_started_again_is_started_once_more(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    services = functools.partial(shard_services.gated_services, str(gate))
+    shards = ProcessShards(tmp_path / "g", services, 1, runtime_options=OPTIONS)
+    try:
+        pid = shards.info()[0]["pid"]
+        (gate / "hold").write_text("", encoding="utf-8")
+        os.kill(pid, signal.SIGKILL)
+        _wait_for(lambda: not shards.info()[0]["alive"], "the worker to die")
+        call, box = _in_thread(shards.run, "room:a", Input(id="g1", content="你好"))
+        _wait_for(lambda: any(gate.glob("starting-*")), "the worker to start again")
+        starting = next(gate.glob("starting-*"))
+        os.kill(int(starting.name.split("-")[1]), signal.SIGKILL)  # killed as it starts
+        starting.unlink()
+        (gate / "hold").unlink()
+        call.join(60)
+        assert box and getattr(box[0], "outcome", None) == "replied", box
+        info = shards.info()[0]
+        assert info["restarts"] == 2 and info["down"] is None
+    finally:
+        shards.shutdown(timeout=10)
 
 
 def test_a_shard_that_keeps_dying_is_given_up_naming_it(tmp_path: Path) -> None:
@@ -252,9 +421,12 @@ from aalis_agent.scale.processes import ProcessShards
 from tests import shard_services
 if __name__ == "__main__":
     shards = ProcessShards(sys.argv[1], shard_services.services, 2)
-    print(" ".join(str(i["pid"]) for i in shards.info()), flush=True)
+    print(shards._sockets, *(i["pid"] for i in shards.info()), flush=True)
     time.sleep(120)
 """
+
+
+_PACKAGE_PARENT = str(Path(aalis_agent.__file__).parent.parent)
 
 
 def _gone(pid: int) -> bool:
@@ -273,15 +445,18 @@ def test_workers_end_when_their_parent_is_killed(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        # The package this process imports (not another checkout's), and tests.
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([_PACKAGE_PARENT, str(ROOT)])},
     ) as parent:
         try:
             assert parent.stdout is not None
-            pids = [int(p) for p in parent.stdout.readline().split()]
-            assert len(pids) == 2 and not any(_gone(p) for p in pids)
+            sockets, *pids = parent.stdout.readline().split()
+            assert len(pids) == 2 and not any(_gone(int(p)) for p in pids)
+            assert os.path.isdir(sockets)
             parent.kill()
             parent.wait(10)
-            _wait_for(lambda: all(_gone(p) for p in pids), "the workers to end", timeout=30)
+            _wait_for(lambda: all(_gone(int(p)) for p in pids), "the workers to end", timeout=30)
+            assert not os.path.exists(sockets)  # the last worker out removed it
         finally:
             parent.kill()
     # They shut down cleanly: a new parent opens the directory at once.
