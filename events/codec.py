@@ -112,6 +112,10 @@ def checked_input(inp: Input, *, max_text_bytes: int | None = None) -> Input:
         return checked_input(inp, max_text_bytes=max_text_bytes)
     except (msgspec.EncodeError, OverflowError, TypeError, ValueError) as exc:
         raise InvalidInput(f"input {_shown_id(inp)}: {exc}") from None
+    except RecursionError:
+        raise InvalidInput(
+            f"input {_shown_id(inp)}: {_too_deep(inp)} is nested too deeply to be stored"
+        ) from None
     if max_text_bytes is not None and len(data) > OTHER_FIELDS_BYTES:
         content = inp.content
         text = len(content) if content.isascii() else len(content.encode("utf-8", "surrogatepass"))
@@ -130,6 +134,19 @@ def checked_input(inp: Input, *, max_text_bytes: int | None = None) -> Input:
 OTHER_FIELDS_BYTES = 65_536
 """What an input's fields besides its text may take as stored, wherever its text is
 limited (``checked_input``'s ``max_text_bytes``, ``Runtime(max_input_bytes=...)``)."""
+
+
+def _too_deep(inp: Input) -> str:
+    """The field of ``inp`` that cannot be encoded for its depth ("a value" if none
+    alone fails)."""
+    for name in inp.__struct_fields__:
+        try:
+            _encoder.encode(getattr(inp, name))
+        except RecursionError:
+            return name
+        except Exception:  # another fault: not this one's
+            continue
+    return "a value"
 
 
 def _shown_id(inp: Input) -> str:

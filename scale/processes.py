@@ -57,7 +57,6 @@ import signal
 import tempfile
 import threading
 import time
-import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -72,6 +71,7 @@ from aalis_agent.actors.messages import InputOutcome
 from aalis_agent.events.codec import checked_input, checked_session_id
 from aalis_agent.events.errors import InvalidInput, RunError, RuntimeClosed, UsageError
 from aalis_agent.events.schema import Input
+from aalis_agent.scale import with_input_id
 from aalis_agent.scale.ownership import shard_of
 
 __all__ = ["ProcessHandle", "ProcessShards", "ShardUnavailable"]
@@ -107,14 +107,6 @@ class ShardUnavailable(RunError):
         self.reason = reason
         self.input_id = input_id
         self.maybe_accepted = maybe_accepted
-
-
-def _with_id(inp: Input) -> Input:
-    """``inp`` with an id (a new random one when it has none, as a runtime gives): sent
-    again to a restarted shard it is the same input, which its session never runs twice."""
-    if inp.id:
-        return inp
-    return msgspec.structs.replace(inp, id=f"in-{uuid.uuid4().hex[:16]}")
 
 
 def _portable(exc: BaseException) -> Any:
@@ -235,6 +227,8 @@ class _Server:
                 if self.closing.is_set():
                     return
                 log.warning("a connection to the shard failed its handshake", error=repr(exc))
+                # Out of file descriptors, say: not a hot loop while it lasts.
+                self.closing.wait(0.05 if isinstance(exc, OSError) else 0.0)
                 continue
             self._accepted.append(conn)
             with contextlib.suppress(OSError):
@@ -464,7 +458,9 @@ class _Shard:
             if msg is not None and msg[0] == "failed":
                 raise _raised(msg[1])
             why = (
-                f"it exited with status {process.exitcode}"
+                f"it exited with status {process.exitcode} (its error is on stderr; a "
+                "script starting ProcessShards does so under if __name__ == '__main__':, "
+                "as each worker imports it)"
                 if ready
                 else f"it did not start within {owner.start_timeout_s:g} s"
             )
@@ -570,6 +566,8 @@ class _Shard:
             try:
                 generation, conn = self.connection()
             except _Down as exc:
+                if not input_id:  # a call about the shard, not an input
+                    raise RunError(f"shard {self.index} is down ({exc})") from None
                 raise ShardUnavailable(
                     session_id, self.index, str(exc), input_id, maybe_accepted=sent
                 ) from None
@@ -648,7 +646,7 @@ def _call(kind: str, session_id: str, inp: Input | None, seconds: float | None =
     surrogates is cleaned as it would be)."""
     try:
         return _encode((kind, session_id, inp, seconds))
-    except (msgspec.EncodeError, OverflowError, TypeError, ValueError):
+    except (msgspec.EncodeError, OverflowError, TypeError, ValueError, RecursionError):
         if inp is None:
             raise
         inp = checked_input(inp)
@@ -792,7 +790,15 @@ class ProcessShards:
             raise UsageError(f"ProcessShards: shards must be an integer >= 1, not {shards!r}")
         if not callable(services):
             raise UsageError(f"ProcessShards: services must be callable, not {services!r}")
-        for name, value in (("inline_s", inline_s), ("quick_s", quick_s)):
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise UsageError(
+                f"ProcessShards: max_restarts must be an integer >= 0, not {max_restarts!r}"
+            )
+        for name, value in (
+            ("inline_s", inline_s),
+            ("quick_s", quick_s),
+            ("start_timeout_s", start_timeout_s),
+        ):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise UsageError(f"ProcessShards: {name} must be a number > 0, not {value!r}")
         self.directory = Path(directory)
@@ -833,7 +839,7 @@ class ProcessShards:
         session_id = checked_session_id(session_id)
         if not isinstance(inp, Input):
             raise InvalidInput(f"input must be an Input, not {type(inp).__name__}")
-        inp = _with_id(inp)
+        inp = with_input_id(inp)
         return self._shards[shard_of(session_id, len(self._shards))], session_id, inp
 
     def run(self, session_id: str, inp: Input) -> InputOutcome:

@@ -55,7 +55,6 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import ray
 import structlog
 from aalis_agent.actors.messages import InputOutcome
@@ -72,6 +71,7 @@ from aalis_agent.events import (
 )
 from aalis_agent.events.errors import RunError, RuntimeClosed
 from aalis_agent.events.postgres import PostgresEventStore
+from aalis_agent.scale import with_input_id
 from aalis_agent.scale.leases import PostgresLeases
 from aalis_agent.scale.ownership import ShardOwnership, shard_of
 from aalis_agent.services import Services
@@ -306,15 +306,6 @@ class RuntimeShard:
         self.store.close()
 
 
-def _with_id(inp: Input) -> Input:
-    """``inp`` with an id: one it has, else a new random one (``in-`` and 16 hex digits,
-    as a runtime gives), so that sending it again to a restarted shard is sending the
-    same input, which its session answers instead of running it twice."""
-    if inp.id:
-        return inp
-    return msgspec.structs.replace(inp, id=f"in-{uuid.uuid4().hex[:16]}")
-
-
 @dataclass
 class RayHandle:
     """An accepted input on a shard: ``where`` it went, and its outcome by ``result()``
@@ -434,7 +425,7 @@ class ShardedRuntime:
         ``timeout`` seconds have passed. A shard Ray will not restart (``ActorDiedError``,
         the GCS listing it DEAD) raises :class:`ShardDead` at once, naming the session,
         the shard and Ray's reason, and whether the input may have been accepted."""
-        inp = _with_id(inp)
+        inp = with_input_id(inp)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             index, actor = self._live_shard(session_id, inp.id, "submit")
@@ -453,7 +444,7 @@ class ShardedRuntime:
 
     async def asubmit(self, session_id: str, inp: Input, timeout: float | None = 60.0) -> RayHandle:
         """:meth:`submit` for asyncio."""
-        inp = _with_id(inp)
+        inp = with_input_id(inp)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             index, actor = self._live_shard(session_id, inp.id, "submit")

@@ -86,6 +86,25 @@ def test_a_wrong_type_is_refused_at_submit_naming_the_field(
     assert runtime.submit(SID, Input(id="", content="好的")).result(10).outcome == "replied"
 
 
+def _nested(depth: int) -> list[Any]:
+    top: list[Any] = []
+    inner = top
+    for _ in range(depth):
+        inner.append([])
+        inner = inner[0]
+    return top
+
+
+def test_a_value_nested_past_the_recursion_limit_is_refused_naming_its_field(
+    runtime: Runtime,
+) -> None:
+    """It raised a bare RecursionError (from the encoder) out of submit."""
+    with pytest.raises(InvalidInput, match="input 'deep': mentions is nested too deeply"):
+        runtime.submit(SID, Input(id="deep", content="x", mentions=_nested(100_000)))  # type: ignore[arg-type]
+    assert runtime.store.read(SID) == []
+    assert runtime.submit(SID, Input(id="", content="好的")).result(10).outcome == "replied"
+
+
 def test_submit_refuses_what_is_not_an_input(runtime: Runtime) -> None:
     with pytest.raises(InvalidInput, match="expected an Input, got dict"):
         runtime.submit(SID, {"content": "hi"})  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from aalis_agent.events import Input, InputReceived, SqliteEventStore
-from aalis_agent.events.errors import InvalidInput, RuntimeClosed, StoreInUse, UsageError
+from aalis_agent.events.errors import InvalidInput, RunError, RuntimeClosed, StoreInUse, UsageError
 from aalis_agent.scale import processes
 from aalis_agent.scale.ownership import shard_of
 from aalis_agent.scale.processes import MANIFEST, ProcessShards, ShardUnavailable
@@ -113,6 +113,11 @@ def test_bad_input_is_refused_naming_what_is_wrong(shards: ProcessShards) -> Non
         shards.run("room:a", "你好")  # type: ignore[arg-type]
     with pytest.raises(InvalidInput, match="content"):
         shards.run("room:a", Input(id="", content=5))  # type: ignore[arg-type]
+    deep: list[object] = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(InvalidInput, match="mentions is nested too deeply"):
+        shards.run("room:a", Input(id="", content="x", mentions=deep))  # type: ignore[arg-type]
     # Nothing was accepted by those; the session still serves.
     assert shards.run("room:a", Input(id="", content="你好")).outcome == "replied"
 
@@ -148,6 +153,13 @@ def test_services_that_cannot_reach_a_worker_are_refused(tmp_path: Path) -> None
         ProcessShards(tmp_path / "b", shard_services.broken_services, 1)
     with pytest.raises(UsageError, match="shards must be an integer >= 1"):
         ProcessShards(tmp_path / "c", shard_services.services, 0)
+    for bad, match in (
+        ({"max_restarts": -1}, "max_restarts must be an integer >= 0, not -1"),
+        ({"max_restarts": "3"}, "max_restarts must be an integer >= 0, not '3'"),
+        ({"start_timeout_s": 0}, "start_timeout_s must be a number > 0, not 0"),
+    ):
+        with pytest.raises(UsageError, match=match):
+            ProcessShards(tmp_path / "e", shard_services.services, 1, **bad)  # type: ignore[arg-type]
 
 
 def test_a_slow_call_does_not_hold_up_the_other_sessions_of_its_shard(tmp_path: Path) -> None:
@@ -390,6 +402,9 @@ def test_a_shard_that_keeps_dying_is_given_up_naming_it(tmp_path: Path) -> None:
         with pytest.raises(ShardUnavailable, match="shard 0 is down") as caught:
             shards.run("room:a", Input(id="d1", content="你好"))
         assert caught.value.input_id == "d1" and not caught.value.maybe_accepted
+        with pytest.raises(RunError, match="shard 0 is down") as down:  # not about an input
+            shards.wait_idle(5)
+        assert not isinstance(down.value, ShardUnavailable)
     finally:
         shards.shutdown(timeout=10)
 
@@ -461,3 +476,28 @@ def test_workers_end_when_their_parent_is_killed(tmp_path: Path) -> None:
             parent.kill()
     # They shut down cleanly: a new parent opens the directory at once.
     ProcessShards(tmp_path / "shards", shard_services.services, 2).shutdown(10)
+
+
+_UNGUARDED = """
+from aalis_agent.scale.processes import ProcessShards
+from tests import shard_services
+ProcessShards(__import__("sys").argv[1], shard_services.services, 1)
+"""
+
+
+def test_a_script_without_the_main_guard_is_told_why_its_worker_did_not_start(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED, encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "shards")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([_PACKAGE_PARENT, str(ROOT)])},
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "shard 0" in done.stderr and "did not start: it exited with status 1" in done.stderr
+    assert "under if __name__ == '__main__':" in done.stderr
