@@ -1,9 +1,13 @@
-"""The example bot (examples/asyncio_bot.py) runs offline and shows what it says it does."""
+"""The examples (examples/asyncio_bot.py, examples/process_shards.py) run offline and show
+what they say they do."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+
+from aalis_agent.events import InputReceived, SqliteEventStore
 
 from tests.harness import ROOT
 
@@ -69,3 +73,34 @@ def test_the_asyncio_bot_serves_two_rooms() -> None:
     assert sum(line.startswith("bot: ") for line in garden) == 2
     assert not any("Once upon a time" in line for line in garden)  # stopped, never sent
     assert "result" in out and "'Time to water the plants!'" in out
+
+
+def test_the_process_shards_example_serves_rooms_and_survives_a_killed_worker(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "shards"
+    done = subprocess.run(
+        [sys.executable, "examples/process_shards.py", str(directory)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "120 turns from 4 threads in" in out and "{'replied': 120}" in out
+    assert "submit: opened; then replied" in out
+    assert "killed in the tool; the call was answered 'aborted'" in out
+    assert "the same input sent again: 'aborted', from the same turn: True" in out
+    assert "next message: replied" in out
+    # The killed worker's input was received once, its cut turn recorded once.
+    found = [p for p in directory.glob("shard-*.db")]
+    received = 0
+    for database in found:
+        store = SqliteEventStore(database, read_only=True)
+        try:
+            for event in store.read("qq:group:3"):
+                received += isinstance(event, InputReceived) and event.input.id == "cut-1"
+        finally:
+            store.close()
+    assert len(found) == 2 and received == 1
