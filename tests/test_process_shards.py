@@ -69,6 +69,18 @@ def _wait_for(predicate: object, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+def _blocking(shards: ProcessShards, tmp_path: Path, session: str) -> tuple[Path, int, int]:
+    """The flags folder for the ``block`` tool, ``session``'s shard and its worker's pid."""
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    index = shard_of(session, 2)
+    return flags, index, shards.info()[index]["pid"]
+
+
+def _started_in(flags: Path, pid: int) -> None:
+    _wait_for(lambda: (flags / f"started-{pid}").exists(), "the tool to start in the worker")
+
+
 def test_each_session_runs_on_its_shard_and_each_file_holds_only_its_sessions(
     shards: ProcessShards, tmp_path: Path
 ) -> None:
@@ -256,13 +268,10 @@ def test_a_call_cut_by_an_interrupt_leaves_no_half_call_or_unread_answer(
 def test_a_killed_worker_is_started_again_and_the_call_under_way_answered_once(
     shards: ProcessShards, tmp_path: Path
 ) -> None:
-    flags = tmp_path / "flags"
-    flags.mkdir()
     session = "room:k"
-    index = shard_of(session, 2)
-    pid = shards.info()[index]["pid"]
+    flags, index, pid = _blocking(shards, tmp_path, session)
     call, box = _in_thread(shards.run, session, Input(id="k1", content=f"block {flags}"))
-    _wait_for(lambda: (flags / f"started-{pid}").exists(), "the tool to start in the worker")
+    _started_in(flags, pid)
     os.kill(pid, signal.SIGKILL)
     (flags / "release").write_text("", encoding="utf-8")  # a second run of the tool would end
     call.join(60)
@@ -282,13 +291,10 @@ def test_a_killed_worker_is_started_again_and_the_call_under_way_answered_once(
 def test_a_handle_whose_worker_died_is_answered_by_the_restarted_worker(
     shards: ProcessShards, tmp_path: Path
 ) -> None:
-    flags = tmp_path / "flags"
-    flags.mkdir()
     session = "room:h"
-    index = shard_of(session, 2)
-    pid = shards.info()[index]["pid"]
+    flags, index, pid = _blocking(shards, tmp_path, session)
     handle = shards.submit(session, Input(id="h1", content=f"block {flags}"))
-    _wait_for(lambda: (flags / f"started-{pid}").exists(), "the tool to start in the worker")
+    _started_in(flags, pid)
     os.kill(pid, signal.SIGKILL)
     (flags / "release").write_text("", encoding="utf-8")
     outcome = handle.result(timeout=60)
@@ -341,13 +347,10 @@ def test_done_and_a_result_with_a_timeout_do_not_wait_for_another_threads_result
 def test_a_result_timeout_holds_when_the_worker_died_and_the_input_runs_again(
     shards: ProcessShards, tmp_path: Path
 ) -> None:
-    flags = tmp_path / "flags"
-    flags.mkdir()
     session = "room:t"
-    index = shard_of(session, 2)
-    pid = shards.info()[index]["pid"]
+    flags, index, pid = _blocking(shards, tmp_path, session)
     first = shards.submit(session, Input(id="t1", content=f"block {flags}"))
-    _wait_for(lambda: (flags / f"started-{pid}").exists(), "the tool to start in the worker")
+    _started_in(flags, pid)
     queued = shards.submit(session, Input(id="t2", content=f"block {flags}"))
     assert queued.where == "pending"  # behind t1's turn
     os.kill(pid, signal.SIGKILL)
