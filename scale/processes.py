@@ -40,6 +40,10 @@ process, a second ``ProcessShards`` on the directory included).
   :class:`ShardUnavailable` names it and why.
 - A worker whose parent dies (killed too) finds its control pipe closed, shuts its
   runtime down and exits.
+- A session's other calls (``command``, ``stop``, ``delete``, ``clear``,
+  ``set_setting``...) go to its shard as well; not being inputs, they are not sent again
+  when the worker dies during them: :class:`RunError` says they may or may not have taken
+  effect.
 """
 
 from __future__ import annotations
@@ -166,8 +170,12 @@ def _manifest(directory: Path, shards: int) -> None:
 # The wire: msgpack arrays. A call is [kind, session id, input or nil, seconds or nil]
 # (kinds below); an answer is ["o", input id, turn id, outcome, reason, reply] (how the
 # input ended), ["a", input id, where] (a submit accepted; its "o" follows), ["i", idle],
-# ["n", pid] or ["e", the error pickled] (see _portable).
-_RUN, _SUBMIT, _WAIT_IDLE, _INFO = "run", "submit", "wait_idle", "info"
+# ["n", pid], ["v", a session method's value] or ["e", the error pickled] (see
+# _portable). A session method's call carries [name, args, kwargs] in the input's place.
+_RUN, _SUBMIT, _WAIT_IDLE, _INFO, _METHOD = "run", "submit", "wait_idle", "info", "method"
+_SESSION_METHODS = frozenset(
+    ("command", "stop", "stop_command", "stop_all", "mute", "delete", "clear", "set_setting")
+)
 _encode = msgspec.msgpack.Encoder().encode
 _call_decoder = msgspec.msgpack.Decoder(tuple[str, str, msgspec.Raw, float | None])
 _input_decoder = msgspec.msgpack.Decoder(Input)
@@ -303,6 +311,9 @@ class _Server:
                     self._send(conn, _encode(("a", handle.input_id, handle.where)))
                     handle.future.add_done_callback(lambda f: self._send(conn, self._done(f)))
                     return
+            elif kind == _METHOD:
+                name, args, kwargs = msgspec.msgpack.decode(raw)
+                answer = _encode(("v", self._method(session_id, name, args, kwargs)))
             elif kind == _WAIT_IDLE:
                 answer = _encode(("i", self.runtime.wait_idle(seconds)))
             elif kind == _INFO:
@@ -312,6 +323,18 @@ class _Server:
         except Exception as exc:
             answer = _error(exc)
         self._send(conn, answer)
+
+    def _method(self, session_id: str, name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """One of the runtime's session methods (:data:`_SESSION_METHODS`)."""
+        if name not in _SESSION_METHODS:
+            raise UsageError(f"unknown session method {name!r}")
+        if name == "command":
+            from aalis_agent.actors.commands import handle_command
+
+            return handle_command(self.runtime, session_id, *args, **kwargs)
+        if name == "clear":
+            args = [tuple(args[0]), *args[1:]] if args else args
+        return getattr(self.runtime, name)(session_id, *args, **kwargs)
 
     @staticmethod
     def _done(future: Any) -> bytes:
@@ -557,10 +580,14 @@ class _Shard:
         else:
             conn.close()
 
-    def call(self, call: bytes, session_id: str, input_id: str) -> list[Any]:
+    def call(
+        self, call: bytes, session_id: str, input_id: str, once: str | None = None
+    ) -> list[Any]:
         """Send ``call`` and return the first answer, sending it again to a restarted
         worker when the worker died before answering (with the connection, for an
-        accepted submit: its outcome follows on it)."""
+        accepted submit: its outcome follows on it). ``once``: what the call does, for a
+        call that is not sent again once sent (a stop, a deletion: not an input, which a
+        session knows by its id): its worker dying raises :class:`RunError` instead."""
         sent = False
         while True:
             try:
@@ -578,6 +605,12 @@ class _Shard:
             except (EOFError, OSError):
                 conn.close()
                 self._lost(generation)
+                if once is not None and sent:
+                    raise RunError(
+                        f"session {session_id!r}: its shard {self.index}'s worker died during "
+                        f"{once}; it may or may not have taken effect (a deletion or clear "
+                        "begun is finished when the worker starts again)"
+                    ) from None
                 continue
             except BaseException:
                 # Cut (Ctrl-C) with half the call sent or its answer unread: closed, the
@@ -865,6 +898,93 @@ class ProcessShards:
     async def asubmit(self, session_id: str, inp: Input) -> ProcessHandle:
         """:meth:`submit` from an event loop; ``await`` the handle for the outcome."""
         return await asyncio.to_thread(self.submit, session_id, inp)
+
+    def _session_method(self, session_id: str, name: str, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise RuntimeClosed("the shards are shut down")
+        session_id = checked_session_id(session_id)
+        try:
+            call = _encode((_METHOD, session_id, (name, args, kwargs), None))
+        except (msgspec.EncodeError, OverflowError, TypeError, ValueError, RecursionError) as exc:
+            raise InvalidInput(f"{name}: an argument cannot be sent to a worker: {exc}") from None
+        shard = self._shards[shard_of(session_id, len(self._shards))]
+        answer = shard.call(call, session_id, "", once=name)
+        if answer[0] != "v":
+            _outcome(answer)  # raises the error
+        return answer[1]
+
+    def command(
+        self,
+        session_id: str,
+        text: str,
+        *,
+        platform: str | None,
+        user_id: str | None,
+        venue: str | None = None,
+    ) -> str | None:
+        """A slash command (``/stop``, ``/session``, ...; ``actors/commands.py``) on the
+        session's shard: the reply, or None (not a command, or ``/stop`` stopped the
+        turn). Like every call below, not sent again when the worker dies during it (the
+        input calls are: a session knows an input by its id): that raises RunError saying
+        it may or may not have taken effect."""
+        return self._session_method(  # type: ignore[no-any-return]
+            session_id, "command", text, platform=platform, user_id=user_id, venue=venue
+        )
+
+    def stop(
+        self, session_id: str, *, platform: str | None = None, user_id: str | None = None
+    ) -> str | None:
+        """``Runtime.stop``: stop the running turn; its id, if one ran."""
+        return self._session_method(  # type: ignore[no-any-return]
+            session_id, "stop", platform=platform, user_id=user_id
+        )
+
+    def stop_command(
+        self,
+        session_id: str,
+        platform: str | None,
+        user_id: str | None,
+        venue: str | None = None,
+    ) -> str | None:
+        """``Runtime.stop_command`` (``/stop``): None when stopped, else the reply."""
+        return self._session_method(  # type: ignore[no-any-return]
+            session_id, "stop_command", platform, user_id, venue
+        )
+
+    def stop_all(
+        self, session_id: str, *, platform: str | None = None, user_id: str | None = None
+    ) -> str | None:
+        """``Runtime.stop_all``: stop the turn and release what waits (archived)."""
+        return self._session_method(  # type: ignore[no-any-return]
+            session_id, "stop_all", platform=platform, user_id=user_id
+        )
+
+    def mute(self, session_id: str) -> str | None:
+        """``Runtime.mute``."""
+        return self._session_method(session_id, "mute")  # type: ignore[no-any-return]
+
+    def delete(self, session_id: str, timeout: float | None = None) -> int:
+        """``Runtime.delete`` on the session's shard: the new generation."""
+        return self._session_method(session_id, "delete", timeout)  # type: ignore[no-any-return]
+
+    def clear(
+        self, session_id: str, kinds: tuple[str, ...] = (), timeout: float | None = None
+    ) -> None:
+        """``Runtime.clear`` (``/clear``) on the session's shard."""
+        self._session_method(session_id, "clear", kinds, timeout)
+
+    def set_setting(
+        self,
+        session_id: str,
+        key: str,
+        value: Any = None,
+        *,
+        reset: bool = False,
+        by: str | None = None,
+    ) -> None:
+        """``Runtime.set_setting`` (SET3) on the session's shard: ``ConfigError`` naming
+        the key for a value of the wrong type or range."""
+        self._session_method(session_id, "set_setting", key, value, reset=reset, by=by)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Whether every shard had no turn running or queued within ``timeout``."""

@@ -20,7 +20,14 @@ from pathlib import Path
 
 import pytest
 from aalis_agent.events import Input, InputReceived, SqliteEventStore
-from aalis_agent.events.errors import InvalidInput, RunError, RuntimeClosed, StoreInUse, UsageError
+from aalis_agent.events.errors import (
+    ConfigError,
+    InvalidInput,
+    RunError,
+    RuntimeClosed,
+    StoreInUse,
+    UsageError,
+)
 from aalis_agent.scale import processes
 from aalis_agent.scale.ownership import shard_of
 from aalis_agent.scale.processes import MANIFEST, ProcessShards, ShardUnavailable
@@ -504,3 +511,73 @@ def test_a_script_without_the_main_guard_is_told_why_its_worker_did_not_start(
     assert done.returncode == 1
     assert "shard 0" in done.stderr and "did not start: it exited with status 1" in done.stderr
     assert "under if __name__ == '__main__':" in done.stderr
+
+
+def _log(tmp_path: Path, session: str) -> list[object]:
+    store = SqliteEventStore(
+        tmp_path / "shards" / f"shard-{shard_of(session, 2)}.db", read_only=True
+    )
+    try:
+        return list(store.read(session))
+    finally:
+        store.close()
+
+
+def test_session_methods_run_on_the_sessions_shard(shards: ProcessShards, tmp_path: Path) -> None:
+    session = "room:m"
+    help_text = shards.command(session, "/help", platform="qq", user_id="u1")
+    assert isinstance(help_text, str) and "/stop" in help_text
+    assert shards.command(session, "你好", platform="qq", user_id="u1") is None
+    shards.set_setting(session, "historyLimit", 5, by="u1")
+    with pytest.raises(ConfigError, match="historyLimit"):  # the worker's, same class here
+        shards.set_setting(session, "historyLimit", "lots")
+    assert shards.run(session, Input(id="", content="你好")).outcome == "replied"
+    shards.clear(session)
+    assert shards.delete(session) == 1  # the new generation
+    assert shards.run(session, Input(id="", content="你好")).outcome == "replied"
+    flags, _, pid = _blocking(shards, tmp_path, session)
+    call, box = _in_thread(shards.run, session, Input(id="s1", content=f"block {flags}"))
+    _started_in(flags, pid)
+    assert shards.stop(session, platform="qq", user_id="u1") == box_turn(tmp_path, session)
+    (flags / "release").write_text("", encoding="utf-8")
+    call.join(30)
+    assert getattr(box[0], "outcome", None) == "aborted", box
+    with pytest.raises(InvalidInput, match="set_setting: an argument cannot be sent"):
+        shards.set_setting(session, "historyLimit", object())
+    shards.shutdown(timeout=10)
+    kinds = [type(e).__name__ for e in _log(tmp_path, session)]
+    for name in ("SettingsChanged", "ContextCleared", "SessionDeleted", "StopRequested"):
+        assert name in kinds, name
+
+
+def box_turn(tmp_path: Path, session: str) -> str:
+    """The id of the session's last opened turn, read from its log."""
+    opened = [e for e in _log(tmp_path, session) if type(e).__name__ == "TurnOpened"]
+    return opened[-1].turn_id  # type: ignore[attr-defined, no-any-return]
+
+
+def test_a_session_method_whose_worker_dies_is_not_sent_again(
+    shards: ProcessShards, tmp_path: Path
+) -> None:
+    session = "room:d"
+    flags, index, pid = _blocking(shards, tmp_path, session)
+    call, box = _in_thread(shards.run, session, Input(id="d1", content=f"block {flags}"))
+    _started_in(flags, pid)
+    # The deletion waits for the turn, whose tool ignores the stop: the worker dies then.
+    deleting, deleted = _in_thread(shards.delete, session)
+    _wait_for(
+        lambda: any(type(e).__name__ == "StopRequested" for e in _log(tmp_path, session)),
+        "the deletion to begin in the log",
+    )
+    os.kill(pid, signal.SIGKILL)
+    (flags / "release").write_text("", encoding="utf-8")
+    deleting.join(30)
+    assert deleted and isinstance(deleted[0], RunError), deleted
+    assert "worker died during delete; it may or may not have taken effect" in str(deleted[0])
+    call.join(30)
+    assert getattr(box[0], "outcome", None) == "aborted", box
+    # The restarted worker finished the deletion begun (once: one SessionDeleted).
+    assert shards.info()[index]["restarts"] == 1
+    assert shards.run(session, Input(id="", content="你好")).outcome == "replied"
+    shards.shutdown(timeout=10)
+    assert [type(e).__name__ for e in _log(tmp_path, session)].count("SessionDeleted") == 1
