@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -603,6 +604,9 @@ def _inspect_then_signal(db: Path, signum: int) -> tuple[int, str]:
         text=True,
         cwd=Path(__file__).resolve().parent.parent,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # As from a terminal: a test run started in the background (CI) ignores SIGINT,
+        # and so would the inspector (Python then leaves it ignored).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     ) as proc:
         assert proc.stdout is not None and proc.stderr is not None
         line = proc.stdout.readline()
