@@ -504,12 +504,12 @@ def _layers(r: _Reader, spec: _File, config: AgentConfig) -> SettingsLayers:
             values = r.convert(v, dict[str, Any], f"settings.{name}.{k}")
             checked: dict[str, Any] = {}
             for setting, raw in values.items():
-                if setting == "enabledToolGroups" and isinstance(raw, str):
-                    # a list in a file, as in a scenario file (/session.set takes "a,b")
+                if setting in _NOT_TEXT and isinstance(raw, str):
+                    # a file writes a list or a number as such (/session.set takes text)
                     raise r.error(
                         f"settings.{name}.{k}.{setting}",
-                        f"{label} {k!r} setting {setting!r}: must be a list of strings "
-                        f'(group names, ["*"] for all), not a string: {toml_value(raw)}',
+                        f"{label} {k!r} setting {setting!r}: must be {_NOT_TEXT[setting]}, "
+                        f"not a string: {toml_value(raw)}",
                     )
                 try:
                     checked[setting] = validate_setting(setting, raw, layer=f"{label} {k!r}")
@@ -526,6 +526,13 @@ def _layers(r: _Reader, spec: _File, config: AgentConfig) -> SettingsLayers:
 
 
 LAYERS = {"platform": "platform profile", "platformType": "platform-type profile", "venue": "venue"}
+_NOT_TEXT = {
+    "enabledToolGroups": 'a list of strings (group names, ["*"] for all)',
+    "historyLimit": "an integer",
+    "maxToolIterations": "an integer",
+}
+"""Settings a layer of the file must not give as a string, though ``/session.set`` (whose
+value is text) converts one: what each must be."""
 
 
 def _personas(r: _Reader, table: dict[str, Any]) -> StaticPersonas | None:

@@ -579,3 +579,31 @@ def test_tool_groups_written_as_a_string_are_refused(tmp_path: Path, layer: str)
         layers.for_turn("s", "qq", {}, venue="qq:1").tool_groups,
         layers.for_turn("s", "onebot:x", {}).tool_groups,
     }
+
+
+@pytest.mark.parametrize("layer", ["platform.qq", "platformType.onebot", "venue.'qq:1'"])
+@pytest.mark.parametrize(("key", "text"), [("historyLimit", "5"), ("maxToolIterations", " 3")])
+def test_an_integer_written_as_a_string_is_refused(
+    tmp_path: Path, layer: str, key: str, text: str
+) -> None:
+    """``historyLimit`` and ``maxToolIterations`` are integers; a string in the file is a
+    mistake (it was converted without a word), refused naming the key, as ``[agent]``
+    refuses it. ``/session.set historyLimit 5`` still takes the text."""
+    path = write(tmp_path, f'[settings.{layer}]\n{key} = "{text}"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    where = f"settings.{layer.replace(chr(39), '')}.{key}"
+    assert str(err.value).startswith(f"{path}: {where}: "), str(err.value)
+    assert str(err.value).endswith(
+        f'setting {key!r}: must be an integer, not a string: "{text}"'
+    ), str(err.value)
+    ok = write(tmp_path, f"[settings.{layer}]\n{key} = {text.strip()}\n")
+    layers = load_config(ok).settings
+    got = {
+        getattr(s, "history_limit" if key == "historyLimit" else "max_tool_iterations")
+        for s in (
+            layers.for_turn("s", "qq", {}, venue="qq:1"),
+            layers.for_turn("s", "onebot:x", {}),
+        )
+    }
+    assert int(text) in got
