@@ -512,7 +512,9 @@ def _layers(r: _Reader, spec: _File, config: AgentConfig) -> SettingsLayers:
                         f"not a string: {toml_value(raw)}",
                     )
                 try:
-                    checked[setting] = validate_setting(setting, raw, layer=f"{label} {k!r}")
+                    checked[setting] = validate_setting(
+                        setting, raw, layer=f"{label} {k!r}", shown=toml_value
+                    )
                 except ConfigError as exc:
                     raise r.error(f"settings.{name}.{k}.{setting}", str(exc)) from None
             tables[name][k] = checked

@@ -607,3 +607,34 @@ def test_an_integer_written_as_a_string_is_refused(
         )
     }
     assert int(text) in got
+
+
+@pytest.mark.parametrize(
+    ("toml", "said"),
+    [
+        ("historyLimit = true", "'historyLimit': expected an integer, got true"),
+        (
+            "maxToolIterations = [1, 'a']",
+            "'maxToolIterations': expected an integer, got [1, \"a\"]",
+        ),
+        ("think = false", "'think': expected an id, got false"),
+        ("persona = {a = 'b'}", "'persona': expected an id, got {a = \"b\"}"),
+        ("llm = 'big'", "'llm': expected <provider>/<model>, got \"big\""),
+        ("llm = {provider = 'a'}", "'llm': expected <provider>/<model>, got {provider = \"a\"}"),
+        ("locale = true", "'locale': unknown locale true; known: en, zh"),
+        ("locale = 'fr'", "'locale': unknown locale \"fr\"; known: en, zh"),
+        ("think = '" + "x" * 300 + "'", "'think': an id of at most 256 characters, got 300"),
+    ],
+)
+def test_layer_errors_show_the_value_as_the_file_wrote_it(
+    tmp_path: Path, toml: str, said: str
+) -> None:
+    """A settings layer's wrong value is shown as TOML spells it (``true``, ``"x"``,
+    ``{a = 1}``), not as Python does (``True``, ``'x'``), as ``[agent]`` shows it."""
+    path = write(tmp_path, f"[settings.platform.qq]\n{toml}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    key = toml.split(" ", 1)[0]
+    prefix = f"{path}: settings.platform.qq.{key}: platform profile 'qq' setting "
+    assert str(err.value).startswith(prefix), str(err.value)
+    assert str(err.value).removeprefix(prefix).startswith(said), str(err.value)
