@@ -87,7 +87,6 @@ from aalis_agent.services.settings import (
     MAX_TOKENS,
     SettingsLayers,
     check_config_range,
-    shown_value,
     validate_setting,
 )
 from aalis_agent.services.shapes import bare, info_at, value_at
@@ -273,9 +272,9 @@ def _explain(error: str, value: Any, tp: Any) -> tuple[str, str]:
     got = value_at(value, steps)
     bound = shapes.RANGE.match(message)
     if bound is not None:
-        return where, f"must be {bound['op']} {bound['bound']}, got {shown_value(got)}"
+        return where, f"must be {bound['op']} {bound['bound']}, got {toml_value(got)}"
     if message.startswith(("Expected `", "Invalid enum value")):
-        return where, f"expected {shapes.what(info)}, got {shapes.kind(got)}"
+        return where, f"expected {shapes.what(info)}, got {shapes.kind(got, toml_value)}"
     return where, message[:1].lower() + message[1:]
 
 
@@ -349,7 +348,7 @@ def parse_config(
 def _preference(r: _Reader, pref: _Preference, key: str) -> ModelRef | None:
     if pref.llm is msgspec.UNSET:
         return None
-    return parse_model_ref(pref.llm, where=f"{r.file}: {key}.llm")
+    return parse_model_ref(pref.llm, where=f"{r.file}: {key}.llm", shown=toml_value)
 
 
 _NOT_SCRIPTED = (
@@ -374,7 +373,7 @@ def _providers(r: _Reader, table: dict[str, Any], env: Mapping[str, str]) -> lis
         seen: set[str] = set()
         for s, _ in specs:
             if s.id in seen:
-                raise r.error(f"{key}.models", f"model {s.id!r} is listed twice")
+                raise r.error(f"{key}.models", f"model {toml_value(s.id)} is listed twice")
             seen.add(s.id)
         if p.kind == "scripted":
             for name in _NOT_SCRIPTED:
@@ -423,7 +422,7 @@ def _openai_models(
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise r.error(
             f"{key}.baseUrl",
-            f"expected an http:// or https:// URL with a host, got {base_url!r}",
+            f"expected an http:// or https:// URL with a host, got {toml_value(base_url)}",
         )
     if p.api_key is not None and p.api_key_env is not None:
         raise r.error(key, "give apiKey or apiKeyEnv, not both")
@@ -478,11 +477,13 @@ def _model_spec(r: _Reader, value: Any, key: str) -> tuple[_Model, tuple[ThinkLe
     for i, lv in enumerate(spec.think_levels):
         level = ThinkLevel(id=lv) if isinstance(lv, str) else _think_level(lv)
         if any(seen.id == level.id for seen in levels):
-            raise r.error(f"{key}.thinkLevels[{i}]", f"level {level.id!r} is listed twice")
+            raise r.error(
+                f"{key}.thinkLevels[{i}]", f"level {toml_value(level.id)} is listed twice"
+            )
         levels.append(level)
     default = spec.default_think
     if default is not None and all(lv.id != default for lv in levels):
-        raise r.error(f"{key}.defaultThink", f"{default!r} is not one of thinkLevels")
+        raise r.error(f"{key}.defaultThink", f"{toml_value(default)} is not one of thinkLevels")
     return spec, tuple(levels)
 
 

@@ -172,7 +172,7 @@ BAD: list[tuple[str, str, str]] = [
     (
         "[providers.p]\nbaseUrl = 'not a url'\n[[providers.p.models]]\nid = 'm'",
         "providers.p.baseUrl",
-        "expected an http:// or https:// URL with a host, got 'not a url'",
+        'expected an http:// or https:// URL with a host, got "not a url"',
     ),
     (
         "[providers.p]\nbaseUrl = 'ftp://h/v1'\n[[providers.p.models]]\nid = 'm'",
@@ -187,7 +187,7 @@ BAD: list[tuple[str, str, str]] = [
     (
         "[providers.p]\ntype = 'scripted'\n[[providers.p.models]]\nid = 'm'\ncontextLength = 'big'",
         "providers.p.models[0].contextLength",
-        "expected an integer, got text ('big')",
+        'expected an integer, got text ("big")',
     ),
     (
         "[providers.p]\ntype = 'scripted'\n[[providers.p.models]]\nid = 'm'\ndefaultThink = 'x'",
@@ -198,7 +198,7 @@ BAD: list[tuple[str, str, str]] = [
         "[providers.p]\ntype = 'scripted'\n[[providers.p.models]]\nid = 'm'\n"
         "[[providers.p.models]]\nid = 'm'",
         "providers.p.models",
-        "'m' is listed twice",
+        '"m" is listed twice',
     ),
     (
         "[providers.p]\ntype = 'scripted'\nbaseUrl = 'http://x'\n[[providers.p.models]]\nid = 'm'",
@@ -638,3 +638,52 @@ def test_layer_errors_show_the_value_as_the_file_wrote_it(
     prefix = f"{path}: settings.platform.qq.{key}: platform profile 'qq' setting "
     assert str(err.value).startswith(prefix), str(err.value)
     assert str(err.value).removeprefix(prefix).startswith(said), str(err.value)
+
+
+_SCRIPTED = "[providers.p]\ntype = 'scripted'\n"
+_MODEL = "[[providers.p.models]]\nid = 'm'\n"
+
+
+@pytest.mark.parametrize(
+    ("toml", "said"),
+    [
+        (
+            _SCRIPTED + _MODEL + "contextLength = 'big'",
+            'providers.p.models[0].contextLength: expected an integer, got text ("big")',
+        ),
+        (
+            _SCRIPTED + 'priority = "x\\ty"\n' + _MODEL,
+            'providers.p.priority: expected an integer, got text ("x\\ty")',
+        ),
+        (
+            _SCRIPTED + _MODEL + "thinkLevels = ['a']\ndefaultThink = 'b'",
+            'providers.p.models[0].defaultThink: "b" is not one of thinkLevels',
+        ),
+        (
+            _SCRIPTED + _MODEL + "thinkLevels = ['a', \"a\"]",
+            'providers.p.models[0].thinkLevels[1]: level "a" is listed twice',
+        ),
+        (_SCRIPTED + _MODEL + _MODEL, 'providers.p.models: model "m" is listed twice'),
+        (
+            "[providers.p]\nbaseUrl = 'ftp://h'\n" + _MODEL,
+            'providers.p.baseUrl: expected an http:// or https:// URL with a host, got "ftp://h"',
+        ),
+        (
+            "[servicePreferences]\nllm = true",
+            "servicePreferences.llm: expected <provider>/<model>, got true",
+        ),
+        (
+            "[pluginServicePreferences.agent]\nllm = {provider = 'a'}",
+            'pluginServicePreferences.agent.llm: expected <provider>/<model>, got {provider = "a"}',
+        ),
+    ],
+)
+def test_provider_errors_show_the_value_as_the_file_wrote_it(
+    tmp_path: Path, toml: str, said: str
+) -> None:
+    """A provider's or a preference's wrong value is shown as TOML spells it (``"x"``,
+    ``true``), not as Python does (``'x'``, ``True``)."""
+    path = write(tmp_path, toml + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: {said}"
