@@ -524,6 +524,9 @@ def test_an_already_parsed_mapping_is_checked_the_same_way() -> None:
         ('think = ["a\\nb"]', 'agent.think must be a level id (text), got ["a\\nb"]'),
         ("locale = true", "agent.locale: unknown locale true; known: en, zh"),
         ("locale = 'fr'", 'agent.locale: unknown locale "fr"; known: en, zh'),
+        ("systemPrompt = true", "agent.systemPrompt must be text, got true"),
+        ("systemPrompt = 12", "agent.systemPrompt must be text, got 12"),
+        ("systemPrompt = ['a', 'b']", 'agent.systemPrompt must be text, got ["a", "b"]'),
     ],
 )
 def test_agent_errors_show_the_value_as_the_file_wrote_it(
@@ -552,6 +555,7 @@ def test_a_plugin_config_built_in_python_shows_values_the_same_way() -> None:
         ({"max_tool_iterations": "3"}, 'maxToolIterations must be an integer, got "3"'),
         ({"think": ("\ud800\x01",)}, 'think must be a level id (text), got ["\\ud800\\u0001"]'),
         ({"history_limit": None}, "historyLimit must be an integer, got null"),
+        ({"system_prompt": None}, "systemPrompt must be text, got null"),
         ({"history_limit": 10**400}, "<= 9223372036854775807, got an integer of about 401 digits"),
         ({"history_limit": {"a b": object()}}, 'got {"a b" = a object}'),
     ]:
