@@ -368,7 +368,8 @@ def validate_setting(
         return check_locale(value, where=f"{layer} setting {key!r}", shown=shown)
     if not isinstance(key, str) or key not in SETTING_FIELDS:
         raise ConfigError(
-            f"unknown {layer} setting {shown_value(key)}; known: {', '.join(SETTING_FIELDS)}"
+            f"unknown {layer} setting {shown_value(key)}; "
+            f"known: {', '.join([*SETTING_FIELDS, *sorted(LAYER_KEYS)])}"
         )
     where = f"{layer} setting {key!r}"
     if key == "llm":

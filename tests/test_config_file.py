@@ -691,3 +691,15 @@ def test_provider_errors_show_the_value_as_the_file_wrote_it(
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert str(err.value) == f"{path}: {said}"
+
+
+def test_an_unknown_layer_setting_lists_every_key_a_layer_takes(tmp_path: Path) -> None:
+    """A layer takes ``locale`` besides the session's settings; a misspelt key's error
+    lists it with them."""
+    path = write(tmp_path, "[settings.platform.qq]\nlocal = 'en'\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (
+        f"{path}: settings.platform.qq.local: unknown platform profile 'qq' setting 'local'; "
+        "known: llm, think, maxToolIterations, historyLimit, persona, enabledToolGroups, locale"
+    )
