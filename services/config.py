@@ -61,7 +61,7 @@ class AgentConfig:
             _check_int("maxToolIterations", self.max_tool_iterations, minimum=1)
         _check_int("historyLimit", self.history_limit, minimum=0)
         if not isinstance(self.system_prompt, str):
-            raise ConfigError(f"systemPrompt must be text, got {type(self.system_prompt).__name__}")
+            raise ConfigError(f"systemPrompt must be text, got {toml_value(self.system_prompt)}")
         if self.think is not None and not isinstance(self.think, str):
             raise ConfigError(f"think must be a level id (text), got {toml_value(self.think)}")
         check_locale(self.locale, shown=toml_value)

@@ -87,7 +87,6 @@ from aalis_agent.services.settings import (
     MAX_TOKENS,
     SettingsLayers,
     check_config_range,
-    shown_value,
     validate_setting,
 )
 from aalis_agent.services.shapes import bare, info_at, value_at
@@ -273,9 +272,9 @@ def _explain(error: str, value: Any, tp: Any) -> tuple[str, str]:
     got = value_at(value, steps)
     bound = shapes.RANGE.match(message)
     if bound is not None:
-        return where, f"must be {bound['op']} {bound['bound']}, got {shown_value(got)}"
+        return where, f"must be {bound['op']} {bound['bound']}, got {toml_value(got)}"
     if message.startswith(("Expected `", "Invalid enum value")):
-        return where, f"expected {shapes.what(info)}, got {shapes.kind(got)}"
+        return where, f"expected {shapes.what(info)}, got {shapes.kind(got, toml_value)}"
     return where, message[:1].lower() + message[1:]
 
 
@@ -349,7 +348,7 @@ def parse_config(
 def _preference(r: _Reader, pref: _Preference, key: str) -> ModelRef | None:
     if pref.llm is msgspec.UNSET:
         return None
-    return parse_model_ref(pref.llm, where=f"{r.file}: {key}.llm")
+    return parse_model_ref(pref.llm, where=f"{r.file}: {key}.llm", shown=toml_value)
 
 
 _NOT_SCRIPTED = (
@@ -374,7 +373,7 @@ def _providers(r: _Reader, table: dict[str, Any], env: Mapping[str, str]) -> lis
         seen: set[str] = set()
         for s, _ in specs:
             if s.id in seen:
-                raise r.error(f"{key}.models", f"model {s.id!r} is listed twice")
+                raise r.error(f"{key}.models", f"model {toml_value(s.id)} is listed twice")
             seen.add(s.id)
         if p.kind == "scripted":
             for name in _NOT_SCRIPTED:
@@ -423,7 +422,7 @@ def _openai_models(
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise r.error(
             f"{key}.baseUrl",
-            f"expected an http:// or https:// URL with a host, got {base_url!r}",
+            f"expected an http:// or https:// URL with a host, got {toml_value(base_url)}",
         )
     if p.api_key is not None and p.api_key_env is not None:
         raise r.error(key, "give apiKey or apiKeyEnv, not both")
@@ -478,11 +477,13 @@ def _model_spec(r: _Reader, value: Any, key: str) -> tuple[_Model, tuple[ThinkLe
     for i, lv in enumerate(spec.think_levels):
         level = ThinkLevel(id=lv) if isinstance(lv, str) else _think_level(lv)
         if any(seen.id == level.id for seen in levels):
-            raise r.error(f"{key}.thinkLevels[{i}]", f"level {level.id!r} is listed twice")
+            raise r.error(
+                f"{key}.thinkLevels[{i}]", f"level {toml_value(level.id)} is listed twice"
+            )
         levels.append(level)
     default = spec.default_think
     if default is not None and all(lv.id != default for lv in levels):
-        raise r.error(f"{key}.defaultThink", f"{default!r} is not one of thinkLevels")
+        raise r.error(f"{key}.defaultThink", f"{toml_value(default)} is not one of thinkLevels")
     return spec, tuple(levels)
 
 
@@ -504,15 +505,17 @@ def _layers(r: _Reader, spec: _File, config: AgentConfig) -> SettingsLayers:
             values = r.convert(v, dict[str, Any], f"settings.{name}.{k}")
             checked: dict[str, Any] = {}
             for setting, raw in values.items():
-                if setting == "enabledToolGroups" and isinstance(raw, str):
-                    # a list in a file, as in a scenario file (/session.set takes "a,b")
+                if setting in _NOT_TEXT and isinstance(raw, str):
+                    # a file writes a list or a number as such (/session.set takes text)
                     raise r.error(
                         f"settings.{name}.{k}.{setting}",
-                        f"{label} {k!r} setting {setting!r}: must be a list of strings "
-                        f'(group names, ["*"] for all), not a string: {toml_value(raw)}',
+                        f"{label} {k!r} setting {setting!r}: must be {_NOT_TEXT[setting]}, "
+                        f"not a string: {toml_value(raw)}",
                     )
                 try:
-                    checked[setting] = validate_setting(setting, raw, layer=f"{label} {k!r}")
+                    checked[setting] = validate_setting(
+                        setting, raw, layer=f"{label} {k!r}", shown=toml_value
+                    )
                 except ConfigError as exc:
                     raise r.error(f"settings.{name}.{k}.{setting}", str(exc)) from None
             tables[name][k] = checked
@@ -526,6 +529,13 @@ def _layers(r: _Reader, spec: _File, config: AgentConfig) -> SettingsLayers:
 
 
 LAYERS = {"platform": "platform profile", "platformType": "platform-type profile", "venue": "venue"}
+_NOT_TEXT = {
+    "enabledToolGroups": 'a list of strings (group names, ["*"] for all)',
+    "historyLimit": "an integer",
+    "maxToolIterations": "an integer",
+}
+"""Settings a layer of the file must not give as a string, though ``/session.set`` (whose
+value is text) converts one: what each must be."""
 
 
 def _personas(r: _Reader, table: dict[str, Any]) -> StaticPersonas | None:

@@ -14,7 +14,7 @@ logged per (wanted, actual) pair, saying which preference it was (SET5).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -64,9 +64,12 @@ def think_default(model: ChatModel) -> ThinkLevel | None:
     return next((lv for lv in levels if lv.id == wanted), levels[0])
 
 
-def parse_model_ref(value: object, *, where: str) -> ModelRef:
+def parse_model_ref(
+    value: object, *, where: str, shown: Callable[[object], str] = repr
+) -> ModelRef:
     """A ``ModelRef`` from ``"<provider>/<model>"`` or ``{provider, model}``; both parts
-    must be non-empty strings, else a ConfigError naming ``where``."""
+    must be non-empty strings, else a ConfigError naming ``where`` and the value (shown
+    by ``shown``: as Python spells it unless told otherwise)."""
     provider = model = None
     if isinstance(value, str) and "/" in value:
         provider, model = value.split("/", 1)
@@ -75,7 +78,7 @@ def parse_model_ref(value: object, *, where: str) -> ModelRef:
     elif isinstance(value, ModelRef):
         provider, model = value.provider, value.model
     if not (isinstance(provider, str) and provider and isinstance(model, str) and model):
-        raise ConfigError(f"{where}: expected <provider>/<model>, got {value!r}")
+        raise ConfigError(f"{where}: expected <provider>/<model>, got {shown(value)}")
     return ModelRef(provider=provider, model=model)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -354,17 +354,22 @@ LAYER_KEYS = frozenset({"locale"})
 session's fields: ``locale``, the language its sessions' texts are in."""
 
 
-def validate_setting(key: str, value: Any, *, layer: str = "session") -> Any:
-    """The value to store for ``key``, or a ConfigError naming the layer, key and problem.
+def validate_setting(
+    key: str, value: Any, *, layer: str = "session", shown: Callable[[Any], str] = shown_value
+) -> Any:
+    """The value to store for ``key``, or a ConfigError naming the layer, key and problem
+    (a wrong value shown by ``shown``: as Python spells it unless told otherwise; a
+    configuration file passes ``toml_value``, which spells it as the file does).
 
     Every value is checked to the type and range the log holds: integers within
     :data:`SETTING_MAXIMA`, ids valid text (no lone surrogates) of at most
     :data:`MAX_ID_CHARS` characters, at most :data:`MAX_TOOL_GROUPS` tool groups."""
     if key in LAYER_KEYS:
-        return check_locale(value, where=f"{layer} setting {key!r}")
+        return check_locale(value, where=f"{layer} setting {key!r}", shown=shown)
     if not isinstance(key, str) or key not in SETTING_FIELDS:
         raise ConfigError(
-            f"unknown {layer} setting {shown_value(key)}; known: {', '.join(SETTING_FIELDS)}"
+            f"unknown {layer} setting {shown_value(key)}; "
+            f"known: {', '.join([*SETTING_FIELDS, *sorted(LAYER_KEYS)])}"
         )
     where = f"{layer} setting {key!r}"
     if key == "llm":
@@ -378,15 +383,15 @@ def validate_setting(key: str, value: Any, *, layer: str = "session") -> Any:
             or not value["provider"]
             or not value["model"]
         ):
-            raise ConfigError(f"{where}: expected <provider>/<model>, got {shown_value(value)}")
+            raise ConfigError(f"{where}: expected <provider>/<model>, got {shown(value)}")
         provider, model = value["provider"], value["model"]
-        _check_id(where, provider)
-        _check_id(where, model)
+        _check_id(where, provider, shown)
+        _check_id(where, model, shown)
         return {"provider": provider, "model": model}
     if key in ("think", "persona"):
         if not isinstance(value, str) or not value:
-            raise ConfigError(f"{where}: expected an id, got {shown_value(value)}")
-        _check_id(where, value)
+            raise ConfigError(f"{where}: expected an id, got {shown(value)}")
+        _check_id(where, value, shown)
         return value
     if key == "enabledToolGroups":
         if isinstance(value, str):
@@ -400,35 +405,42 @@ def validate_setting(key: str, value: Any, *, layer: str = "session") -> Any:
         if not all(isinstance(g, str) and g for g in value):
             raise ConfigError(f"{where}: expected a list of group names ('*' for all)")
         for g in value:
-            _check_id(where, g)
+            _check_id(where, g, shown)
         return list(value)
-    return _integer(where, value, minimum=1 if key == "maxToolIterations" else 0)
+    return _integer(where, value, minimum=1 if key == "maxToolIterations" else 0, shown=shown)
 
 
 _INTEGER_TEXT = re.compile(r"\s*([+-]?)0*([0-9]+)\s*", re.ASCII)
 
 
-def _integer(where: str, value: Any, *, minimum: int, maximum: int = INT64_MAX) -> int:
+def _integer(
+    where: str,
+    value: Any,
+    *,
+    minimum: int,
+    maximum: int = INT64_MAX,
+    shown: Callable[[Any], str] = shown_value,
+) -> int:
     number = value
     if isinstance(value, str):
         m = _INTEGER_TEXT.fullmatch(value)
         if m is None:
-            raise ConfigError(f"{where}: expected an integer, got {shown_value(value)}")
+            raise ConfigError(f"{where}: expected an integer, got {shown(value)}")
         if len(m[2]) > len(str(maximum)):  # never converts thousands of digits
-            raise ConfigError(f"{where}: must be <= {maximum}, got {shown_value(value)}")
+            raise ConfigError(f"{where}: must be <= {maximum}, got {shown(value)}")
         number = int(m[1] + m[2])
     if isinstance(number, bool) or not isinstance(number, int):
-        raise ConfigError(f"{where}: expected an integer, got {shown_value(value)}")
+        raise ConfigError(f"{where}: expected an integer, got {shown(value)}")
     if number < minimum:
-        raise ConfigError(f"{where}: must be >= {minimum}, got {shown_value(number)}")
+        raise ConfigError(f"{where}: must be >= {minimum}, got {shown(number)}")
     if number > maximum:
-        raise ConfigError(f"{where}: must be <= {maximum}, got {shown_value(number)}")
+        raise ConfigError(f"{where}: must be <= {maximum}, got {shown(number)}")
     return int(number)
 
 
-def _check_id(where: str, value: str) -> None:
+def _check_id(where: str, value: str, shown: Callable[[Any], str] = shown_value) -> None:
     if has_lone_surrogate(value):
-        raise ConfigError(f"{where}: {shown_value(value)} is not valid text (a lone surrogate)")
+        raise ConfigError(f"{where}: {shown(value)} is not valid text (a lone surrogate)")
     if len(value) > MAX_ID_CHARS:
         raise ConfigError(
             f"{where}: an id of at most {MAX_ID_CHARS} characters, got {len(value)} characters"

@@ -5,7 +5,7 @@ info) and the value given there. Shared by the configuration file and scenario l
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec.inspect as mi
@@ -84,8 +84,9 @@ def what(info: Any) -> str:
     return "something else"
 
 
-def kind(value: Any) -> str:
-    """What a given value is, in words, with the value when short."""
+def kind(value: Any, shown: Callable[[Any], str] = shown_value) -> str:
+    """What a given value is, in words, with the value when short (text shown by
+    ``shown``: as Python spells it unless told otherwise)."""
     if isinstance(value, bool):
         return f"a boolean ({str(value).lower()})"
     if isinstance(value, Mapping):
@@ -95,7 +96,7 @@ def kind(value: Any) -> str:
     if isinstance(value, int | float):
         return f"a number ({value})"
     if isinstance(value, str):
-        return f"text ({shown_value(value)})" if value else "empty text"
+        return f"text ({shown(value)})" if value else "empty text"
     return type(value).__name__
 
 

@@ -172,7 +172,7 @@ BAD: list[tuple[str, str, str]] = [
     (
         "[providers.p]\nbaseUrl = 'not a url'\n[[providers.p.models]]\nid = 'm'",
         "providers.p.baseUrl",
-        "expected an http:// or https:// URL with a host, got 'not a url'",
+        'expected an http:// or https:// URL with a host, got "not a url"',
     ),
     (
         "[providers.p]\nbaseUrl = 'ftp://h/v1'\n[[providers.p.models]]\nid = 'm'",
@@ -187,7 +187,7 @@ BAD: list[tuple[str, str, str]] = [
     (
         "[providers.p]\ntype = 'scripted'\n[[providers.p.models]]\nid = 'm'\ncontextLength = 'big'",
         "providers.p.models[0].contextLength",
-        "expected an integer, got text ('big')",
+        'expected an integer, got text ("big")',
     ),
     (
         "[providers.p]\ntype = 'scripted'\n[[providers.p.models]]\nid = 'm'\ndefaultThink = 'x'",
@@ -198,7 +198,7 @@ BAD: list[tuple[str, str, str]] = [
         "[providers.p]\ntype = 'scripted'\n[[providers.p.models]]\nid = 'm'\n"
         "[[providers.p.models]]\nid = 'm'",
         "providers.p.models",
-        "'m' is listed twice",
+        '"m" is listed twice',
     ),
     (
         "[providers.p]\ntype = 'scripted'\nbaseUrl = 'http://x'\n[[providers.p.models]]\nid = 'm'",
@@ -524,6 +524,9 @@ def test_an_already_parsed_mapping_is_checked_the_same_way() -> None:
         ('think = ["a\\nb"]', 'agent.think must be a level id (text), got ["a\\nb"]'),
         ("locale = true", "agent.locale: unknown locale true; known: en, zh"),
         ("locale = 'fr'", 'agent.locale: unknown locale "fr"; known: en, zh'),
+        ("systemPrompt = true", "agent.systemPrompt must be text, got true"),
+        ("systemPrompt = 12", "agent.systemPrompt must be text, got 12"),
+        ("systemPrompt = ['a', 'b']", 'agent.systemPrompt must be text, got ["a", "b"]'),
     ],
 )
 def test_agent_errors_show_the_value_as_the_file_wrote_it(
@@ -552,6 +555,7 @@ def test_a_plugin_config_built_in_python_shows_values_the_same_way() -> None:
         ({"max_tool_iterations": "3"}, 'maxToolIterations must be an integer, got "3"'),
         ({"think": ("\ud800\x01",)}, 'think must be a level id (text), got ["\\ud800\\u0001"]'),
         ({"history_limit": None}, "historyLimit must be an integer, got null"),
+        ({"system_prompt": None}, "systemPrompt must be text, got null"),
         ({"history_limit": 10**400}, "<= 9223372036854775807, got an integer of about 401 digits"),
         ({"history_limit": {"a b": object()}}, 'got {"a b" = a object}'),
     ]:
@@ -579,3 +583,123 @@ def test_tool_groups_written_as_a_string_are_refused(tmp_path: Path, layer: str)
         layers.for_turn("s", "qq", {}, venue="qq:1").tool_groups,
         layers.for_turn("s", "onebot:x", {}).tool_groups,
     }
+
+
+@pytest.mark.parametrize("layer", ["platform.qq", "platformType.onebot", "venue.'qq:1'"])
+@pytest.mark.parametrize(("key", "text"), [("historyLimit", "5"), ("maxToolIterations", " 3")])
+def test_an_integer_written_as_a_string_is_refused(
+    tmp_path: Path, layer: str, key: str, text: str
+) -> None:
+    """``historyLimit`` and ``maxToolIterations`` are integers; a string in the file is a
+    mistake (it was converted without a word), refused naming the key, as ``[agent]``
+    refuses it. ``/session.set historyLimit 5`` still takes the text."""
+    path = write(tmp_path, f'[settings.{layer}]\n{key} = "{text}"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    where = f"settings.{layer.replace(chr(39), '')}.{key}"
+    assert str(err.value).startswith(f"{path}: {where}: "), str(err.value)
+    assert str(err.value).endswith(
+        f'setting {key!r}: must be an integer, not a string: "{text}"'
+    ), str(err.value)
+    ok = write(tmp_path, f"[settings.{layer}]\n{key} = {text.strip()}\n")
+    layers = load_config(ok).settings
+    got = {
+        getattr(s, "history_limit" if key == "historyLimit" else "max_tool_iterations")
+        for s in (
+            layers.for_turn("s", "qq", {}, venue="qq:1"),
+            layers.for_turn("s", "onebot:x", {}),
+        )
+    }
+    assert int(text) in got
+
+
+@pytest.mark.parametrize(
+    ("toml", "said"),
+    [
+        ("historyLimit = true", "'historyLimit': expected an integer, got true"),
+        (
+            "maxToolIterations = [1, 'a']",
+            "'maxToolIterations': expected an integer, got [1, \"a\"]",
+        ),
+        ("think = false", "'think': expected an id, got false"),
+        ("persona = {a = 'b'}", "'persona': expected an id, got {a = \"b\"}"),
+        ("llm = 'big'", "'llm': expected <provider>/<model>, got \"big\""),
+        ("llm = {provider = 'a'}", "'llm': expected <provider>/<model>, got {provider = \"a\"}"),
+        ("locale = true", "'locale': unknown locale true; known: en, zh"),
+        ("locale = 'fr'", "'locale': unknown locale \"fr\"; known: en, zh"),
+        ("think = '" + "x" * 300 + "'", "'think': an id of at most 256 characters, got 300"),
+    ],
+)
+def test_layer_errors_show_the_value_as_the_file_wrote_it(
+    tmp_path: Path, toml: str, said: str
+) -> None:
+    """A settings layer's wrong value is shown as TOML spells it (``true``, ``"x"``,
+    ``{a = 1}``), not as Python does (``True``, ``'x'``), as ``[agent]`` shows it."""
+    path = write(tmp_path, f"[settings.platform.qq]\n{toml}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    key = toml.split(" ", 1)[0]
+    prefix = f"{path}: settings.platform.qq.{key}: platform profile 'qq' setting "
+    assert str(err.value).startswith(prefix), str(err.value)
+    assert str(err.value).removeprefix(prefix).startswith(said), str(err.value)
+
+
+_SCRIPTED = "[providers.p]\ntype = 'scripted'\n"
+_MODEL = "[[providers.p.models]]\nid = 'm'\n"
+
+
+@pytest.mark.parametrize(
+    ("toml", "said"),
+    [
+        (
+            _SCRIPTED + _MODEL + "contextLength = 'big'",
+            'providers.p.models[0].contextLength: expected an integer, got text ("big")',
+        ),
+        (
+            _SCRIPTED + 'priority = "x\\ty"\n' + _MODEL,
+            'providers.p.priority: expected an integer, got text ("x\\ty")',
+        ),
+        (
+            _SCRIPTED + _MODEL + "thinkLevels = ['a']\ndefaultThink = 'b'",
+            'providers.p.models[0].defaultThink: "b" is not one of thinkLevels',
+        ),
+        (
+            _SCRIPTED + _MODEL + "thinkLevels = ['a', \"a\"]",
+            'providers.p.models[0].thinkLevels[1]: level "a" is listed twice',
+        ),
+        (_SCRIPTED + _MODEL + _MODEL, 'providers.p.models: model "m" is listed twice'),
+        (
+            "[providers.p]\nbaseUrl = 'ftp://h'\n" + _MODEL,
+            'providers.p.baseUrl: expected an http:// or https:// URL with a host, got "ftp://h"',
+        ),
+        (
+            "[servicePreferences]\nllm = true",
+            "servicePreferences.llm: expected <provider>/<model>, got true",
+        ),
+        (
+            "[pluginServicePreferences.agent]\nllm = {provider = 'a'}",
+            'pluginServicePreferences.agent.llm: expected <provider>/<model>, got {provider = "a"}',
+        ),
+    ],
+)
+def test_provider_errors_show_the_value_as_the_file_wrote_it(
+    tmp_path: Path, toml: str, said: str
+) -> None:
+    """A provider's or a preference's wrong value is shown as TOML spells it (``"x"``,
+    ``true``), not as Python does (``'x'``, ``True``)."""
+    path = write(tmp_path, toml + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: {said}"
+
+
+def test_an_unknown_layer_setting_lists_every_key_a_layer_takes(tmp_path: Path) -> None:
+    """A layer takes ``locale`` besides the session's settings; a misspelt key's error
+    lists it with them."""
+    path = write(tmp_path, "[settings.platform.qq]\nlocal = 'en'\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (
+        f"{path}: settings.platform.qq.local: unknown platform profile 'qq' setting 'local'; "
+        "known: llm, think, maxToolIterations, historyLimit, persona, enabledToolGroups, locale"
+    )
