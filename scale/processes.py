@@ -592,6 +592,15 @@ class _Shard:
         while True:
             try:
                 generation, conn = self.connection()
+            except RuntimeClosed:
+                if not (sent and input_id):
+                    raise
+                raise RuntimeClosed(
+                    f"the shards were shut down during the call: input {input_id!r} of "
+                    f"session {session_id!r} may have been accepted; send it again under "
+                    "the same id once they run again (it is answered from the log if it "
+                    "was, and runs once if not)"
+                ) from None
             except _Down as exc:
                 if not input_id:  # a call about the shard, not an input
                     raise RunError(f"shard {self.index} is down ({exc})") from None

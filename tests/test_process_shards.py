@@ -581,3 +581,18 @@ def test_a_session_method_whose_worker_dies_is_not_sent_again(
     assert shards.run(session, Input(id="", content="你好")).outcome == "replied"
     shards.shutdown(timeout=10)
     assert [type(e).__name__ for e in _log(tmp_path, session)].count("SessionDeleted") == 1
+
+
+def test_a_call_cut_by_shutdown_says_its_input_may_have_been_accepted(tmp_path: Path) -> None:
+    shards = ProcessShards(tmp_path / "shards", shard_services.services, 2, runtime_options=OPTIONS)
+    session = "room:z"
+    flags, _, pid = _blocking(shards, tmp_path, session)
+    call, box = _in_thread(shards.run, session, Input(id="z1", content=f"block {flags}"))
+    _started_in(flags, pid)
+    shards.shutdown(timeout=1)  # the tool ignores the stop: the worker ends with it running
+    (flags / "release").write_text("", encoding="utf-8")
+    call.join(30)
+    assert box and isinstance(box[0], RuntimeClosed), box
+    assert "input 'z1' of session 'room:z' may have been accepted" in str(box[0])
+    with pytest.raises(RuntimeClosed, match=r"^the shards are shut down$"):  # not sent: plain
+        shards.run(session, Input(id="z2", content="你好"))
