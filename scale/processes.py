@@ -332,8 +332,8 @@ class _Server:
             from aalis_agent.actors.commands import handle_command
 
             return handle_command(self.runtime, session_id, *args, **kwargs)
-        if name == "clear":
-            args = [tuple(args[0]), *args[1:]] if args else args
+        # Tuples arrive as lists, which the runtime takes as it takes tuples (clear's
+        # kinds): a bare string stays one, and is refused as it is in one process.
         return getattr(self.runtime, name)(session_id, *args, **kwargs)
 
     @staticmethod

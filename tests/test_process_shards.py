@@ -550,6 +550,22 @@ def test_session_methods_run_on_the_sessions_shard(shards: ProcessShards, tmp_pa
         assert name in kinds, name
 
 
+def test_clear_refuses_kinds_that_are_not_a_tuple_as_the_runtime_does(
+    shards: ProcessShards, tmp_path: Path
+) -> None:
+    session = "room:k"
+    assert shards.run(session, Input(id="", content="你好")).outcome == "replied"
+    # A bare string would be read letter by letter: refused, as Runtime.clear refuses it.
+    with pytest.raises(InvalidInput, match="kinds must be a tuple of names"):
+        shards.clear(session, "context")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="kinds must be a tuple of names"):
+        shards.clear(session, None)  # type: ignore[arg-type]
+    shards.clear(session, ["history"])  # type: ignore[arg-type]  # a list, as the runtime takes
+    shards.shutdown(timeout=10)
+    cleared = [e for e in _log(tmp_path, session) if type(e).__name__ == "ContextCleared"]
+    assert [tuple(e.kinds) for e in cleared] == [("history",)]  # type: ignore[attr-defined]
+
+
 def box_turn(tmp_path: Path, session: str) -> str:
     """The id of the session's last opened turn, read from its log."""
     opened = [e for e in _log(tmp_path, session) if type(e).__name__ == "TurnOpened"]
