@@ -13,9 +13,10 @@ processes, each an embedded :class:`~aalis_agent.actors.runtime.Runtime` over it
 database in ``directory`` (``shard-<n>.db``), and sends each session's inputs to the shard
 ``shard_of(session_id, shards)`` names (a stable hash). The directory records the shard
 count (``shards.json``) and is refused with another one: the hash would look for the
-sessions in the wrong files. Each shard file is an ordinary event database (``replay``,
-``inspect`` and ``chat`` read it), held by its worker (``StoreInUse`` for any other
-process, a second ``ProcessShards`` on the directory included).
+sessions in the wrong files. Each shard file is an ordinary event database (``replay``
+and ``inspect`` read it, while the workers run too), held by its worker for writing
+(``StoreInUse`` for any other process that would write it, ``chat --db`` or a second
+``ProcessShards`` on the directory).
 
 - ``services`` is a picklable callable (a module-level function) building the shard's
   :class:`~aalis_agent.services.Services`; it runs in each worker, which starts with the
@@ -30,7 +31,8 @@ process, a second ``ProcessShards`` on the directory included).
   quick (an in-process model, tools that compute): no hand-over between threads. A call
   that is not known quick runs on a thread of its own, and a quick-looking one that runs
   longer than ``inline_s`` (0.02 s) hands the reading to a new thread, so a slow model or
-  tool never holds up the shard's other sessions for longer than that.
+  tool holds up the shard's other sessions for little more than that (the reading
+  thread is watched every ``inline_s / 2``, 10 ms at most).
 - A worker that dies (killed, crashed) is started again by the next call that finds it
   gone; its runtime's ``recover()`` then finishes the cut turn and runs what was queued,
   as after any crash. A call under way when it died is sent again under the input's id
@@ -43,7 +45,9 @@ process, a second ``ProcessShards`` on the directory included).
 - A session's other calls (``command``, ``stop``, ``delete``, ``clear``,
   ``set_setting``...) go to its shard as well; not being inputs, they are not sent again
   when the worker dies during them: :class:`RunError` says they may or may not have taken
-  effect.
+  effect. Their arguments cross as msgpack: one it cannot hold is refused with
+  :class:`InvalidInput`, text with a lone surrogate included (which a runtime in this
+  process cleans in ``platform``, ``user_id`` and ``by``).
 """
 
 from __future__ import annotations
@@ -1008,8 +1012,9 @@ class ProcessShards:
         return True
 
     def info(self) -> list[dict[str, Any]]:
-        """Per shard: its index, database, worker pid, restarts, and the sessions its
-        worker recovered when it last started."""
+        """Per shard: its index, database, worker pid, whether the worker is alive, its
+        restarts, the sessions its worker recovered when it last started, and why it is
+        not started again (``down``; None until it is given up)."""
         return [
             {
                 "index": s.index,
