@@ -46,8 +46,9 @@ and ``inspect`` read it, while the workers run too), held by its worker for writ
   ``set_setting``...) go to its shard as well; not being inputs, they are not sent again
   when the worker dies during them: :class:`RunError` says they may or may not have taken
   effect. Their arguments cross as msgpack: one it cannot hold is refused with
-  :class:`InvalidInput`, text with a lone surrogate included (which a runtime in this
-  process cleans in ``platform``, ``user_id`` and ``by``).
+  :class:`InvalidInput`; text arguments (who, where, a command line) are cleaned of lone
+  surrogates first, as a runtime in this process cleans them (a setting's value is
+  judged by the setting: ``ConfigError``).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ from typing import Any
 import msgspec
 import structlog
 from aalis_agent.actors.messages import InputOutcome
-from aalis_agent.events.codec import checked_input, checked_session_id
+from aalis_agent.events.codec import checked_input, checked_session_id, clean_text
 from aalis_agent.events.errors import InvalidInput, RunError, RuntimeClosed, UsageError
 from aalis_agent.events.schema import Input
 from aalis_agent.scale import with_input_id
@@ -916,6 +917,13 @@ class ProcessShards:
         if self._closed:
             raise RuntimeClosed("the shards are shut down")
         session_id = checked_session_id(session_id)
+        # Text arguments (who, where, a command line) cleaned of lone surrogates as a
+        # runtime cleans them; a setting's value is the setting's to judge.
+        args = tuple(
+            clean_text(a) if isinstance(a, str) and not (name == "set_setting" and i == 1) else a
+            for i, a in enumerate(args)
+        )
+        kwargs = {k: clean_text(v) if isinstance(v, str) else v for k, v in kwargs.items()}
         try:
             call = _encode((_METHOD, session_id, (name, args, kwargs), None))
         except (msgspec.EncodeError, OverflowError, TypeError, ValueError, RecursionError) as exc:

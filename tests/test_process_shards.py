@@ -141,6 +141,18 @@ def test_bad_input_is_refused_naming_what_is_wrong(shards: ProcessShards) -> Non
     assert shards.run("room:a", Input(id="", content="你好")).outcome == "replied"
 
 
+def test_lone_surrogates_in_a_session_calls_text_are_cleaned_as_the_runtime_cleans_them(
+    shards: ProcessShards, tmp_path: Path
+) -> None:
+    """Refused (InvalidInput: msgpack cannot hold them) where a runtime cleans them."""
+    shards.set_setting("room:u", "historyLimit", 4, by="管理\ud83d员")
+    assert shards.stop("room:u", platform="qq\udc00", user_id="u\ud83d") is None
+    assert shards.command("room:u", "/help\ud83d", platform="qq", user_id="u1") is None
+    shards.shutdown(timeout=10)
+    changed = [e for e in _log(tmp_path, "room:u") if type(e).__name__ == "SettingsChanged"]
+    assert [e.by for e in changed] == ["管理\ufffd员"]  # type: ignore[attr-defined]
+
+
 def test_lone_surrogates_are_cleaned_as_the_runtime_cleans_them(shards: ProcessShards) -> None:
     outcome = shards.run("room:s", Input(id="s1", content="半个\ud83d表情"))
     assert outcome.outcome == "replied"
