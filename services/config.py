@@ -14,7 +14,7 @@ import structlog
 from aalis_agent.events.errors import ConfigError
 from aalis_agent.request.locales import DEFAULT_LOCALE, check_locale
 
-__all__ = ["AgentConfig", "json_value", "keyed", "toml_value"]
+__all__ = ["AgentConfig", "json_value", "keyed", "toml_key", "toml_value"]
 
 log = structlog.get_logger("aalis.config")
 
@@ -196,14 +196,16 @@ def _spelled(value: Any, depth: int, *, json: bool) -> str:
         if json:
             items = [f"{_json_key(k)}: {_spelled(v, depth - 1, json=True)}" for k, v in pairs]
         else:
-            items = [f"{_toml_key(k)} = {_spelled(v, depth - 1, json=False)}" for k, v in pairs]
+            items = [f"{toml_key(k)} = {_spelled(v, depth - 1, json=False)}" for k, v in pairs]
         if len(value) > _SHOWN_ITEMS:
             items.append("...")
         return "{" + ", ".join(items) + "}"
     return f"a {type(value).__name__}"
 
 
-def _toml_key(key: Any) -> str:
+def toml_key(key: Any) -> str:
+    """``key`` as one part of a dotted key in a TOML file: as is when it is a bare key
+    (``A-Za-z0-9_-`` only), else quoted (``"qq:1"``, ``"a/b"``, ``""``)."""
     if isinstance(key, str) and _BARE_KEY.fullmatch(key):
         return key
     return _quoted(key) if isinstance(key, str) else toml_value(key, 0)
