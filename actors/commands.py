@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from aalis_agent.events import ConfigError
 from aalis_agent.request.limits import json_too_deep
 from aalis_agent.request.texts import ZH, Texts
+from aalis_agent.services.config import json_value
 from aalis_agent.services.models import entry_id, model_name, parse_model_ref
 from aalis_agent.services.settings import SETTING_FIELDS, shown_value, validate_setting
 
@@ -93,13 +94,14 @@ def set_setting(
 ) -> str:
     """Set or reset a session-layer setting; owner-only keys refuse anyone else (SET3,
     SET4). Returns the reply (in the locale of ``platform`` and ``venue``); a bad key or
-    value raises ConfigError naming it."""
+    value raises ConfigError naming it, the value spelled as JSON (what the command
+    reads: ``got true``, ``got null``, ``got "x"``)."""
     texts = runtime.texts_for(session_id, platform, venue)
     refusal = _refusal(runtime, key, platform, user_id, texts)
     if refusal is not None:
         return refusal
     label = texts(f"setting.{key}")
-    stored = None if reset else validate_setting(key, value)
+    stored = None if reset else validate_setting(key, value, shown=json_value)
     if not reset:
         _require_existing(runtime, key, stored)
     runtime.set_setting(session_id, key, stored, reset=reset, by=user_id)
@@ -124,14 +126,15 @@ def _require_existing(runtime: Runtime, key: str, value: Any) -> None:
         wanted = _show(value)
         if services.models.find(parse_model_ref(value, where=key)) is None:
             raise ConfigError(
-                f"session setting 'llm': there is no model {wanted!r}; /model lists the models"
+                f"session setting 'llm': there is no model {json_value(wanted)}; "
+                "/model lists the models"
             )
     elif key == "persona":
         if services.persona is None:
             raise ConfigError("session setting 'persona': no personas are configured")
         if value not in {pid for pid, _ in services.persona.list()}:
             raise ConfigError(
-                f"session setting 'persona': there is no persona {shown_value(value)}; "
+                f"session setting 'persona': there is no persona {json_value(value)}; "
                 "/persona lists the personas"
             )
 

@@ -53,6 +53,7 @@ from aalis_agent.actors.turn import TurnRunner, in_a_turn, in_turn_of
 from aalis_agent.actors.workers import Workers
 from aalis_agent.events import (
     Clock,
+    ConfigError,
     CorruptEvent,
     EventStore,
     IdSource,
@@ -73,7 +74,7 @@ from aalis_agent.projections.inputs import InputIds, unchanged
 from aalis_agent.request.texts import Texts
 from aalis_agent.request.usage import wire
 from aalis_agent.services import Services
-from aalis_agent.services.settings import validate_setting
+from aalis_agent.services.settings import LAYER_KEYS, validate_setting
 from aalis_agent.services.typed_tools import (
     release_default_loop_thread,
     use_default_loop_thread,
@@ -1134,7 +1135,14 @@ class Runtime:
         (who changed it, recorded) is a str or None, as the stops' ``platform`` and
         ``user_id`` are (InvalidInput otherwise); lone surrogates in them are cleaned.
         While a deletion of the session winds down, the change is written after the
-        deletion (which would wipe it), and this returns then."""
+        deletion (which would wipe it), and this returns then. ``locale`` is refused: a
+        platform, platform-type or venue layer picks a language (or ``AgentConfig.locale``),
+        a session's own layer does not (nothing would read it)."""
+        if not reset and isinstance(key, str) and key in LAYER_KEYS:
+            raise ConfigError(
+                f"session setting {key!r}: a session's own layer takes no {key}; set it in "
+                f"a platform, platform-type or venue layer, or AgentConfig.{key}"
+            )
         stored = None if reset else validate_setting(key, value)
         held = self._ask(session_id, SetSetting(key, stored, reset, _who("by", by)))
         if held is not None and not in_a_turn():

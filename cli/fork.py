@@ -94,6 +94,7 @@ from aalis_agent.services import (
     Usage,
 )
 from aalis_agent.services.builtin_tools import builtin_tools
+from aalis_agent.services.config import json_value
 from aalis_agent.services.models import entry_id
 from aalis_agent.services.settings import SETTING_FIELDS, validate_setting
 from aalis_agent.timeline import render_event, shown_name, terminal_safe
@@ -238,7 +239,7 @@ def parse_sets(values: Sequence[str]) -> list[tuple[str, Any]]:
             known = ", ".join(SETTING_FIELDS)
             raise ConfigError(f"--set {raw!r}: unknown session setting {key!r}; known: {known}")
         try:
-            stored = validate_setting(key, parse_value(key, value))
+            stored = validate_setting(key, parse_value(key, value), shown=json_value)
         except ConfigError as exc:
             raise ConfigError(f"--set {raw!r}: {exc}") from None
         sets.append((key, stored))

@@ -39,10 +39,10 @@ from aalis_agent.scenarios.spec import (
     ToolSpec,
 )
 from aalis_agent.services import AgentConfig, Usage, shapes
+from aalis_agent.services.config import toml_value
 from aalis_agent.services.settings import (
     MAX_TOKENS,
     check_config_range,
-    shown_value,
     validate_setting,
 )
 from aalis_agent.services.shapes import bare, info_at, value_at
@@ -407,9 +407,9 @@ def _explain(error: str, value: Any, info: Any) -> tuple[str, str]:
     bound = shapes.RANGE.match(message)
     if bound is not None:
         if what and bound["op"].startswith(">"):
-            return inner, f"{subject}must be {shapes.what(info)}, got {shown_value(got)}"
+            return inner, f"{subject}must be {shapes.what(info)}, got {toml_value(got)}"
         limit = f"{float(bound['bound']):g}" if "." in bound["bound"] else bound["bound"]
-        return inner, f"{subject}must be {bound['op']} {limit}, got {shown_value(got)}"
+        return inner, f"{subject}must be {bound['op']} {limit}, got {toml_value(got)}"
     if message.startswith("Expected `str` of length"):
         return inner, f"{subject}must not be empty"
     literal = bare(info, mi.LiteralType)
@@ -417,11 +417,11 @@ def _explain(error: str, value: Any, info: Any) -> tuple[str, str]:
         values = ", ".join(map(str, shapes.extra(info).get("values", literal.values)))
         nope = shapes.extra(info).get("not")
         if nope:
-            return inner, f"{key} = {got!r} is not {nope}; use one of {values}"
-        return inner, f"{subject}must be one of {values}, got {shown_value(got)}"
+            return inner, f"{key} = {toml_value(got)} is not {nope}; use one of {values}"
+        return inner, f"{subject}must be one of {values}, got {toml_value(got)}"
     if message.startswith("Expected `"):
         what = shapes.what(info).replace("{key}", key)
-        return inner, f"{subject}must be {what}, got {shapes.kind(got)}"
+        return inner, f"{subject}must be {what}, got {shapes.kind(got, toml_value)}"
     return inner, subject + message[:1].lower() + message[1:]
 
 
@@ -521,7 +521,7 @@ class _Loader:
         m = re.fullmatch(r"([+-])(\d{2}):?(\d{2})", value)
         if m is None or int(m[2]) > 23 or int(m[3]) > 59:
             raise top.error(
-                f"timezone must look like '+08:00', '-05:30' or 'UTC', got {shown_value(value)}"
+                f"timezone must look like '+08:00', '-05:30' or 'UTC', got {toml_value(value)}"
             )
         sign = 1 if m[1] == "+" else -1
         return timezone(sign * timedelta(hours=int(m[2]), minutes=int(m[3])))
@@ -534,9 +534,7 @@ class _Loader:
             try:
                 value = datetime.fromisoformat(value)
             except ValueError:
-                raise top.error(
-                    f"start is not an ISO date and time: {shown_value(value)}"
-                ) from None
+                raise top.error(f"start is not an ISO date and time: {toml_value(value)}") from None
         if isinstance(value, bool):
             raise top.error("start must be a date and time, or milliseconds since the epoch")
         if isinstance(value, int):
@@ -552,14 +550,14 @@ class _Loader:
             return int(value.timestamp() * 1000)
         if isinstance(value, date):
             raise top.error("start needs a time of day too, e.g. 2026-01-01T08:00:00+08:00")
-        raise top.error(f"start must be a date and time, got {shapes.kind(value)}")
+        raise top.error(f"start must be a date and time, got {shapes.kind(value, toml_value)}")
 
     def _owners(self, top: _Place, owners: list[str]) -> tuple[tuple[str, str], ...]:
         out = []
         for owner in owners:
             platform, sep, user = owner.partition(":")
             if not sep or not platform or not user:
-                raise top.error(f"owners: {owner!r} is not 'platform:user_id'")
+                raise top.error(f"owners: {toml_value(owner)} is not 'platform:user_id'")
             out.append((platform, user))
         return tuple(out)
 
@@ -581,7 +579,7 @@ class _Loader:
             spec = t.convert(data, _FirstModel if i == 0 else _Model)
             entry = f"{spec.provider}/{spec.id}"
             if any(f"{m['provider']}/{m['id']}" == entry for m in models):
-                raise t.error(f"model {entry!r} is declared twice")
+                raise t.error(f"model {toml_value(entry)} is declared twice")
             if spec.default_think is not None and spec.default_think not in spec.think_levels:
                 raise t.error("default_think must be one of think_levels")
             models.append(
@@ -633,10 +631,10 @@ class _Loader:
         try:
             check_config_range(AgentConfig.from_mapping(checked, where=t.where), where=t.where)
             for key, value in checked.items():  # as /session.set would check them
-                validate_setting(key, value, layer=owner.where)
+                validate_setting(key, value, layer=owner.where, shown=toml_value)
             if spec.enabled_tool_groups is not None:
                 groups = tuple(spec.enabled_tool_groups)
-                validate_setting("enabledToolGroups", groups, layer=owner.where)
+                validate_setting("enabledToolGroups", groups, layer=owner.where, shown=toml_value)
                 layer["enabledToolGroups"] = groups
         except ConfigError as exc:
             raise ScenarioError(str(exc), file=self.file) from None
@@ -644,9 +642,9 @@ class _Loader:
         if model is not None:
             provider, sep, model_id = model.partition("/")
             if not sep or not provider or not model_id:
-                raise t.error(f"model must be 'provider/model', got {model!r}")
+                raise t.error(f"model must be 'provider/model', got {toml_value(model)}")
             try:
-                validate_setting("llm", model, layer=owner.where)
+                validate_setting("llm", model, layer=owner.where, shown=toml_value)
             except ConfigError as exc:
                 raise ScenarioError(str(exc), file=self.file) from None
             layer["model"] = ModelRef(provider=provider, model=model_id)
@@ -790,7 +788,7 @@ class _Loader:
     ) -> Point:
         if value is None:
             return Point("now")
-        shown = shown_value(value)
+        shown = toml_value(value)
         text = " ".join(value.split())
         for pattern, kind in _POINT_PATTERNS:
             m = pattern.fullmatch(text)

@@ -14,7 +14,7 @@ import structlog
 from aalis_agent.events.errors import ConfigError
 from aalis_agent.request.locales import DEFAULT_LOCALE, check_locale
 
-__all__ = ["AgentConfig", "keyed", "toml_value"]
+__all__ = ["AgentConfig", "json_value", "keyed", "toml_key", "toml_value"]
 
 log = structlog.get_logger("aalis.config")
 
@@ -149,6 +149,18 @@ def toml_value(value: Any, depth: int = _SHOWN_DEPTH) -> str:
     never as Python does (``True``, ``'x'``). Shortened: text past 60 characters, more
     than 4 items and nesting past 3 levels are cut (``...``); a huge integer is
     described; a value no file holds is named by its type."""
+    return _spelled(value, depth, json=False)
+
+
+def json_value(value: Any, depth: int = _SHOWN_DEPTH) -> str:
+    """``value`` for an error message as JSON spells it (what ``/session.set`` reads):
+    ``true``, ``null``, ``"x"``, ``1.5``, ``Infinity``, ``[1, "a"]``, ``{"a": 1}``, never
+    as Python does (``True``, ``None``, ``'x'``, ``{'a': 1}``). Shortened as
+    :func:`toml_value` is."""
+    return _spelled(value, depth, json=True)
+
+
+def _spelled(value: Any, depth: int, *, json: bool) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -160,18 +172,20 @@ def toml_value(value: Any, depth: int = _SHOWN_DEPTH) -> str:
         return str(value)
     if isinstance(value, float):
         if math.isnan(value):
-            return "nan"
+            return "NaN" if json else "nan"
         if math.isinf(value):
+            if json:
+                return "Infinity" if value > 0 else "-Infinity"
             return "inf" if value > 0 else "-inf"
         return repr(value)
     if isinstance(value, str):
-        return _quoted(value)
+        return _quoted(value, json=json)
     if isinstance(value, datetime.date | datetime.time):  # a datetime is a date
         return value.isoformat()
     if isinstance(value, list | tuple):
         if depth <= 0:
             return "[...]"
-        items = [toml_value(v, depth - 1) for v in value[:_SHOWN_ITEMS]]
+        items = [_spelled(v, depth - 1, json=json) for v in value[:_SHOWN_ITEMS]]
         if len(value) > _SHOWN_ITEMS:
             items.append("...")
         return f"[{', '.join(items)}]"
@@ -179,22 +193,31 @@ def toml_value(value: Any, depth: int = _SHOWN_DEPTH) -> str:
         if depth <= 0:
             return "{...}"
         pairs = itertools.islice(value.items(), _SHOWN_ITEMS)
-        items = [f"{_toml_key(k)} = {toml_value(v, depth - 1)}" for k, v in pairs]
+        if json:
+            items = [f"{_json_key(k)}: {_spelled(v, depth - 1, json=True)}" for k, v in pairs]
+        else:
+            items = [f"{toml_key(k)} = {_spelled(v, depth - 1, json=False)}" for k, v in pairs]
         if len(value) > _SHOWN_ITEMS:
             items.append("...")
         return "{" + ", ".join(items) + "}"
     return f"a {type(value).__name__}"
 
 
-def _toml_key(key: Any) -> str:
+def toml_key(key: Any) -> str:
+    """``key`` as one part of a dotted key in a TOML file: as is when it is a bare key
+    (``A-Za-z0-9_-`` only), else quoted (``"qq:1"``, ``"a/b"``, ``""``)."""
     if isinstance(key, str) and _BARE_KEY.fullmatch(key):
         return key
     return _quoted(key) if isinstance(key, str) else toml_value(key, 0)
 
 
-def _quoted(text: str) -> str:
-    """``text`` as a basic string: quotes, backslashes and what does not print escaped
-    (a lone surrogate too); cut after 60 characters."""
+def _json_key(key: Any) -> str:
+    return _quoted(key, json=True) if isinstance(key, str) else json_value(key, 0)
+
+
+def _quoted(text: str, *, json: bool = False) -> str:
+    """``text`` as a basic string (TOML's, or JSON's with ``json``): quotes, backslashes
+    and what does not print escaped (a lone surrogate too); cut after 60 characters."""
     out = []
     for ch in text[:_SHOWN_CHARS]:
         if ch in _ESCAPES:
@@ -203,6 +226,9 @@ def _quoted(text: str) -> str:
             out.append(ch)
         elif ord(ch) <= 0xFFFF:
             out.append(f"\\u{ord(ch):04x}")
+        elif json:  # JSON has no \U escape: a surrogate pair
+            high, low = divmod(ord(ch) - 0x10000, 0x400)
+            out.append(f"\\u{0xD800 + high:04x}\\u{0xDC00 + low:04x}")
         else:
             out.append(f"\\U{ord(ch):08x}")
     more = "..." if len(text) > _SHOWN_CHARS else ""

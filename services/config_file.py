@@ -76,7 +76,7 @@ from aalis_agent.events.errors import ConfigError
 from aalis_agent.events.schema import ModelRef
 from aalis_agent.request.limits import MAX_DEPTH, find_unloggable, toml_too_deep
 from aalis_agent.services import shapes
-from aalis_agent.services.config import AgentConfig, toml_value
+from aalis_agent.services.config import AgentConfig, toml_key, toml_value
 from aalis_agent.services.files import read_text_file
 from aalis_agent.services.llm import ChatModel, ScriptedModel, ScriptedReply, ThinkLevel
 from aalis_agent.services.mcp import DEFAULT_MAX_LINE_BYTES, McpServer
@@ -365,7 +365,7 @@ _NOT_SCRIPTED = (
 def _providers(r: _Reader, table: dict[str, Any], env: Mapping[str, str]) -> list[Provider]:
     providers: list[Provider] = []
     for pid, raw in table.items():
-        key = f"providers.{pid}"
+        key = f"providers.{toml_key(pid)}"
         if "/" in pid or not pid:
             raise r.error(key, "a provider id must be non-empty and without '/'")
         p = r.convert(raw, _Provider, key)
@@ -493,7 +493,7 @@ def _think_level(lv: _ThinkLevel) -> ThinkLevel:
 
 def _layers(r: _Reader, spec: _File, config: AgentConfig) -> SettingsLayers:
     platforms = {
-        name: r.convert(kind, PlatformType, f"platforms.{name}")
+        name: r.convert(kind, PlatformType, f"platforms.{toml_key(name)}")
         for name, kind in spec.platforms.items()
     }
     given = {"platform": spec.settings.platform, "platformType": spec.settings.platform_type}
@@ -502,13 +502,14 @@ def _layers(r: _Reader, spec: _File, config: AgentConfig) -> SettingsLayers:
     for name, label in LAYERS.items():
         tables[name] = {}
         for k, v in given[name].items():
-            values = r.convert(v, dict[str, Any], f"settings.{name}.{k}")
+            at = f"settings.{name}.{toml_key(k)}"
+            values = r.convert(v, dict[str, Any], at)
             checked: dict[str, Any] = {}
             for setting, raw in values.items():
                 if setting in _NOT_TEXT and isinstance(raw, str):
                     # a file writes a list or a number as such (/session.set takes text)
                     raise r.error(
-                        f"settings.{name}.{k}.{setting}",
+                        f"{at}.{toml_key(setting)}",
                         f"{label} {k!r} setting {setting!r}: must be {_NOT_TEXT[setting]}, "
                         f"not a string: {toml_value(raw)}",
                     )
@@ -517,7 +518,7 @@ def _layers(r: _Reader, spec: _File, config: AgentConfig) -> SettingsLayers:
                         setting, raw, layer=f"{label} {k!r}", shown=toml_value
                     )
                 except ConfigError as exc:
-                    raise r.error(f"settings.{name}.{k}.{setting}", str(exc)) from None
+                    raise r.error(f"{at}.{toml_key(setting)}", str(exc)) from None
             tables[name][k] = checked
     return SettingsLayers(
         config=config,
@@ -544,7 +545,7 @@ def _personas(r: _Reader, table: dict[str, Any]) -> StaticPersonas | None:
     personas: dict[str, tuple[str, str]] = {}
     default: str | None = None
     for pid, raw in table.items():
-        key = f"personas.{pid}"
+        key = f"personas.{toml_key(pid)}"
         p = r.convert(raw, _Persona, key)
         personas[pid] = (p.name or pid, p.prompt)
         if p.default:
@@ -557,7 +558,7 @@ def _personas(r: _Reader, table: dict[str, Any]) -> StaticPersonas | None:
 def _mcp_servers(r: _Reader, table: dict[str, Any]) -> tuple[McpServer, ...]:
     servers: list[McpServer] = []
     for name, raw in table.items():
-        key = f"mcp.{name}"
+        key = f"mcp.{toml_key(name)}"
         if not name:
             raise r.error(key, "an MCP server's name must be non-empty")
         m = r.convert(raw, _Mcp, key)
@@ -572,7 +573,7 @@ def _mcp_servers(r: _Reader, table: dict[str, Any]) -> tuple[McpServer, ...]:
         env, headers = (
             None
             if table is None
-            else {k: r.convert(v, str, f"{key}.{what}.{k}") for k, v in table.items()}
+            else {k: r.convert(v, str, f"{key}.{what}.{toml_key(k)}") for k, v in table.items()}
             for what, table in (("env", m.env), ("headers", m.headers))
         )
         servers.append(

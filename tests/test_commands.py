@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pykka
 import pytest
 from aalis_agent.actors.commands import HELP, handle_command
 from aalis_agent.actors.runtime import Runtime
+from aalis_agent.cli.fork import parse_sets
 from aalis_agent.events import (
+    ConfigError,
     FixedClock,
     InMemoryEventStore,
     Input,
@@ -17,7 +20,14 @@ from aalis_agent.events import (
     TurnOpened,
 )
 from aalis_agent.events.codec import decode, encode
-from aalis_agent.services import ScriptedModel, Services, StaticAuthority, StaticPersonas
+from aalis_agent.services import (
+    AgentConfig,
+    ScriptedModel,
+    Services,
+    StaticAuthority,
+    StaticPersonas,
+)
+from aalis_agent.services.config import json_value
 
 SID = "qq:group:5"
 
@@ -98,6 +108,62 @@ def test_bad_values_name_the_key_and_change_nothing(
     assert dict(runtime.view(SID).settings) == {}
 
 
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("true", "expected an integer, got true"),
+        ("null", "expected an integer, got null"),
+        ('{"a": 1}', 'expected an integer, got {"a": 1}'),
+        ('"x"', 'expected an integer, got "x"'),
+        ("many", 'expected an integer, got "many"'),
+        ("[1, 2.5]", "expected an integer, got [1, 2.5]"),
+        ("1e999", "expected an integer, got Infinity"),
+    ],
+)
+@pytest.mark.parametrize("locale", ["zh", "en"])
+def test_a_wrong_value_is_shown_as_the_json_typed(locale: str, value: str, shown: str) -> None:
+    """/session.set reads its value as JSON: a wrong one is shown so (true, null,
+    {"a": 1}, "x"), not as Python spells it (True, None, {'a': 1}, 'x'), in every locale."""
+    services = Services(
+        llm=ScriptedModel(),
+        authority=StaticAuthority([("qq", "boss")]),
+        config=AgentConfig(locale=locale),
+    )
+    rt = Runtime(InMemoryEventStore(), services, FixedClock(), SequentialIds(), janitor=False)
+    try:
+        failed = "设置失败：" if locale == "zh" else "Setting failed: "
+        reply = cmd(rt, f"/session.set historyLimit {value}")
+        assert reply == f"{failed}session setting 'historyLimit': {shown}"
+        reply = cmd(rt, '/session.set enabledToolGroups {"a": true}')
+        assert reply == (
+            f"{failed}session setting 'enabledToolGroups': "
+            "expected a list of group names ('*' for all)"
+        )
+        assert cmd(rt, "/session.set llm big") == (
+            f"{failed}session setting 'llm': expected <provider>/<model>, got \"big\""
+        )
+        assert dict(rt.view(SID).settings) == {}
+    finally:
+        rt.shutdown(timeout=10)
+        pykka.ActorRegistry.stop_all()
+
+
+def test_fork_set_shows_a_wrong_value_as_json_too() -> None:
+    """``aalis-agent replay --fork N --set KEY=VALUE`` reads VALUE as /session.set does."""
+    with pytest.raises(ConfigError) as err:
+        parse_sets(["historyLimit=true"])
+    assert str(err.value) == (
+        "--set 'historyLimit=true': session setting 'historyLimit': expected an integer, got true"
+    )
+
+
+def test_json_value_is_json_that_reads_back() -> None:
+    for value in ['a"b\\\n\x00\u200b', "\U0001f600\U000e0001", [None, True, 1.5], {"k y": [1]}]:
+        assert json.loads(json_value(value)) == value
+    assert json_value("\ud800") == '"\\ud800"'  # escaped, as JSON would carry it
+    assert json_value(float("-inf")) == "-Infinity"
+
+
 def test_usage_and_unknown_commands(runtime: Runtime) -> None:
     assert cmd(runtime, "/session.set historyLimit") is not None
     assert cmd(runtime, "/unknown") is None
@@ -113,7 +179,7 @@ def test_help_lists_every_command(runtime: Runtime) -> None:
 def test_a_model_or_persona_that_is_not_there_is_refused(runtime: Runtime) -> None:
     reply = cmd(runtime, "/session.set llm deepseek/deepseek-chat")
     assert reply == (
-        "设置失败：session setting 'llm': there is no model 'deepseek/deepseek-chat'; "
+        "设置失败：session setting 'llm': there is no model \"deepseek/deepseek-chat\"; "
         "/model lists the models"
     )
     assert cmd(runtime, "/session.set persona helper") == (
@@ -149,7 +215,7 @@ def test_a_persona_is_set_by_its_listed_id_and_an_unknown_one_refused(
         == "已设置人设（persona）= 123，此刻：一二三（123）"
     )
     assert cmd(with_personas, "/session.set persona dog") == (
-        "设置失败：session setting 'persona': there is no persona 'dog'; "
+        "设置失败：session setting 'persona': there is no persona \"dog\"; "
         "/persona lists the personas"
     )
     assert with_personas.view(SID).settings["persona"] == "123"

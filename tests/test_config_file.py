@@ -206,7 +206,11 @@ BAD: list[tuple[str, str, str]] = [
         "not used by a scripted provider",
     ),
     ("[settings.platform.qq]\nhistoryLimit = 'lots'", "settings.platform.qq.historyLimit", ""),
-    ("[settings.venue.'qq:1']\nmaxToolIterations = 0", "settings.venue.qq:1.maxToolIterations", ""),
+    (
+        "[settings.venue.'qq:1']\nmaxToolIterations = 0",
+        'settings.venue."qq:1".maxToolIterations: ',
+        "",
+    ),
     ("[settings.platformType.onebot]\ncolour = 1", "settings.platformType.onebot.colour", ""),
     ("[settings.room.x]\nthink = 'a'", "settings.room", "unknown key"),
     ("[platforms]\nqq = 3", "platforms.qq", "expected a platform type"),
@@ -245,6 +249,28 @@ def test_bad_files_are_refused_naming_file_key_and_problem(
     message = str(err.value)
     assert message.startswith(f"{path}: "), message
     assert key in message and problem in message, message
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('[providers."a/b"]\ntype = "scripted"', 'providers."a/b": '),
+        ('[providers.""]\ntype = "scripted"', 'providers."": '),
+        ("[settings.venue.'qq:1']\nthink = 1", 'settings.venue."qq:1".think: '),
+        ('[settings.platform."qq 2"]\n"max tool" = 1', 'settings.platform."qq 2"."max tool": '),
+        ("[settings.platform.qq_2-x]\nlocal = 1", "settings.platform.qq_2-x.local: "),
+        ('[platforms."on.bot"]\nx = 1', 'platforms."on.bot": '),
+        ('[personas."a b"]\nprompt = 1', 'personas."a b".prompt: '),
+        ('[mcp."a:b"]\nurl = "http://h"\nheaders = {"X Key" = 1}', 'mcp."a:b".headers."X Key": '),
+    ],
+)
+def test_a_key_path_is_quoted_where_toml_needs_it(tmp_path: Path, text: str, key: str) -> None:
+    """An error names its key as the file would write it: a part that is not a bare key
+    (A-Za-z0-9_- only) is quoted (settings.venue."qq:1".think, providers."a/b")."""
+    path = write(tmp_path, text + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: {key}"), str(err.value)
 
 
 def test_the_layer_is_named_for_a_bad_setting(tmp_path: Path) -> None:
@@ -571,7 +597,7 @@ def test_tool_groups_written_as_a_string_are_refused(tmp_path: Path, layer: str)
     path = write(tmp_path, f'[settings.{layer}]\nenabledToolGroups = "web, files"\n')
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    key = f"settings.{layer.replace(chr(39), '')}.enabledToolGroups"
+    key = f"settings.{layer.replace(chr(39), chr(34))}.enabledToolGroups"  # "qq:1" quoted
     assert str(err.value).startswith(f"{path}: {key}: "), str(err.value)
     assert str(err.value).endswith(
         "setting 'enabledToolGroups': must be a list of strings (group names, [\"*\"] for "
@@ -596,7 +622,7 @@ def test_an_integer_written_as_a_string_is_refused(
     path = write(tmp_path, f'[settings.{layer}]\n{key} = "{text}"\n')
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    where = f"settings.{layer.replace(chr(39), '')}.{key}"
+    where = f"settings.{layer.replace(chr(39), chr(34))}.{key}"  # "qq:1" quoted
     assert str(err.value).startswith(f"{path}: {where}: "), str(err.value)
     assert str(err.value).endswith(
         f'setting {key!r}: must be an integer, not a string: "{text}"'

@@ -271,3 +271,25 @@ def test_a_runtime_in_en() -> None:
     finally:
         rt.shutdown(timeout=10)
         pykka.ActorRegistry.stop_all()
+
+
+def test_a_session_has_no_locale_of_its_own() -> None:
+    """A platform, platform-type or venue layer picks a language, a session's own layer
+    does not: Runtime.set_setting refuses locale, naming it, as /session.set does (it was
+    written to the log and never read)."""
+    rt = Runtime(InMemoryEventStore(), Services(llm=ScriptedModel()), janitor=False)
+    try:
+        with pytest.raises(ConfigError) as err:
+            rt.set_setting("s", "locale", "en")
+        assert str(err.value) == (
+            "session setting 'locale': a session's own layer takes no locale; set it in a "
+            "platform, platform-type or venue layer, or AgentConfig.locale"
+        )
+        reply = handle_command(rt, "s", "/session.set locale en", platform="qq", user_id="u")
+        assert reply is not None and "unknown session setting 'locale'" in reply
+        assert dict(rt.view("s").settings) == {}
+        rt.set_setting("s", "historyLimit", 3)  # the session's own keys still go in
+        assert dict(rt.view("s").settings) == {"historyLimit": 3}
+    finally:
+        rt.shutdown(timeout=10)
+        pykka.ActorRegistry.stop_all()

@@ -394,8 +394,8 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         {"steps": [{**SAY, "form": "alice"}]},
         "step 1 (say at now): unknown key 'form'",
     ),
-    ("unknown step", {"steps": [{"do": "shout"}]}, "step 1: do = 'shout' is not a step"),
-    ("not a point", {"steps": [{**SAY, "at": "during call 2"}]}, "'during call 2' is not a point"),
+    ("unknown step", {"steps": [{"do": "shout"}]}, 'step 1: do = "shout" is not a step'),
+    ("not a point", {"steps": [{**SAY, "at": "during call 2"}]}, '"during call 2" is not a point'),
     ("unknown tool", {"steps": [{**SAY, "at": "while foo runs"}]}, "no tool 'foo'"),
     (
         "call that can never be made",
@@ -403,7 +403,7 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
             "replies": [{"text": "a"}, {"text": "b"}],
             "steps": [SAY, {"do": "stop", "at": "before call 5"}],
         },
-        "step 2 (stop): at 'before call 5' can never happen: call 5 of s1 needs calls 1-4",
+        'step 2 (stop): at "before call 5" can never happen: call 5 of s1 needs calls 1-4',
     ),
     (
         "reply numbered wrong",
@@ -416,7 +416,7 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         "needs notice = { kind = ..., id = ... }",
     ),
     ("tool without results", {"tools": [{"name": "t"}]}, "tool 't': give result, error or results"),
-    ("owners", {"owners": ["qq"]}, "owners: 'qq' is not 'platform:user_id'"),
+    ("owners", {"owners": ["qq"]}, "owners: \"qq\" is not 'platform:user_id'"),
     (
         "session settings",
         {"sessions": [{"id": "s1", "settings": {"maxToolIterations": 0}}]},
@@ -432,6 +432,60 @@ def test_bad_files_are_refused_with_the_place_and_the_reason(
     with pytest.raises(ScenarioError) as caught:
         load_scenario(scenario(**data))
     assert str(caught.value).startswith("inline: ")
+    assert expected in str(caught.value)
+
+
+TOML_SPELLED: list[tuple[str, str]] = [
+    ("think = ''", "session 's1' setting 'think': expected an id, got \"\""),
+    ("model = 'big'", "session 's1' settings: model must be 'provider/model', got \"big\""),
+    (
+        "enabledToolGroups = 'web'",
+        "session 's1' settings: enabledToolGroups must be a list of text, got text (\"web\")",
+    ),
+    ("historyLimit = 'x'", "session 's1' settings: historyLimit must be an integer, got \"x\""),
+    ("historyLimit = true", "session 's1' settings: historyLimit must be an integer, got true"),
+]
+
+
+@pytest.mark.parametrize(("line", "expected"), TOML_SPELLED, ids=[c[0] for c in TOML_SPELLED])
+def test_a_wrong_setting_is_shown_as_the_toml_file_spells_it(
+    tmp_path: Path, line: str, expected: str
+) -> None:
+    """A scenario file is TOML: a wrong value in it is shown so ("x", true), not as
+    Python spells it ('x', True)."""
+    path = tmp_path / "case.toml"
+    path.write_text(f'[[sessions]]\nid = "s1"\n[sessions.settings]\n{line}\n', encoding="utf-8")
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(path)
+    assert str(caught.value) == f"{path}: {expected}"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("archive = 'yes'", 'top level: archive must be true or false, got text ("yes")'),
+        ("tick_ms = -1.5", "top level: tick_ms must be an integer, got a number (-1.5)"),
+        (
+            "timezone = 'x'",
+            "top level: timezone must look like '+08:00', '-05:30' or 'UTC', got \"x\"",
+        ),
+        ("start = 'soon'", 'top level: start is not an ISO date and time: "soon"'),
+        ("owners = ['qq']", "top level: owners: \"qq\" is not 'platform:user_id'"),
+        (
+            "[[steps]]\ndo = 'say'\ntext = 'hi'\ntrigger = 'x'",
+            "step 1 (say at now): trigger must be one of direct, immediate, interval, idle, "
+            'proactive, got "x"',
+        ),
+        ("[[models]]\nid = 'scripted'", 'model "scenario/scripted" is declared twice'),
+    ],
+)
+def test_a_wrong_value_is_shown_as_toml_spells_it(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "case.toml"
+    path.write_text(f'{text}\n[[sessions]]\nid = "s1"\n', encoding="utf-8")
+    if text.startswith("[["):  # a table: the sessions first
+        path.write_text(f'[[sessions]]\nid = "s1"\n{text}\n', encoding="utf-8")
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(path)
     assert expected in str(caught.value)
 
 
@@ -1030,7 +1084,7 @@ HOOK_BAD: list[tuple[str, dict[str, Any], str]] = [
     (
         "an unknown hook",
         {"steps": [{**SAY, "at": "while agent:llm:befor of call 1 runs"}]},
-        "step 1 (say): at 'while agent:llm:befor of call 1 runs': no hook 'agent:llm:befor' "
+        "step 1 (say): at \"while agent:llm:befor of call 1 runs\": no hook 'agent:llm:befor' "
         "(a step can be placed in agent:turn:before, agent:llm:before",
     ),
     (
@@ -1066,7 +1120,7 @@ HOOK_BAD: list[tuple[str, dict[str, Any], str]] = [
     (
         "a hook of a call never answered",
         {"replies": [{}], "steps": [{**SAY, "at": "while agent:llm:after of call 2 runs"}]},
-        "step 1 (say): at 'while agent:llm:after of call 2 runs' can never happen: "
+        'step 1 (say): at "while agent:llm:after of call 2 runs" can never happen: '
         "agent:llm:after runs once call 2 of s1 is answered, and only 1 reply is scripted",
     ),
     (
@@ -1088,7 +1142,7 @@ HOOK_BAD: list[tuple[str, dict[str, Any], str]] = [
             "replies": [{"text": "abc", "chunks": 3}],
             "steps": [{**SAY, "at": "after chunk 4 of call 1"}],
         },
-        "step 1 (say): at 'after chunk 4 of call 1' can never happen: reply 1 of s1 streams 3 "
+        'step 1 (say): at "after chunk 4 of call 1" can never happen: reply 1 of s1 streams 3 '
         "text chunk(s)",
     ),
     (
@@ -1140,7 +1194,7 @@ def test_a_bad_hook_point_in_a_file_names_the_file_the_step_and_at(tmp_path: Pat
     with pytest.raises(ScenarioError) as caught:
         load_scenario(path)
     assert str(caught.value) == (
-        f"{path}: step 2 (stop): at 'while agent:llm:after of turn 1 runs': agent:llm:after "
+        f'{path}: step 2 (stop): at "while agent:llm:after of turn 1 runs": agent:llm:after '
         "runs once per call: 'while agent:llm:after of call N runs'"
     )
 
