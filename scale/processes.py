@@ -607,8 +607,9 @@ class _Shard:
                     "was, and runs once if not)"
                 ) from None
             except _Down as exc:
-                if not input_id:  # a call about the shard, not an input
-                    raise RunError(f"shard {self.index} is down ({exc})") from None
+                if not input_id:  # a session's other call, or one about the shard
+                    who = f"session {session_id!r}: its shard" if session_id else "shard"
+                    raise RunError(f"{who} {self.index} is down ({exc})") from None
                 raise ShardUnavailable(
                     session_id, self.index, str(exc), input_id, maybe_accepted=sent
                 ) from None

@@ -424,9 +424,11 @@ def test_a_shard_that_keeps_dying_is_given_up_naming_it(tmp_path: Path) -> None:
         with pytest.raises(ShardUnavailable, match="shard 0 is down") as caught:
             shards.run("room:a", Input(id="d1", content="你好"))
         assert caught.value.input_id == "d1" and not caught.value.maybe_accepted
-        with pytest.raises(RunError, match="shard 0 is down") as down:  # not about an input
+        with pytest.raises(RunError, match=r"^shard 0 is down") as down:  # not about an input
             shards.wait_idle(5)
         assert not isinstance(down.value, ShardUnavailable)
+        with pytest.raises(RunError, match=r"^session 'room:a': its shard 0 is down"):
+            shards.stop("room:a")
     finally:
         shards.shutdown(timeout=10)
 
