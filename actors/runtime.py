@@ -1039,7 +1039,8 @@ class Runtime:
     def subscribe(self, topic: str, fn: Callable[[str, Any], None]) -> Callable[[], None]:
         """Events: ``agent:queue``, ``turn:opened``, ``turn:ended``, ``outbound:message``
         and the others of ``services.bus_events.TOPICS`` (``*``: all); ``fn(topic,
-        payload)`` is called on the thread that publishes."""
+        payload)`` is called on the thread that publishes. Payloads are read-only (shared
+        with the topic's other subscribers, and in part with later events)."""
         if not isinstance(topic, str) or not topic:
             raise InvalidInput(f"subscribe: topic must be a non-empty str, not {topic!r:.80}")
         if not callable(fn):

@@ -400,7 +400,27 @@ def bench_sched_decision(tmp: Path) -> None:
 def bench_submit_while_queued(tmp: Path) -> None:
     """``Runtime.submit`` while a turn runs and inputs pile up behind it (a flood into
     one session): the median submit among the first 200 and the last 200 of 3,000, and
-    their ratio (flat is 1; each submit's own work should not grow with the queue)."""
+    their ratio (flat is 1; each submit's own work should not grow with the queue).
+    Then the same with a subscriber to ``agent:queue`` (``listened_*``): each submit
+    then reports the whole queue, which must not make it grow either."""
+    first, last = _submits_while_queued(tmp / "flood.db", listened=False)
+    heard_first, heard_last = _submits_while_queued(tmp / "flood-listened.db", listened=True)
+    emit(
+        "submit_while_queued_us",
+        last,
+        "us",
+        waiting=3000,
+        first_200_us=round(first, 1),
+        last_over_first=round(last / first, 2),
+        listened_first_200_us=round(heard_first, 1),
+        listened_last_200_us=round(heard_last, 1),
+        listened_last_over_first=round(heard_last / heard_first, 2),
+    )
+
+
+def _submits_while_queued(path: Path, *, listened: bool) -> tuple[float, float]:
+    """The median of the first and of the last 200 submits of 3,000 (us), into a
+    session whose turn waits."""
     from aalis_agent.actors.runtime import Runtime
     from aalis_agent.services import ScriptedModel, ScriptedReply, Services
 
@@ -412,8 +432,11 @@ def bench_submit_while_queued(tmp: Path) -> None:
             gate.wait(120)
         return ScriptedReply(text="好")
 
-    store = SqliteEventStore(tmp / "flood.db")
+    store = SqliteEventStore(path)
     runtime = Runtime(store, Services(llm=ScriptedModel(reply)), janitor=False)
+    heard: list[int] = []
+    if listened:
+        runtime.subscribe("agent:queue", lambda topic, p: heard.append(len(p["items"])))
     try:
         runtime.submit("s", Input(id="", content="占着"))
         n, times = 3000, []
@@ -422,16 +445,9 @@ def bench_submit_while_queued(tmp: Path) -> None:
             t = time.perf_counter()
             runtime.submit("s", inp)
             times.append(time.perf_counter() - t)
-        first = statistics.median(times[:200]) * 1e6
-        last = statistics.median(times[-200:]) * 1e6
-        emit(
-            "submit_while_queued_us",
-            last,
-            "us",
-            waiting=n,
-            first_200_us=round(first, 1),
-            last_over_first=round(last / first, 2),
-        )
+        if listened and max(heard, default=0) < n:
+            raise SystemExit(f"submit_while_queued: agent:queue reported {max(heard)} of {n}")
+        return statistics.median(times[:200]) * 1e6, statistics.median(times[-200:]) * 1e6
     finally:
         gate.set()
         runtime.shutdown(timeout=120)

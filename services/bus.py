@@ -17,6 +17,9 @@ log = structlog.get_logger("aalis.bus")
 class EventBus:
     """Topic subscriptions; a subscriber that raises is logged and the rest still run.
 
+    A payload is read-only: every subscriber of an event gets the same object, and parts
+    of it may be shared with later events (``agent:queue``'s items are).
+
     The runtime builds an event's payload only when :meth:`wants` says someone listens
     to its topic, and publishes it only then: a subclass that forwards events on its own
     says so in ``wants`` too."""
