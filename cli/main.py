@@ -1,4 +1,5 @@
-"""The ``aalis-agent`` command: ``demo``, ``chat``, ``config``, ``replay`` and ``scenario``.
+"""The ``aalis-agent`` command: ``demo``, ``chat``, ``config``, ``replay``, ``scenario``,
+``inspect`` and ``reshard``.
 
 structlog and output are configured here, never on import. Registered secrets (API keys,
 see :mod:`services.secrets`) are masked in the log, in error lines and in ``config``'s
@@ -203,6 +204,23 @@ def build_parser() -> argparse.ArgumentParser:
     scenario.add_argument(
         "-v", "--verbose", action="store_true", help="show the runtime's log lines"
     )
+    resharded = sub.add_parser(
+        "reshard",
+        help="move a ProcessShards directory's sessions to another shard count",
+        description=(
+            "Copy every session of a ProcessShards directory into new shard files for "
+            "another count, check each copy against its original, then put the new files "
+            "in place and record the count. The old files are kept whole in a "
+            "before-reshard-* folder beside them. The directory must not be in use (its "
+            "ProcessShards stopped). Cut at any point, run the same command again: it "
+            "finishes (the directory is refused until then). Errors name what is wrong "
+            "(exit status 2)."
+        ),
+    )
+    resharded.add_argument("directory", metavar="DIR", help="the ProcessShards directory")
+    resharded.add_argument(
+        "--shards", metavar="N", type=_shard_count, required=True, help="the new shard count"
+    )
     inspect = sub.add_parser(
         "inspect",
         help="serve a local read-only web page over an event database",
@@ -225,6 +243,13 @@ def _installed_version() -> str:
         return version("aalis-agent")
     except PackageNotFoundError:  # pragma: no cover - a tree that is not installed
         return "0+unknown"
+
+
+def _shard_count(text: str) -> int:
+    """A shard count: a positive integer."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 6 or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
 
 
 def _limit(text: str) -> int | str:
@@ -460,6 +485,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             return _cmd_chat(args)
         if args.command == "config":
             return _cmd_config(args)
+        if args.command == "reshard":
+            from aalis_agent.cli.reshard import run_reshard
+
+            return run_reshard(args.directory, args.shards)
         if args.command == "inspect":
             from aalis_agent.inspector.cli import run as run_inspect
 

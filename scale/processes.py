@@ -82,6 +82,7 @@ from aalis_agent.events.errors import InvalidInput, RunError, RuntimeClosed, Usa
 from aalis_agent.events.schema import Input
 from aalis_agent.scale import with_input_id
 from aalis_agent.scale.ownership import shard_of
+from aalis_agent.scale.reshard import hold_directory, refuse_if_resharding, release_directory
 
 __all__ = ["ProcessHandle", "ProcessShards", "ShardUnavailable"]
 
@@ -853,7 +854,15 @@ class ProcessShards:
         if self.directory.exists() and not self.directory.is_dir():
             raise UsageError(f"{str(self.directory)!r} is not a directory")
         self.directory.mkdir(parents=True, exist_ok=True)
-        _manifest(self.directory, shards)
+        # Held while the workers run: a reshard of the directory (or a second
+        # ProcessShards) is refused meanwhile, and one cut half-way is refused here.
+        self._held: str | None = hold_directory(self.directory)
+        try:
+            refuse_if_resharding(self.directory)
+            _manifest(self.directory, shards)
+        except BaseException:
+            self._let_go()
+            raise
         self.services = services
         self.runtime_options = dict(runtime_options or {})
         self.start_timeout_s = start_timeout_s
@@ -1044,6 +1053,13 @@ class ProcessShards:
         for shard in getattr(self, "_shards", ()):
             shard.stop(timeout)
         shutil.rmtree(self._sockets, ignore_errors=True)
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Release the directory (once)."""
+        held, self._held = getattr(self, "_held", None), None
+        if held is not None:
+            release_directory(held)
 
     def __enter__(self) -> ProcessShards:
         return self

@@ -1,0 +1,397 @@
+"""Moving a :class:`~aalis_agent.scale.processes.ProcessShards` directory's sessions to
+another shard count (``aalis-agent reshard DIR --shards N``).
+
+A session lives in the shard file its id hashes to among the directory's count
+(``shards.json``), so a directory opened with another count would look for its sessions
+in the wrong files; ``ProcessShards`` refuses that. :func:`reshard` copies every session's
+log, event by event and seq by seq, into new shard files for the new count, checks each
+copy against its original, and only then puts the new files in place of the old ones and
+records the new count. Nothing is deleted: the old files are kept in a folder beside them
+(``before-reshard-<old count>-<time>``), whole, for the user to remove.
+
+Cut at any point (a kill, a full disk, a bad row), it leaves the directory as it was or
+says how to finish: every step is recorded first in ``reshard.json``, which
+``ProcessShards`` refuses to open past, and running the same reshard again finishes it
+(a copy cut half-way is made again from the start; files cut half-way through being
+moved are moved on). A reshard cut while still copying can instead be given up by
+running it with the old count. An error while copying (a row of an old shard that does
+not decode, a full disk) gives the reshard up at once: nothing was moved, and the error
+names what failed (a bad row by its session and seq; ``aalis-agent replay`` shows what
+else that file holds). The directory is held the whole time, as ``ProcessShards`` holds
+it while its workers run: either one refuses while the other has it
+(:class:`StoreInUse`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from aalis_agent.events.errors import StoreError, StoreInUse, UsageError
+from aalis_agent.events.ownership import acquire_writer, release_writer
+from aalis_agent.events.sqlite import SqliteEventStore
+from aalis_agent.scale.ownership import shard_of
+
+__all__ = [
+    "JOURNAL",
+    "MANIFEST",
+    "Progress",
+    "ReshardDone",
+    "held_directory",
+    "hold_directory",
+    "refuse_if_resharding",
+    "release_directory",
+    "reshard",
+]
+
+MANIFEST = "shards.json"
+JOURNAL = "reshard.json"
+_HOLD = "shards"  # the directory's hold: ``shards.lock`` (events/ownership.py's lock)
+_CHUNK = 4096  # events read at a time: a long session is not read whole
+_ROW = 32  # events a commit (a turn's are ~4): short rows, as reads decode a row whole
+_SUFFIXES = ("", "-wal", "-shm")  # a SQLite database's files
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far the copy is: sessions and events copied of each total."""
+
+    sessions: int
+    sessions_total: int
+    events: int
+    events_total: int
+
+
+@dataclass(frozen=True)
+class ReshardDone:
+    """What :func:`reshard` did: the count before and after, the sessions and events
+    copied, and the folder keeping the old files (None when there was nothing to do)."""
+
+    old_shards: int
+    shards: int
+    sessions: int
+    events: int
+    kept: Path | None
+
+
+def _shard_file(directory: Path, index: int) -> Path:
+    return directory / f"shard-{index}.db"
+
+
+def hold_directory(directory: Path) -> str:
+    """Hold ``directory`` as its one user (``ProcessShards`` or a reshard) until
+    :func:`release_directory`; :class:`StoreInUse` when another process holds it (the
+    kernel lets go of a process that dies). Returns the key to release it with."""
+    try:
+        return acquire_writer(str(directory / _HOLD))
+    except StoreInUse as exc:
+        refused = StoreInUse(str(directory), exc.holder)
+        refused.args = (
+            f"shard directory {str(directory)!r} is in use by another process (pid "
+            f"{exc.holder}): its ProcessShards or a reshard; stop it first",
+        )
+        raise refused from None
+
+
+def release_directory(key: str) -> None:
+    release_writer(key)
+
+
+@contextlib.contextmanager
+def held_directory(directory: Path) -> Iterator[None]:
+    """:func:`hold_directory` for the length of a block."""
+    key = hold_directory(directory)
+    try:
+        yield
+    finally:
+        release_directory(key)
+
+
+def refuse_if_resharding(directory: Path) -> None:
+    """Refuse a directory whose reshard was begun and not finished: its files are not
+    where its count says, and running the reshard again finishes it."""
+    journal = _read_journal(directory)
+    if journal is not None:
+        raise UsageError(
+            f"{str(directory)!r}: a reshard to {journal.to} shards was begun and not finished "
+            f"({JOURNAL}); run `aalis-agent reshard {directory} --shards {journal.to}` to "
+            "finish it"
+            + (
+                f" (or with --shards {journal.old} to give it up: it was still copying)"
+                if journal.state == "copying"
+                else ""
+            )
+        )
+
+
+@dataclass(frozen=True)
+class _Journal:
+    old: int  # the count the files were made for
+    to: int  # the count they are being moved to
+    state: str  # "copying", "moving-old", "moving-new"
+    kept: str  # the folder (name) the old files go to
+
+
+_STATES = ("copying", "moving-old", "moving-new")
+
+
+def _read_journal(directory: Path) -> _Journal | None:
+    path = directory / JOURNAL
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(text)
+        journal = _Journal(data["from"], data["to"], data["state"], data["kept"])
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(f"{str(path)!r} is not a reshard record: {text[:80]!r}") from None
+    if (
+        journal.state not in _STATES
+        or not _count(journal.old)
+        or not _count(journal.to)
+        or not isinstance(journal.kept, str)
+        or not journal.kept.startswith("before-reshard-")
+        or "/" in journal.kept
+    ):
+        raise UsageError(f"{str(path)!r} is not a reshard record: {text[:80]!r}")
+    return journal
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _write_atomically(path: Path, data: dict[str, object]) -> None:
+    """Write ``path`` whole or not at all, durably (the file and its folder flushed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(data) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _sync_folder(path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _record(directory: Path, journal: _Journal) -> None:
+    _write_atomically(
+        directory / JOURNAL,
+        {"from": journal.old, "to": journal.to, "state": journal.state, "kept": journal.kept},
+    )
+
+
+def _recorded_count(directory: Path) -> int:
+    path = directory / MANIFEST
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(
+            f"{str(directory)!r} is not a ProcessShards directory: it has no {MANIFEST}"
+        ) from None
+    try:
+        count = json.loads(text)["shards"]
+    except (ValueError, KeyError, TypeError):
+        count = None
+    if not _count(count):
+        raise UsageError(f"{str(path)!r} is not a shard manifest: {text[:80]!r}")
+    return count  # type: ignore[no-any-return]
+
+
+def reshard(
+    directory: str | os.PathLike[str],
+    shards: int,
+    *,
+    progress: Callable[[Progress], None] | None = None,
+) -> ReshardDone:
+    """Move the sessions of the ``ProcessShards`` directory to ``shards`` shard files; see
+    the module docstring. ``progress`` is called as the copy goes (after each session).
+    A reshard begun and cut is finished by calling this again with the same count; one
+    cut while still copying is given up by calling it with the old count instead. An
+    error while copying (a row that does not decode, a full disk) gives it up itself:
+    nothing was moved, the directory is as it was."""
+    if not _count(shards):
+        raise UsageError(f"reshard: shards must be an integer >= 1, not {shards!r}")
+    folder = Path(directory)
+    if not folder.is_dir():
+        raise UsageError(f"{str(folder)!r} is not a directory")
+    with held_directory(folder):
+        journal = _read_journal(folder)
+        if journal is None:
+            old = _recorded_count(folder)
+            if old == shards:
+                return ReshardDone(old, shards, 0, 0, None)
+            missing = [p.name for p in map(lambda i: _shard_file(folder, i), range(old))]
+            missing = [name for name in missing if not (folder / name).is_file()]
+            if missing:
+                raise UsageError(
+                    f"{str(folder)!r} records {old} shards but {', '.join(missing[:3])} "
+                    "is missing: nothing was changed"
+                )
+            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+            journal = _Journal(old, shards, "copying", f"before-reshard-{old}-{stamp}")
+            _record(folder, journal)
+        elif journal.state == "copying" and shards == journal.old:
+            _abandon(folder, journal)  # back to the count the files hold: nothing moved
+            return ReshardDone(journal.old, shards, 0, 0, None)
+        elif journal.to != shards:
+            raise UsageError(
+                f"{str(folder)!r}: a reshard to {journal.to} shards was begun and not "
+                f"finished ({JOURNAL}); finish it first: --shards {journal.to}"
+            )
+        sessions = events = 0
+        if journal.state == "copying":
+            try:
+                sessions, events = _copy(folder, journal, progress)
+            except Exception:
+                _abandon(folder, journal)  # nothing was moved: the directory is as it was
+                raise
+            journal = _Journal(journal.old, journal.to, "moving-old", journal.kept)
+            _record(folder, journal)
+        if journal.state == "moving-old":
+            _move_old(folder, journal)
+            journal = _Journal(journal.old, journal.to, "moving-new", journal.kept)
+            _record(folder, journal)
+        _move_new(folder, journal)
+        _write_atomically(folder / MANIFEST, {"format": 1, "shards": journal.to})
+        (folder / JOURNAL).unlink()
+        _sync_folder(folder)
+        return ReshardDone(journal.old, journal.to, sessions, events, folder / journal.kept)
+
+
+def _abandon(directory: Path, journal: _Journal) -> None:
+    """Give up a reshard still copying: its new files and its record go; the old files
+    were never touched."""
+    shutil.rmtree(_staging(directory, journal), ignore_errors=True)
+    (directory / JOURNAL).unlink(missing_ok=True)
+    _sync_folder(directory)
+
+
+def _staging(directory: Path, journal: _Journal) -> Path:
+    return directory / f"reshard-{journal.to}"
+
+
+def _copy(
+    directory: Path, journal: _Journal, progress: Callable[[Progress], None] | None
+) -> tuple[int, int]:
+    """Copy every session of the old files into new ones in the staging folder (made
+    anew: a copy cut before is started again), each checked against its original."""
+    staging = _staging(directory, journal)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    olds: list[SqliteEventStore] = []
+    news: list[SqliteEventStore] = []
+    try:
+        for i in range(journal.old):  # held for writing: no other process writes them
+            olds.append(SqliteEventStore(_shard_file(directory, i), background_checkpoint=False))
+        for i in range(journal.to):
+            news.append(SqliteEventStore(_shard_file(staging, i), background_checkpoint=False))
+        plan = [(store, sid) for store in olds for sid in store.sessions()]
+        open_work = {id(store): set(store.open_sessions()) for store in olds}
+        total = sum(store.count() for store in olds)
+        copied = 0
+        for done, (store, sid) in enumerate(plan, 1):
+            target = news[shard_of(sid, journal.to)]
+            copied += _copy_session(store, target, sid, sid in open_work[id(store)])
+            if progress is not None:
+                progress(Progress(done, len(plan), copied, total))
+        for store in news:
+            store.close()  # checkpointed: the file holds every event
+        for i in range(journal.to):
+            for suffix in _SUFFIXES:
+                _sync_file(Path(f"{_shard_file(staging, i)}{suffix}"))
+        _sync_folder(staging)
+        return len(plan), copied
+    finally:
+        for store in (*olds, *news):
+            store.close()
+
+
+def _sync_file(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _copy_session(old: SqliteEventStore, new: SqliteEventStore, sid: str, open_work: bool) -> int:
+    """Copy one session's events (``_ROW`` a commit, the last with the session's
+    open-work mark) and check the copy: the same events, seq by seq. Returns how many."""
+    last = old.last_seq(sid)
+    seq = 0
+    while seq < last:
+        chunk = old.read_range(sid, seq, seq + _CHUNK)
+        if not chunk:
+            break
+        for at in range(0, len(chunk), _ROW):
+            part = chunk[at : at + _ROW]
+            end = part[-1].seq
+            new.append(sid, part, seq, open_work=open_work if end >= last else True)
+            seq = end
+    if new.last_seq(sid) != last:
+        raise StoreError(
+            f"reshard: session {sid!r}: copied up to seq {new.last_seq(sid)} of {last}"
+        )
+    seq = 0
+    while seq < last:  # read back as a runtime would read it
+        want = old.read_range(sid, seq, seq + _CHUNK)
+        got = new.read_range(sid, seq, seq + _CHUNK)
+        if got != want:
+            raise StoreError(f"reshard: session {sid!r}: the copy differs after seq {seq}")
+        seq = want[-1].seq
+    return last
+
+
+_move = os.replace  # (a file moved whole, or not at all)
+
+
+def _move_old(directory: Path, journal: _Journal) -> None:
+    """Move the old shard files (and their lock files) into the kept folder."""
+    kept = directory / journal.kept
+    kept.mkdir(exist_ok=True)
+    for i in range(journal.old):
+        base = _shard_file(directory, i)
+        for suffix in (*_SUFFIXES, ".lock"):
+            src = Path(f"{base}{suffix}")
+            if src.exists():
+                _move(src, kept / src.name)
+    _sync_folder(kept)
+    _sync_folder(directory)
+
+
+def _move_new(directory: Path, journal: _Journal) -> None:
+    """Move the new shard files from the staging folder into the directory."""
+    staging = _staging(directory, journal)
+    for i in range(journal.to):
+        base = _shard_file(staging, i)
+        for suffix in (*_SUFFIXES, ".lock"):
+            src = Path(f"{base}{suffix}")
+            dst = directory / src.name
+            if not src.exists():
+                continue
+            if dst.exists():
+                raise UsageError(
+                    f"{str(directory)!r}: {dst.name} is in the way of the new shard file "
+                    f"({src}); move it away and run the reshard again"
+                )
+            _move(src, dst)
+    _sync_folder(directory)
+    with contextlib.suppress(OSError):
+        staging.rmdir()

@@ -1,0 +1,259 @@
+"""``aalis-agent reshard``: a ProcessShards directory's sessions moved to another shard
+count (scale/reshard.py), over real shard files written by real worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from aalis_agent.events import Input, SqliteEventStore
+from aalis_agent.events.errors import UsageError
+from aalis_agent.scale import reshard as reshard_module
+from aalis_agent.scale.ownership import shard_of
+from aalis_agent.scale.processes import ProcessShards
+from aalis_agent.scale.reshard import JOURNAL, MANIFEST, reshard
+
+from tests import shard_services
+from tests.harness import ROOT
+
+SESSIONS = [f"room:{n}" for n in range(12)]
+
+
+def _made(folder: Path, shards: int = 2, turns: int = 2) -> dict[str, list[object]]:
+    """A ProcessShards directory whose sessions ran ``turns`` turns each; their events."""
+    with ProcessShards(folder, shard_services.services, shards=shards) as ps:
+        for n in range(turns):
+            for sid in SESSIONS:
+                assert ps.run(sid, Input(id=f"{sid}/{n}", content=f"hi {n}")).outcome == "replied"
+    return _events(folder, shards)
+
+
+def _events(folder: Path, shards: int) -> dict[str, list[object]]:
+    """Every session's events, read from the shard file its id hashes to (and checked
+    absent from the others)."""
+    out: dict[str, list[object]] = {}
+    for i in range(shards):
+        store = SqliteEventStore(folder / f"shard-{i}.db", read_only=True)
+        try:
+            for sid in store.sessions():
+                assert shard_of(sid, shards) == i, (sid, i)
+                out[sid] = store.read(sid)
+        finally:
+            store.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[object]]]:
+    folder = tmp_path_factory.mktemp("template") / "shards"
+    return folder, _made(folder)
+
+
+def _copy_of(template: tuple[Path, dict[str, list[object]]], tmp_path: Path) -> Path:
+    folder = tmp_path / "shards"
+    shutil.copytree(template[0], folder, ignore=shutil.ignore_patterns("*.lock"))
+    return folder
+
+
+@pytest.mark.parametrize("to", [3, 1])
+def test_every_session_moves_whole_and_its_turns_go_on(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path, to: int
+) -> None:
+    folder = _copy_of(template, tmp_path)
+    before = template[1]
+    seen: list[reshard_module.Progress] = []
+    done = reshard(folder, to, progress=seen.append)
+    assert (done.old_shards, done.shards, done.sessions) == (2, to, len(SESSIONS))
+    assert done.events == sum(len(e) for e in before.values())
+    assert seen[-1].sessions == seen[-1].sessions_total == len(SESSIONS)
+    assert json.loads((folder / MANIFEST).read_text())["shards"] == to
+    assert not (folder / JOURNAL).exists()
+    assert _events(folder, to) == before  # each in its new file, event for event
+    assert sorted(p.name for p in folder.glob("shard-*.db")) == [f"shard-{i}.db" for i in range(to)]
+    # The old files are kept whole.
+    assert done.kept is not None
+    assert _events(done.kept, 2) == before
+    # Opened with the new count, each session goes on from its log (seq follows on).
+    with ProcessShards(folder, shard_services.services, shards=to) as ps:
+        for sid in SESSIONS:
+            assert ps.run(sid, Input(id=f"{sid}/again", content="again")).outcome == "replied"
+    after = _events(folder, to)
+    for sid, events in before.items():
+        assert after[sid][: len(events)] == events
+        assert after[sid][len(events)].seq == events[-1].seq + 1
+
+
+def test_the_same_count_changes_nothing(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path
+) -> None:
+    folder = _copy_of(template, tmp_path)
+    done = reshard(folder, 2)
+    assert done.kept is None and done.sessions == 0
+    assert _events(folder, 2) == template[1]
+
+
+def test_refused_while_its_shards_run_and_the_other_way(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path
+) -> None:
+    folder = _copy_of(template, tmp_path)
+    with ProcessShards(folder, shard_services.services, shards=2):
+        code = (
+            "import sys; from aalis_agent.scale.reshard import reshard\nreshard(sys.argv[1], 3)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode != 0
+        assert "StoreInUse" in done.stderr and "in use by another process" in done.stderr
+    # And a ProcessShards while a reshard holds the directory (another process).
+    with reshard_module.held_directory(folder):
+        code = (
+            "import sys\n"
+            "from aalis_agent.scale.processes import ProcessShards\n"
+            "from tests import shard_services\n"
+            "ProcessShards(sys.argv[1], shard_services.services, shards=2)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(folder)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert done.returncode != 0 and "in use by another process" in done.stderr
+    assert json.loads((folder / MANIFEST).read_text())["shards"] == 2
+
+
+def test_a_move_that_fails_is_finished_by_running_it_again(
+    template: tuple[Path, dict[str, list[object]]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A file move failing (a full disk, an I/O error) at each point of the moving: the
+    directory is refused until the same reshard runs again, which finishes it."""
+    moves = 0
+    real = os.replace
+
+    def counting(src: object, dst: object) -> None:
+        nonlocal moves
+        moves += 1
+        real(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(reshard_module, "_move", counting)
+    reshard(_copy_of(template, tmp_path / "count"), 3)
+    total = moves
+    assert total >= 5  # 2 old files and 3 new ones at least (with their lock files)
+    for cut in range(total):
+        folder = _copy_of(template, tmp_path / f"cut{cut}")
+        made = 0
+
+        def failing(src: object, dst: object, cut: int = cut) -> None:
+            nonlocal made
+            if made == cut:
+                raise OSError(28, "No space left on device")
+            made += 1
+            real(src, dst)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(reshard_module, "_move", failing)
+        with pytest.raises(OSError, match="No space"):
+            reshard(folder, 3)
+        with pytest.raises(UsageError, match="reshard to 3 shards was begun"):
+            ProcessShards(folder, shard_services.services, shards=2)
+        with pytest.raises(UsageError, match="finish it first: --shards 3"):
+            reshard(folder, 4)
+        monkeypatch.setattr(reshard_module, "_move", real)
+        reshard(folder, 3)
+        assert _events(folder, 3) == template[1], cut
+
+
+def test_a_row_that_does_not_decode_gives_the_reshard_up(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path
+) -> None:
+    folder = _copy_of(template, tmp_path)
+    conn = sqlite3.connect(folder / "shard-0.db")
+    try:
+        sid, seq, data = conn.execute("SELECT sid, seq, data FROM log ORDER BY position").fetchone()
+        conn.execute(
+            "UPDATE log SET data = ? WHERE sid = ? AND seq = ?", (b"\xff" * len(data), sid, seq)
+        )
+        conn.commit()
+    finally:
+        conn.close()
+    with pytest.raises(Exception, match="seq") as raised:
+        reshard(folder, 3)
+    assert "session" in str(raised.value)
+    # Nothing moved, no record left: the directory opens with its count as before.
+    assert not (folder / JOURNAL).exists() and not (folder / "reshard-3").exists()
+    assert json.loads((folder / MANIFEST).read_text())["shards"] == 2
+    assert sorted(p.name for p in folder.glob("shard-*.db")) == ["shard-0.db", "shard-1.db"]
+
+
+_KILLED = """
+import sys, time
+from aalis_agent.scale.reshard import reshard
+
+def progress(p):
+    print(p.sessions, flush=True)
+    time.sleep(0.02)
+
+reshard(sys.argv[1], 3, progress=progress)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("after", [1, 6, 12])
+def test_killed_while_copying_it_is_finished_or_given_up(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path, after: int
+) -> None:
+    """SIGKILL of a reshard in another process once it copied ``after`` sessions (of 12:
+    the copy's end, then the moving): the directory is then refused with a line saying
+    how to go on; running the reshard again finishes it, or (while it was still
+    copying) running it with the old count gives it up."""
+    for give_up in (False, True):
+        folder = _copy_of(template, tmp_path / f"give-up-{give_up}")
+        with subprocess.Popen(
+            [sys.executable, "-c", _KILLED, str(folder)], stdout=subprocess.PIPE, text=True
+        ) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.strip() == str(after):
+                    break
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        state = json.loads((folder / JOURNAL).read_text())["state"]
+        assert state == "copying"  # (the progress of the last session precedes the moving)
+        with pytest.raises(UsageError, match="aalis-agent reshard"):
+            ProcessShards(folder, shard_services.services, shards=2)
+        if give_up:
+            assert reshard(folder, 2).kept is None
+            assert not (folder / JOURNAL).exists() and not (folder / "reshard-3").exists()
+            assert _events(folder, 2) == template[1]
+        else:
+            assert reshard(folder, 3).sessions == len(SESSIONS)
+            assert _events(folder, 3) == template[1]
+
+
+def test_cli(template: tuple[Path, dict[str, list[object]]], tmp_path: Path) -> None:
+    folder = _copy_of(template, tmp_path)
+    cli = [sys.executable, "-m", "aalis_agent.cli", "reshard"]
+    done = subprocess.run([*cli, str(folder), "--shards", "3"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "2 -> 3 shards; 12 sessions" in done.stdout and "before-reshard-2-" in done.stdout
+    assert "copied 12/12 sessions" in done.stderr
+    done = subprocess.run([*cli, str(folder), "--shards", "3"], capture_output=True, text=True)
+    assert done.returncode == 0 and "nothing to do" in done.stdout
+    done = subprocess.run(
+        [*cli, str(tmp_path / "none"), "--shards", "3"], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "is not a directory" in done.stderr
+    done = subprocess.run([*cli, str(tmp_path), "--shards", "3"], capture_output=True, text=True)
+    assert done.returncode == 2 and "no shards.json" in done.stderr
+    done = subprocess.run([*cli, str(folder), "--shards", "0"], capture_output=True, text=True)
+    assert done.returncode == 2 and "expected a positive integer" in done.stderr
