@@ -241,8 +241,20 @@ def reshard(
                     f"{str(folder)!r} records {old} shards but {', '.join(missing[:3])} "
                     "is missing: nothing was changed"
                 )
+            expected = {f"shard-{i}.db" for i in range(old)}
+            stray = sorted(p.name for p in folder.glob("shard-*.db") if p.name not in expected)
+            if stray:
+                raise UsageError(
+                    f"{str(folder)!r} records {old} shards but also holds "
+                    f"{', '.join(stray[:3])}: move it away first (nothing was changed)"
+                )
             stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-            journal = _Journal(old, shards, "copying", f"before-reshard-{old}-{stamp}")
+            kept = f"before-reshard-{old}-{stamp}"
+            n = 1
+            while (folder / kept).exists():  # never mixed with the files kept before
+                n += 1
+                kept = f"before-reshard-{old}-{stamp}-{n}"
+            journal = _Journal(old, shards, "copying", kept)
             _record(folder, journal)
         elif journal.state == "copying" and shards == journal.old:
             _abandon(folder, journal)  # back to the count the files hold: nothing moved

@@ -90,6 +90,32 @@ def test_every_session_moves_whole_and_its_turns_go_on(
         assert after[sid][len(events)].seq == events[-1].seq + 1
 
 
+def test_stray_shard_files_are_refused_before_anything_changes(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path
+) -> None:
+    folder = _copy_of(template, tmp_path)
+    shutil.copy(folder / "shard-1.db", folder / "shard-2.db")
+    with pytest.raises(UsageError, match=r"records 2 shards but also holds shard-2\.db"):
+        reshard(folder, 3)
+    assert not (folder / JOURNAL).exists()
+    assert sorted(p.name for p in folder.iterdir() if p.suffix == ".db") == [
+        "shard-0.db",
+        "shard-1.db",
+        "shard-2.db",
+    ]
+
+
+def test_two_reshards_keep_their_old_files_apart(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path
+) -> None:
+    folder = _copy_of(template, tmp_path)
+    first = reshard(folder, 3).kept
+    reshard(folder, 2)
+    second = reshard(folder, 3).kept  # within the same second, likely: another folder
+    assert first is not None and second is not None and first != second
+    assert _events(first, 2) == _events(second, 2) == template[1]
+
+
 def test_the_same_count_changes_nothing(
     template: tuple[Path, dict[str, list[object]]], tmp_path: Path
 ) -> None:
