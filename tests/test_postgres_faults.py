@@ -379,9 +379,12 @@ def test_a_lease_statement_held_by_a_lock_ends_within_the_leases_timeout(
         with psycopg.connect(pg_url) as admin:
             admin.execute("LOCK TABLE aalis_leases IN ACCESS EXCLUSIVE MODE")
             started = time.monotonic()
-            with pytest.raises(StoreError, match="statement timeout"):
+            with pytest.raises(StoreError, match="statement timeout") as info:
                 leases.acquire("s")
             assert time.monotonic() - started < 1.5  # once: not run again on a new connection
+            # The refusal names the session and what it means for it.
+            assert str(info.value).startswith("session 's': no lease could be taken"), info.value
+            assert "not started here" in str(info.value)
             admin.rollback()
         leases.acquire("s")  # once the lock is gone
         leases.release("s")
