@@ -546,7 +546,22 @@ class SessionActor(pykka.ThreadingActor):
                 self._abort.abort("shutdown")
             # Nobody may wait forever on a stopped actor (a turn cut by a shutdown whose
             # wait ran out, an input accepted while it stopped): what it accepted is in
-            # its log and runs when the session is next started.
+            # its log and runs when the session is next started. A deletion or clear
+            # winding down is begun in the log: the next start finishes it.
+            winding, self._winding_down = self._winding_down, []
+            for kind, done, _kinds in winding:
+                what = "deletion" if kind == "delete" else "clear"
+                if not done.done():
+                    done.set_exception(
+                        RuntimeClosed(
+                            f"session {self.session_id!r} stopped here (the runtime shut "
+                            f"down, or the session moved to another owner) while its turn "
+                            f"wound down: its {what} was begun in its log (the turn stopped, "
+                            f"its inputs released) and is finished by the session's next "
+                            f"start, here or at its other owner (which may have done so "
+                            f"already)"
+                        )
+                    )
             self._fail_waiting(
                 RuntimeClosed(
                     f"session {self.session_id!r} stopped here (the runtime shut down, or "

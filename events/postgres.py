@@ -329,7 +329,10 @@ class PostgresEventStore:
 
     @staticmethod
     def _text(exc: BaseException) -> str:
-        return str(exc).strip() or type(exc).__name__
+        """The error's first line: the server's message without its CONTEXT (the
+        statements of ``aalis_append`` it ran in), libpq's without its hints."""
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        return lines[0] if lines else type(exc).__name__
 
     def _fail(self, doing: str, exc: Exception) -> StoreError:
         return StoreError(f"{self.path!r}: {doing} failed: {self._text(exc)}")

@@ -207,7 +207,13 @@ class PostgresLeases:
         with self._lock:
             if self._closed:
                 raise StoreError(f"{self.path!r}: the leases are closed")
-            held_by = self._run(take)
+            try:
+                held_by = self._run(take)
+            except StoreError as exc:  # named for the session whose start it refuses
+                raise StoreError(
+                    f"session {session_id!r:.80}: no lease could be taken ({exc}): the "
+                    "session is not started here, and nothing was written for it"
+                ) from None
             if held_by is None:
                 self._held[session_id] = self._held.get(session_id, 0) + 1
                 return

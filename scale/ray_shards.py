@@ -26,7 +26,8 @@ embedded :class:`~aalis_agent.actors.runtime.Runtime` over the shared PostgreSQL
   So the client sends an input again by itself when its shard is lost or restarting
   (Ray's error says it may or may not have been accepted): an input without an id gets
   one in the client first, and the restarted shard answers the retry as the first
-  attempt if that was accepted (``ShardedRuntime.submit``, bounded by its timeout).
+  attempt if that was accepted (``ShardedRuntime.submit``, bounded by its timeout, past
+  which :class:`ShardUnavailable` names the session, the shard and the input id).
 - A shard Ray will not restart (its ``max_restarts`` used up, killed with
   ``no_restart=True``, its creation failing) is not waited for: Ray raises
   ``ActorDiedError`` for it (``ActorUnavailableError`` for one it is restarting), the GCS
@@ -77,7 +78,14 @@ from aalis_agent.scale.ownership import ShardOwnership, shard_of
 from aalis_agent.services import Services
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-__all__ = ["RayHandle", "RuntimeShard", "ShardDead", "ShardedRuntime", "logged_outcome"]
+__all__ = [
+    "RayHandle",
+    "RuntimeShard",
+    "ShardDead",
+    "ShardUnavailable",
+    "ShardedRuntime",
+    "logged_outcome",
+]
 
 _RETRYABLE = (RayActorError, ActorUnavailableError)
 log = structlog.get_logger("aalis.ray")
@@ -128,6 +136,33 @@ class ShardDead(RunError):
         self.reason = reason
         self.input_id = input_id
         self.maybe_accepted = maybe_accepted
+
+
+class ShardUnavailable(RunError, TimeoutError):
+    """The shard of ``session_id`` was lost or restarting for the whole of a submit's
+    ``timeout``: each attempt failed with Ray's error (``reason``, the last one), so the
+    input may have been accepted. Sent again under its id (``input_id``), it is answered
+    from the log if it was, and runs once if not."""
+
+    def __init__(
+        self, session_id: str, shard: int, reason: str, input_id: str, timeout: float
+    ) -> None:
+        super().__init__(
+            f"session {session_id!r}: its shard {shard} did not answer within {timeout:g} s "
+            f"(lost or restarting: {reason}); input {input_id!r} may have been accepted: "
+            "send it again under the same id (it is answered from the log if it was "
+            "accepted, and runs once if not)"
+        )
+        self.session_id = session_id
+        self.shard = shard
+        self.reason = reason
+        self.input_id = input_id
+
+
+def _ray_reason(exc: BaseException) -> str:
+    """Ray's error in one line: its first line that is not indented."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 def _actor_state(actor_id: str | None) -> dict[str, Any] | None:
@@ -421,10 +456,12 @@ class ShardedRuntime:
         another ``RayActorError``: the input may or may not have been accepted) is asked
         again once Ray has restarted it, the input sent again under its id (given here
         when it has none): the restarted shard answers it as the earlier attempt if that
-        was accepted, else takes it; it never runs twice. The error is raised once
-        ``timeout`` seconds have passed. A shard Ray will not restart (``ActorDiedError``,
-        the GCS listing it DEAD) raises :class:`ShardDead` at once, naming the session,
-        the shard and Ray's reason, and whether the input may have been accepted."""
+        was accepted, else takes it; it never runs twice. Once ``timeout`` seconds have
+        passed, :class:`ShardUnavailable` (a ``TimeoutError``) names the session, the
+        shard, Ray's last error and the input id to send again. A shard Ray will not
+        restart (``ActorDiedError``, the GCS listing it DEAD) raises :class:`ShardDead`
+        at once, naming the session, the shard and Ray's reason, and whether the input
+        may have been accepted."""
         inp = with_input_id(inp)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -439,7 +476,9 @@ class ShardedRuntime:
                         session_id, index, actor, inp.id, dead, "submit"
                     ) from exc
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise
+                    raise ShardUnavailable(
+                        session_id, index, _ray_reason(exc), inp.id, timeout or 0.0
+                    ) from exc
                 time.sleep(0.2)  # the shard is restarting
 
     async def asubmit(self, session_id: str, inp: Input, timeout: float | None = 60.0) -> RayHandle:
@@ -458,7 +497,9 @@ class ShardedRuntime:
                         session_id, index, actor, inp.id, dead, "submit"
                     ) from exc
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise
+                    raise ShardUnavailable(
+                        session_id, index, _ray_reason(exc), inp.id, timeout or 0.0
+                    ) from exc
                 await asyncio.sleep(0.2)
 
     def outcome(self, session_id: str, input_id: str, timeout: float | None = 60.0) -> InputOutcome:
@@ -482,7 +523,10 @@ class ShardedRuntime:
             if found is not None:
                 return found  # type: ignore[no-any-return]
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"input {input_id!r} of {session_id!r}: no outcome yet")
+                raise TimeoutError(
+                    f"input {input_id!r} of session {session_id!r} (shard {index}): "
+                    f"no outcome within {timeout:g} s"
+                )
 
     async def aoutcome(
         self, session_id: str, input_id: str, timeout: float | None = 60.0
@@ -504,7 +548,10 @@ class ShardedRuntime:
             if found is not None:
                 return found  # type: ignore[no-any-return]
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"input {input_id!r} of {session_id!r}: no outcome yet")
+                raise TimeoutError(
+                    f"input {input_id!r} of session {session_id!r} (shard {index}): "
+                    f"no outcome within {timeout:g} s"
+                )
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         self._refuse_if_closed("wait_idle")

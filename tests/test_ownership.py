@@ -21,6 +21,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -172,6 +173,66 @@ def test_a_runtime_paused_past_its_lease_does_not_act_for_the_session_after(
         a.shutdown(timeout=10)
         for closing in (leases_a, leases_b, store_a, store_b):
             closing.close()
+
+
+@pytest.mark.parametrize("kind", ["delete", "clear"])
+def test_a_lease_taken_over_mid_wind_down_the_first_caller_hears_what_happened(
+    pg_url: str,  # noqa: F811
+    kind: str,
+) -> None:
+    """A's deletion (or /clear) waits for a tool that ignores the stop when A's lease is
+    taken over: B's recovery finishes the wind-down begun in the log, once. A's caller is
+    told that: begun in the log, finished by the session's next start (which B may have
+    made already); not that the turn's inputs run when the session starts again."""
+    gate, started = threading.Event(), threading.Event()
+
+    def stubborn(args: Any, ctx: Any) -> str:
+        started.set()
+        gate.wait(30)  # does not watch the stop
+        return "迟了"
+
+    store_a, store_b = PostgresEventStore(pg_url), PostgresEventStore(pg_url)
+    leases_a = PostgresLeases(store_a, owner="runtime-a", ttl_s=TTL_S, renew_s=3600)
+    leases_b = PostgresLeases(store_b, owner="runtime-b", ttl_s=TTL_S)
+    tools = ToolRegistry([Tool("lookup", stubborn)])
+    a = Runtime(
+        store_a,
+        Services(llm=ScriptedModel(tool_then_reply("甲")), tools=tools),
+        janitor=False,
+        ownership=leases_a,
+    )
+    b = _runtime(store_b, leases_b, "乙")
+    try:
+        handle = a.submit("s", Input(id="i1", content="一"))
+        assert started.wait(10)
+        asked = a._begin_delete("s") if kind == "delete" else a._begin_clear("s")
+        assert wait_until(lambda: bool(a.view("s").queue.winding_down), 10)
+        with psycopg.connect(pg_url, autocommit=True) as conn:  # A "paused" past its ttl
+            conn.execute("UPDATE aalis_leases SET expires_at = now() - interval '1 s'")
+        assert b.submit("s", Input(id="i2", content="二")).result(timeout=30).outcome == "replied"
+        assert leases_a.renew() == ["s"]
+        with pytest.raises(RuntimeClosed) as info:
+            asked.result(timeout=10)
+        what = "deletion" if kind == "delete" else "clear"
+        text = str(info.value)
+        assert f"its {what} was begun in its log" in text, text
+        assert "finished by the session's next start" in text, text
+        assert "runs when the session is next started" not in text, text
+        gate.set()
+        with pytest.raises(RuntimeClosed):
+            handle.result(timeout=10)
+    finally:
+        gate.set()
+        for runtime in (a, b):
+            runtime.shutdown(timeout=10)
+        for closing in (leases_a, leases_b, store_a, store_b):
+            closing.close()
+        pykka.ActorRegistry.stop_all()
+    with PostgresEventStore(pg_url, read_only=True) as reader:
+        events = reader.read("s")
+    finished = [e for e in events if type(e).__name__ in ("SessionDeleted", "ContextCleared")]
+    assert len(finished) == 1  # by B, once; A wrote nothing after losing the lease
+    assert [type(e).__name__ for e in events].count("InputReceived") == 2
 
 
 def test_a_session_id_too_long_for_a_lease_is_refused_naming_its_size(

@@ -13,12 +13,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
-from aalis_agent.events import ConcurrencyConflict, RuntimeClosed, StoreError
+from aalis_agent.events import ConcurrencyConflict, RuntimeClosed, SessionFailed, StoreError
 from aalis_agent.events.postgres import PostgresEventStore
 from aalis_agent.events.schema import InputReceived, ToolCall, ToolStarted, TurnRecorded
 from aalis_agent.scale.leases import PostgresLeases
 
 from aalis_agent import Input, Runtime, ScriptedModel, ScriptedReply, Services, Tool, ToolRegistry
+from tests.faults import audit_log
 from tests.pg import pg_cluster, pg_url  # noqa: F401 -- the fixtures
 from tests.tcp_proxy import Cut, TcpProxy
 from tests.test_store_contract import queued
@@ -295,6 +296,64 @@ def test_a_statement_held_by_a_lock_ends_in_an_error_and_writes_nothing(
         assert store.append("s", _batch(2), 2) == 4  # the same batch, once the lock is gone
 
 
+def test_a_write_the_server_refuses_mid_turn_stops_the_session_naming_it_and_why(
+    pg_url: str,  # noqa: F811
+) -> None:
+    """A trigger refuses the log's rows past a chosen seq (as a full disk would): the turn
+    under way stops, its caller hears which session stopped and the server's reason in
+    one line (not the statements it ran in), nothing of the refused batch is in the log,
+    and once the server takes rows again a new runtime runs the acknowledged input once."""
+
+    def tools() -> ToolRegistry:
+        return ToolRegistry([Tool("t", lambda args, ctx: "ok")])
+
+    def reply(request: Any, n: int) -> ScriptedReply:
+        if not any(m.role == "tool" for m in request.messages):
+            return ScriptedReply(tool_calls=(ToolCall(id=f"c{n}", name="t", arguments="{}"),))
+        return ScriptedReply(text="好了")
+
+    store = PostgresEventStore(pg_url)
+    runtime = Runtime(store, Services(llm=ScriptedModel(reply), tools=tools()), janitor=False)
+    try:
+        assert runtime.submit("s", Input(id="i1", content="一")).result(20).outcome == "replied"
+        armed = store.last_seq("s") + 6  # past the next input's first commit
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            admin.execute(
+                "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                f"IF NEW.seq > {armed} THEN RAISE EXCEPTION 'disk full at seq %', NEW.seq; "
+                "END IF; RETURN NEW; END $$"
+            )
+            admin.execute(
+                "CREATE TRIGGER refuse BEFORE INSERT ON aalis_log "
+                "FOR EACH ROW EXECUTE FUNCTION refuse()"
+            )
+        handle = runtime.submit("s", Input(id="i2", content="二"))  # acknowledged
+        with pytest.raises(SessionFailed) as info:
+            handle.result(20)
+        text = str(info.value)
+        assert text.startswith("session 's' stopped: a write to its log failed"), text
+        assert "append failed: disk full at seq" in text, text
+        assert "\n" not in text and "aalis_append" not in text, text
+        assert store.last_seq("s") <= armed  # the refused batch left nothing
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            admin.execute("DROP TRIGGER refuse ON aalis_log")
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
+    with PostgresEventStore(pg_url) as again_store:
+        again = Runtime(again_store, Services(llm=ScriptedModel(reply), tools=tools()))
+        try:
+            assert again.recover() == ["s"]
+            assert again.wait_idle(20)
+            events = again_store.read("s")
+        finally:
+            again.shutdown(timeout=10)
+    assert audit_log(events, acked=["i1", "i2"]) == audit_log([], acked=[])
+    # i2's turn is recorded once, as cut (its model call had carried it: not run again).
+    outcomes = [e.outcome for e in events if isinstance(e, TurnRecorded)]
+    assert outcomes == ["replied", "aborted"], outcomes
+
+
 def test_bad_statement_timeouts_are_refused(pg_url: str) -> None:  # noqa: F811
     for bad in (0, -1.0):
         with pytest.raises(ValueError, match="statement_timeout_s"):
@@ -379,9 +438,12 @@ def test_a_lease_statement_held_by_a_lock_ends_within_the_leases_timeout(
         with psycopg.connect(pg_url) as admin:
             admin.execute("LOCK TABLE aalis_leases IN ACCESS EXCLUSIVE MODE")
             started = time.monotonic()
-            with pytest.raises(StoreError, match="statement timeout"):
+            with pytest.raises(StoreError, match="statement timeout") as info:
                 leases.acquire("s")
             assert time.monotonic() - started < 1.5  # once: not run again on a new connection
+            # The refusal names the session and what it means for it.
+            assert str(info.value).startswith("session 's': no lease could be taken"), info.value
+            assert "not started here" in str(info.value)
             admin.rollback()
         leases.acquire("s")  # once the lock is gone
         leases.release("s")

@@ -263,8 +263,14 @@ def test_the_client_sends_an_input_again_when_its_shard_is_lost(
     assert client.submit("room", Input(id="x", content="再来")).input_id == "x"
     assert [inp.id for _, inp in sent] == ["x", "x"]
     client.actors = [Shard(failures=10**6)]
-    with pytest.raises(RayActorError):
+    with pytest.raises(ray_shards.ShardUnavailable) as info:
         client.submit("room", Input(id="y", content="一直失败"), timeout=0)
+    error = info.value  # names the session, its shard and the input to send again
+    assert isinstance(error, TimeoutError) and isinstance(error.__cause__, RayActorError)
+    assert (error.session_id, error.shard, error.input_id) == ("room", 0, "y")
+    text = str(error)
+    assert text.startswith("session 'room': its shard 0 did not answer within 0 s"), text
+    assert "input 'y' may have been accepted" in text and "\n" not in text
 
 
 def test_calls_after_shutdown_are_refused_as_closed_not_as_a_dead_shard(
