@@ -39,7 +39,7 @@ from aalis_agent.scenarios.spec import (
     ToolSpec,
 )
 from aalis_agent.services import AgentConfig, Usage, shapes
-from aalis_agent.services.config import toml_value
+from aalis_agent.services.config import toml_path, toml_value
 from aalis_agent.services.settings import (
     MAX_TOKENS,
     check_config_range,
@@ -432,7 +432,8 @@ def _only(scripted: int) -> str:
 def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
     """Read and check a scenario: a TOML file's path, or the table it would parse to.
 
-    What the event log could not hold is refused naming the file and the dotted key:
+    What the event log could not hold is refused naming the file and the dotted key (as
+    TOML writes it: ``tools[0].parameters."a b"``):
     nesting past :data:`~aalis_agent.request.limits.MAX_DEPTH` (in a file, before the
     TOML is parsed), an integer outside 64 bits, text with a lone surrogate."""
     if isinstance(source, Mapping):
@@ -450,7 +451,7 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise ScenarioError("not UTF-8 text", file=file) from None
-        deep = toml_too_deep(text, MAX_DEPTH)
+        deep = toml_too_deep(text, MAX_DEPTH, shown=toml_path)
         if deep is not None:
             key, line = deep
             raise ScenarioError(
@@ -460,7 +461,7 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ScenarioError(f"not valid TOML: {exc}", file=file) from None
-    bad = find_unloggable(data, max_depth=MAX_DEPTH)
+    bad = find_unloggable(data, max_depth=MAX_DEPTH, shown=toml_path)
     if bad is not None:
         raise ScenarioError(bad[1], file=file, where=bad[0] or "top level")
     return _Loader(file).load(data, default_name=Path(file).stem)

@@ -273,6 +273,62 @@ def test_a_key_path_is_quoted_where_toml_needs_it(tmp_path: Path, text: str, key
     assert str(err.value).startswith(f"{path}: {key}"), str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '[settings.venue."qq:1"]\nhistoryLimit = 18446744073709551616',
+            'settings.venue."qq:1".historyLimit: integer out of range: it must fit in 64 bits '
+            "(-9223372036854775808 to 9223372036854775807)",
+        ),
+        (
+            '[settings.venue."a/b"]\nx = ' + "[" * 65 + "]" * 65,
+            'settings.venue."a/b".x: nested deeper than 64 levels (line 2)',
+        ),
+        (
+            '[settings.venue."房间 1"]\n"a\\tb".c = ' + "[" * 65 + "]" * 65,
+            'settings.venue."房间 1"."a\\tb".c: nested deeper than 64 levels (line 2)',
+        ),
+        (
+            "[personas.'a\\b']\nname = " + "[" * 65 + "]" * 65,
+            'personas."a\\\\b".name: nested deeper than 64 levels (line 2)',
+        ),
+        (
+            '[providers.p]\ntype = "scripted"\n"bad key" = 1',
+            'providers.p."bad key": unknown key (known: apiKey, apiKeyEnv, baseUrl, listModels, '
+            "maxReplyMs, maxRetries, models, priority, reply, timeoutMs, type)",
+        ),
+    ],
+)
+def test_a_key_path_from_the_log_checks_is_quoted_as_toml(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    """The checks for what the log cannot hold (too deep, out of 64 bits) and msgspec's
+    unknown keys name the key as TOML writes it, as every other error does: a basic
+    string's escapes read and written again ("a\\tb"), a literal string's backslash
+    escaped ('a\\b' is "a\\\\b")."""
+    path = write(tmp_path, text + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: {message}"
+
+
+def test_a_parsed_mapping_names_a_key_toml_quotes_quoted() -> None:
+    data: dict[str, Any] = {"settings": {"venue": {"qq:1": {"think": "\ud800"}}}}
+    with pytest.raises(ConfigError) as err:
+        parse_config(data, file="inline")
+    assert str(err.value) == (
+        'inline: settings.venue."qq:1".think: text that is not valid Unicode (a lone surrogate)'
+    )
+    data = {"providers": {"k" * 100: {"x\ud800": 1}}}
+    with pytest.raises(ConfigError) as err:
+        parse_config(data, file="inline")
+    assert str(err.value) == (
+        f'inline: providers.{"k" * 60}...."x\\ud800": text that is not valid Unicode '
+        "(a lone surrogate)"
+    )
+
+
 def test_the_layer_is_named_for_a_bad_setting(tmp_path: Path) -> None:
     path = write(tmp_path, "[settings.platform.qq]\nhistoryLimit = -2\n")
     with pytest.raises(ConfigError) as err:

@@ -694,6 +694,11 @@ HOSTILE: list[tuple[str, dict[str, Any], str]] = [
         "[config]: promptBuildTimeoutMs must be <= 2147483647",
     ),
     (
+        "a key TOML quotes",
+        {"tools": [{"name": "t", "result": "r", "parameters": {"a b": {"qq:1": 2**64}}}]},
+        'inline: tools[0].parameters."a b"."qq:1": integer out of range',
+    ),
+    (
         "a lone surrogate",
         {"steps": [{"do": "say", "text": "hi\ud800"}]},
         "inline: steps[0].text: text that is not valid Unicode",
@@ -756,6 +761,7 @@ def test_arguments_as_a_table_with_a_date_are_refused() -> None:
             "replies[0].tool_calls",
         ),
         ("[[steps]]\n" + ".".join(["k"] * 1000) + " = 1", "steps[0].k.k.k"),
+        ("[[steps]]\n'a b'.\"c:d\".e = " + "[" * 100 + "]" * 100, 'steps[0]."a b"."c:d".e:'),
     ],
 )
 def test_a_deeply_nested_file_names_the_file_and_the_key(
