@@ -86,7 +86,7 @@ class AgentConfig:
                 continue
             if key not in _KEYS:
                 known = ", ".join(sorted(_KEYS))
-                raise ConfigError(f"{place}: unknown key {key!r} (known: {known})")
+                raise ConfigError(f"{place}: unknown key {toml_value(key)} (known: {known})")
             kwargs[_KEYS[key]] = value
         try:
             return cls(**kwargs)

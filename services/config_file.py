@@ -367,7 +367,7 @@ def _providers(r: _Reader, table: dict[str, Any], env: Mapping[str, str]) -> lis
     for pid, raw in table.items():
         key = f"providers.{toml_key(pid)}"
         if "/" in pid or not pid:
-            raise r.error(key, "a provider id must be non-empty and without '/'")
+            raise r.error(key, 'a provider id must be non-empty and without "/"')
         p = r.convert(raw, _Provider, key)
         specs = [_model_spec(r, m, f"{key}.models[{i}]") for i, m in enumerate(p.models)]
         seen: set[str] = set()
@@ -510,12 +510,13 @@ def _layers(r: _Reader, spec: _File, config: AgentConfig) -> SettingsLayers:
                     # a file writes a list or a number as such (/session.set takes text)
                     raise r.error(
                         f"{at}.{toml_key(setting)}",
-                        f"{label} {k!r} setting {setting!r}: must be {_NOT_TEXT[setting]}, "
+                        f"{label} {toml_value(k)} setting {toml_value(setting)}: "
+                        f"must be {_NOT_TEXT[setting]}, "
                         f"not a string: {toml_value(raw)}",
                     )
                 try:
                     checked[setting] = validate_setting(
-                        setting, raw, layer=f"{label} {k!r}", shown=toml_value
+                        setting, raw, layer=f"{label} {toml_value(k)}", shown=toml_value
                     )
                 except ConfigError as exc:
                     raise r.error(f"{at}.{toml_key(setting)}", str(exc)) from None
@@ -550,7 +551,9 @@ def _personas(r: _Reader, table: dict[str, Any]) -> StaticPersonas | None:
         personas[pid] = (p.name or pid, p.prompt)
         if p.default:
             if default is not None:
-                raise r.error(f"{key}.default", f"{default!r} is already the default persona")
+                raise r.error(
+                    f"{key}.default", f"{toml_value(default)} is already the default persona"
+                )
             default = pid
     return StaticPersonas(personas, default)
 

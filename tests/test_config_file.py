@@ -162,7 +162,7 @@ def test_an_empty_file_is_the_embedded_defaults(tmp_path: Path) -> None:
 BAD: list[tuple[str, str, str]] = [
     ("colour = 1", "colour", "unknown key"),
     ("[agent]\nhistoryLimit = -1", "agent", "historyLimit must be >= 0"),
-    ("[agent]\nsystemPromt = 'x'", "agent", "unknown key 'systemPromt'"),
+    ("[agent]\nsystemPromt = 'x'", "agent", 'unknown key "systemPromt"'),
     ("[servicePreferences]\nllm = 'nomodel'", "servicePreferences.llm", "<provider>/<model>"),
     ("[pluginServicePreferences.agent]\nllm = '/m'", "pluginServicePreferences.agent.llm", ""),
     ("[pluginServicePreferences.other]\nllm = 'a/b'", "pluginServicePreferences.other", ""),
@@ -329,13 +329,52 @@ def test_a_parsed_mapping_names_a_key_toml_quotes_quoted() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '[providers."a/b"]\ntype = "scripted"',
+            'providers."a/b": a provider id must be non-empty and without "/"',
+        ),
+        (
+            '[personas."a b"]\nprompt = "x"\ndefault = true\n'
+            '[personas.c]\nprompt = "y"\ndefault = true',
+            'personas.c.default: "a b" is already the default persona',
+        ),
+        (
+            '[settings.venue."qq:1"]\nenabledToolGroups = [1]',
+            'settings.venue."qq:1".enabledToolGroups: venue "qq:1" setting "enabledToolGroups": '
+            'expected a list of group names ("*" for all)',
+        ),
+        (
+            '[settings.venue."qq:1"]\nhistoryLimit = "5"',
+            'settings.venue."qq:1".historyLimit: venue "qq:1" setting "historyLimit": must be '
+            'an integer, not a string: "5"',
+        ),
+        (
+            "[agent]\n\"system prompt\" = 'x'",
+            'agent: unknown key "system prompt" (known: historyLimit, locale, maxToolIterations, '
+            "memoryTokenBudget, promptBuildTimeoutMs, systemPrompt, think, toolResultMaxRatio, "
+            "trimThresholdRatio)",
+        ),
+    ],
+)
+def test_names_and_hints_are_spelled_as_toml(tmp_path: Path, text: str, message: str) -> None:
+    """A name the file gave (a venue, a persona, a key) and a hint at what to write are
+    TOML strings in an error ("qq:1", "/", "*"), not Python's ('qq:1', '/', '*')."""
+    path = write(tmp_path, text + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: {message}"
+
+
 def test_the_layer_is_named_for_a_bad_setting(tmp_path: Path) -> None:
     path = write(tmp_path, "[settings.platform.qq]\nhistoryLimit = -2\n")
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert str(err.value) == (
-        f"{path}: settings.platform.qq.historyLimit: platform profile 'qq' setting "
-        "'historyLimit': must be >= 0, got -2"
+        f'{path}: settings.platform.qq.historyLimit: platform profile "qq" setting '
+        '"historyLimit": must be >= 0, got -2'
     )
 
 
@@ -656,7 +695,7 @@ def test_tool_groups_written_as_a_string_are_refused(tmp_path: Path, layer: str)
     key = f"settings.{layer.replace(chr(39), chr(34))}.enabledToolGroups"  # "qq:1" quoted
     assert str(err.value).startswith(f"{path}: {key}: "), str(err.value)
     assert str(err.value).endswith(
-        "setting 'enabledToolGroups': must be a list of strings (group names, [\"*\"] for "
+        'setting "enabledToolGroups": must be a list of strings (group names, ["*"] for '
         'all), not a string: "web, files"'
     )
     ok = write(tmp_path, f'[settings.{layer}]\nenabledToolGroups = ["web", "files"]\n')
@@ -681,7 +720,7 @@ def test_an_integer_written_as_a_string_is_refused(
     where = f"settings.{layer.replace(chr(39), chr(34))}.{key}"  # "qq:1" quoted
     assert str(err.value).startswith(f"{path}: {where}: "), str(err.value)
     assert str(err.value).endswith(
-        f'setting {key!r}: must be an integer, not a string: "{text}"'
+        f'setting "{key}": must be an integer, not a string: "{text}"'
     ), str(err.value)
     ok = write(tmp_path, f"[settings.{layer}]\n{key} = {text.strip()}\n")
     layers = load_config(ok).settings
@@ -698,18 +737,22 @@ def test_an_integer_written_as_a_string_is_refused(
 @pytest.mark.parametrize(
     ("toml", "said"),
     [
-        ("historyLimit = true", "'historyLimit': expected an integer, got true"),
+        ("historyLimit = true", '"historyLimit": expected an integer, got true'),
         (
             "maxToolIterations = [1, 'a']",
-            "'maxToolIterations': expected an integer, got [1, \"a\"]",
+            '"maxToolIterations": expected an integer, got [1, "a"]',
         ),
-        ("think = false", "'think': expected an id, got false"),
-        ("persona = {a = 'b'}", "'persona': expected an id, got {a = \"b\"}"),
-        ("llm = 'big'", "'llm': expected <provider>/<model>, got \"big\""),
-        ("llm = {provider = 'a'}", "'llm': expected <provider>/<model>, got {provider = \"a\"}"),
-        ("locale = true", "'locale': unknown locale true; known: en, zh"),
-        ("locale = 'fr'", "'locale': unknown locale \"fr\"; known: en, zh"),
-        ("think = '" + "x" * 300 + "'", "'think': an id of at most 256 characters, got 300"),
+        ("think = false", '"think": expected an id, got false'),
+        ("persona = {a = 'b'}", '"persona": expected an id, got {a = "b"}'),
+        ("llm = 'big'", '"llm": expected <provider>/<model>, got "big"'),
+        ("llm = {provider = 'a'}", '"llm": expected <provider>/<model>, got {provider = "a"}'),
+        ("locale = true", '"locale": unknown locale true; known: en, zh'),
+        ("locale = 'fr'", '"locale": unknown locale "fr"; known: en, zh'),
+        ("think = '" + "x" * 300 + "'", '"think": an id of at most 256 characters, got 300'),
+        (
+            "enabledToolGroups = [1]",
+            '"enabledToolGroups": expected a list of group names ("*" for all)',
+        ),
     ],
 )
 def test_layer_errors_show_the_value_as_the_file_wrote_it(
@@ -721,7 +764,7 @@ def test_layer_errors_show_the_value_as_the_file_wrote_it(
     with pytest.raises(ConfigError) as err:
         load_config(path)
     key = toml.split(" ", 1)[0]
-    prefix = f"{path}: settings.platform.qq.{key}: platform profile 'qq' setting "
+    prefix = f'{path}: settings.platform.qq.{key}: platform profile "qq" setting '
     assert str(err.value).startswith(prefix), str(err.value)
     assert str(err.value).removeprefix(prefix).startswith(said), str(err.value)
 
@@ -782,6 +825,6 @@ def test_an_unknown_layer_setting_lists_every_key_a_layer_takes(tmp_path: Path) 
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert str(err.value) == (
-        f"{path}: settings.platform.qq.local: unknown platform profile 'qq' setting 'local'; "
+        f'{path}: settings.platform.qq.local: unknown platform profile "qq" setting "local"; '
         "known: llm, think, maxToolIterations, historyLimit, persona, enabledToolGroups, locale"
     )

@@ -286,7 +286,7 @@ def test_a_session_has_no_locale_of_its_own() -> None:
             "platform, platform-type or venue layer, or AgentConfig.locale"
         )
         reply = handle_command(rt, "s", "/session.set locale en", platform="qq", user_id="u")
-        assert reply is not None and "unknown session setting 'locale'" in reply
+        assert reply is not None and 'unknown session setting "locale"' in reply
         assert dict(rt.view("s").settings) == {}
         rt.set_setting("s", "historyLimit", 3)  # the session's own keys still go in
         assert dict(rt.view("s").settings) == {"historyLimit": 3}
