@@ -36,6 +36,7 @@ __all__ = [
     "SettingsResolver",
     "StaticSettings",
     "check_config_range",
+    "check_setting_key",
     "shown_value",
     "validate_setting",
     "venue_of",
@@ -354,6 +355,18 @@ LAYER_KEYS = frozenset({"locale"})
 session's fields: ``locale``, the language its sessions' texts are in."""
 
 
+def check_setting_key(
+    key: Any, *, layer: str = "session", shown: Callable[[Any], str] = shown_value
+) -> None:
+    """A ConfigError naming ``key`` (shown by ``shown``) and the known keys unless it is
+    one of :data:`SETTING_FIELDS` or :data:`LAYER_KEYS`."""
+    if not isinstance(key, str) or (key not in SETTING_FIELDS and key not in LAYER_KEYS):
+        raise ConfigError(
+            f"unknown {layer} setting {shown(key)}; "
+            f"known: {', '.join([*SETTING_FIELDS, *sorted(LAYER_KEYS)])}"
+        )
+
+
 def validate_setting(
     key: str, value: Any, *, layer: str = "session", shown: Callable[[Any], str] = shown_value
 ) -> Any:
@@ -367,11 +380,7 @@ def validate_setting(
     :data:`MAX_ID_CHARS` characters, at most :data:`MAX_TOOL_GROUPS` tool groups."""
     if key in LAYER_KEYS:
         return check_locale(value, where=f"{layer} setting {shown(key)}", shown=shown)
-    if not isinstance(key, str) or key not in SETTING_FIELDS:
-        raise ConfigError(
-            f"unknown {layer} setting {shown(key)}; "
-            f"known: {', '.join([*SETTING_FIELDS, *sorted(LAYER_KEYS)])}"
-        )
+    check_setting_key(key, layer=layer, shown=shown)
     where = f"{layer} setting {shown(key)}"
     if key == "llm":
         if isinstance(value, str) and value.count("/") >= 1:
