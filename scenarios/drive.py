@@ -838,7 +838,8 @@ def run_scenario(
         if taken:
             store.close()
             raise ScenarioError(
-                f"{db} already holds session {taken[0]!r}: use a new database file", file=sc.file
+                f"{db} already holds session {toml_value(taken[0])}: use a new database file",
+                file=sc.file,
             )
     try:
         result = _Driver(sc, store, timeout_s or sc.timeout_s).run()

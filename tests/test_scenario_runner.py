@@ -633,7 +633,10 @@ def test_cli_transcript_and_a_db_that_replay_reads(
     # A database that holds the scenario's session already is refused.
     code, _, err = run_cli(capsys, "scenario", str(path), "--db", str(db))
     assert code == 2
-    assert "already holds session 'qq:group:1'" in err
+    assert err == (
+        f'aalis-agent scenario: error: {path}: {db} already holds session "qq:group:1": '
+        "use a new database file\n"
+    )
     with SqliteEventStore(db) as store:
         assert store.sessions() == [SID1]
 
