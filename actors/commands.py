@@ -13,7 +13,7 @@ from aalis_agent.request.limits import json_too_deep
 from aalis_agent.request.texts import ZH, Texts
 from aalis_agent.services.config import json_value
 from aalis_agent.services.models import entry_id, model_name, parse_model_ref
-from aalis_agent.services.settings import SETTING_FIELDS, shown_value, validate_setting
+from aalis_agent.services.settings import SETTING_FIELDS, validate_setting
 
 if TYPE_CHECKING:
     from aalis_agent.actors.runtime import Runtime
@@ -61,12 +61,13 @@ def parse_value(key: str, raw: str) -> Any:
         return raw
     if len(raw) > MAX_VALUE_CHARS:
         raise ConfigError(
-            f"session setting {key!r}: the value is too long "
+            f"session setting {json_value(key)}: the value is too long "
             f"({len(raw)} characters, at most {MAX_VALUE_CHARS})"
         )
     if json_too_deep(raw, MAX_VALUE_DEPTH):
         raise ConfigError(
-            f"session setting {key!r}: the value is nested deeper than {MAX_VALUE_DEPTH} levels"
+            f"session setting {json_value(key)}: the value is nested deeper than "
+            f"{MAX_VALUE_DEPTH} levels"
         )
     with contextlib.suppress(ValueError):  # numbers and lists may be written as JSON
         return json.loads(raw)
@@ -94,8 +95,8 @@ def set_setting(
 ) -> str:
     """Set or reset a session-layer setting; owner-only keys refuse anyone else (SET3,
     SET4). Returns the reply (in the locale of ``platform`` and ``venue``); a bad key or
-    value raises ConfigError naming it, the value spelled as JSON (what the command
-    reads: ``got true``, ``got null``, ``got "x"``)."""
+    value raises ConfigError naming it, the key and the value spelled as JSON (what the
+    command reads: ``session setting "historyLimit"``, ``got true``, ``got "x"``)."""
     texts = runtime.texts_for(session_id, platform, venue)
     refusal = _refusal(runtime, key, platform, user_id, texts)
     if refusal is not None:
@@ -126,15 +127,15 @@ def _require_existing(runtime: Runtime, key: str, value: Any) -> None:
         wanted = _show(value)
         if services.models.find(parse_model_ref(value, where=key)) is None:
             raise ConfigError(
-                f"session setting 'llm': there is no model {json_value(wanted)}; "
+                f'session setting "llm": there is no model {json_value(wanted)}; '
                 "/model lists the models"
             )
     elif key == "persona":
         if services.persona is None:
-            raise ConfigError("session setting 'persona': no personas are configured")
+            raise ConfigError('session setting "persona": no personas are configured')
         if value not in {pid for pid, _ in services.persona.list()}:
             raise ConfigError(
-                f"session setting 'persona': there is no persona {json_value(value)}; "
+                f'session setting "persona": there is no persona {json_value(value)}; '
                 "/persona lists the personas"
             )
 
@@ -146,7 +147,7 @@ def _refusal(
     unknown key raises ConfigError."""
     if key not in SETTING_FIELDS:
         known = ", ".join(SETTING_FIELDS)
-        raise ConfigError(f"unknown session setting {shown_value(key)}; known: {known}")
+        raise ConfigError(f"unknown session setting {json_value(key)}; known: {known}")
     field = SETTING_FIELDS[key]
     if field.owner_only and not runtime.services.authority.is_owner(platform, user_id):
         return texts("command.owner_only", label=texts(f"setting.{key}"), key=key)

@@ -74,7 +74,7 @@ from aalis_agent.projections.inputs import InputIds, unchanged
 from aalis_agent.request.texts import Texts
 from aalis_agent.request.usage import wire
 from aalis_agent.services import Services
-from aalis_agent.services.settings import LAYER_KEYS, validate_setting
+from aalis_agent.services.settings import LAYER_KEYS, check_setting_key, validate_setting
 from aalis_agent.services.typed_tools import (
     release_default_loop_thread,
     use_default_loop_thread,
@@ -1138,8 +1138,12 @@ class Runtime:
         While a deletion of the session winds down, the change is written after the
         deletion (which would wipe it), and this returns then. ``locale`` is refused: a
         platform, platform-type or venue layer picks a language (or ``AgentConfig.locale``),
-        a session's own layer does not (nothing would read it)."""
-        if not reset and isinstance(key, str) and key in LAYER_KEYS:
+        a session's own layer does not (nothing would read it). A reset refuses an unknown
+        key as a set does, but clears ``locale``: an older log may hold one (it was once
+        written there)."""
+        if reset:
+            check_setting_key(key)
+        elif isinstance(key, str) and key in LAYER_KEYS:
             raise ConfigError(
                 f"session setting {key!r}: a session's own layer takes no {key}; set it in "
                 f"a platform, platform-type or venue layer, or AgentConfig.{key}"

@@ -237,7 +237,9 @@ def parse_sets(values: Sequence[str]) -> list[tuple[str, Any]]:
             raise ConfigError(f"--set {raw!r}: expected KEY=VALUE")
         if key not in SETTING_FIELDS:
             known = ", ".join(SETTING_FIELDS)
-            raise ConfigError(f"--set {raw!r}: unknown session setting {key!r}; known: {known}")
+            raise ConfigError(
+                f"--set {raw!r}: unknown session setting {json_value(key)}; known: {known}"
+            )
         try:
             stored = validate_setting(key, parse_value(key, value), shown=json_value)
         except ConfigError as exc:

@@ -23,6 +23,7 @@ import json
 import math
 import re
 import sys
+import tomllib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -339,25 +340,32 @@ _PROBLEMS = {
 }
 
 
-def find_unloggable(value: object, *, max_depth: int = MAX_DEPTH) -> tuple[str, str] | None:
+def find_unloggable(
+    value: object, *, max_depth: int = MAX_DEPTH, shown: Callable[[Path], str] = show_path
+) -> tuple[str, str] | None:
     """The first place in a parsed configuration or scenario (tables, lists, scalars)
     that the log could not hold: ``(dotted key, problem)`` for nesting past
     ``max_depth``, an integer outside 64 bits, or text (a key or a value) with a lone
-    surrogate; None when there is none. Iterative."""
+    surrogate; None when there is none. The key is spelled by ``shown`` (a TOML file's
+    reader passes ``services.config.toml_path``, which quotes what TOML quotes).
+    Iterative."""
     found = _walk(value, max_depth, _log_leaf, _log_key)
     if found is None:
         return None
     path, problem = found
-    return show_path(path), _PROBLEMS[problem].format(max_depth=max_depth)
+    return shown(path), _PROBLEMS[problem].format(max_depth=max_depth)
 
 
 _TOML_STOP = re.compile(r"[\"'#\[\]{}\n]")
 _BASIC_ML_STOP = re.compile(r'\\.|"""', re.S)
 
 
-def toml_too_deep(text: str, max_depth: int = MAX_DEPTH) -> tuple[str, int] | None:
+def toml_too_deep(
+    text: str, max_depth: int = MAX_DEPTH, *, shown: Callable[[Path], str] = show_path
+) -> tuple[str, int] | None:
     """Where TOML ``text`` nests arrays and inline tables deeper than ``max_depth``: the
-    dotted key of the statement (``[[x]]`` tables numbered from 0) and its line, or None.
+    dotted key of the statement (``[[x]]`` tables numbered from 0) as ``shown`` spells
+    its parts, and its line, or None.
     One pass without recursion, so ``tomllib`` (which recurses) never sees such a file.
     Brackets inside strings and comments do not count; invalid TOML is never refused
     here (tomllib says what is wrong with it)."""
@@ -416,7 +424,7 @@ def toml_too_deep(text: str, max_depth: int = MAX_DEPTH) -> tuple[str, int] | No
         elif c in "[{":
             depth += 1
             if depth > max_depth:
-                return _toml_path(header, arrays, key), line
+                return shown(_toml_path(header, arrays, key)), line
             i += 1
         else:
             depth = max(depth - 1, 0)
@@ -470,7 +478,8 @@ def _string_end(text: str, i: int) -> int:
 
 def _toml_key(text: str, i: int, stop: str) -> tuple[int, list[str]]:
     """A dotted key starting at ``i``, read up to ``stop`` (returned at it) or the line's
-    end: its parts, quotes removed (escapes are kept as written)."""
+    end: its parts, quotes removed and a basic string's escapes read (one that is not
+    valid is kept as written)."""
     parts: list[str] = []
     part: list[str] = []
     n = len(text)
@@ -480,7 +489,7 @@ def _toml_key(text: str, i: int, stop: str) -> tuple[int, list[str]]:
             break
         if c in "\"'":
             end = _string_end(text, i)
-            part.append(text[i + 1 : end - 1] if end - i >= 2 else "")
+            part.append(_key_string(text[i:end]))
             i = end
         elif c == ".":
             parts.append("".join(part).strip())
@@ -493,7 +502,20 @@ def _toml_key(text: str, i: int, stop: str) -> tuple[int, list[str]]:
     return i, parts
 
 
-def _toml_path(header: list[str], arrays: dict[str, int], key: list[str]) -> str:
+def _key_string(quoted: str) -> str:
+    """A quoted key's text: a literal string's as written, a basic string's with its
+    escapes read (as written when they are not valid, or the string is not closed)."""
+    inner = quoted[1:-1] if len(quoted) >= 2 and quoted[-1] == quoted[0] else quoted[1:]
+    if quoted[0] == "'" or "\\" not in inner:
+        return inner
+    try:  # one short basic string: tomllib reads it without nesting
+        value = tomllib.loads(f"k = {quoted}")["k"]
+    except tomllib.TOMLDecodeError:
+        return inner
+    return value if isinstance(value, str) else inner
+
+
+def _toml_path(header: list[str], arrays: dict[str, int], key: list[str]) -> Path:
     path: list[object] = []
     for k, part in enumerate(header):
         path.append(part)
@@ -501,4 +523,4 @@ def _toml_path(header: list[str], arrays: dict[str, int], key: list[str]) -> str
         if name in arrays:
             path.append(arrays[name] - 1)
     path.extend(key)
-    return show_path(tuple(path))
+    return tuple(path)

@@ -1014,7 +1014,7 @@ class ProcessShards:
         by: str | None = None,
     ) -> None:
         """``Runtime.set_setting`` (SET3) on the session's shard: ``ConfigError`` naming
-        the key for a value of the wrong type or range."""
+        the key for an unknown key (a reset too) or a value of the wrong type or range."""
         self._session_method(session_id, "set_setting", key, value, reset=reset, by=by)
 
     def wait_idle(self, timeout: float | None = None) -> bool:

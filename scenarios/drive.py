@@ -56,6 +56,7 @@ from aalis_agent.services import (
     ToolCallContext,
     ToolRegistry,
 )
+from aalis_agent.services.config import toml_value
 from aalis_agent.services.llm import ThinkLevel
 from aalis_agent.services.models import LlmService, Provider
 
@@ -335,7 +336,7 @@ class _Tools:
                 gate.journal.append(("tool", item))
                 if outcome is None:
                     gate.problems.append(
-                        f"tool {spec.name!r}: call {k} (callId {ctx.call_id} in "
+                        f"tool {toml_value(spec.name)}: call {k} (callId {ctx.call_id} in "
                         f"{ctx.session_id}) has no scripted result: results has "
                         f"{len(spec.results)}, and there is no result or error for later calls"
                     )
@@ -349,7 +350,7 @@ class _Tools:
                     )
                     item.state = "done"
             if outcome is None:
-                raise ScenarioError(f"tool {spec.name!r} call {k}: no scripted result")
+                raise ScenarioError(f"tool {toml_value(spec.name)} call {k}: no scripted result")
             if outcome.error is not None:
                 raise ToolError(outcome.error)
             return outcome.result or ""
@@ -837,7 +838,8 @@ def run_scenario(
         if taken:
             store.close()
             raise ScenarioError(
-                f"{db} already holds session {taken[0]!r}: use a new database file", file=sc.file
+                f"{db} already holds session {toml_value(taken[0])}: use a new database file",
+                file=sc.file,
             )
     try:
         result = _Driver(sc, store, timeout_s or sc.timeout_s).run()

@@ -39,7 +39,7 @@ from aalis_agent.scenarios.spec import (
     ToolSpec,
 )
 from aalis_agent.services import AgentConfig, Usage, shapes
-from aalis_agent.services.config import toml_value
+from aalis_agent.services.config import toml_path, toml_value
 from aalis_agent.services.settings import (
     MAX_TOKENS,
     check_config_range,
@@ -98,11 +98,11 @@ _POINT_PATTERNS: tuple[tuple[re.Pattern[str], PointKind], ...] = (
     (re.compile(r"while (?P<tool>\S+?)(?: call (?P<n>\d+))? runs"), "tool"),
 )
 _POINT_FORMS = (
-    "'start', 'before call N', 'after turn N', 'after chunk K of call N', "
-    "'while HOOK of call N runs' (HOOK: agent:llm:before, agent:llm:after, "
-    "agent:reply:before), 'while HOOK of turn N runs' (agent:turn:before, "
-    "agent:turn:after) (each with ' of SESSION'), 'while TOOL runs' or "
-    "'while TOOL call K runs'"
+    '"start", "before call N", "after turn N", "after chunk K of call N", '
+    '"while HOOK of call N runs" (HOOK: agent:llm:before, agent:llm:after, '
+    'agent:reply:before), "while HOOK of turn N runs" (agent:turn:before, '
+    'agent:turn:after) (each with " of SESSION"), "while TOOL runs" or '
+    '"while TOOL call K runs"'
 )
 
 # --- the file's shape, checked by msgspec ------------------------------------------------
@@ -150,7 +150,7 @@ class _FirstModel(_Model):
 class _Top(_Spec):
     name: str | None = None
     description: str = ""
-    timezone: Annotated[str, Meta(extra={"what": "text like '+08:00' or 'UTC'"})] | None = None
+    timezone: Annotated[str, Meta(extra={"what": 'text like "+08:00" or "UTC"'})] | None = None
     start: Any = None  # ISO text, a TOML date and time or milliseconds: _start reads it
     tick_ms: Annotated[int, Meta(ge=0, le=MAX_TICK_MS)] = 1000
     timeout_s: Annotated[
@@ -315,7 +315,7 @@ _STEPS: dict[str, type[_Step]] = {
 
 
 class _Place:
-    """A place in the file (``top level``, ``tool 'x'``, ``step 2 (say at now)``): its
+    """A place in the file (``top level``, ``tool "x"``, ``step 2 (say at now)``): its
     tables are converted here, and every error names the file and the place."""
 
     def __init__(self, file: str, where: str) -> None:
@@ -399,7 +399,7 @@ def _explain(error: str, value: Any, info: Any) -> tuple[str, str]:
         fields = {f.encode_name: f.type for f in struct.fields} if struct else {}
         if field_error["how"] == "contains unknown":
             known = ", ".join(sorted(fields)) or "none"
-            return inner, f"{subject}unknown key {name!r} (known here: {known})"
+            return inner, f"{subject}unknown key {toml_value(name)} (known here: {known})"
         hint = shapes.extra(fields.get(name)).get("required")
         return inner, f"{subject}{name} is required" + (f" ({hint})" if hint else "")
     got = value_at(value, steps)
@@ -432,7 +432,8 @@ def _only(scripted: int) -> str:
 def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
     """Read and check a scenario: a TOML file's path, or the table it would parse to.
 
-    What the event log could not hold is refused naming the file and the dotted key:
+    What the event log could not hold is refused naming the file and the dotted key (as
+    TOML writes it: ``tools[0].parameters."a b"``):
     nesting past :data:`~aalis_agent.request.limits.MAX_DEPTH` (in a file, before the
     TOML is parsed), an integer outside 64 bits, text with a lone surrogate."""
     if isinstance(source, Mapping):
@@ -450,7 +451,7 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise ScenarioError("not UTF-8 text", file=file) from None
-        deep = toml_too_deep(text, MAX_DEPTH)
+        deep = toml_too_deep(text, MAX_DEPTH, shown=toml_path)
         if deep is not None:
             key, line = deep
             raise ScenarioError(
@@ -460,7 +461,7 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ScenarioError(f"not valid TOML: {exc}", file=file) from None
-    bad = find_unloggable(data, max_depth=MAX_DEPTH)
+    bad = find_unloggable(data, max_depth=MAX_DEPTH, shown=toml_path)
     if bad is not None:
         raise ScenarioError(bad[1], file=file, where=bad[0] or "top level")
     return _Loader(file).load(data, default_name=Path(file).stem)
@@ -521,7 +522,7 @@ class _Loader:
         m = re.fullmatch(r"([+-])(\d{2}):?(\d{2})", value)
         if m is None or int(m[2]) > 23 or int(m[3]) > 59:
             raise top.error(
-                f"timezone must look like '+08:00', '-05:30' or 'UTC', got {toml_value(value)}"
+                f'timezone must look like "+08:00", "-05:30" or "UTC", got {toml_value(value)}'
             )
         sign = 1 if m[1] == "+" else -1
         return timezone(sign * timedelta(hours=int(m[2]), minutes=int(m[3])))
@@ -557,7 +558,7 @@ class _Loader:
         for owner in owners:
             platform, sep, user = owner.partition(":")
             if not sep or not platform or not user:
-                raise top.error(f"owners: {toml_value(owner)} is not 'platform:user_id'")
+                raise top.error(f'owners: {toml_value(owner)} is not "platform:user_id"')
             out.append((platform, user))
         return tuple(out)
 
@@ -601,7 +602,7 @@ class _Loader:
         for i, item in enumerate(items, 1):
             t = self.place(f"[[sessions]] #{i}")
             sid = t.convert(item, _SessionHead).id
-            t.where = f"session {sid!r}"
+            t.where = f"session {toml_value(sid)}"
             if not sid or any(s.id == sid for s in sessions):
                 raise t.error("session ids must be non-empty and unique")
             spec = t.convert(item, _Session)
@@ -642,7 +643,7 @@ class _Loader:
         if model is not None:
             provider, sep, model_id = model.partition("/")
             if not sep or not provider or not model_id:
-                raise t.error(f"model must be 'provider/model', got {toml_value(model)}")
+                raise t.error(f'model must be "provider/model", got {toml_value(model)}')
             try:
                 validate_setting("llm", model, layer=owner.where, shown=toml_value)
             except ConfigError as exc:
@@ -657,7 +658,7 @@ class _Loader:
         for i, item in enumerate(items, 1):
             t = self.place(f"[[tools]] #{i}")
             name = t.convert(item, _ToolHead).name
-            t.where = f"tool {name!r}"
+            t.where = f"tool {toml_value(name)}"
             if not name or any(c.isspace() for c in name) or any(x.name == name for x in tools):
                 raise t.error("tool names must be unique, non-empty and without spaces")
             spec = t.convert(item, _Tool)
@@ -708,8 +709,8 @@ class _Loader:
             call = spec.call if spec.call is not None else n
             if call != n:
                 raise t.error(
-                    f"call = {call}, but this is reply {n} of session {sid!r}: replies answer "
-                    "a session's calls in file order"
+                    f"call = {call}, but this is reply {n} of session {toml_value(sid)}: "
+                    "replies answer a session's calls in file order"
                 )
             pieces = self._pieces(t, spec.text, spec.chunks)
             usage = self._usage(spec.usage)
@@ -774,7 +775,7 @@ class _Loader:
                 return sessions[0]
             raise t.error(f"session is required with more than one session ({', '.join(sessions)})")
         if sid not in sessions:
-            raise t.error(f"no session {sid!r} (declared: {', '.join(sessions)})")
+            raise t.error(f"no session {toml_value(sid)} (declared: {', '.join(sessions)})")
         return str(sid)
 
     def _point(
@@ -811,11 +812,11 @@ class _Loader:
                     if tool in HOOK_KEYS:
                         raise t.error(f"at {shown}: {self._hook_form(tool)}")
                     declared = ", ".join(tools) or "none"
-                    raise t.error(f"at {shown}: no tool {tool!r} (declared: {declared})")
+                    raise t.error(f"at {shown}: no tool {toml_value(tool)} (declared: {declared})")
                 return Point("tool", n=n, tool=tool)
             point_sid = groups.get("session") or sid
             if point_sid not in sessions:
-                raise t.error(f"at {shown}: no session {point_sid!r}")
+                raise t.error(f"at {shown}: no session {toml_value(point_sid)}")
             scripted = len(replies[point_sid])
             if kind == "hook":
                 return self._hook_point(t, shown, groups, n, point_sid, replies[point_sid])
@@ -834,10 +835,10 @@ class _Loader:
         """How to name a point in ``hook``, or why there is none."""
         unit = HOOK_POINTS.get(hook)
         if unit is not None:
-            return f"say which {unit} it runs for: 'while {hook} of {unit} N runs'"
+            return f'say which {unit} it runs for: "while {hook} of {unit} N runs"'
         return (
             f"a step cannot be placed in {hook} (it can in {', '.join(HOOK_POINTS)}; "
-            "for a tool's run, use 'while TOOL runs')"
+            'for a tool\'s run, use "while TOOL runs")'
         )
 
     def _hook_point(
@@ -856,18 +857,19 @@ class _Loader:
             if hook in HOOK_KEYS:
                 raise t.error(f"at {shown}: {self._hook_form(hook)}")
             raise t.error(
-                f"at {shown}: no hook {hook!r} (a step can be placed in {', '.join(HOOK_POINTS)})"
+                f"at {shown}: no hook {toml_value(hook)} "
+                f"(a step can be placed in {', '.join(HOOK_POINTS)})"
             )
         if HOOK_POINTS[hook] != unit:
             raise t.error(
                 f"at {shown}: {hook} runs once per {HOOK_POINTS[hook]}: "
-                f"'while {hook} of {HOOK_POINTS[hook]} N runs'"
+                f'"while {hook} of {HOOK_POINTS[hook]} N runs"'
             )
         rounds = int(groups["round"] or 1)
         if groups["round"] is not None and hook != "agent:llm:before":
             raise t.error(
                 f"at {shown}: only agent:llm:before runs in rounds (again after inputs join "
-                "at the insertion point); leave out 'round'"
+                'at the insertion point); leave out "round"'
             )
         point = Point("hook", session=sid, n=n, hook=hook, round=rounds)
         scripted = len(replies)

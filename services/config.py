@@ -14,7 +14,7 @@ import structlog
 from aalis_agent.events.errors import ConfigError
 from aalis_agent.request.locales import DEFAULT_LOCALE, check_locale
 
-__all__ = ["AgentConfig", "json_value", "keyed", "toml_key", "toml_value"]
+__all__ = ["AgentConfig", "json_value", "keyed", "toml_key", "toml_path", "toml_value"]
 
 log = structlog.get_logger("aalis.config")
 
@@ -86,7 +86,7 @@ class AgentConfig:
                 continue
             if key not in _KEYS:
                 known = ", ".join(sorted(_KEYS))
-                raise ConfigError(f"{place}: unknown key {key!r} (known: {known})")
+                raise ConfigError(f"{place}: unknown key {toml_value(key)} (known: {known})")
             kwargs[_KEYS[key]] = value
         try:
             return cls(**kwargs)
@@ -205,10 +205,25 @@ def _spelled(value: Any, depth: int, *, json: bool) -> str:
 
 def toml_key(key: Any) -> str:
     """``key`` as one part of a dotted key in a TOML file: as is when it is a bare key
-    (``A-Za-z0-9_-`` only), else quoted (``"qq:1"``, ``"a/b"``, ``""``)."""
+    (``A-Za-z0-9_-`` only), else quoted (``"qq:1"``, ``"a/b"``, ``""``); cut after 60
+    characters either way."""
     if isinstance(key, str) and _BARE_KEY.fullmatch(key):
-        return key
+        return key if len(key) <= _SHOWN_CHARS else key[:_SHOWN_CHARS] + "..."
     return _quoted(key) if isinstance(key, str) else toml_value(key, 0)
+
+
+def toml_path(path: tuple[object, ...], *, limit: int = 200) -> str:
+    """A place in a TOML file as the file writes its key: parts joined by dots, each as
+    :func:`toml_key` spells it, list indices in brackets (``settings.venue."qq:1".x``,
+    ``providers.a.models[0].id``), the whole cut to ``limit`` characters."""
+    out: list[str] = []
+    for part in path:
+        if isinstance(part, int) and not isinstance(part, bool):
+            out.append(f"[{part}]")
+            continue
+        out.append(("." if out else "") + toml_key(part))
+    text = "".join(out)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _json_key(key: Any) -> str:

@@ -76,7 +76,7 @@ from aalis_agent.events.errors import ConfigError
 from aalis_agent.events.schema import ModelRef
 from aalis_agent.request.limits import MAX_DEPTH, find_unloggable, toml_too_deep
 from aalis_agent.services import shapes
-from aalis_agent.services.config import AgentConfig, toml_key, toml_value
+from aalis_agent.services.config import AgentConfig, toml_key, toml_path, toml_value
 from aalis_agent.services.files import read_text_file
 from aalis_agent.services.llm import ChatModel, ScriptedModel, ScriptedReply, ThinkLevel
 from aalis_agent.services.mcp import DEFAULT_MAX_LINE_BYTES, McpServer
@@ -254,11 +254,11 @@ class _Reader:
 
 def _explain(error: str, value: Any, tp: Any) -> tuple[str, str]:
     """``(dotted key, problem)`` for msgspec's ``error`` converting ``value`` to ``tp``:
-    its path ``$.a.b[0]`` becomes ``a.b[0]``, and the problem names what the key takes
-    and what it got."""
+    its path ``$.a.b[0]`` becomes ``a.b[0]`` (a part TOML quotes, quoted), and the
+    problem names what the key takes and what it got."""
     message, steps = shapes.split_error(error)
     info = info_at(mi.type_info(tp), steps)
-    where = "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in steps).lstrip(".")
+    where = toml_path(tuple(steps))
     field = shapes.FIELD.match(message)
     if field is not None:
         struct = bare(info, mi.StructType)
@@ -268,7 +268,7 @@ def _explain(error: str, value: Any, tp: Any) -> tuple[str, str]:
         else:
             hint = shapes.extra(fields.get(field["name"])).get("required")
             problem = f"required: {hint}" if hint else "required"
-        return _join(where, field["name"]), problem
+        return _join(where, toml_key(field["name"])), problem
     got = value_at(value, steps)
     bound = shapes.RANGE.match(message)
     if bound is not None:
@@ -294,7 +294,7 @@ def load_config(
     inline tables nested past :data:`MAX_DEPTH` are refused before the TOML is parsed."""
     p = Path(path)
     text = read_text_file(p, "configuration")
-    deep = toml_too_deep(text, MAX_DEPTH)
+    deep = toml_too_deep(text, MAX_DEPTH, shown=toml_path)
     if deep is not None:
         key, line = deep
         raise ConfigError(f"{p}: {key}: nested deeper than {MAX_DEPTH} levels (line {line})")
@@ -316,7 +316,7 @@ def parse_config(
     log could not hold is refused by its dotted key: nesting past :data:`MAX_DEPTH`, an
     integer outside 64 bits, text with a lone surrogate; and every number to its range."""
     r = _Reader(file, require_keys=require_keys)
-    bad = find_unloggable(data, max_depth=MAX_DEPTH)
+    bad = find_unloggable(data, max_depth=MAX_DEPTH, shown=toml_path)
     if bad is not None:
         raise r.error(*bad)
     spec = r.convert(data, _File, "")
@@ -367,7 +367,7 @@ def _providers(r: _Reader, table: dict[str, Any], env: Mapping[str, str]) -> lis
     for pid, raw in table.items():
         key = f"providers.{toml_key(pid)}"
         if "/" in pid or not pid:
-            raise r.error(key, "a provider id must be non-empty and without '/'")
+            raise r.error(key, 'a provider id must be non-empty and without "/"')
         p = r.convert(raw, _Provider, key)
         specs = [_model_spec(r, m, f"{key}.models[{i}]") for i, m in enumerate(p.models)]
         seen: set[str] = set()
@@ -510,12 +510,13 @@ def _layers(r: _Reader, spec: _File, config: AgentConfig) -> SettingsLayers:
                     # a file writes a list or a number as such (/session.set takes text)
                     raise r.error(
                         f"{at}.{toml_key(setting)}",
-                        f"{label} {k!r} setting {setting!r}: must be {_NOT_TEXT[setting]}, "
+                        f"{label} {toml_value(k)} setting {toml_value(setting)}: "
+                        f"must be {_NOT_TEXT[setting]}, "
                         f"not a string: {toml_value(raw)}",
                     )
                 try:
                     checked[setting] = validate_setting(
-                        setting, raw, layer=f"{label} {k!r}", shown=toml_value
+                        setting, raw, layer=f"{label} {toml_value(k)}", shown=toml_value
                     )
                 except ConfigError as exc:
                     raise r.error(f"{at}.{toml_key(setting)}", str(exc)) from None
@@ -550,7 +551,9 @@ def _personas(r: _Reader, table: dict[str, Any]) -> StaticPersonas | None:
         personas[pid] = (p.name or pid, p.prompt)
         if p.default:
             if default is not None:
-                raise r.error(f"{key}.default", f"{default!r} is already the default persona")
+                raise r.error(
+                    f"{key}.default", f"{toml_value(default)} is already the default persona"
+                )
             default = pid
     return StaticPersonas(personas, default)
 

@@ -36,6 +36,7 @@ __all__ = [
     "SettingsResolver",
     "StaticSettings",
     "check_config_range",
+    "check_setting_key",
     "shown_value",
     "validate_setting",
     "venue_of",
@@ -354,24 +355,33 @@ LAYER_KEYS = frozenset({"locale"})
 session's fields: ``locale``, the language its sessions' texts are in."""
 
 
+def check_setting_key(
+    key: Any, *, layer: str = "session", shown: Callable[[Any], str] = shown_value
+) -> None:
+    """A ConfigError naming ``key`` (shown by ``shown``) and the known keys unless it is
+    one of :data:`SETTING_FIELDS` or :data:`LAYER_KEYS`."""
+    if not isinstance(key, str) or (key not in SETTING_FIELDS and key not in LAYER_KEYS):
+        raise ConfigError(
+            f"unknown {layer} setting {shown(key)}; "
+            f"known: {', '.join([*SETTING_FIELDS, *sorted(LAYER_KEYS)])}"
+        )
+
+
 def validate_setting(
     key: str, value: Any, *, layer: str = "session", shown: Callable[[Any], str] = shown_value
 ) -> Any:
     """The value to store for ``key``, or a ConfigError naming the layer, key and problem
-    (a wrong value shown by ``shown``: as Python spells it unless told otherwise; a
-    configuration file passes ``toml_value``, which spells it as the file does).
+    (the key, a hint and a wrong value shown by ``shown``: as Python spells them unless
+    told otherwise; a configuration file passes ``toml_value``, which spells them as the
+    file does, ``/session.set`` passes ``json_value``).
 
     Every value is checked to the type and range the log holds: integers within
     :data:`SETTING_MAXIMA`, ids valid text (no lone surrogates) of at most
     :data:`MAX_ID_CHARS` characters, at most :data:`MAX_TOOL_GROUPS` tool groups."""
     if key in LAYER_KEYS:
-        return check_locale(value, where=f"{layer} setting {key!r}", shown=shown)
-    if not isinstance(key, str) or key not in SETTING_FIELDS:
-        raise ConfigError(
-            f"unknown {layer} setting {shown_value(key)}; "
-            f"known: {', '.join([*SETTING_FIELDS, *sorted(LAYER_KEYS)])}"
-        )
-    where = f"{layer} setting {key!r}"
+        return check_locale(value, where=f"{layer} setting {shown(key)}", shown=shown)
+    check_setting_key(key, layer=layer, shown=shown)
+    where = f"{layer} setting {shown(key)}"
     if key == "llm":
         if isinstance(value, str) and value.count("/") >= 1:
             provider, model = value.split("/", 1)
@@ -399,11 +409,11 @@ def validate_setting(
                 raise ConfigError(f"{where}: too long ({len(value)} characters)")
             value = [g for g in (p.strip() for p in value.split(",")) if g]
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: expected a list of group names ('*' for all)")
+            raise ConfigError(f"{where}: expected a list of group names ({shown('*')} for all)")
         if len(value) > MAX_TOOL_GROUPS:
             raise ConfigError(f"{where}: at most {MAX_TOOL_GROUPS} groups, got {len(value)}")
         if not all(isinstance(g, str) and g for g in value):
-            raise ConfigError(f"{where}: expected a list of group names ('*' for all)")
+            raise ConfigError(f"{where}: expected a list of group names ({shown('*')} for all)")
         for g in value:
             _check_id(where, g, shown)
         return list(value)

@@ -93,11 +93,11 @@ def test_anyone_may_set_the_thinking_level(runtime: Runtime) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("/session.set historyLimit -1", "'historyLimit': must be >= 0"),
-        ("/session.set maxToolIterations 0", "'maxToolIterations': must be >= 1"),
-        ("/session.set historyLimit many", "'historyLimit': expected an integer"),
-        ("/session.set llm onlymodel", "'llm': expected <provider>/<model>"),
-        ("/session.set colour blue", "unknown session setting 'colour'"),
+        ("/session.set historyLimit -1", '"historyLimit": must be >= 0'),
+        ("/session.set maxToolIterations 0", '"maxToolIterations": must be >= 1'),
+        ("/session.set historyLimit many", '"historyLimit": expected an integer'),
+        ("/session.set llm onlymodel", '"llm": expected <provider>/<model>'),
+        ("/session.set colour blue", 'unknown session setting "colour"'),
     ],
 )
 def test_bad_values_name_the_key_and_change_nothing(
@@ -133,14 +133,14 @@ def test_a_wrong_value_is_shown_as_the_json_typed(locale: str, value: str, shown
     try:
         failed = "设置失败：" if locale == "zh" else "Setting failed: "
         reply = cmd(rt, f"/session.set historyLimit {value}")
-        assert reply == f"{failed}session setting 'historyLimit': {shown}"
+        assert reply == f'{failed}session setting "historyLimit": {shown}'
         reply = cmd(rt, '/session.set enabledToolGroups {"a": true}')
         assert reply == (
-            f"{failed}session setting 'enabledToolGroups': "
-            "expected a list of group names ('*' for all)"
+            f'{failed}session setting "enabledToolGroups": '
+            'expected a list of group names ("*" for all)'
         )
         assert cmd(rt, "/session.set llm big") == (
-            f"{failed}session setting 'llm': expected <provider>/<model>, got \"big\""
+            f'{failed}session setting "llm": expected <provider>/<model>, got "big"'
         )
         assert dict(rt.view(SID).settings) == {}
     finally:
@@ -153,7 +153,13 @@ def test_fork_set_shows_a_wrong_value_as_json_too() -> None:
     with pytest.raises(ConfigError) as err:
         parse_sets(["historyLimit=true"])
     assert str(err.value) == (
-        "--set 'historyLimit=true': session setting 'historyLimit': expected an integer, got true"
+        "--set 'historyLimit=true': session setting \"historyLimit\": expected an integer, got true"
+    )
+    with pytest.raises(ConfigError) as err:
+        parse_sets(["colour=1"])
+    assert str(err.value) == (
+        "--set 'colour=1': unknown session setting \"colour\"; known: llm, think, "
+        "maxToolIterations, historyLimit, persona, enabledToolGroups"
     )
 
 
@@ -179,11 +185,11 @@ def test_help_lists_every_command(runtime: Runtime) -> None:
 def test_a_model_or_persona_that_is_not_there_is_refused(runtime: Runtime) -> None:
     reply = cmd(runtime, "/session.set llm deepseek/deepseek-chat")
     assert reply == (
-        "设置失败：session setting 'llm': there is no model \"deepseek/deepseek-chat\"; "
+        '设置失败：session setting "llm": there is no model "deepseek/deepseek-chat"; '
         "/model lists the models"
     )
     assert cmd(runtime, "/session.set persona helper") == (
-        "设置失败：session setting 'persona': no personas are configured"
+        '设置失败：session setting "persona": no personas are configured'
     )
     assert dict(runtime.view(SID).settings) == {}
     assert cmd(runtime, "/session.reset llm") == "已恢复模型（llm）：跟随服务偏好（此刻：scripted）"
@@ -215,7 +221,7 @@ def test_a_persona_is_set_by_its_listed_id_and_an_unknown_one_refused(
         == "已设置人设（persona）= 123，此刻：一二三（123）"
     )
     assert cmd(with_personas, "/session.set persona dog") == (
-        "设置失败：session setting 'persona': there is no persona \"dog\"; "
+        '设置失败：session setting "persona": there is no persona "dog"; '
         "/persona lists the personas"
     )
     assert with_personas.view(SID).settings["persona"] == "123"

@@ -162,7 +162,7 @@ def test_an_empty_file_is_the_embedded_defaults(tmp_path: Path) -> None:
 BAD: list[tuple[str, str, str]] = [
     ("colour = 1", "colour", "unknown key"),
     ("[agent]\nhistoryLimit = -1", "agent", "historyLimit must be >= 0"),
-    ("[agent]\nsystemPromt = 'x'", "agent", "unknown key 'systemPromt'"),
+    ("[agent]\nsystemPromt = 'x'", "agent", 'unknown key "systemPromt"'),
     ("[servicePreferences]\nllm = 'nomodel'", "servicePreferences.llm", "<provider>/<model>"),
     ("[pluginServicePreferences.agent]\nllm = '/m'", "pluginServicePreferences.agent.llm", ""),
     ("[pluginServicePreferences.other]\nllm = 'a/b'", "pluginServicePreferences.other", ""),
@@ -273,13 +273,108 @@ def test_a_key_path_is_quoted_where_toml_needs_it(tmp_path: Path, text: str, key
     assert str(err.value).startswith(f"{path}: {key}"), str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '[settings.venue."qq:1"]\nhistoryLimit = 18446744073709551616',
+            'settings.venue."qq:1".historyLimit: integer out of range: it must fit in 64 bits '
+            "(-9223372036854775808 to 9223372036854775807)",
+        ),
+        (
+            '[settings.venue."a/b"]\nx = ' + "[" * 65 + "]" * 65,
+            'settings.venue."a/b".x: nested deeper than 64 levels (line 2)',
+        ),
+        (
+            '[settings.venue."房间 1"]\n"a\\tb".c = ' + "[" * 65 + "]" * 65,
+            'settings.venue."房间 1"."a\\tb".c: nested deeper than 64 levels (line 2)',
+        ),
+        (
+            "[personas.'a\\b']\nname = " + "[" * 65 + "]" * 65,
+            'personas."a\\\\b".name: nested deeper than 64 levels (line 2)',
+        ),
+        (
+            '[providers.p]\ntype = "scripted"\n"bad key" = 1',
+            'providers.p."bad key": unknown key (known: apiKey, apiKeyEnv, baseUrl, listModels, '
+            "maxReplyMs, maxRetries, models, priority, reply, timeoutMs, type)",
+        ),
+    ],
+)
+def test_a_key_path_from_the_log_checks_is_quoted_as_toml(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    """The checks for what the log cannot hold (too deep, out of 64 bits) and msgspec's
+    unknown keys name the key as TOML writes it, as every other error does: a basic
+    string's escapes read and written again ("a\\tb"), a literal string's backslash
+    escaped ('a\\b' is "a\\\\b")."""
+    path = write(tmp_path, text + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: {message}"
+
+
+def test_a_parsed_mapping_names_a_key_toml_quotes_quoted() -> None:
+    data: dict[str, Any] = {"settings": {"venue": {"qq:1": {"think": "\ud800"}}}}
+    with pytest.raises(ConfigError) as err:
+        parse_config(data, file="inline")
+    assert str(err.value) == (
+        'inline: settings.venue."qq:1".think: text that is not valid Unicode (a lone surrogate)'
+    )
+    data = {"providers": {"k" * 100: {"x\ud800": 1}}}
+    with pytest.raises(ConfigError) as err:
+        parse_config(data, file="inline")
+    assert str(err.value) == (
+        f'inline: providers.{"k" * 60}...."x\\ud800": text that is not valid Unicode '
+        "(a lone surrogate)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '[providers."a/b"]\ntype = "scripted"',
+            'providers."a/b": a provider id must be non-empty and without "/"',
+        ),
+        (
+            '[personas."a b"]\nprompt = "x"\ndefault = true\n'
+            '[personas.c]\nprompt = "y"\ndefault = true',
+            'personas.c.default: "a b" is already the default persona',
+        ),
+        (
+            '[settings.venue."qq:1"]\nenabledToolGroups = [1]',
+            'settings.venue."qq:1".enabledToolGroups: venue "qq:1" setting "enabledToolGroups": '
+            'expected a list of group names ("*" for all)',
+        ),
+        (
+            '[settings.venue."qq:1"]\nhistoryLimit = "5"',
+            'settings.venue."qq:1".historyLimit: venue "qq:1" setting "historyLimit": must be '
+            'an integer, not a string: "5"',
+        ),
+        (
+            "[agent]\n\"system prompt\" = 'x'",
+            'agent: unknown key "system prompt" (known: historyLimit, locale, maxToolIterations, '
+            "memoryTokenBudget, promptBuildTimeoutMs, systemPrompt, think, toolResultMaxRatio, "
+            "trimThresholdRatio)",
+        ),
+    ],
+)
+def test_names_and_hints_are_spelled_as_toml(tmp_path: Path, text: str, message: str) -> None:
+    """A name the file gave (a venue, a persona, a key) and a hint at what to write are
+    TOML strings in an error ("qq:1", "/", "*"), not Python's ('qq:1', '/', '*')."""
+    path = write(tmp_path, text + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: {message}"
+
+
 def test_the_layer_is_named_for_a_bad_setting(tmp_path: Path) -> None:
     path = write(tmp_path, "[settings.platform.qq]\nhistoryLimit = -2\n")
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert str(err.value) == (
-        f"{path}: settings.platform.qq.historyLimit: platform profile 'qq' setting "
-        "'historyLimit': must be >= 0, got -2"
+        f'{path}: settings.platform.qq.historyLimit: platform profile "qq" setting '
+        '"historyLimit": must be >= 0, got -2'
     )
 
 
@@ -600,7 +695,7 @@ def test_tool_groups_written_as_a_string_are_refused(tmp_path: Path, layer: str)
     key = f"settings.{layer.replace(chr(39), chr(34))}.enabledToolGroups"  # "qq:1" quoted
     assert str(err.value).startswith(f"{path}: {key}: "), str(err.value)
     assert str(err.value).endswith(
-        "setting 'enabledToolGroups': must be a list of strings (group names, [\"*\"] for "
+        'setting "enabledToolGroups": must be a list of strings (group names, ["*"] for '
         'all), not a string: "web, files"'
     )
     ok = write(tmp_path, f'[settings.{layer}]\nenabledToolGroups = ["web", "files"]\n')
@@ -625,7 +720,7 @@ def test_an_integer_written_as_a_string_is_refused(
     where = f"settings.{layer.replace(chr(39), chr(34))}.{key}"  # "qq:1" quoted
     assert str(err.value).startswith(f"{path}: {where}: "), str(err.value)
     assert str(err.value).endswith(
-        f'setting {key!r}: must be an integer, not a string: "{text}"'
+        f'setting "{key}": must be an integer, not a string: "{text}"'
     ), str(err.value)
     ok = write(tmp_path, f"[settings.{layer}]\n{key} = {text.strip()}\n")
     layers = load_config(ok).settings
@@ -642,18 +737,22 @@ def test_an_integer_written_as_a_string_is_refused(
 @pytest.mark.parametrize(
     ("toml", "said"),
     [
-        ("historyLimit = true", "'historyLimit': expected an integer, got true"),
+        ("historyLimit = true", '"historyLimit": expected an integer, got true'),
         (
             "maxToolIterations = [1, 'a']",
-            "'maxToolIterations': expected an integer, got [1, \"a\"]",
+            '"maxToolIterations": expected an integer, got [1, "a"]',
         ),
-        ("think = false", "'think': expected an id, got false"),
-        ("persona = {a = 'b'}", "'persona': expected an id, got {a = \"b\"}"),
-        ("llm = 'big'", "'llm': expected <provider>/<model>, got \"big\""),
-        ("llm = {provider = 'a'}", "'llm': expected <provider>/<model>, got {provider = \"a\"}"),
-        ("locale = true", "'locale': unknown locale true; known: en, zh"),
-        ("locale = 'fr'", "'locale': unknown locale \"fr\"; known: en, zh"),
-        ("think = '" + "x" * 300 + "'", "'think': an id of at most 256 characters, got 300"),
+        ("think = false", '"think": expected an id, got false'),
+        ("persona = {a = 'b'}", '"persona": expected an id, got {a = "b"}'),
+        ("llm = 'big'", '"llm": expected <provider>/<model>, got "big"'),
+        ("llm = {provider = 'a'}", '"llm": expected <provider>/<model>, got {provider = "a"}'),
+        ("locale = true", '"locale": unknown locale true; known: en, zh'),
+        ("locale = 'fr'", '"locale": unknown locale "fr"; known: en, zh'),
+        ("think = '" + "x" * 300 + "'", '"think": an id of at most 256 characters, got 300'),
+        (
+            "enabledToolGroups = [1]",
+            '"enabledToolGroups": expected a list of group names ("*" for all)',
+        ),
     ],
 )
 def test_layer_errors_show_the_value_as_the_file_wrote_it(
@@ -665,7 +764,7 @@ def test_layer_errors_show_the_value_as_the_file_wrote_it(
     with pytest.raises(ConfigError) as err:
         load_config(path)
     key = toml.split(" ", 1)[0]
-    prefix = f"{path}: settings.platform.qq.{key}: platform profile 'qq' setting "
+    prefix = f'{path}: settings.platform.qq.{key}: platform profile "qq" setting '
     assert str(err.value).startswith(prefix), str(err.value)
     assert str(err.value).removeprefix(prefix).startswith(said), str(err.value)
 
@@ -726,6 +825,6 @@ def test_an_unknown_layer_setting_lists_every_key_a_layer_takes(tmp_path: Path) 
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert str(err.value) == (
-        f"{path}: settings.platform.qq.local: unknown platform profile 'qq' setting 'local'; "
+        f'{path}: settings.platform.qq.local: unknown platform profile "qq" setting "local"; '
         "known: llm, think, maxToolIterations, historyLimit, persona, enabledToolGroups, locale"
     )

@@ -31,6 +31,7 @@ from aalis_agent.request.limits import (
     tool_arguments_too_long,
 )
 from aalis_agent.request.texts import tool_bad_arguments
+from aalis_agent.services.config import toml_path
 from aalis_agent.services.settings import SETTING_FIELDS, validate_setting
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -382,6 +383,21 @@ def test_find_unloggable_names_the_dotted_key() -> None:
     assert found is not None and found[1] == "nested deeper than 64 levels"
     assert found[0].startswith("k.k.k") and len(found[0]) <= 200
     assert find_unloggable({"n": -(2**63), "m": 2**63 - 1, "f": math.inf}) is None
+
+
+def test_toml_path_quotes_what_toml_quotes() -> None:
+    assert toml_path(("settings", "venue", "qq:1", "x", 2, "a b")) == (
+        'settings.venue."qq:1".x[2]."a b"'
+    )
+    assert toml_path(("k" * 100, "")) == "k" * 60 + '....""'
+    assert toml_path(("p", "\ud800\n")) == 'p."\\ud800\\n"'
+    assert len(toml_path(("abc",) * 500)) == 200
+    text = '[settings.venue."qq:1"]\n"w.x".y = ' + nested(65) + "\n"
+    assert toml_too_deep(text, 64, shown=toml_path) == ('settings.venue."qq:1"."w.x".y', 2)
+    assert find_unloggable({"a/b": [1, {"c d": 2**64}]}, shown=toml_path) == (
+        '"a/b"[1]."c d"',
+        f"integer out of range: it must fit in 64 bits ({INT64_MIN} to {INT64_MAX})",
+    )
 
 
 def test_show_path() -> None:

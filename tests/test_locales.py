@@ -14,7 +14,7 @@ from aalis_agent.actors.commands import HELP, handle_command
 from aalis_agent.actors.logs import handed_on, turn_ended
 from aalis_agent.actors.runtime import Runtime
 from aalis_agent.actors.scheduler import Where
-from aalis_agent.events import ConfigError, InMemoryEventStore, Input
+from aalis_agent.events import ConfigError, InMemoryEventStore, Input, SettingsChanged
 from aalis_agent.request import texts as texts_module
 from aalis_agent.request.locales import DEFAULT_LOCALE, LOCALES, en, zh
 from aalis_agent.request.texts import Texts, texts_for
@@ -286,10 +286,38 @@ def test_a_session_has_no_locale_of_its_own() -> None:
             "platform, platform-type or venue layer, or AgentConfig.locale"
         )
         reply = handle_command(rt, "s", "/session.set locale en", platform="qq", user_id="u")
-        assert reply is not None and "unknown session setting 'locale'" in reply
+        assert reply is not None and 'unknown session setting "locale"' in reply
         assert dict(rt.view("s").settings) == {}
         rt.set_setting("s", "historyLimit", 3)  # the session's own keys still go in
         assert dict(rt.view("s").settings) == {"historyLimit": 3}
+    finally:
+        rt.shutdown(timeout=10)
+        pykka.ActorRegistry.stop_all()
+
+
+def test_a_reset_refuses_an_unknown_key_and_clears_a_locale_an_older_log_holds() -> None:
+    """``Runtime.set_setting(..., reset=True)`` checks its key as a set does (a typo was
+    written to the log as a reset of nothing); ``locale``, which a session's own layer
+    once took, is still cleared from a log that holds it."""
+    store = InMemoryEventStore()
+    older = SettingsChanged(session_id="s", seq=1, at=0, key="locale", value="en")
+    store.append("s", [older], 0)
+    rt = Runtime(store, Services(llm=ScriptedModel()), janitor=False)
+    try:
+        assert dict(rt.view("s").settings) == {"locale": "en"}
+        written = len(store.read("s"))
+        for key in ("colour", 3):
+            with pytest.raises(ConfigError) as err:
+                rt.set_setting("s", key, reset=True)  # type: ignore[arg-type]
+            assert str(err.value) == (
+                f"unknown session setting {key!r}; known: llm, think, maxToolIterations, "
+                "historyLimit, persona, enabledToolGroups, locale"
+            )
+        assert len(store.read("s")) == written  # nothing written for them
+        rt.set_setting("s", "locale", reset=True)
+        assert dict(rt.view("s").settings) == {}
+        rt.set_setting("s", "historyLimit", reset=True)  # a key never set: reset, no error
+        assert dict(rt.view("s").settings) == {}
     finally:
         rt.shutdown(timeout=10)
         pykka.ActorRegistry.stop_all()

@@ -385,18 +385,18 @@ def test_load_scenario_checks_without_running() -> None:
 SAY = {"do": "say", "text": "hi"}
 
 BAD: list[tuple[str, dict[str, Any], str]] = [
-    ("unknown top-level key", {"foo": 1}, "top level: unknown key 'foo'"),
+    ("unknown top-level key", {"foo": 1}, 'top level: unknown key "foo"'),
     ("no sessions", {"sessions": []}, "no [[sessions]]"),
     ("bad config value", {"config": {"historyLimit": -1}}, "[config]: historyLimit must be >= 0"),
-    ("unknown config key", {"config": {"histroyLimit": 1}}, "unknown key 'histroyLimit'"),
+    ("unknown config key", {"config": {"histroyLimit": 1}}, 'unknown key "histroyLimit"'),
     (
         "typo in a step",
         {"steps": [{**SAY, "form": "alice"}]},
-        "step 1 (say at now): unknown key 'form'",
+        'step 1 (say at now): unknown key "form"',
     ),
     ("unknown step", {"steps": [{"do": "shout"}]}, 'step 1: do = "shout" is not a step'),
     ("not a point", {"steps": [{**SAY, "at": "during call 2"}]}, '"during call 2" is not a point'),
-    ("unknown tool", {"steps": [{**SAY, "at": "while foo runs"}]}, "no tool 'foo'"),
+    ("unknown tool", {"steps": [{**SAY, "at": "while foo runs"}]}, 'no tool "foo"'),
     (
         "call that can never be made",
         {
@@ -415,12 +415,12 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         {"steps": [{"do": "inject", "source": "host-notice", "text": "x"}]},
         "needs notice = { kind = ..., id = ... }",
     ),
-    ("tool without results", {"tools": [{"name": "t"}]}, "tool 't': give result, error or results"),
-    ("owners", {"owners": ["qq"]}, "owners: \"qq\" is not 'platform:user_id'"),
+    ("tool without results", {"tools": [{"name": "t"}]}, 'tool "t": give result, error or results'),
+    ("owners", {"owners": ["qq"]}, 'owners: "qq" is not "platform:user_id"'),
     (
         "session settings",
         {"sessions": [{"id": "s1", "settings": {"maxToolIterations": 0}}]},
-        "session 's1' settings: maxToolIterations must be >= 1",
+        'session "s1" settings: maxToolIterations must be >= 1',
     ),
 ]
 
@@ -435,15 +435,61 @@ def test_bad_files_are_refused_with_the_place_and_the_reason(
     assert expected in str(caught.value)
 
 
+HINTS: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "not a point",
+        {"steps": [{**SAY, "at": "during call 2"}]},
+        'step 1 (say): at "during call 2" is not a point; use "start", "before call N", '
+        '"after turn N", "after chunk K of call N", "while HOOK of call N runs" (HOOK: '
+        'agent:llm:before, agent:llm:after, agent:reply:before), "while HOOK of turn N runs" '
+        '(agent:turn:before, agent:turn:after) (each with " of SESSION"), "while TOOL runs" '
+        'or "while TOOL call K runs"',
+    ),
+    (
+        "a tool hook",
+        {"steps": [{**SAY, "at": "while agent:tool:before of call 1 runs"}]},
+        'step 1 (say): at "while agent:tool:before of call 1 runs": a step cannot be placed '
+        "in agent:tool:before (it can in agent:turn:before, agent:llm:before, agent:llm:after, "
+        'agent:reply:before, agent:turn:after; for a tool\'s run, use "while TOOL runs")',
+    ),
+    (
+        "a round of a hook that has none",
+        {"replies": [{}], "steps": [{**SAY, "at": "while agent:llm:after round 2 of call 1 runs"}]},
+        'step 1 (say): at "while agent:llm:after round 2 of call 1 runs": only agent:llm:before '
+        'runs in rounds (again after inputs join at the insertion point); leave out "round"',
+    ),
+    (
+        "reply numbered wrong",
+        {"replies": [{"call": 2, "text": "a"}]},
+        'reply #1 (call 1 of s1): call = 2, but this is reply 1 of session "s1": replies '
+        "answer a session's calls in file order",
+    ),
+    (
+        "a timezone that is not text",
+        {"timezone": 5},
+        'top level: timezone must be text like "+08:00" or "UTC", got a number (5)',
+    ),
+]
+
+
+@pytest.mark.parametrize(("data", "expected"), [c[1:] for c in HINTS], ids=[c[0] for c in HINTS])
+def test_hints_and_names_are_spelled_as_toml(data: dict[str, Any], expected: str) -> None:
+    """What to write and the names the file gave are TOML strings in an error ("start",
+    "round", session "s1"), as the values are, not Python's ('start', 's1')."""
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(scenario(**data))
+    assert str(caught.value) == f"inline: {expected}"
+
+
 TOML_SPELLED: list[tuple[str, str]] = [
-    ("think = ''", "session 's1' setting 'think': expected an id, got \"\""),
-    ("model = 'big'", "session 's1' settings: model must be 'provider/model', got \"big\""),
+    ("think = ''", 'session "s1" setting "think": expected an id, got ""'),
+    ("model = 'big'", 'session "s1" settings: model must be "provider/model", got "big"'),
     (
         "enabledToolGroups = 'web'",
-        "session 's1' settings: enabledToolGroups must be a list of text, got text (\"web\")",
+        'session "s1" settings: enabledToolGroups must be a list of text, got text ("web")',
     ),
-    ("historyLimit = 'x'", "session 's1' settings: historyLimit must be an integer, got \"x\""),
-    ("historyLimit = true", "session 's1' settings: historyLimit must be an integer, got true"),
+    ("historyLimit = 'x'", 'session "s1" settings: historyLimit must be an integer, got "x"'),
+    ("historyLimit = true", 'session "s1" settings: historyLimit must be an integer, got true'),
 ]
 
 
@@ -467,10 +513,10 @@ def test_a_wrong_setting_is_shown_as_the_toml_file_spells_it(
         ("tick_ms = -1.5", "top level: tick_ms must be an integer, got a number (-1.5)"),
         (
             "timezone = 'x'",
-            "top level: timezone must look like '+08:00', '-05:30' or 'UTC', got \"x\"",
+            'top level: timezone must look like "+08:00", "-05:30" or "UTC", got "x"',
         ),
         ("start = 'soon'", 'top level: start is not an ISO date and time: "soon"'),
-        ("owners = ['qq']", "top level: owners: \"qq\" is not 'platform:user_id'"),
+        ("owners = ['qq']", 'top level: owners: "qq" is not "platform:user_id"'),
         (
             "[[steps]]\ndo = 'say'\ntext = 'hi'\ntrigger = 'x'",
             "step 1 (say at now): trigger must be one of direct, immediate, interval, idle, "
@@ -525,7 +571,7 @@ RUN_BAD: list[tuple[str, dict[str, Any], str]] = [
             "replies": [{"tool_calls": [{"name": "t"}]}, {"tool_calls": [{"name": "t"}]}, {}],
             "steps": [SAY],
         },
-        "tool 't': call 2 (callId call-2-1 in s1) has no scripted result",
+        'tool "t": call 2 (callId call-2-1 in s1) has no scripted result',
     ),
 ]
 
@@ -587,7 +633,10 @@ def test_cli_transcript_and_a_db_that_replay_reads(
     # A database that holds the scenario's session already is refused.
     code, _, err = run_cli(capsys, "scenario", str(path), "--db", str(db))
     assert code == 2
-    assert "already holds session 'qq:group:1'" in err
+    assert err == (
+        f'aalis-agent scenario: error: {path}: {db} already holds session "qq:group:1": '
+        "use a new database file\n"
+    )
     with SqliteEventStore(db) as store:
         assert store.sessions() == [SID1]
 
@@ -694,6 +743,11 @@ HOSTILE: list[tuple[str, dict[str, Any], str]] = [
         "[config]: promptBuildTimeoutMs must be <= 2147483647",
     ),
     (
+        "a key TOML quotes",
+        {"tools": [{"name": "t", "result": "r", "parameters": {"a b": {"qq:1": 2**64}}}]},
+        'inline: tools[0].parameters."a b"."qq:1": integer out of range',
+    ),
+    (
         "a lone surrogate",
         {"steps": [{"do": "say", "text": "hi\ud800"}]},
         "inline: steps[0].text: text that is not valid Unicode",
@@ -720,7 +774,7 @@ HOSTILE: list[tuple[str, dict[str, Any], str]] = [
     (
         "a session setting id too long",
         {"sessions": [{"id": "s1", "settings": {"think": "x" * 300}}]},
-        "session 's1' setting 'think': an id of at most 256 characters",
+        'session "s1" setting "think": an id of at most 256 characters',
     ),
 ]
 
@@ -756,6 +810,7 @@ def test_arguments_as_a_table_with_a_date_are_refused() -> None:
             "replies[0].tool_calls",
         ),
         ("[[steps]]\n" + ".".join(["k"] * 1000) + " = 1", "steps[0].k.k.k"),
+        ("[[steps]]\n'a b'.\"c:d\".e = " + "[" * 100 + "]" * 100, 'steps[0]."a b"."c:d".e:'),
     ],
 )
 def test_a_deeply_nested_file_names_the_file_and_the_key(
@@ -1084,7 +1139,7 @@ HOOK_BAD: list[tuple[str, dict[str, Any], str]] = [
     (
         "an unknown hook",
         {"steps": [{**SAY, "at": "while agent:llm:befor of call 1 runs"}]},
-        "step 1 (say): at \"while agent:llm:befor of call 1 runs\": no hook 'agent:llm:befor' "
+        'step 1 (say): at "while agent:llm:befor of call 1 runs": no hook "agent:llm:befor" '
         "(a step can be placed in agent:turn:before, agent:llm:before",
     ),
     (
@@ -1095,12 +1150,12 @@ HOOK_BAD: list[tuple[str, dict[str, Any], str]] = [
     (
         "a hook without its call",
         {"steps": [{**SAY, "at": "while agent:llm:before runs"}]},
-        "say which call it runs for: 'while agent:llm:before of call N runs'",
+        'say which call it runs for: "while agent:llm:before of call N runs"',
     ),
     (
         "a turn hook counted in calls",
         {"steps": [{**SAY, "at": "while agent:turn:after of call 1 runs"}]},
-        "agent:turn:after runs once per turn: 'while agent:turn:after of turn N runs'",
+        'agent:turn:after runs once per turn: "while agent:turn:after of turn N runs"',
     ),
     (
         "a call hook counted in turns",
@@ -1163,7 +1218,7 @@ HOOK_BAD: list[tuple[str, dict[str, Any], str]] = [
     (
         "a chunk in an unknown session",
         {"steps": [{**SAY, "at": "after chunk 1 of call 1 of s9"}]},
-        "no session 's9'",
+        'no session "s9"',
     ),
     (
         "a round with too many digits",
@@ -1195,7 +1250,7 @@ def test_a_bad_hook_point_in_a_file_names_the_file_the_step_and_at(tmp_path: Pat
         load_scenario(path)
     assert str(caught.value) == (
         f'{path}: step 2 (stop): at "while agent:llm:after of turn 1 runs": agent:llm:after '
-        "runs once per call: 'while agent:llm:after of call N runs'"
+        'runs once per call: "while agent:llm:after of call N runs"'
     )
 
 
