@@ -42,6 +42,7 @@ from aalis_agent.actors.turn_base import (
     TurnBase,
     _Call,
     deliver,
+    exception_text,
     reply_limit,
 )
 from aalis_agent.actors.turn_reply import ReplyStep
@@ -188,7 +189,9 @@ class TurnRunner(ToolBatch, ReplyStep):
             outcome = "aborted"
             reason = "interrupt" if isinstance(exc, KeyboardInterrupt) else "exit"
             raise
-        except Exception as exc:
+        except BaseException as exc:
+            # Any other exception, a library's own BaseException (asyncio.CancelledError,
+            # GeneratorExit) too, fails the turn: recorded with its name, the user told.
             log.exception("turn failed", session=self.session_id, turn=self.turn_id)
             outcome, reason = "error", type(exc).__name__
             if not self.abort.aborted:
@@ -528,10 +531,18 @@ class TurnRunner(ToolBatch, ReplyStep):
                                 f"the model's usage is a {type(chunk.usage).__name__}, not a Usage"
                             )
                         call.usage = chunk.usage.sane()  # a server's nonsense dropped
-        except Exception as exc:
-            self.actor.tell(CallEnded(self.turn_id, index, "error", 0, redact(str(exc))[:200]))
+        except BaseException as exc:
+            # Any exception ends the call in the log: a library's own BaseException
+            # (asyncio.CancelledError from a client built on asyncio) and an interrupt too.
+            ended = CallEnded(self.turn_id, index, "error", 0, redact(exception_text(exc))[:200])
+            try:
+                self.actor.tell(ended)
+            except pykka.ActorDeadError:
+                if isinstance(exc, Exception):
+                    raise
+                # An interrupt (or exit) is what goes on; its turn ends as a crash's.
             if announced:
-                error = redact(f"{type(exc).__name__}: {exc}")[:200]
+                error = redact(exception_text(exc, named=True))[:200]
                 self._call_event("end", index, model, entry, "error", error=error)
             raise
         if self.abort.aborted:

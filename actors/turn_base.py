@@ -63,11 +63,31 @@ __all__ = [
     "OwnershipLost",
     "TurnBase",
     "deliver",
+    "exception_text",
     "reply_limit",
 ]
 
 _LOG = "aalis.turn"
 log = structlog.get_logger(_LOG)
+
+
+UNPRINTABLE = "<exception str() failed>"
+"""Recorded for an exception's message when building it fails."""
+
+
+def exception_text(exc: BaseException, *, named: bool = False) -> str:
+    """What a turn records of ``exc``: its message (its type's name when it has none), or
+    with ``named`` ``"Type: message"``. An exception whose ``str()`` itself fails (a
+    library's, with a broken message) gives ``"Type: <exception str() failed>"``: the
+    failure is recorded as what it was, not as the error of describing it."""
+    name = type(exc).__name__
+    try:
+        text = str(exc)
+    except Exception:
+        return f"{name}: {UNPRINTABLE}"
+    if named:
+        return f"{name}: {text}"
+    return text or name
 
 
 class OwnershipLost(Exception):

@@ -13,7 +13,14 @@ from aalis_agent.actors.hooks import (
     ToolAfter,
     ToolBefore,
 )
-from aalis_agent.actors.turn_base import TurnBase, _Call, log, reply_limit
+from aalis_agent.actors.turn_base import (
+    UNPRINTABLE,
+    TurnBase,
+    _Call,
+    exception_text,
+    log,
+    reply_limit,
+)
 from aalis_agent.events import (
     ChatMessage,
     MessageMeta,
@@ -258,14 +265,14 @@ class ToolBatch(TurnBase):
             except _PASSED_ON:
                 raise
             except BaseException as exc:  # a library's own (GeneratorExit, CancelledError)
-                holder["error"] = redact(f"{type(exc).__name__}: {exc}")
+                holder["error"] = redact(exception_text(exc, named=True))
 
         try:
             ran, _ = self.hooks.run("agent:tool:before", before, execute)
         except _PASSED_ON:
             raise
         except BaseException as exc:
-            return None, redact(f"{type(exc).__name__}: {exc}"), {}
+            return None, redact(exception_text(exc, named=True)), {}
         if not ran and "result" not in holder and "error" not in holder:
             holder["error"] = self.texts("tool.blocked")
         after = ToolAfter(tc.name, holder.get("result"), context, error=holder.get("error"))
@@ -288,8 +295,14 @@ class ToolBatch(TurnBase):
         as text (a JSON value becomes compact JSON, bytes are decoded; anything else, or
         nesting too deep, is an error for the model), text cleaned of lone surrogates,
         metadata dropped (and logged) when it is not a dict or could not be stored."""
-        result, problem = coerce_tool_result(after.result)
-        error = after.error if after.error is None else clean_text(str(after.error))
+        try:
+            result, problem = coerce_tool_result(after.result)
+        except Exception as exc:  # a value of the tool's own whose reading fails
+            result, problem = None, redact(exception_text(exc, named=True))
+        try:
+            error = after.error if after.error is None else clean_text(str(after.error))
+        except Exception:  # an error object whose text cannot be built: named by its type
+            error = f"{type(after.error).__name__}: {UNPRINTABLE}"
         if problem is not None and error is None:
             error = problem
         given = after.metadata
@@ -346,7 +359,10 @@ def _cut_short(exc: BaseException) -> str:
     """The error recorded for a call whose run ended in ``exc`` before the tool gave
     anything (a ``KeyboardInterrupt`` or ``SystemExit`` raised by the tool's own code)."""
     what = type(exc).__name__
-    detail = str(exc)
+    try:
+        detail = str(exc)
+    except Exception:  # its message cannot be built: the interruption is still named
+        detail = UNPRINTABLE
     if detail:
         what = f"{what}({detail[:200]})"
     if isinstance(exc, _PASSED_ON):

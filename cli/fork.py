@@ -290,10 +290,10 @@ def _session(store: EventStore, session: str | None, db: str) -> str:
     if session is None:
         if len(sessions) == 1:
             return sessions[0]
-        known = ", ".join(sessions[:10]) or "none"
+        known = ", ".join(map(shown_name, sessions[:10])) or "none"
         raise ReplayError(f"--fork needs --session ID ({db!r} holds: {known})")
     if session not in sessions:
-        known = ", ".join(sessions[:10]) or "none"
+        known = ", ".join(map(shown_name, sessions[:10])) or "none"
         raise ReplayError(f"no session {session!r} in {db!r} (sessions: {known})")
     return session
 

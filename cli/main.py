@@ -287,7 +287,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         sessions = store.sessions()
         if args.session is not None:
             if args.session not in sessions:
-                known = ", ".join(sessions[:10]) or "none"
+                from aalis_agent.timeline import shown_name
+
+                known = ", ".join(map(shown_name, sessions[:10])) or "none"
                 raise ReplayError(f"no session {args.session!r} in {args.db!r} (sessions: {known})")
             sessions = [args.session]
         total = store.count(args.session)

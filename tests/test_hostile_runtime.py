@@ -8,6 +8,7 @@ the runtime writes decodes back equal (a property over generated inputs and resu
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
@@ -26,12 +27,14 @@ from aalis_agent.events import (
     InputReceived,
     InvalidInput,
     MessageSaved,
+    ModelCallEnded,
     RuntimeClosed,
     Sender,
     SequentialIds,
     ToolCall,
     ToolFinished,
     ToolStarted,
+    TurnRecorded,
     decode,
     encode,
 )
@@ -598,5 +601,72 @@ def test_a_reply_past_what_the_output_limit_can_hold_is_cut_there() -> None:
             for c in e.message.tool_calls
         ]
         assert stored == ["{}"]
+    finally:
+        rt.shutdown(timeout=10)
+
+
+class _Unprintable(Exception):
+    """An exception whose ``str()`` itself fails (a library's, with a broken message)."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("its message cannot be built")
+
+
+class _LibraryExit(BaseException):
+    """Stands in for a library's own BaseException (gevent's GreenletExit, say)."""
+
+
+class FailingModel:
+    """Streams a word, then raises ``exc`` (once; the next call answers)."""
+
+    id = "failing"
+    provider_id = "test"
+    context_length = 32_000
+    max_output_tokens = 1024
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+        self.calls = 0
+
+    def chat_stream(self, request: ChatRequest, abort: AbortSignal) -> Iterator[StreamChunk]:
+        self.calls += 1
+        yield StreamChunk(content_delta="好")
+        if self.calls == 1:
+            raise self.exc
+        yield StreamChunk(done=True)
+
+
+@pytest.mark.parametrize(
+    ("exc", "named", "error"),
+    [
+        (asyncio.CancelledError(), "CancelledError", "CancelledError"),
+        (GeneratorExit(), "GeneratorExit", "GeneratorExit"),
+        (_LibraryExit("greenlet killed"), "_LibraryExit", "greenlet killed"),
+        (_Unprintable(), "_Unprintable", "_Unprintable: <exception str() failed>"),
+    ],
+    ids=["CancelledError", "GeneratorExit", "library", "unprintable"],
+)
+def test_a_model_raising_any_exception_fails_the_turn_with_its_name_and_a_notice(
+    exc: BaseException, named: str, error: str
+) -> None:
+    """A model raising a BaseException that is not an interrupt or an exit (an
+    ``asyncio.CancelledError`` from a client built on asyncio, ``GeneratorExit``) ended
+    its turn ``error`` with no reason, its model call never ended in the log and the user
+    was sent no notice; one whose message could not be built was recorded as the
+    ``RuntimeError`` of building it. Each is now the turn's failure, as any exception."""
+    rt = _runtime(FailingModel(exc))
+    sent: list[Any] = []
+    rt.subscribe("outbound:message", lambda _t, p: sent.append((p["kind"], p["content"])))
+    try:
+        outcome = rt.submit(SID, Input(id="", content="嗨")).result(10)
+        assert (outcome.outcome, outcome.reason) == ("error", named)
+        events = rt.store.read(SID)
+        [ended] = [e for e in events if isinstance(e, ModelCallEnded)]
+        assert ended.status == "error" and ended.error == error
+        [record] = [e for e in events if isinstance(e, TurnRecorded)]
+        assert (record.outcome, record.reason) == ("error", named)
+        assert [kind for kind, _ in sent] == ["error"] and named in sent[0][1]
+        # The session goes on.
+        assert rt.submit(SID, Input(id="", content="还在吗")).result(10).outcome == "replied"
     finally:
         rt.shutdown(timeout=10)

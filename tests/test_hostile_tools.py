@@ -207,3 +207,80 @@ def test_a_number_too_long_to_read_in_the_arguments_is_named_not_called_invalid_
     assert "超过 4300 位的数字" in error and "不是合法的 JSON" not in error
     for raw in ('{"n": NaN}', '{"n": 1', "[1]"):  # these still are not JSON objects
         assert "不是合法的 JSON 对象" in (parse_tool_arguments(raw)[1] or "")
+
+
+class _Unprintable(Exception):
+    """An exception whose ``str()`` itself fails (a library's, with a broken message)."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("its message cannot be built")
+
+
+def _unprintable() -> str:
+    raise _Unprintable
+
+
+def test_a_tool_raising_an_exception_whose_message_fails_is_named_by_its_type(
+    tmp_path: Path,
+) -> None:
+    """Its error was recorded as the ``RuntimeError`` of building the message, naming
+    neither the tool's exception nor what happened."""
+    runtime, store = _runtime(tmp_path, [Tool("t", lambda args, ctx: _unprintable())])
+    try:
+        assert runtime.run("s", Input(id="", content="你好")).reply == "好的"
+        assert _check_log(store).error == "_Unprintable: <exception str() failed>"
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
+
+
+class _Unreadable(dict[str, Any]):
+    """A mapping of a tool's own whose items cannot be read (a lazy record whose source
+    has gone)."""
+
+    def items(self) -> Any:
+        raise LookupError("the record is gone")
+
+    def __iter__(self) -> Any:
+        raise LookupError("the record is gone")
+
+
+class _UnreadableList(list[Any]):
+    def __iter__(self) -> Any:
+        raise LookupError("the rows are gone")
+
+
+@pytest.mark.parametrize("value", [_Unreadable(a=1), _UnreadableList([1])], ids=["dict", "list"])
+def test_a_tool_result_that_cannot_be_read_is_the_calls_error_and_the_turn_goes_on(
+    tmp_path: Path, value: Any
+) -> None:
+    """Reading the value raised outside the call: the turn failed (``error``) instead of
+    the model being told, as for any other exception of the tool's."""
+    runtime, store = _runtime(tmp_path, [Tool("t", lambda args, ctx: value)])
+    try:
+        outcome = runtime.run("s", Input(id="", content="你好"))
+        assert (outcome.outcome, outcome.reply) == ("replied", "好的")
+        finished = _check_log(store)
+        assert finished.result is None and finished.error is not None
+        assert finished.error.startswith("LookupError: the r")
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
+
+
+def test_an_error_set_by_a_tool_after_middleware_that_cannot_be_printed_is_named(
+    tmp_path: Path,
+) -> None:
+    runtime, store = _runtime(tmp_path, [Tool("t", lambda args, ctx: "ok")])
+
+    def spoil(ctx: Any, next_: Any) -> Any:
+        ctx.error = _Unprintable()
+        return next_()
+
+    runtime.hooks.use("agent:tool:after", spoil)
+    try:
+        assert runtime.run("s", Input(id="", content="你好")).outcome == "replied"
+        assert _check_log(store).error == "_Unprintable: <exception str() failed>"
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()

@@ -288,6 +288,32 @@ def test_a_session_id_with_control_characters_cannot_forge_lines(
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [
+        ["--session", "nobody"],
+        ["--session", "nobody", "--fork", "3"],
+        ["--fork", "3"],  # two sessions: --fork needs one named
+    ],
+    ids=["replay", "fork", "fork-unnamed"],
+)
+def test_the_sessions_an_error_lists_cannot_forge_lines_either(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    """The error for a session not in the log lists the ones there: it printed their
+    ids raw, so one holding a newline or an escape sequence forged lines or coloured the
+    terminal."""
+    path = tmp_path / "ids.db"
+    forged = "a\nreplay: ok\x1b[2J"
+    with SqliteEventStore(path) as store:
+        write_demo_session(store, forged, FixedClock(1_767_225_600_000, step_ms=100))
+        write_demo_session(store, "plain", FixedClock(1_767_225_600_000, step_ms=100))
+    code, out, err = run(capsys, "replay", str(path), *argv)
+    assert code == 2 and out == ""
+    assert "\x1b" not in err and len(err.splitlines()) == 1
+    assert f"{forged!r}, plain" in err
+
+
+@pytest.mark.parametrize(
     "flags",
     [("--script", "x.json"), ("--config", "x.toml"), ("--set", "llm=a/b"), ("--timeout", "5")],
 )

@@ -256,3 +256,37 @@ def test_the_calls_that_ran_before_the_turn_ended_stay_in_history(
     # in order: the input, the group (the call, then its results), then the next input
     roles = [m.role for m in seen if m.role != "system"]
     assert roles == ["user", "assistant", "tool", "tool", "user"]
+
+
+class _UnprintableInterrupt(KeyboardInterrupt):
+    """An interrupt whose ``str()`` itself fails."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("its message cannot be built")
+
+
+def test_an_interrupt_whose_message_cannot_be_built_is_recorded_and_passed_on(
+    tmp_path: Path, escaped: list[BaseException]
+) -> None:
+    """Building the call's error from the interrupt's message raised in its place: the
+    turn was recorded ``error`` with the call left without its finish, and the interrupt
+    was lost."""
+    raised = _UnprintableInterrupt()
+
+    def tool(args: Any, ctx: Any) -> str:
+        raise raised
+
+    store = SqliteEventStore(tmp_path / "log.db")
+    runtime = _runtime(store, tool)
+    try:
+        outcome = runtime.submit("room", Input(id="", content="hi")).result(30)
+        assert (outcome.outcome, outcome.reason) == ("aborted", "interrupt")
+        events = _tool_events(store.read("room"))
+    finally:
+        runtime.shutdown(timeout=10)
+        store.close()
+    assert escaped == [raised]
+    assert [type(e) for e in events] == [ToolStarted, ToolFinished, TurnRecorded]
+    finished = events[1]
+    assert isinstance(finished, ToolFinished) and finished.error is not None
+    assert finished.error.startswith("_UnprintableInterrupt(<exception str() failed>)")
