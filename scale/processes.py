@@ -49,6 +49,12 @@ and ``inspect`` read it, while the workers run too), held by its worker for writ
   :class:`InvalidInput`; text arguments (who, where, a command line) are cleaned of lone
   surrogates first, as a runtime in this process cleans them (a setting's value is
   judged by the setting: ``ConfigError``).
+- The workers' bus events reach the parent's subscribers (:meth:`ProcessShards.subscribe`,
+  as ``Runtime.subscribe``): each shard's on a connection of its own, read by a thread
+  of the shard's in the parent, in the order the worker published them; a worker sends
+  only the topics someone subscribed to, from a bounded queue (a slow subscriber holds
+  up no turn), and a worker started again is subscribed before the call that started it
+  goes on.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import json
 import multiprocessing
 import os
@@ -82,6 +89,7 @@ from aalis_agent.events.errors import InvalidInput, RunError, RuntimeClosed, Usa
 from aalis_agent.events.schema import Input
 from aalis_agent.scale import with_input_id
 from aalis_agent.scale.ownership import shard_of
+from aalis_agent.services.bus import EventBus
 
 __all__ = ["ProcessHandle", "ProcessShards", "ShardUnavailable"]
 
@@ -90,6 +98,7 @@ log = structlog.get_logger("aalis.shards")
 MANIFEST = "shards.json"
 _QUICK_CALLS = 3  # quick calls in a row before the reading thread runs calls itself
 _RESTART_WINDOW_S = 60.0
+_ATTACH_S = 5.0  # how long a worker may take to acknowledge a change of bus topics
 
 
 class ShardUnavailable(RunError):
@@ -178,6 +187,12 @@ def _manifest(directory: Path, shards: int) -> None:
 # ["n", pid], ["v", a session method's value] or ["e", the error pickled] (see
 # _portable). A session method's call carries [name, args, kwargs] in the input's place.
 _RUN, _SUBMIT, _WAIT_IDLE, _INFO, _METHOD = "run", "submit", "wait_idle", "info", "method"
+# A connection whose first call is a subscription ([_SUBSCRIBE, "", [seq, topics], nil])
+# is the shard's event stream from then on: the worker sends [topic, payload] for each
+# bus event and seq (an int) to acknowledge a subscription and each later [seq, topics]
+# the parent sends when the topics its subscribers want change.
+_SUBSCRIBE = "subscribe"
+_EVENT_BACKLOG = 10_000  # events a stream holds for a parent slower than the shard
 _SESSION_METHODS = frozenset(
     ("command", "stop", "stop_command", "stop_all", "mute", "delete", "clear", "set_setting")
 )
@@ -185,6 +200,8 @@ _encode = msgspec.msgpack.Encoder().encode
 _call_decoder = msgspec.msgpack.Decoder(tuple[str, str, msgspec.Raw, float | None])
 _input_decoder = msgspec.msgpack.Decoder(Input)
 _answer_decoder = msgspec.msgpack.Decoder()
+_topics_decoder = msgspec.msgpack.Decoder(tuple[int, list[str]])
+_SUBSCRIBE_CALL = _encode((_SUBSCRIBE,))[1:]  # how a subscription's call begins (its kind)
 
 
 def _error(exc: BaseException) -> bytes:
@@ -285,6 +302,10 @@ class _Server:
                     selector.unregister(conn)
                     conn.close()
                     continue
+                if data[1:].startswith(_SUBSCRIBE_CALL):
+                    selector.unregister(conn)  # the stream's own threads read it now
+                    self._subscribe(conn, data)
+                    continue
                 if self._quick < _QUICK_CALLS:
                     self._pool.submit(self._timed, conn, data)
                     continue
@@ -341,6 +362,15 @@ class _Server:
         # kinds): a bare string stays one, and is refused as it is in one process.
         return getattr(self.runtime, name)(session_id, *args, **kwargs)
 
+    def _subscribe(self, conn: Connection, data: bytes) -> None:
+        try:
+            raw = _call_decoder.decode(data)[2]
+            seq, topics = _topics_decoder.decode(raw)
+            _EventStream(self.runtime.services.bus, conn, seq, topics)
+        except Exception as exc:
+            log.warning("a bus subscription from the parent failed", error=repr(exc))
+            conn.close()
+
     @staticmethod
     def _done(future: Any) -> bytes:
         try:
@@ -366,6 +396,113 @@ class _Server:
         with contextlib.suppress(OSError):
             self.listener.close()
         self.closed.set()
+
+
+class _EventStream:
+    """The worker's bus events on their way to the parent (``ProcessShards.subscribe``),
+    on a connection of their own: subscribed to the topics the parent wants and no more
+    (the runtime builds an event only when someone wants it), in a queue a thread sends
+    from, so that the shard's turns never wait for the parent. A queue of
+    ``_EVENT_BACKLOG`` events not yet sent (a parent subscriber slower than the shard)
+    drops the next ones, with a warning in the worker's log saying how many."""
+
+    def __init__(self, bus: Any, conn: Connection, seq: int, topics: list[str]) -> None:
+        self.bus = bus
+        self.conn = conn
+        self.cv = threading.Condition()
+        self.queue: deque[bytes] = deque()
+        self.dropped = 0
+        self.closed = False
+        self.active: frozenset[str] = frozenset()
+        self.subscribed: dict[str, Callable[[], None]] = {}
+        self.set_topics(topics)
+        conn.send_bytes(_encode(seq))  # acknowledged: the parent's calls may follow
+        threading.Thread(target=self._send, name="shard-events", daemon=True).start()
+        threading.Thread(target=self._listen, name="shard-event-topics", daemon=True).start()
+
+    def set_topics(self, topics: list[str]) -> None:
+        """Subscribe to ``topics`` (``*`` alone when it is among them), then end the
+        subscriptions no longer wanted: an event comes once, through the subscription
+        ``active`` names (both may hold it while they change)."""
+        want = frozenset(("*",)) if "*" in topics else frozenset(topics)
+        with self.cv:
+            if self.closed:
+                return
+            for topic in want - self.subscribed.keys():
+                self.subscribed[topic] = self.bus.subscribe(
+                    topic, functools.partial(self._on_event, topic)
+                )
+            self.active = want
+            for topic in self.subscribed.keys() - want:
+                self.subscribed.pop(topic)()
+
+    def _on_event(self, subscribed: str, topic: str, payload: Any) -> None:
+        """On the publishing thread (a session's, a turn's): encode and queue."""
+        active = self.active
+        if subscribed not in active:
+            return  # a subscription on its way out (or in)
+        try:
+            data = _encode((topic, payload))
+        except (msgspec.EncodeError, OverflowError, TypeError, ValueError, RecursionError) as exc:
+            log.warning("a bus event cannot be sent to the parent", topic=topic, error=str(exc))
+            return
+        with self.cv:
+            if self.closed:
+                return
+            if len(self.queue) >= _EVENT_BACKLOG:
+                if not self.dropped:
+                    log.warning(
+                        "the parent's bus subscribers are slower than the shard: dropping "
+                        "events until they catch up",
+                        backlog=_EVENT_BACKLOG,
+                    )
+                self.dropped += 1
+                return
+            self.queue.append(data)
+            self.cv.notify()
+
+    def _send(self) -> None:
+        while True:
+            with self.cv:
+                while not self.queue and not self.closed:
+                    self.cv.wait()
+                if self.closed:
+                    return
+                data = self.queue.popleft()
+                dropped, self.dropped = self.dropped, 0
+            if dropped:
+                log.warning("bus events dropped for the parent", dropped=dropped)
+            try:
+                self.conn.send_bytes(data)
+            except (OSError, ValueError):  # the parent went away (or stopped following)
+                self.close()
+                return
+
+    def _listen(self) -> None:
+        """The parent's changes of topics; the connection closing ends the stream."""
+        while True:
+            try:
+                seq, topics = _topics_decoder.decode(self.conn.recv_bytes())
+            except (EOFError, OSError, msgspec.DecodeError):
+                self.close()
+                return
+            self.set_topics(topics)
+            with self.cv:
+                self.queue.appendleft(_encode(seq))  # before the events still queued
+                self.cv.notify()
+
+    def close(self) -> None:
+        with self.cv:
+            if self.closed:
+                return
+            self.closed = True
+            self.queue.clear()
+            for unsubscribe in self.subscribed.values():
+                unsubscribe()
+            self.subscribed.clear()
+            self.cv.notify_all()
+        with contextlib.suppress(OSError):
+            self.conn.close()
 
 
 def _shard_main(
@@ -442,6 +579,7 @@ class _Shard:
         self.down: str | None = None  # why it is not started again
         self.recovered: list[str] = []
         self.restarts = 0
+        self.feed: _EventFeed | None = None  # set (under ``lock``) once someone subscribes
 
     def start(self) -> None:
         """Start the worker and wait until it serves (under ``lock``)."""
@@ -500,6 +638,8 @@ class _Shard:
         self.recovered = list(msg[2])
         self._current = (self._current[0] + 1, process)
         self.idle.clear()
+        if self.feed is not None:
+            self.feed.attach(self.generation)  # before the call that started it goes on
 
     @property
     def generation(self) -> int:
@@ -664,6 +804,113 @@ class _Shard:
             control.close()
 
 
+class _EventFeed:
+    """A shard's bus events, read on a thread of their own and published on the
+    parent's bus in the order the worker sent them (see :meth:`ProcessShards.subscribe`).
+    Each worker the shard starts is subscribed as it starts (:meth:`attach`)."""
+
+    def __init__(self, shard: _Shard) -> None:
+        self.shard = shard
+        self.cv = threading.Condition()
+        self.conn: Connection | None = None
+        self.generation = 0  # the worker ``conn`` follows
+        self.sent = 0  # subscriptions and changes of topics sent ...
+        self.acked = 0  # ... and acknowledged
+        self.closed = False
+        self.thread = threading.Thread(
+            target=self._run, name=f"aalis-shard-{shard.index}-events", daemon=True
+        )
+        self.thread.start()
+
+    def _topics(self) -> list[str]:
+        return sorted(self.shard.owner.bus._wanted)
+
+    def attach(self, generation: int) -> None:
+        """Subscribe the worker of ``generation`` (the live one, under the shard's
+        lock) to the topics wanted; return once it acknowledged: events its calls from
+        now on publish are forwarded."""
+        with self.cv:
+            if self.closed or self.generation >= generation:
+                return
+        try:
+            conn = self.shard._connect()
+        except (OSError, EOFError) as exc:  # a worker dying already: the next one is
+            log.warning("cannot follow the shard's events", shard=self.shard.index, error=repr(exc))
+            return
+        with self.cv:
+            self.sent += 1
+            seq = self.sent
+            try:
+                conn.send_bytes(_encode((_SUBSCRIBE, "", (seq, self._topics()), None)))
+                ready = conn.poll(_ATTACH_S)
+                answer = _answer_decoder.decode(conn.recv_bytes()) if ready else None
+            except (OSError, EOFError, msgspec.DecodeError):
+                answer = None
+            if answer != seq:
+                conn.close()
+                log.warning("the shard did not follow its events", shard=self.shard.index)
+                return
+            self.acked = max(self.acked, seq)
+            self.conn, self.generation = conn, generation
+            self.cv.notify_all()
+
+    def update(self) -> None:
+        """Send the topics wanted now and wait (a moment at most) until the worker
+        follows them."""
+        with self.cv:
+            conn = self.conn
+            if conn is None:
+                return  # the next worker is subscribed as it starts
+            self.sent += 1
+            seq = self.sent
+            try:
+                conn.send_bytes(_encode((seq, self._topics())))
+            except (OSError, ValueError):
+                return
+            deadline = time.monotonic() + _ATTACH_S
+            while self.acked < seq and self.conn is conn and not self.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cv.wait(left)
+
+    def _run(self) -> None:
+        finished: Connection | None = None
+        bus = self.shard.owner.bus
+        while True:
+            with self.cv:
+                while not self.closed and (self.conn is None or self.conn is finished):
+                    self.cv.wait()
+                if self.closed:
+                    return
+                conn = self.conn
+            assert conn is not None
+            try:
+                while True:
+                    event = _answer_decoder.decode(conn.recv_bytes())
+                    if isinstance(event, int):
+                        with self.cv:
+                            self.acked = max(self.acked, event)
+                            self.cv.notify_all()
+                        continue
+                    bus.publish(event[0], event[1])  # a subscriber that raises is logged
+            except (EOFError, OSError):
+                pass  # the worker ended: the next one is attached as it starts
+            except Exception:
+                log.exception("a shard's event stream broke", shard=self.shard.index)
+            with self.cv:
+                if self.conn is conn:
+                    self.conn = None
+                self.cv.notify_all()
+            conn.close()
+            finished = conn
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+
+
 def _ended(process: Any, seconds: float = 0.0) -> bool:
     """Whether the worker ``process`` has ended, waiting up to ``seconds`` for it (a
     worker whose socket closed under a call is dying). Read from its sentinel, which any
@@ -709,6 +956,31 @@ def _outcome(answer: list[Any]) -> InputOutcome:
     if kind == "e":
         raise _raised(pickle.loads(answer[1]))
     raise RunError(f"unexpected answer from a shard: {kind!r}")
+
+
+class _ForwardedBus(EventBus):
+    """The parent's bus: its shards' workers publish on it (see
+    :meth:`ProcessShards.subscribe`); its subscriptions tell the workers which topics
+    to send."""
+
+    def __init__(self, owner: ProcessShards) -> None:
+        super().__init__()
+        self._owner = weakref.ref(owner)
+
+    def subscribe(self, topic: str, fn: Callable[[str, Any], None]) -> Callable[[], None]:
+        unsubscribe = super().subscribe(topic, fn)
+        self._follow()
+
+        def forwarded_unsubscribe() -> None:
+            unsubscribe()
+            self._follow()
+
+        return forwarded_unsubscribe
+
+    def _follow(self) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner._follow()
 
 
 def _at_exit(ref: weakref.ref[ProcessShards]) -> None:
@@ -861,6 +1133,8 @@ class ProcessShards:
         self.inline_s = float(inline_s)
         self.quick_s = float(quick_s)
         self._closed = False
+        self.bus: EventBus = _ForwardedBus(self)
+        self._feeds_lock = threading.Lock()
         self._authkey = os.urandom(32)
         self._sockets = tempfile.mkdtemp(prefix="aalis-shards-")  # mode 0700
         self._shards = [_Shard(self, i) for i in range(shards)]
@@ -1008,6 +1282,52 @@ class ProcessShards:
         the key for a value of the wrong type or range."""
         self._session_method(session_id, "set_setting", key, value, reset=reset, by=by)
 
+    def subscribe(self, topic: str, fn: Callable[[str, Any], None]) -> Callable[[], None]:
+        """``Runtime.subscribe`` over the shards: ``fn(topic, payload)`` for each event
+        the workers' runtimes publish on ``topic`` (``*``: all; the topics of
+        ``services.bus_events.TOPICS``); returns the unsubscribe function. ``bus`` is the
+        parent's bus they are published on (``subscribe_typed(shards.bus, fn)`` gives
+        typed events).
+
+        The payload is the runtime's, carried as msgpack: tuples arrive as lists. ``fn``
+        runs on the shard's event thread in this process (one a shard), so the events of
+        a shard (of a session) come in the order its worker published them; events of
+        different shards in no given order. A worker publishes only the topics someone
+        subscribed to (nothing with no subscriber); it sends them from a queue, so that a
+        subscriber that is slow holds up no turn: past 10,000 events not yet delivered
+        the worker drops the next ones, with a warning in its log. A subscriber that
+        raises is logged, and the others still get the event.
+
+        The first subscription returns once every live worker follows its events, and a
+        worker started again (after it died) is subscribed before the call that started
+        it goes on: events of calls made after that are delivered. A worker's death
+        loses what it had not sent yet, and what the new worker publishes while it
+        starts (``recover()`` finishing the cut turns) is not forwarded."""
+        if not isinstance(topic, str) or not topic:
+            raise InvalidInput(f"subscribe: topic must be a non-empty str, not {topic!r:.80}")
+        if not callable(fn):
+            raise InvalidInput(f"subscribe: fn must be callable, not {type(fn).__name__}")
+        if self._closed:
+            raise RuntimeClosed("the shards are shut down")
+        return self.bus.subscribe(topic, fn)
+
+    def _follow(self) -> None:
+        """The subscriptions changed: the workers follow the topics wanted now (the
+        first time, each shard gets its event thread)."""
+        with self._feeds_lock:
+            if self._closed:
+                return
+            for shard in self._shards:
+                if shard.feed is not None:
+                    shard.feed.update()
+                    continue
+                if not self.bus._wanted:
+                    continue
+                with shard.lock:
+                    shard.feed = _EventFeed(shard)
+                    if shard.alive():
+                        shard.feed.attach(shard.generation)
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Whether every shard had no turn running or queued within ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -1042,6 +1362,8 @@ class ProcessShards:
         the workers. Calls after it raise ``RuntimeClosed``."""
         self._closed = True
         for shard in getattr(self, "_shards", ()):
+            if shard.feed is not None:
+                shard.feed.close()
             shard.stop(timeout)
         shutil.rmtree(self._sockets, ignore_errors=True)
 
