@@ -39,7 +39,10 @@ and ``inspect`` read it, while the workers run too), held by its worker for writ
   (an input without one gets one first): the session answers an input it accepted from
   its log and never runs it twice; one it never received runs once. A shard that dies
   more than ``max_restarts`` times within a minute is not started again:
-  :class:`ShardUnavailable` names it and why.
+  :class:`ShardUnavailable` names it and why. A worker that does not start within
+  ``start_timeout_s`` is killed and counts as one more death: the call gets
+  :class:`ShardUnavailable` saying what the worker was still doing, and a later call
+  starts it again.
 - A worker whose parent dies (killed too) finds its control pipe closed, shuts its
   runtime down and exits.
 - A session's other calls (``command``, ``stop``, ``delete``, ``clear``,
@@ -103,10 +106,12 @@ _ATTACH_S = 5.0  # how long a worker may take to acknowledge a change of bus top
 
 class ShardUnavailable(RunError):
     """The worker process of ``session_id``'s shard died and is not started again: it
-    died more than ``max_restarts`` times within a minute, or would not start. ``reason``
-    says how. ``maybe_accepted``: the input may have been accepted before (send it again
-    under its id once the shards run again: it is answered from the log if it was, and
-    runs once if not)."""
+    died more than ``max_restarts`` times within a minute, or would not start; or it did
+    not start within ``start_timeout_s`` this time (counted as a death: a later call
+    starts it again, unless that made one too many). ``reason`` says how.
+    ``maybe_accepted``: the input may have been accepted before (send it again under its
+    id once the shards run again: it is answered from the log if it was, and runs once if
+    not)."""
 
     def __init__(
         self, session_id: str, shard: int, reason: str, input_id: str, *, maybe_accepted: bool
@@ -522,10 +527,16 @@ def _shard_main(
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops us
     try:
+        # What it is doing, for the parent to say if the start takes too long.
+        control.send(("starting", "opening its database"))
         store = SqliteEventStore(database)
         try:
-            runtime = Runtime(store, services(), **options)
+            control.send(("starting", "building its services (services())"))
+            built = services()
+            control.send(("starting", "recovering its sessions (Runtime.recover())"))
+            runtime = Runtime(store, built, **options)
             recovered = runtime.recover()
+            control.send(("starting", "opening its socket"))
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(address)  # a dead predecessor's socket
             listener = Listener(address, family="AF_UNIX", authkey=authkey)
@@ -612,11 +623,17 @@ class _Shard:
             ) from exc
         finally:
             theirs.close()
-        ready = mine.poll(owner.start_timeout_s)
-        try:
-            msg = mine.recv() if ready else None
-        except (EOFError, OSError):
-            msg = None
+        deadline = time.monotonic() + owner.start_timeout_s
+        doing = "starting its process (importing what its services need)"
+        while True:
+            ready = mine.poll(max(0.0, deadline - time.monotonic()))
+            try:
+                msg = mine.recv() if ready else None
+            except (EOFError, OSError):
+                msg = None
+            if msg is None or msg[0] != "starting":
+                break
+            doing = msg[1]
         if msg is None or msg[0] != "ready":
             process.kill()
             process.join(5)
@@ -628,10 +645,13 @@ class _Shard:
                 "script starting ProcessShards does so under if __name__ == '__main__':, "
                 "as each worker imports it)"
                 if ready
-                else f"it did not start within {owner.start_timeout_s:g} s"
+                else f"it did not start within {owner.start_timeout_s:g} s (start_timeout_s): "
+                f"it was still {doing}, and was killed"
             )
             error = f"shard {self.index} ({self.database}) did not start: {why}"
-            if ready and process.exitcode is not None and process.exitcode < 0:
+            if not ready:
+                raise _StartTimedOut(error, process)
+            if process.exitcode is not None and process.exitcode < 0:
                 raise _KilledStarting(error, process)  # by a signal (SIGKILL, OOM)
             raise RunError(error)
         self.control = mine
@@ -684,7 +704,10 @@ class _Shard:
     def restart(self) -> None:
         """Start the worker again after it died (under ``lock``), unless it died too
         often: then :class:`RunError` (turned into :class:`ShardUnavailable`). A worker
-        killed while it starts is one more death, and started again the same way."""
+        killed while it starts is one more death, and started again the same way; one
+        that does not start within ``start_timeout_s`` is one more death too, but fails
+        this call (the next call tries again). Any other failure to start gives the
+        shard up."""
         if self.down is not None:
             raise _Down(self.down)
         process = self.process
@@ -698,16 +721,21 @@ class _Shard:
                 return
             except _KilledStarting as exc:
                 self._died(exc.process)
+            except _StartTimedOut as exc:
+                self._current = (self.generation, None)  # its death is counted here
+                self._died(exc.process, str(exc))
+                raise _Down(f"{exc}; a later call starts it again") from None
             except Exception as exc:
                 self.down = f"its worker would not start again: {exc}"
                 raise _Down(self.down) from exc
 
-    def _died(self, process: Any) -> None:
+    def _died(self, process: Any, why: str | None = None) -> None:
         """Count ``process``'s death (under ``lock``): :class:`_Down` when it is one too
-        many within a minute."""
+        many within a minute. ``why``: how it died, when not by its exit status."""
         _ended(process, 1)
         code = process.exitcode
-        why = f"killed by signal {-code}" if code is not None and code < 0 else f"status {code}"
+        if why is None:
+            why = f"killed by signal {-code}" if code is not None and code < 0 else f"status {code}"
         now = time.monotonic()
         self.deaths.append(now)
         while self.deaths and now - self.deaths[0] > _RESTART_WINDOW_S:
@@ -925,6 +953,14 @@ def _ended(process: Any, seconds: float = 0.0) -> bool:
 
 class _Down(RunError):
     pass
+
+
+class _StartTimedOut(RunError):
+    """A worker that did not start within ``start_timeout_s`` (killed)."""
+
+    def __init__(self, message: str, process: Any) -> None:
+        super().__init__(message)
+        self.process = process
 
 
 class _KilledStarting(RunError):

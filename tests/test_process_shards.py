@@ -410,6 +410,35 @@ def test_a_worker_killed_while_it_is_started_again_is_started_once_more(tmp_path
         shards.shutdown(timeout=10)
 
 
+def test_a_worker_that_does_not_start_in_time_is_started_again_by_a_later_call(
+    tmp_path: Path,
+) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    services = functools.partial(shard_services.slow_once_services, str(gate))
+    shards = ProcessShards(
+        tmp_path / "t", services, 1, runtime_options=OPTIONS, start_timeout_s=5, max_restarts=2
+    )
+    try:
+        pid = shards.info()[0]["pid"]
+        (gate / "slow").write_text("", encoding="utf-8")
+        os.kill(pid, signal.SIGKILL)
+        _wait_for(lambda: not shards.info()[0]["alive"], "the worker to die")
+        with pytest.raises(ShardUnavailable) as caught:
+            shards.run("room:a", Input(id="t1", content="你好"))
+        message = str(caught.value)
+        assert "did not start within 5 s (start_timeout_s)" in message, message
+        assert "building its services" in message and "a later call" in message, message
+        assert not caught.value.maybe_accepted and not (gate / "slow").exists()
+        assert shards.info()[0]["down"] is None
+        # The slow start counted as a death: two deaths so far, within max_restarts.
+        assert shards.run("room:a", Input(id="t1", content="你好")).outcome == "replied"
+        info = shards.info()[0]
+        assert info["alive"] and info["down"] is None and info["restarts"] == 2
+    finally:
+        shards.shutdown(timeout=10)
+
+
 def test_a_shard_that_keeps_dying_is_given_up_naming_it(tmp_path: Path) -> None:
     shards = ProcessShards(
         tmp_path / "d", shard_services.services, 1, runtime_options=OPTIONS, max_restarts=1
