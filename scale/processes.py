@@ -26,7 +26,10 @@ and ``inspect`` read it, while the workers run too), held by its worker for writ
 - Acknowledgement is the shard's: ``submit`` returns once the worker's ``Runtime.submit``
   returned (the input durably accepted), ``run`` once its ``Runtime.run`` did.
 - Calls go over a Unix socket per shard (in a private temporary directory, with a random
-  key), one connection per call in flight, kept for the next call. In the worker, one
+  key), one connection per call in flight, kept for the next call. A new connection's
+  handshake is bounded (10 s) and made outside the shard's lock, on a thread of its own
+  in the worker: a peer that does not answer holds up no other connection, and a worker
+  that does not answer (stopped) fails the call with :class:`RunError`. In the worker, one
   thread reads every connection and runs each call itself while the last calls were
   quick (an in-process model, tools that compute): no hand-over between threads. A call
   that is not known quick runs on a thread of its own, and a quick-looking one that runs
@@ -73,6 +76,8 @@ import pickle
 import selectors
 import shutil
 import signal
+import socket
+import struct
 import tempfile
 import threading
 import time
@@ -80,7 +85,14 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Client, Connection, Listener, wait
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import (
+    Connection,
+    Listener,
+    answer_challenge,
+    deliver_challenge,
+    wait,
+)
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +114,7 @@ MANIFEST = "shards.json"
 _QUICK_CALLS = 3  # quick calls in a row before the reading thread runs calls itself
 _RESTART_WINDOW_S = 60.0
 _ATTACH_S = 5.0  # how long a worker may take to acknowledge a change of bus topics
+_HANDSHAKE_S = 10.0  # how long a new connection's peer may take to answer its handshake
 
 
 class ShardUnavailable(RunError):
@@ -209,6 +222,19 @@ _topics_decoder = msgspec.msgpack.Decoder(tuple[int, list[str]])
 _SUBSCRIBE_CALL = _encode((_SUBSCRIBE,))[1:]  # how a subscription's call begins (its kind)
 
 
+def _bound(fd: int, seconds: float) -> None:
+    """Bound the blocking reads and writes (and a Unix socket's connect) of socket ``fd``
+    to ``seconds`` (0: unbounded again); past it they raise ``BlockingIOError``."""
+    whole = int(seconds)
+    tv = struct.pack("ll", whole, int((seconds - whole) * 1_000_000))
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    finally:
+        sock.close()
+
+
 def _error(exc: BaseException) -> bytes:
     return _encode(("e", pickle.dumps(_portable(exc))))
 
@@ -225,12 +251,14 @@ class _Server:
         self,
         runtime: Any,
         listener: Listener,
+        authkey: bytes,
         control: Connection,
         inline_s: float,
         quick_s: float,
     ) -> None:
         self.runtime = runtime
         self.listener = listener
+        self.authkey = authkey
         self.control = control
         self.inline_s = inline_s
         self.quick_s = quick_s
@@ -255,19 +283,39 @@ class _Server:
         self.closed.wait()
 
     def _accept(self) -> None:
+        """Accept connections; each one's handshake runs on a thread of the pool, bounded
+        by ``_HANDSHAKE_S``: a peer that does not answer holds up no other connection."""
         while not self.closing.is_set():
             try:
-                conn = self.listener.accept()
-            except Exception as exc:  # OSError, EOFError, AuthenticationError: that one only
+                conn = self.listener.accept()  # no key given to it: no handshake here
+            except OSError as exc:
                 if self.closing.is_set():
                     return
-                log.warning("a connection to the shard failed its handshake", error=repr(exc))
+                log.warning("the shard could not accept a connection", error=repr(exc))
                 # Out of file descriptors, say: not a hot loop while it lasts.
-                self.closing.wait(0.05 if isinstance(exc, OSError) else 0.0)
+                self.closing.wait(0.05)
                 continue
-            self._accepted.append(conn)
-            with contextlib.suppress(OSError):
-                self._wake_w.send_bytes(b"")
+            try:
+                self._pool.submit(self._admit, conn)
+            except RuntimeError:  # the pool is shut down: so is the shard
+                conn.close()
+                return
+
+    def _admit(self, conn: Connection) -> None:
+        """The handshake of a connection accepted (the same as ``Listener`` makes with a
+        key), then its calls are read."""
+        try:
+            _bound(conn.fileno(), _HANDSHAKE_S)
+            deliver_challenge(conn, self.authkey)
+            answer_challenge(conn, self.authkey)
+            _bound(conn.fileno(), 0)
+        except (OSError, EOFError, AuthenticationError) as exc:
+            log.warning("a connection to the shard failed its handshake", error=repr(exc))
+            conn.close()
+            return
+        self._accepted.append(conn)
+        with contextlib.suppress(OSError):
+            self._wake_w.send_bytes(b"")
 
     def _watch(self) -> None:
         """Hand the reading to a new thread when a call run by the reading thread takes
@@ -539,7 +587,9 @@ def _shard_main(
             control.send(("starting", "opening its socket"))
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(address)  # a dead predecessor's socket
-            listener = Listener(address, family="AF_UNIX", authkey=authkey)
+            # The handshake with the key is the server's (_Server._admit), off the
+            # accepting thread.
+            listener = Listener(address, family="AF_UNIX", backlog=64)
         except BaseException:
             store.close()
             raise
@@ -547,7 +597,7 @@ def _shard_main(
         control.send(("failed", _portable(exc)))
         return
     control.send(("ready", os.getpid(), recovered))
-    server = _Server(runtime, listener, control, inline_s, quick_s)
+    server = _Server(runtime, listener, authkey, control, inline_s, quick_s)
     code = 0
     try:
         server.serve()
@@ -680,23 +730,62 @@ class _Shard:
             if generation == self.generation:
                 return generation, conn
             conn.close()
+        # The lock is held to start the worker, not to connect: a connection whose
+        # handshake is slow (a worker stopped, or too busy) holds up no other.
         with self.lock:
             if self.owner._closed:
                 raise RuntimeClosed("the shards are shut down")
             if not self.alive():
                 self.restart()
-            try:
-                return self.generation, self._connect()
-            except (OSError, EOFError) as exc:
+            generation, process = self._current
+        try:
+            return generation, self._connect()
+        except TimeoutError as exc:  # a worker that lives and does not answer
+            raise RunError(f"shard {self.index}: cannot connect: {exc}") from exc
+        except (OSError, EOFError) as exc:
+            failed = exc
+        with self.lock:
+            if self.owner._closed:
+                raise RuntimeClosed("the shards are shut down")
+            if self.generation == generation:  # (another call may have started it since)
                 # Refused or cut: a worker dying (killed, its socket closed) is not
                 # always reaped yet; once it has ended, start it again.
-                if not _ended(self.process, 5):
-                    raise RunError(f"shard {self.index}: cannot connect: {exc}") from exc
+                if not _ended(process, 5):
+                    raise RunError(f"shard {self.index}: cannot connect: {failed}") from failed
                 self.restart()
-                return self.generation, self._connect()
+            generation = self.generation
+        try:
+            return generation, self._connect()
+        except TimeoutError as exc:
+            raise RunError(f"shard {self.index}: cannot connect: {exc}") from exc
 
     def _connect(self) -> Connection:
-        return Client(self.address, family="AF_UNIX", authkey=self.owner._authkey)
+        """A new connection to the worker, after the handshake with the key; a worker
+        that does not answer within ``_HANDSHAKE_S`` (stopped, or too busy to accept)
+        raises :class:`TimeoutError` rather than hold the caller."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn: Connection | None = None
+        try:
+            _bound(sock.fileno(), _HANDSHAKE_S)
+            sock.connect(self.address)
+            conn = Connection(os.dup(sock.fileno()))
+            answer_challenge(conn, self.owner._authkey)
+            deliver_challenge(conn, self.owner._authkey)
+            _bound(sock.fileno(), 0)
+            return conn
+        except BlockingIOError:
+            if conn is not None:
+                conn.close()
+            raise TimeoutError(
+                f"its worker did not answer a new connection within {_HANDSHAKE_S:g} s "
+                "(stopped, or too busy to accept it)"
+            ) from None
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
+        finally:
+            sock.close()
 
     def alive(self) -> bool:
         return self.process is not None and not _ended(self.process)

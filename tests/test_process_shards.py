@@ -238,6 +238,66 @@ def test_a_connection_that_fails_its_handshake_does_not_stop_the_shard_accepting
         shards.shutdown(timeout=10)
 
 
+def test_a_peer_that_never_answers_the_handshake_does_not_hold_up_new_connections(
+    tmp_path: Path,
+) -> None:
+    shards = ProcessShards(tmp_path / "one", shard_services.services, 1, runtime_options=OPTIONS)
+    silent: list[socket.socket] = []
+    try:
+        address = shards._shards[0].address
+        for n in range(2):  # connected, and never answering the challenge
+            raw = socket.socket(socket.AF_UNIX)
+            raw.settimeout(20)
+            raw.connect(address)
+            if n == 0:
+                assert raw.recv(4096)  # the worker took it first, and waits for its answer
+            silent.append(raw)
+        # No connection is idle yet: these calls need new ones, accepted after those.
+        calls = [
+            _in_thread(shards.run, f"room:{n}", Input(id="", content="你好")) for n in range(3)
+        ]
+        for call, _ in calls:
+            call.join(20)
+        stuck = any(call.is_alive() for call, _ in calls)
+        if stuck:  # in the handshake, holding its shard: end the worker to shut down
+            os.kill(shards.info()[0]["pid"], signal.SIGKILL)
+        assert not stuck, "new connections waited for a peer that does not answer"
+        assert all(getattr(box[0], "outcome", None) == "replied" for _, box in calls), calls
+    finally:
+        for raw in silent:
+            raw.close()
+        shards.shutdown(timeout=10)
+
+
+def test_a_worker_that_does_not_answer_new_connections_holds_each_call_a_bounded_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(processes, "_HANDSHAKE_S", 1.0)
+    shards = ProcessShards(tmp_path / "one", shard_services.services, 1, runtime_options=OPTIONS)
+    pid = shards.info()[0]["pid"]
+    try:
+        os.kill(pid, signal.SIGSTOP)  # its accept loop too
+        start = time.monotonic()
+        calls = [
+            _in_thread(shards.run, f"room:{n}", Input(id="", content="你好")) for n in range(3)
+        ]
+        for call, _ in calls:
+            call.join(20)
+        took = time.monotonic() - start
+        stuck = any(call.is_alive() for call, _ in calls)
+        os.kill(pid, signal.SIGCONT)
+        assert not stuck, "a call waited on a stopped worker with no bound"
+        for _, box in calls:  # each its own 1 s, side by side: not one after the other
+            assert isinstance(box[0], RunError), box
+            assert "did not answer a new connection within 1 s" in str(box[0]), box
+        assert took < 2.5, took
+        assert shards.run("room:a", Input(id="", content="你好")).outcome == "replied"
+        assert shards.info()[0]["pid"] == pid  # a live worker: not started again
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        shards.shutdown(timeout=10)
+
+
 def test_a_call_cut_by_an_interrupt_leaves_no_half_call_or_unread_answer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
