@@ -26,7 +26,10 @@ and ``inspect`` read it, while the workers run too), held by its worker for writ
 - Acknowledgement is the shard's: ``submit`` returns once the worker's ``Runtime.submit``
   returned (the input durably accepted), ``run`` once its ``Runtime.run`` did.
 - Calls go over a Unix socket per shard (in a private temporary directory, with a random
-  key), one connection per call in flight, kept for the next call. In the worker, one
+  key), one connection per call in flight, kept for the next call. A new connection's
+  handshake is bounded (10 s) and made outside the shard's lock, on a thread of its own
+  in the worker: a peer that does not answer holds up no other connection, and a worker
+  that does not answer (stopped) fails the call with :class:`RunError`. In the worker, one
   thread reads every connection and runs each call itself while the last calls were
   quick (an in-process model, tools that compute): no hand-over between threads. A call
   that is not known quick runs on a thread of its own, and a quick-looking one that runs
@@ -39,7 +42,10 @@ and ``inspect`` read it, while the workers run too), held by its worker for writ
   (an input without one gets one first): the session answers an input it accepted from
   its log and never runs it twice; one it never received runs once. A shard that dies
   more than ``max_restarts`` times within a minute is not started again:
-  :class:`ShardUnavailable` names it and why.
+  :class:`ShardUnavailable` names it and why. A worker that does not start within
+  ``start_timeout_s`` is killed and counts as one more death: the call gets
+  :class:`ShardUnavailable` saying what the worker was still doing, and a later call
+  starts it again.
 - A worker whose parent dies (killed too) finds its control pipe closed, shuts its
   runtime down and exits.
 - A session's other calls (``command``, ``stop``, ``delete``, ``clear``,
@@ -49,6 +55,12 @@ and ``inspect`` read it, while the workers run too), held by its worker for writ
   :class:`InvalidInput`; text arguments (who, where, a command line) are cleaned of lone
   surrogates first, as a runtime in this process cleans them (a setting's value is
   judged by the setting: ``ConfigError``).
+- The workers' bus events reach the parent's subscribers (:meth:`ProcessShards.subscribe`,
+  as ``Runtime.subscribe``): each shard's on a connection of its own, read by a thread
+  of the shard's in the parent, in the order the worker published them; a worker sends
+  only the topics someone subscribed to, from a bounded queue (a slow subscriber holds
+  up no turn), and a worker started again is subscribed before the call that started it
+  goes on.
 """
 
 from __future__ import annotations
@@ -56,6 +68,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import json
 import multiprocessing
 import os
@@ -63,6 +76,8 @@ import pickle
 import selectors
 import shutil
 import signal
+import socket
+import struct
 import tempfile
 import threading
 import time
@@ -70,7 +85,14 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Client, Connection, Listener, wait
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import (
+    Connection,
+    Listener,
+    answer_challenge,
+    deliver_challenge,
+    wait,
+)
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +105,7 @@ from aalis_agent.events.schema import Input
 from aalis_agent.scale import with_input_id
 from aalis_agent.scale.ownership import shard_of
 from aalis_agent.scale.reshard import hold_directory, refuse_if_resharding, release_directory
+from aalis_agent.services.bus import EventBus
 
 __all__ = ["ProcessHandle", "ProcessShards", "ShardUnavailable"]
 
@@ -91,14 +114,18 @@ log = structlog.get_logger("aalis.shards")
 MANIFEST = "shards.json"
 _QUICK_CALLS = 3  # quick calls in a row before the reading thread runs calls itself
 _RESTART_WINDOW_S = 60.0
+_ATTACH_S = 5.0  # how long a worker may take to acknowledge a change of bus topics
+_HANDSHAKE_S = 10.0  # how long a new connection's peer may take to answer its handshake
 
 
 class ShardUnavailable(RunError):
     """The worker process of ``session_id``'s shard died and is not started again: it
-    died more than ``max_restarts`` times within a minute, or would not start. ``reason``
-    says how. ``maybe_accepted``: the input may have been accepted before (send it again
-    under its id once the shards run again: it is answered from the log if it was, and
-    runs once if not)."""
+    died more than ``max_restarts`` times within a minute, or would not start; or it did
+    not start within ``start_timeout_s`` this time (counted as a death: a later call
+    starts it again, unless that made one too many). ``reason`` says how.
+    ``maybe_accepted``: the input may have been accepted before (send it again under its
+    id once the shards run again: it is answered from the log if it was, and runs once if
+    not)."""
 
     def __init__(
         self, session_id: str, shard: int, reason: str, input_id: str, *, maybe_accepted: bool
@@ -179,6 +206,12 @@ def _manifest(directory: Path, shards: int) -> None:
 # ["n", pid], ["v", a session method's value] or ["e", the error pickled] (see
 # _portable). A session method's call carries [name, args, kwargs] in the input's place.
 _RUN, _SUBMIT, _WAIT_IDLE, _INFO, _METHOD = "run", "submit", "wait_idle", "info", "method"
+# A connection whose first call is a subscription ([_SUBSCRIBE, "", [seq, topics], nil])
+# is the shard's event stream from then on: the worker sends [topic, payload] for each
+# bus event and seq (an int) to acknowledge a subscription and each later [seq, topics]
+# the parent sends when the topics its subscribers want change.
+_SUBSCRIBE = "subscribe"
+_EVENT_BACKLOG = 10_000  # events a stream holds for a parent slower than the shard
 _SESSION_METHODS = frozenset(
     ("command", "stop", "stop_command", "stop_all", "mute", "delete", "clear", "set_setting")
 )
@@ -186,6 +219,21 @@ _encode = msgspec.msgpack.Encoder().encode
 _call_decoder = msgspec.msgpack.Decoder(tuple[str, str, msgspec.Raw, float | None])
 _input_decoder = msgspec.msgpack.Decoder(Input)
 _answer_decoder = msgspec.msgpack.Decoder()
+_topics_decoder = msgspec.msgpack.Decoder(tuple[int, list[str]])
+_SUBSCRIBE_CALL = _encode((_SUBSCRIBE,))[1:]  # how a subscription's call begins (its kind)
+
+
+def _bound(fd: int, seconds: float) -> None:
+    """Bound the blocking reads and writes (and a Unix socket's connect) of socket ``fd``
+    to ``seconds`` (0: unbounded again); past it they raise ``BlockingIOError``."""
+    whole = int(seconds)
+    tv = struct.pack("ll", whole, int((seconds - whole) * 1_000_000))
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    finally:
+        sock.close()
 
 
 def _error(exc: BaseException) -> bytes:
@@ -204,12 +252,14 @@ class _Server:
         self,
         runtime: Any,
         listener: Listener,
+        authkey: bytes,
         control: Connection,
         inline_s: float,
         quick_s: float,
     ) -> None:
         self.runtime = runtime
         self.listener = listener
+        self.authkey = authkey
         self.control = control
         self.inline_s = inline_s
         self.quick_s = quick_s
@@ -234,19 +284,39 @@ class _Server:
         self.closed.wait()
 
     def _accept(self) -> None:
+        """Accept connections; each one's handshake runs on a thread of the pool, bounded
+        by ``_HANDSHAKE_S``: a peer that does not answer holds up no other connection."""
         while not self.closing.is_set():
             try:
-                conn = self.listener.accept()
-            except Exception as exc:  # OSError, EOFError, AuthenticationError: that one only
+                conn = self.listener.accept()  # no key given to it: no handshake here
+            except OSError as exc:
                 if self.closing.is_set():
                     return
-                log.warning("a connection to the shard failed its handshake", error=repr(exc))
+                log.warning("the shard could not accept a connection", error=repr(exc))
                 # Out of file descriptors, say: not a hot loop while it lasts.
-                self.closing.wait(0.05 if isinstance(exc, OSError) else 0.0)
+                self.closing.wait(0.05)
                 continue
-            self._accepted.append(conn)
-            with contextlib.suppress(OSError):
-                self._wake_w.send_bytes(b"")
+            try:
+                self._pool.submit(self._admit, conn)
+            except RuntimeError:  # the pool is shut down: so is the shard
+                conn.close()
+                return
+
+    def _admit(self, conn: Connection) -> None:
+        """The handshake of a connection accepted (the same as ``Listener`` makes with a
+        key), then its calls are read."""
+        try:
+            _bound(conn.fileno(), _HANDSHAKE_S)
+            deliver_challenge(conn, self.authkey)
+            answer_challenge(conn, self.authkey)
+            _bound(conn.fileno(), 0)
+        except (OSError, EOFError, AuthenticationError) as exc:
+            log.warning("a connection to the shard failed its handshake", error=repr(exc))
+            conn.close()
+            return
+        self._accepted.append(conn)
+        with contextlib.suppress(OSError):
+            self._wake_w.send_bytes(b"")
 
     def _watch(self) -> None:
         """Hand the reading to a new thread when a call run by the reading thread takes
@@ -285,6 +355,10 @@ class _Server:
                 except (EOFError, OSError):  # the caller went away
                     selector.unregister(conn)
                     conn.close()
+                    continue
+                if data[1:].startswith(_SUBSCRIBE_CALL):
+                    selector.unregister(conn)  # the stream's own threads read it now
+                    self._subscribe(conn, data)
                     continue
                 if self._quick < _QUICK_CALLS:
                     self._pool.submit(self._timed, conn, data)
@@ -342,6 +416,15 @@ class _Server:
         # kinds): a bare string stays one, and is refused as it is in one process.
         return getattr(self.runtime, name)(session_id, *args, **kwargs)
 
+    def _subscribe(self, conn: Connection, data: bytes) -> None:
+        try:
+            raw = _call_decoder.decode(data)[2]
+            seq, topics = _topics_decoder.decode(raw)
+            _EventStream(self.runtime.services.bus, conn, seq, topics)
+        except Exception as exc:
+            log.warning("a bus subscription from the parent failed", error=repr(exc))
+            conn.close()
+
     @staticmethod
     def _done(future: Any) -> bytes:
         try:
@@ -369,6 +452,113 @@ class _Server:
         self.closed.set()
 
 
+class _EventStream:
+    """The worker's bus events on their way to the parent (``ProcessShards.subscribe``),
+    on a connection of their own: subscribed to the topics the parent wants and no more
+    (the runtime builds an event only when someone wants it), in a queue a thread sends
+    from, so that the shard's turns never wait for the parent. A queue of
+    ``_EVENT_BACKLOG`` events not yet sent (a parent subscriber slower than the shard)
+    drops the next ones, with a warning in the worker's log saying how many."""
+
+    def __init__(self, bus: Any, conn: Connection, seq: int, topics: list[str]) -> None:
+        self.bus = bus
+        self.conn = conn
+        self.cv = threading.Condition()
+        self.queue: deque[bytes] = deque()
+        self.dropped = 0
+        self.closed = False
+        self.active: frozenset[str] = frozenset()
+        self.subscribed: dict[str, Callable[[], None]] = {}
+        self.set_topics(topics)
+        conn.send_bytes(_encode(seq))  # acknowledged: the parent's calls may follow
+        threading.Thread(target=self._send, name="shard-events", daemon=True).start()
+        threading.Thread(target=self._listen, name="shard-event-topics", daemon=True).start()
+
+    def set_topics(self, topics: list[str]) -> None:
+        """Subscribe to ``topics`` (``*`` alone when it is among them), then end the
+        subscriptions no longer wanted: an event comes once, through the subscription
+        ``active`` names (both may hold it while they change)."""
+        want = frozenset(("*",)) if "*" in topics else frozenset(topics)
+        with self.cv:
+            if self.closed:
+                return
+            for topic in want - self.subscribed.keys():
+                self.subscribed[topic] = self.bus.subscribe(
+                    topic, functools.partial(self._on_event, topic)
+                )
+            self.active = want
+            for topic in self.subscribed.keys() - want:
+                self.subscribed.pop(topic)()
+
+    def _on_event(self, subscribed: str, topic: str, payload: Any) -> None:
+        """On the publishing thread (a session's, a turn's): encode and queue."""
+        active = self.active
+        if subscribed not in active:
+            return  # a subscription on its way out (or in)
+        try:
+            data = _encode((topic, payload))
+        except (msgspec.EncodeError, OverflowError, TypeError, ValueError, RecursionError) as exc:
+            log.warning("a bus event cannot be sent to the parent", topic=topic, error=str(exc))
+            return
+        with self.cv:
+            if self.closed:
+                return
+            if len(self.queue) >= _EVENT_BACKLOG:
+                if not self.dropped:
+                    log.warning(
+                        "the parent's bus subscribers are slower than the shard: dropping "
+                        "events until they catch up",
+                        backlog=_EVENT_BACKLOG,
+                    )
+                self.dropped += 1
+                return
+            self.queue.append(data)
+            self.cv.notify()
+
+    def _send(self) -> None:
+        while True:
+            with self.cv:
+                while not self.queue and not self.closed:
+                    self.cv.wait()
+                if self.closed:
+                    return
+                data = self.queue.popleft()
+                dropped, self.dropped = self.dropped, 0
+            if dropped:
+                log.warning("bus events dropped for the parent", dropped=dropped)
+            try:
+                self.conn.send_bytes(data)
+            except (OSError, ValueError):  # the parent went away (or stopped following)
+                self.close()
+                return
+
+    def _listen(self) -> None:
+        """The parent's changes of topics; the connection closing ends the stream."""
+        while True:
+            try:
+                seq, topics = _topics_decoder.decode(self.conn.recv_bytes())
+            except (EOFError, OSError, msgspec.DecodeError):
+                self.close()
+                return
+            self.set_topics(topics)
+            with self.cv:
+                self.queue.appendleft(_encode(seq))  # before the events still queued
+                self.cv.notify()
+
+    def close(self) -> None:
+        with self.cv:
+            if self.closed:
+                return
+            self.closed = True
+            self.queue.clear()
+            for unsubscribe in self.subscribed.values():
+                unsubscribe()
+            self.subscribed.clear()
+            self.cv.notify_all()
+        with contextlib.suppress(OSError):
+            self.conn.close()
+
+
 def _shard_main(
     index: int,
     database: str,
@@ -386,13 +576,21 @@ def _shard_main(
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops us
     try:
+        # What it is doing, for the parent to say if the start takes too long.
+        control.send(("starting", "opening its database"))
         store = SqliteEventStore(database)
         try:
-            runtime = Runtime(store, services(), **options)
+            control.send(("starting", "building its services (services())"))
+            built = services()
+            control.send(("starting", "recovering its sessions (Runtime.recover())"))
+            runtime = Runtime(store, built, **options)
             recovered = runtime.recover()
+            control.send(("starting", "opening its socket"))
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(address)  # a dead predecessor's socket
-            listener = Listener(address, family="AF_UNIX", authkey=authkey)
+            # The handshake with the key is the server's (_Server._admit), off the
+            # accepting thread.
+            listener = Listener(address, family="AF_UNIX", backlog=64)
         except BaseException:
             store.close()
             raise
@@ -400,7 +598,7 @@ def _shard_main(
         control.send(("failed", _portable(exc)))
         return
     control.send(("ready", os.getpid(), recovered))
-    server = _Server(runtime, listener, control, inline_s, quick_s)
+    server = _Server(runtime, listener, authkey, control, inline_s, quick_s)
     code = 0
     try:
         server.serve()
@@ -443,6 +641,7 @@ class _Shard:
         self.down: str | None = None  # why it is not started again
         self.recovered: list[str] = []
         self.restarts = 0
+        self.feed: _EventFeed | None = None  # set (under ``lock``) once someone subscribes
 
     def start(self) -> None:
         """Start the worker and wait until it serves (under ``lock``)."""
@@ -475,11 +674,17 @@ class _Shard:
             ) from exc
         finally:
             theirs.close()
-        ready = mine.poll(owner.start_timeout_s)
-        try:
-            msg = mine.recv() if ready else None
-        except (EOFError, OSError):
-            msg = None
+        deadline = time.monotonic() + owner.start_timeout_s
+        doing = "starting its process (importing what its services need)"
+        while True:
+            ready = mine.poll(max(0.0, deadline - time.monotonic()))
+            try:
+                msg = mine.recv() if ready else None
+            except (EOFError, OSError):
+                msg = None
+            if msg is None or msg[0] != "starting":
+                break
+            doing = msg[1]
         if msg is None or msg[0] != "ready":
             process.kill()
             process.join(5)
@@ -491,16 +696,21 @@ class _Shard:
                 "script starting ProcessShards does so under if __name__ == '__main__':, "
                 "as each worker imports it)"
                 if ready
-                else f"it did not start within {owner.start_timeout_s:g} s"
+                else f"it did not start within {owner.start_timeout_s:g} s (start_timeout_s): "
+                f"it was still {doing}, and was killed"
             )
             error = f"shard {self.index} ({self.database}) did not start: {why}"
-            if ready and process.exitcode is not None and process.exitcode < 0:
+            if not ready:
+                raise _StartTimedOut(error, process)
+            if process.exitcode is not None and process.exitcode < 0:
                 raise _KilledStarting(error, process)  # by a signal (SIGKILL, OOM)
             raise RunError(error)
         self.control = mine
         self.recovered = list(msg[2])
         self._current = (self._current[0] + 1, process)
         self.idle.clear()
+        if self.feed is not None:
+            self.feed.attach(self.generation)  # before the call that started it goes on
 
     @property
     def generation(self) -> int:
@@ -521,23 +731,62 @@ class _Shard:
             if generation == self.generation:
                 return generation, conn
             conn.close()
+        # The lock is held to start the worker, not to connect: a connection whose
+        # handshake is slow (a worker stopped, or too busy) holds up no other.
         with self.lock:
             if self.owner._closed:
                 raise RuntimeClosed("the shards are shut down")
             if not self.alive():
                 self.restart()
-            try:
-                return self.generation, self._connect()
-            except (OSError, EOFError) as exc:
+            generation, process = self._current
+        try:
+            return generation, self._connect()
+        except TimeoutError as exc:  # a worker that lives and does not answer
+            raise RunError(f"shard {self.index}: cannot connect: {exc}") from exc
+        except (OSError, EOFError) as exc:
+            failed = exc
+        with self.lock:
+            if self.owner._closed:
+                raise RuntimeClosed("the shards are shut down")
+            if self.generation == generation:  # (another call may have started it since)
                 # Refused or cut: a worker dying (killed, its socket closed) is not
                 # always reaped yet; once it has ended, start it again.
-                if not _ended(self.process, 5):
-                    raise RunError(f"shard {self.index}: cannot connect: {exc}") from exc
+                if not _ended(process, 5):
+                    raise RunError(f"shard {self.index}: cannot connect: {failed}") from failed
                 self.restart()
-                return self.generation, self._connect()
+            generation = self.generation
+        try:
+            return generation, self._connect()
+        except TimeoutError as exc:
+            raise RunError(f"shard {self.index}: cannot connect: {exc}") from exc
 
     def _connect(self) -> Connection:
-        return Client(self.address, family="AF_UNIX", authkey=self.owner._authkey)
+        """A new connection to the worker, after the handshake with the key; a worker
+        that does not answer within ``_HANDSHAKE_S`` (stopped, or too busy to accept)
+        raises :class:`TimeoutError` rather than hold the caller."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn: Connection | None = None
+        try:
+            _bound(sock.fileno(), _HANDSHAKE_S)
+            sock.connect(self.address)
+            conn = Connection(os.dup(sock.fileno()))
+            answer_challenge(conn, self.owner._authkey)
+            deliver_challenge(conn, self.owner._authkey)
+            _bound(sock.fileno(), 0)
+            return conn
+        except BlockingIOError:
+            if conn is not None:
+                conn.close()
+            raise TimeoutError(
+                f"its worker did not answer a new connection within {_HANDSHAKE_S:g} s "
+                "(stopped, or too busy to accept it)"
+            ) from None
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
+        finally:
+            sock.close()
 
     def alive(self) -> bool:
         return self.process is not None and not _ended(self.process)
@@ -545,7 +794,10 @@ class _Shard:
     def restart(self) -> None:
         """Start the worker again after it died (under ``lock``), unless it died too
         often: then :class:`RunError` (turned into :class:`ShardUnavailable`). A worker
-        killed while it starts is one more death, and started again the same way."""
+        killed while it starts is one more death, and started again the same way; one
+        that does not start within ``start_timeout_s`` is one more death too, but fails
+        this call (the next call tries again). Any other failure to start gives the
+        shard up."""
         if self.down is not None:
             raise _Down(self.down)
         process = self.process
@@ -559,16 +811,21 @@ class _Shard:
                 return
             except _KilledStarting as exc:
                 self._died(exc.process)
+            except _StartTimedOut as exc:
+                self._current = (self.generation, None)  # its death is counted here
+                self._died(exc.process, str(exc))
+                raise _Down(f"{exc}; a later call starts it again") from None
             except Exception as exc:
                 self.down = f"its worker would not start again: {exc}"
                 raise _Down(self.down) from exc
 
-    def _died(self, process: Any) -> None:
+    def _died(self, process: Any, why: str | None = None) -> None:
         """Count ``process``'s death (under ``lock``): :class:`_Down` when it is one too
-        many within a minute."""
+        many within a minute. ``why``: how it died, when not by its exit status."""
         _ended(process, 1)
         code = process.exitcode
-        why = f"killed by signal {-code}" if code is not None and code < 0 else f"status {code}"
+        if why is None:
+            why = f"killed by signal {-code}" if code is not None and code < 0 else f"status {code}"
         now = time.monotonic()
         self.deaths.append(now)
         while self.deaths and now - self.deaths[0] > _RESTART_WINDOW_S:
@@ -665,6 +922,113 @@ class _Shard:
             control.close()
 
 
+class _EventFeed:
+    """A shard's bus events, read on a thread of their own and published on the
+    parent's bus in the order the worker sent them (see :meth:`ProcessShards.subscribe`).
+    Each worker the shard starts is subscribed as it starts (:meth:`attach`)."""
+
+    def __init__(self, shard: _Shard) -> None:
+        self.shard = shard
+        self.cv = threading.Condition()
+        self.conn: Connection | None = None
+        self.generation = 0  # the worker ``conn`` follows
+        self.sent = 0  # subscriptions and changes of topics sent ...
+        self.acked = 0  # ... and acknowledged
+        self.closed = False
+        self.thread = threading.Thread(
+            target=self._run, name=f"aalis-shard-{shard.index}-events", daemon=True
+        )
+        self.thread.start()
+
+    def _topics(self) -> list[str]:
+        return sorted(self.shard.owner.bus._wanted)
+
+    def attach(self, generation: int) -> None:
+        """Subscribe the worker of ``generation`` (the live one, under the shard's
+        lock) to the topics wanted; return once it acknowledged: events its calls from
+        now on publish are forwarded."""
+        with self.cv:
+            if self.closed or self.generation >= generation:
+                return
+        try:
+            conn = self.shard._connect()
+        except (OSError, EOFError) as exc:  # a worker dying already: the next one is
+            log.warning("cannot follow the shard's events", shard=self.shard.index, error=repr(exc))
+            return
+        with self.cv:
+            self.sent += 1
+            seq = self.sent
+            try:
+                conn.send_bytes(_encode((_SUBSCRIBE, "", (seq, self._topics()), None)))
+                ready = conn.poll(_ATTACH_S)
+                answer = _answer_decoder.decode(conn.recv_bytes()) if ready else None
+            except (OSError, EOFError, msgspec.DecodeError):
+                answer = None
+            if answer != seq:
+                conn.close()
+                log.warning("the shard did not follow its events", shard=self.shard.index)
+                return
+            self.acked = max(self.acked, seq)
+            self.conn, self.generation = conn, generation
+            self.cv.notify_all()
+
+    def update(self) -> None:
+        """Send the topics wanted now and wait (a moment at most) until the worker
+        follows them."""
+        with self.cv:
+            conn = self.conn
+            if conn is None:
+                return  # the next worker is subscribed as it starts
+            self.sent += 1
+            seq = self.sent
+            try:
+                conn.send_bytes(_encode((seq, self._topics())))
+            except (OSError, ValueError):
+                return
+            deadline = time.monotonic() + _ATTACH_S
+            while self.acked < seq and self.conn is conn and not self.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cv.wait(left)
+
+    def _run(self) -> None:
+        finished: Connection | None = None
+        bus = self.shard.owner.bus
+        while True:
+            with self.cv:
+                while not self.closed and (self.conn is None or self.conn is finished):
+                    self.cv.wait()
+                if self.closed:
+                    return
+                conn = self.conn
+            assert conn is not None
+            try:
+                while True:
+                    event = _answer_decoder.decode(conn.recv_bytes())
+                    if isinstance(event, int):
+                        with self.cv:
+                            self.acked = max(self.acked, event)
+                            self.cv.notify_all()
+                        continue
+                    bus.publish(event[0], event[1])  # a subscriber that raises is logged
+            except (EOFError, OSError):
+                pass  # the worker ended: the next one is attached as it starts
+            except Exception:
+                log.exception("a shard's event stream broke", shard=self.shard.index)
+            with self.cv:
+                if self.conn is conn:
+                    self.conn = None
+                self.cv.notify_all()
+            conn.close()
+            finished = conn
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+
+
 def _ended(process: Any, seconds: float = 0.0) -> bool:
     """Whether the worker ``process`` has ended, waiting up to ``seconds`` for it (a
     worker whose socket closed under a call is dying). Read from its sentinel, which any
@@ -679,6 +1043,14 @@ def _ended(process: Any, seconds: float = 0.0) -> bool:
 
 class _Down(RunError):
     pass
+
+
+class _StartTimedOut(RunError):
+    """A worker that did not start within ``start_timeout_s`` (killed)."""
+
+    def __init__(self, message: str, process: Any) -> None:
+        super().__init__(message)
+        self.process = process
 
 
 class _KilledStarting(RunError):
@@ -710,6 +1082,31 @@ def _outcome(answer: list[Any]) -> InputOutcome:
     if kind == "e":
         raise _raised(pickle.loads(answer[1]))
     raise RunError(f"unexpected answer from a shard: {kind!r}")
+
+
+class _ForwardedBus(EventBus):
+    """The parent's bus: its shards' workers publish on it (see
+    :meth:`ProcessShards.subscribe`); its subscriptions tell the workers which topics
+    to send."""
+
+    def __init__(self, owner: ProcessShards) -> None:
+        super().__init__()
+        self._owner = weakref.ref(owner)
+
+    def subscribe(self, topic: str, fn: Callable[[str, Any], None]) -> Callable[[], None]:
+        unsubscribe = super().subscribe(topic, fn)
+        self._follow()
+
+        def forwarded_unsubscribe() -> None:
+            unsubscribe()
+            self._follow()
+
+        return forwarded_unsubscribe
+
+    def _follow(self) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner._follow()
 
 
 def _at_exit(ref: weakref.ref[ProcessShards]) -> None:
@@ -870,6 +1267,8 @@ class ProcessShards:
         self.inline_s = float(inline_s)
         self.quick_s = float(quick_s)
         self._closed = False
+        self.bus: EventBus = _ForwardedBus(self)
+        self._feeds_lock = threading.Lock()
         self._authkey = os.urandom(32)
         self._sockets = tempfile.mkdtemp(prefix="aalis-shards-")  # mode 0700
         self._shards = [_Shard(self, i) for i in range(shards)]
@@ -1017,6 +1416,52 @@ class ProcessShards:
         the key for an unknown key (a reset too) or a value of the wrong type or range."""
         self._session_method(session_id, "set_setting", key, value, reset=reset, by=by)
 
+    def subscribe(self, topic: str, fn: Callable[[str, Any], None]) -> Callable[[], None]:
+        """``Runtime.subscribe`` over the shards: ``fn(topic, payload)`` for each event
+        the workers' runtimes publish on ``topic`` (``*``: all; the topics of
+        ``services.bus_events.TOPICS``); returns the unsubscribe function. ``bus`` is the
+        parent's bus they are published on (``subscribe_typed(shards.bus, fn)`` gives
+        typed events).
+
+        The payload is the runtime's, carried as msgpack: tuples arrive as lists. ``fn``
+        runs on the shard's event thread in this process (one a shard), so the events of
+        a shard (of a session) come in the order its worker published them; events of
+        different shards in no given order. A worker publishes only the topics someone
+        subscribed to (nothing with no subscriber); it sends them from a queue, so that a
+        subscriber that is slow holds up no turn: past 10,000 events not yet delivered
+        the worker drops the next ones, with a warning in its log. A subscriber that
+        raises is logged, and the others still get the event.
+
+        The first subscription returns once every live worker follows its events, and a
+        worker started again (after it died) is subscribed before the call that started
+        it goes on: events of calls made after that are delivered. A worker's death
+        loses what it had not sent yet, and what the new worker publishes while it
+        starts (``recover()`` finishing the cut turns) is not forwarded."""
+        if not isinstance(topic, str) or not topic:
+            raise InvalidInput(f"subscribe: topic must be a non-empty str, not {topic!r:.80}")
+        if not callable(fn):
+            raise InvalidInput(f"subscribe: fn must be callable, not {type(fn).__name__}")
+        if self._closed:
+            raise RuntimeClosed("the shards are shut down")
+        return self.bus.subscribe(topic, fn)
+
+    def _follow(self) -> None:
+        """The subscriptions changed: the workers follow the topics wanted now (the
+        first time, each shard gets its event thread)."""
+        with self._feeds_lock:
+            if self._closed:
+                return
+            for shard in self._shards:
+                if shard.feed is not None:
+                    shard.feed.update()
+                    continue
+                if not self.bus._wanted:
+                    continue
+                with shard.lock:
+                    shard.feed = _EventFeed(shard)
+                    if shard.alive():
+                        shard.feed.attach(shard.generation)
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Whether every shard had no turn running or queued within ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -1051,6 +1496,8 @@ class ProcessShards:
         the workers. Calls after it raise ``RuntimeClosed``."""
         self._closed = True
         for shard in getattr(self, "_shards", ()):
+            if shard.feed is not None:
+                shard.feed.close()
             shard.stop(timeout)
         shutil.rmtree(self._sockets, ignore_errors=True)
         self._let_go()

@@ -59,3 +59,13 @@ def gated_services(folder: str) -> Services:
         while (gate / "hold").exists() and time.monotonic() < deadline:
             time.sleep(0.005)
     return services()
+
+
+def slow_once_services(folder: str) -> Services:
+    """:func:`services`, except that a worker starting while ``<folder>/slow`` exists
+    removes it and takes a minute: one start that outlasts a short ``start_timeout_s``."""
+    slow = Path(folder) / "slow"
+    if slow.exists():
+        slow.unlink()
+        time.sleep(60)
+    return services()

@@ -238,6 +238,66 @@ def test_a_connection_that_fails_its_handshake_does_not_stop_the_shard_accepting
         shards.shutdown(timeout=10)
 
 
+def test_a_peer_that_never_answers_the_handshake_does_not_hold_up_new_connections(
+    tmp_path: Path,
+) -> None:
+    shards = ProcessShards(tmp_path / "one", shard_services.services, 1, runtime_options=OPTIONS)
+    silent: list[socket.socket] = []
+    try:
+        address = shards._shards[0].address
+        for n in range(2):  # connected, and never answering the challenge
+            raw = socket.socket(socket.AF_UNIX)
+            raw.settimeout(20)
+            raw.connect(address)
+            if n == 0:
+                assert raw.recv(4096)  # the worker took it first, and waits for its answer
+            silent.append(raw)
+        # No connection is idle yet: these calls need new ones, accepted after those.
+        calls = [
+            _in_thread(shards.run, f"room:{n}", Input(id="", content="你好")) for n in range(3)
+        ]
+        for call, _ in calls:
+            call.join(20)
+        stuck = any(call.is_alive() for call, _ in calls)
+        if stuck:  # in the handshake, holding its shard: end the worker to shut down
+            os.kill(shards.info()[0]["pid"], signal.SIGKILL)
+        assert not stuck, "new connections waited for a peer that does not answer"
+        assert all(getattr(box[0], "outcome", None) == "replied" for _, box in calls), calls
+    finally:
+        for raw in silent:
+            raw.close()
+        shards.shutdown(timeout=10)
+
+
+def test_a_worker_that_does_not_answer_new_connections_holds_each_call_a_bounded_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(processes, "_HANDSHAKE_S", 1.0)
+    shards = ProcessShards(tmp_path / "one", shard_services.services, 1, runtime_options=OPTIONS)
+    pid = shards.info()[0]["pid"]
+    try:
+        os.kill(pid, signal.SIGSTOP)  # its accept loop too
+        start = time.monotonic()
+        calls = [
+            _in_thread(shards.run, f"room:{n}", Input(id="", content="你好")) for n in range(3)
+        ]
+        for call, _ in calls:
+            call.join(20)
+        took = time.monotonic() - start
+        stuck = any(call.is_alive() for call, _ in calls)
+        os.kill(pid, signal.SIGCONT)
+        assert not stuck, "a call waited on a stopped worker with no bound"
+        for _, box in calls:  # each its own 1 s, side by side: not one after the other
+            assert isinstance(box[0], RunError), box
+            assert "did not answer a new connection within 1 s" in str(box[0]), box
+        assert took < 2.5, took
+        assert shards.run("room:a", Input(id="", content="你好")).outcome == "replied"
+        assert shards.info()[0]["pid"] == pid  # a live worker: not started again
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        shards.shutdown(timeout=10)
+
+
 def test_a_call_cut_by_an_interrupt_leaves_no_half_call_or_unread_answer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -406,6 +466,35 @@ def test_a_worker_killed_while_it_is_started_again_is_started_once_more(tmp_path
         assert box and getattr(box[0], "outcome", None) == "replied", box
         info = shards.info()[0]
         assert info["restarts"] == 2 and info["down"] is None
+    finally:
+        shards.shutdown(timeout=10)
+
+
+def test_a_worker_that_does_not_start_in_time_is_started_again_by_a_later_call(
+    tmp_path: Path,
+) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    services = functools.partial(shard_services.slow_once_services, str(gate))
+    shards = ProcessShards(
+        tmp_path / "t", services, 1, runtime_options=OPTIONS, start_timeout_s=5, max_restarts=2
+    )
+    try:
+        pid = shards.info()[0]["pid"]
+        (gate / "slow").write_text("", encoding="utf-8")
+        os.kill(pid, signal.SIGKILL)
+        _wait_for(lambda: not shards.info()[0]["alive"], "the worker to die")
+        with pytest.raises(ShardUnavailable) as caught:
+            shards.run("room:a", Input(id="t1", content="你好"))
+        message = str(caught.value)
+        assert "did not start within 5 s (start_timeout_s)" in message, message
+        assert "building its services" in message and "a later call" in message, message
+        assert not caught.value.maybe_accepted and not (gate / "slow").exists()
+        assert shards.info()[0]["down"] is None
+        # The slow start counted as a death: two deaths so far, within max_restarts.
+        assert shards.run("room:a", Input(id="t1", content="你好")).outcome == "replied"
+        info = shards.info()[0]
+        assert info["alive"] and info["down"] is None and info["restarts"] == 2
     finally:
         shards.shutdown(timeout=10)
 

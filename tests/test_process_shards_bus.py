@@ -1,0 +1,190 @@
+"""``ProcessShards.subscribe``: the workers' bus events, forwarded to the parent's
+subscribers (``scale/processes.py``). Real worker processes, real sockets, real SIGKILLs;
+the workers' services are ``tests/shard_services.py``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aalis_agent.events import Input
+from aalis_agent.events.errors import InvalidInput, RuntimeClosed
+from aalis_agent.scale.ownership import shard_of
+from aalis_agent.scale.processes import ProcessShards
+from aalis_agent.services.bus_events import TurnEnded, subscribe_typed, typed_event
+
+from tests import shard_services
+
+OPTIONS = {"janitor": False}
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> Iterator[ProcessShards]:
+    made = ProcessShards(tmp_path / "shards", shard_services.services, 2, runtime_options=OPTIONS)
+    yield made
+    made.shutdown(timeout=10)
+
+
+def _wait_for(predicate: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def _one_per_shard() -> tuple[str, str]:
+    names = [f"room:{n}" for n in range(50)]
+    return (
+        next(s for s in names if shard_of(s, 2) == 0),
+        next(s for s in names if shard_of(s, 2) == 1),
+    )
+
+
+class _Seen:
+    """What a subscriber received, read from the test's thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.events: list[tuple[str, dict[str, Any], str]] = []
+
+    def __call__(self, topic: str, payload: Any) -> None:
+        with self.lock:
+            self.events.append((topic, payload, threading.current_thread().name))
+
+    def of(self, session: str, topic: str | None = None) -> list[dict[str, Any]]:
+        with self.lock:
+            return [
+                p
+                for t, p, _ in self.events
+                if p.get("sessionId") == session and (topic is None or t == topic)
+            ]
+
+
+def test_events_of_sessions_on_every_shard_reach_the_parent_in_order(
+    shards: ProcessShards,
+) -> None:
+    a, b = _one_per_shard()
+    seen = _Seen()
+    shards.subscribe("*", seen)
+    outcomes: dict[str, list[Any]] = {a: [], b: []}
+    for n in range(3):
+        for session in (a, b):
+            outcomes[session].append(shards.run(session, Input(id=f"{session}-{n}", content="hi")))
+    for session in (a, b):
+        _wait_for(lambda s=session: len(seen.of(s, "turn:ended")) == 3, f"{session}'s turns")
+        turns = [o.turn_id for o in outcomes[session]]
+        # Per session, in the order the worker published them: each turn opened, then
+        # its reply, then ended, one turn after the other.
+        trail = [
+            (t, p.get("turnId"))
+            for t, p, _ in seen.events
+            if p.get("sessionId") == session and t in ("turn:opened", "turn:ended")
+        ]
+        assert trail == [(k, t) for t in turns for k in ("turn:opened", "turn:ended")]
+        replies = seen.of(session, "outbound:message")
+        assert [r["content"] for r in replies] == [o.reply for o in outcomes[session]]
+        ended = typed_event("turn:ended", seen.of(session, "turn:ended")[0])
+        assert isinstance(ended, TurnEnded) and ended.outcome == "replied"
+    threads = {name for _, _, name in seen.events}
+    assert len(threads) == 2, threads  # one delivering thread per shard
+
+
+def test_a_topic_subscription_gets_only_its_topic_and_typed_subscribers_work(
+    shards: ProcessShards,
+) -> None:
+    a, b = _one_per_shard()
+    ended = _Seen()
+    typed: list[Any] = []
+    shards.subscribe("turn:ended", ended)
+    subscribe_typed(shards.bus, typed.append, topics=("turn:opened",))
+    shards.run(a, Input(id="", content="hi"))
+    shards.run(b, Input(id="", content="hi"))
+    _wait_for(lambda: len(ended.events) == 2 and len(typed) == 2, "the turns' events")
+    assert {t for t, _, _ in ended.events} == {"turn:ended"}
+    assert {e.session_id for e in typed} == {a, b}
+
+
+def test_after_a_worker_is_killed_and_started_again_its_events_arrive_again(
+    shards: ProcessShards,
+) -> None:
+    a, _ = _one_per_shard()
+    seen = _Seen()
+    shards.subscribe("turn:ended", seen)
+    first = shards.run(a, Input(id="k1", content="hi"))
+    _wait_for(lambda: len(seen.of(a)) == 1, "the first turn's end")
+    pid = shards.info()[0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    _wait_for(lambda: not shards.info()[0]["alive"], "the worker to die")
+    second = shards.run(a, Input(id="k2", content="hi"))  # starts the worker again
+    assert shards.info()[0]["pid"] != pid
+    third = shards.run(a, Input(id="k3", content="hi"))
+    _wait_for(lambda: len(seen.of(a)) >= 3, "the turns' ends after the restart")
+    # The new worker was subscribed before the call that started it went on.
+    assert [p["turnId"] for p in seen.of(a)] == [first.turn_id, second.turn_id, third.turn_id]
+
+
+def test_unsubscribe_stops_delivery_and_a_subscriber_that_raises_stops_nothing(
+    shards: ProcessShards,
+) -> None:
+    a, _ = _one_per_shard()
+    gone = _Seen()
+    kept = _Seen()
+
+    def raises(topic: str, payload: Any) -> None:
+        raise RuntimeError("a broken subscriber")
+
+    shards.subscribe("turn:ended", raises)
+    unsubscribe = shards.subscribe("turn:ended", gone)
+    shards.subscribe("turn:ended", kept)
+    shards.run(a, Input(id="", content="hi"))
+    _wait_for(lambda: len(kept.events) == 1, "the first turn's end")
+    assert len(gone.events) == 1
+    unsubscribe()
+    unsubscribe()  # a second call does nothing
+    shards.run(a, Input(id="", content="hi"))
+    # Both run on the shard's one delivering thread, in order: once ``kept`` has the
+    # second turn's end, ``gone`` would have had it too.
+    _wait_for(lambda: len(kept.events) == 2, "the second turn's end")
+    assert len(gone.events) == 1
+
+
+def test_a_slow_subscriber_does_not_hold_up_the_shard(shards: ProcessShards) -> None:
+    a, _ = _one_per_shard()
+    release = threading.Event()
+    calls: list[str] = []
+
+    def slow(topic: str, payload: Any) -> None:
+        calls.append(topic)
+        release.wait(60)
+
+    shards.subscribe("*", slow)
+    try:
+        start = time.monotonic()
+        for n in range(5):
+            assert shards.run(a, Input(id="", content=f"{n}")).outcome == "replied"
+        assert time.monotonic() - start < 20
+        _wait_for(lambda: calls, "the subscriber to be called")
+        assert len(calls) == 1  # still in its first event
+    finally:
+        release.set()
+    _wait_for(lambda: calls.count("turn:ended") == 5, "the events held back")
+
+
+def test_subscribe_refuses_what_it_cannot_call(tmp_path: Path) -> None:
+    shards = ProcessShards(tmp_path / "s", shard_services.services, 1, runtime_options=OPTIONS)
+    try:
+        with pytest.raises(InvalidInput, match="topic"):
+            shards.subscribe("", print)
+        with pytest.raises(InvalidInput, match="fn must be callable"):
+            shards.subscribe("*", "print")  # type: ignore[arg-type]
+    finally:
+        shards.shutdown(timeout=10)
+    with pytest.raises(RuntimeClosed):
+        shards.subscribe("*", print)
