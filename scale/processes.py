@@ -69,6 +69,7 @@ import asyncio
 import atexit
 import contextlib
 import functools
+import inspect
 import json
 import multiprocessing
 import os
@@ -690,7 +691,7 @@ class _Shard:
             process.join(5)
             mine.close()
             if msg is not None and msg[0] == "failed":
-                raise _raised(msg[1])
+                raise _StartFailed(_raised(msg[1]), process)
             why = (
                 f"it exited with status {process.exitcode} (its error is on stderr; a "
                 "script starting ProcessShards does so under if __name__ == '__main__':, "
@@ -797,7 +798,9 @@ class _Shard:
         killed while it starts is one more death, and started again the same way; one
         that does not start within ``start_timeout_s`` is one more death too, but fails
         this call (the next call tries again). Any other failure to start gives the
-        shard up."""
+        shard up, except one raised by its ``services()`` or ``Runtime`` (not a
+        ``UsageError``): that is one more death too (a configuration service away for a
+        moment), the call failing and the next one trying again."""
         if self.down is not None:
             raise _Down(self.down)
         process = self.process
@@ -815,6 +818,17 @@ class _Shard:
                 self._current = (self.generation, None)  # its death is counted here
                 self._died(exc.process, str(exc))
                 raise _Down(f"{exc}; a later call starts it again") from None
+            except _StartFailed as failed:  # its services() or Runtime raised
+                error = failed.error
+                if isinstance(error, UsageError):  # a mistake the next start makes again
+                    self.down = f"its worker would not start again: {error}"
+                    raise _Down(self.down) from error
+                said = f"{type(error).__name__}: {error}"
+                self._current = (self.generation, None)  # its death is counted here
+                self._died(failed.process, f"its start failed: {said}")
+                raise _Down(
+                    f"its worker would not start again: {said}; a later call starts it again"
+                ) from error
             except Exception as exc:
                 self.down = f"its worker would not start again: {exc}"
                 raise _Down(self.down) from exc
@@ -1053,6 +1067,44 @@ class _StartTimedOut(RunError):
         self.process = process
 
 
+def _runtime_options(given: object) -> dict[str, Any]:
+    """``runtime_options`` checked against ``Runtime``'s keyword arguments, in the parent:
+    a misspelt one is named here, not as a ``TypeError`` from a worker's start."""
+    if given is None:
+        return {}
+    if not isinstance(given, dict):
+        raise UsageError(
+            f"ProcessShards: runtime_options must be a dict, not {type(given).__name__}"
+        )
+    from aalis_agent.actors.runtime import Runtime
+
+    params = inspect.signature(Runtime.__init__).parameters
+    own = ("self", "store", "services")  # each worker's: its shard file and services()
+    known = sorted(p for p in params if p not in own)
+    for key in given:
+        if key in own[1:]:
+            raise UsageError(
+                f"ProcessShards: runtime_options: {key!r} is the shard's own (its file, "
+                "and what services() builds): leave it out"
+            )
+        if key not in known:
+            raise UsageError(
+                f"ProcessShards: runtime_options: {key!r} is not an argument of Runtime "
+                f"(it takes {', '.join(known)})"
+            )
+    return dict(given)
+
+
+class _StartFailed(Exception):
+    """The error a worker's start failed with (its ``services()`` or ``Runtime``
+    raising), with the process that ended."""
+
+    def __init__(self, error: BaseException, process: Any) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.process = process
+
+
 class _KilledStarting(RunError):
     """A worker killed by a signal before it served."""
 
@@ -1247,6 +1299,7 @@ class ProcessShards:
         ):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise UsageError(f"ProcessShards: {name} must be a number > 0, not {value!r}")
+        options = _runtime_options(runtime_options)
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise UsageError(f"{str(self.directory)!r} is not a directory")
@@ -1261,7 +1314,7 @@ class ProcessShards:
             self._let_go()
             raise
         self.services = services
-        self.runtime_options = dict(runtime_options or {})
+        self.runtime_options = options
         self.start_timeout_s = start_timeout_s
         self.max_restarts = max_restarts
         self.inline_s = float(inline_s)
@@ -1277,6 +1330,9 @@ class ProcessShards:
             for shard in self._shards:
                 with shard.lock:
                     shard.start()
+        except _StartFailed as failed:  # the worker's own error, as its class
+            self.shutdown(timeout=10)
+            raise failed.error from None
         except BaseException:
             self.shutdown(timeout=10)
             raise

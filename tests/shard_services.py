@@ -61,6 +61,16 @@ def gated_services(folder: str) -> Services:
     return services()
 
 
+def fails_once_services(folder: str) -> Services:
+    """:func:`services`, except that a worker starting while ``<folder>/fail`` exists
+    removes it and raises (a configuration service away for a moment)."""
+    fail = Path(folder) / "fail"
+    if fail.exists():
+        fail.unlink()
+        raise ConnectionError("the configuration service did not answer")
+    return services()
+
+
 def slow_once_services(folder: str) -> Services:
     """:func:`services`, except that a worker starting while ``<folder>/slow`` exists
     removes it and takes a minute: one start that outlasts a short ``start_timeout_s``."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -497,6 +498,46 @@ def test_a_worker_that_does_not_start_in_time_is_started_again_by_a_later_call(
         assert info["alive"] and info["down"] is None and info["restarts"] == 2
     finally:
         shards.shutdown(timeout=10)
+
+
+def test_a_restart_whose_services_raise_fails_that_call_and_a_later_one_starts_it(
+    tmp_path: Path,
+) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    services = functools.partial(shard_services.fails_once_services, str(gate))
+    shards = ProcessShards(tmp_path / "f", services, 1, runtime_options=OPTIONS, max_restarts=2)
+    try:
+        pid = shards.info()[0]["pid"]
+        (gate / "fail").write_text("", encoding="utf-8")
+        os.kill(pid, signal.SIGKILL)
+        _wait_for(lambda: not shards.info()[0]["alive"], "the worker to die")
+        with pytest.raises(ShardUnavailable) as caught:
+            shards.run("room:a", Input(id="f1", content="你好"))
+        message = str(caught.value)
+        assert "ConnectionError: the configuration service did not answer" in message, message
+        assert "a later call starts it again" in message, message
+        assert not caught.value.maybe_accepted and shards.info()[0]["down"] is None
+        assert shards.run("room:a", Input(id="f1", content="你好")).outcome == "replied"
+        assert shards.info()[0]["restarts"] == 2  # the kill, then the failed start
+    finally:
+        shards.shutdown(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"max_live_sesions": 3}, "'max_live_sesions' is not an argument of Runtime (it takes"),
+        ({"store": None}, "'store' is the shard's own"),
+        ([("idle_s", 1)], "runtime_options must be a dict, not list"),
+    ],
+)
+def test_runtime_options_are_checked_before_any_worker_starts(
+    tmp_path: Path, options: object, said: str
+) -> None:
+    with pytest.raises(UsageError, match=re.escape(said)):
+        ProcessShards(tmp_path / "o", shard_services.services, 1, runtime_options=options)  # type: ignore[arg-type]
+    assert not (tmp_path / "o").exists()  # refused before the directory was made
 
 
 def test_a_shard_that_keeps_dying_is_given_up_naming_it(tmp_path: Path) -> None:
