@@ -988,7 +988,9 @@ class _EventFeed:
 
     def update(self) -> None:
         """Send the topics wanted now and wait (a moment at most) until the worker
-        follows them."""
+        follows them; not when called from this feed's own thread (a subscriber
+        subscribing from its callback): that thread reads the acknowledgement once the
+        callback returns, and the worker follows the topics from the next event on."""
         with self.cv:
             conn = self.conn
             if conn is None:
@@ -998,6 +1000,8 @@ class _EventFeed:
             try:
                 conn.send_bytes(_encode((seq, self._topics())))
             except (OSError, ValueError):
+                return
+            if threading.current_thread() is self.thread:
                 return
             deadline = time.monotonic() + _ATTACH_S
             while self.acked < seq and self.conn is conn and not self.closed:
@@ -1492,7 +1496,10 @@ class ProcessShards:
         worker started again (after it died) is subscribed before the call that started
         it goes on: events of calls made after that are delivered. A worker's death
         loses what it had not sent yet, and what the new worker publishes while it
-        starts (``recover()`` finishing the cut turns) is not forwarded."""
+        starts (``recover()`` finishing the cut turns) is not forwarded. A subscription
+        made from a subscriber's own callback returns without waiting for its shard's
+        worker (the thread it runs on is the one that reads its answer): that shard's
+        events of the new topic come from the worker's next events on."""
         if not isinstance(topic, str) or not topic:
             raise InvalidInput(f"subscribe: topic must be a non-empty str, not {topic!r:.80}")
         if not callable(fn):

@@ -188,3 +188,26 @@ def test_subscribe_refuses_what_it_cannot_call(tmp_path: Path) -> None:
         shards.shutdown(timeout=10)
     with pytest.raises(RuntimeClosed):
         shards.subscribe("*", print)
+
+
+def test_a_subscriber_subscribing_from_its_own_callback_does_not_wait_for_itself(
+    shards: ProcessShards,
+) -> None:
+    """A callback runs on its shard's event thread, which is also what reads the worker's
+    acknowledgement of a new topic: subscribing there must not wait for it."""
+    first, _ = _one_per_shard()
+    later = _Seen()
+    took: list[float] = []
+
+    def on_turn(topic: str, payload: Any) -> None:
+        if not took:
+            t0 = time.monotonic()
+            shards.subscribe("turn:ended", later)
+            took.append(time.monotonic() - t0)
+
+    shards.subscribe("turn:opened", on_turn)
+    assert shards.run(first, Input(id="a", content="你好")).outcome == "replied"
+    _wait_for(lambda: bool(took), "the callback to subscribe")
+    assert took[0] < 2.0, took  # it waited out the acknowledgement's 5 s before
+    assert shards.run(first, Input(id="b", content="你好")).outcome == "replied"
+    _wait_for(lambda: any(p.get("turnId") for _, p, _ in later.events), "the later subscriber")
