@@ -140,6 +140,7 @@ FROZEN_ZH: dict[str, str] = {
     "chat.reason": "（{reason}）",
     "chat.unknown_command": "没有这个命令：{command}（/help 看有哪些）",
     "chat.scripted_reply": "（脚本模型）收到：{said}",
+    "chat.resumed": "[恢复] 上次没做完的：记下被中断的那一轮，回答还在等的消息",
 }
 
 

@@ -173,4 +173,8 @@ TEXTS: dict[str, str] = {
     "chat.reason": " ({reason})",
     "chat.unknown_command": "No such command: {command} (/help lists them)",
     "chat.scripted_reply": "(scripted model) received: {said}",
+    "chat.resumed": (
+        "[resumed] the previous run's unfinished work: the cut turn recorded, the "
+        "messages still waiting answered"
+    ),
 }
