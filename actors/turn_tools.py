@@ -259,7 +259,10 @@ class ToolBatch(TurnBase):
                         # An async handler runs on the shared tool loop thread; a stop
                         # cancels it (SCH6).
                         value = run_awaitable(
-                            value, default_loop_thread().loop, abort=c.tool_call_context.abort
+                            value,
+                            default_loop_thread().loop,
+                            abort=c.tool_call_context.abort,
+                            name=tc.name,
                         )
                 holder["result"] = value
             except _PASSED_ON:
