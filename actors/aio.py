@@ -44,7 +44,7 @@ import contextvars
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
@@ -534,12 +534,12 @@ class AsyncRuntime:
 
     # --- observing ---------------------------------------------------------------------
 
-    async def arecover(self) -> list[str]:
+    async def arecover(self, sessions: Iterable[str] | None = None) -> list[str]:
         """``Runtime.recover`` on a thread: after a restart, record each turn a crash cut
         and run the inputs still queued (a session's next use does it too, but a room
-        nobody writes to again would keep its queued inputs unanswered). Returns the
-        sessions it started."""
-        return await self._call(self.runtime.recover)
+        nobody writes to again would keep its queued inputs unanswered). ``sessions``
+        limits it to those ids. Returns the sessions it started."""
+        return await self._call(self.runtime.recover, sessions)
 
     async def aview(self, session_id: str) -> SessionView:
         """The session's projected state."""

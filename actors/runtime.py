@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -1200,15 +1200,25 @@ class Runtime:
 
     # --- recovery and passivation ----------------------------------------------------
 
-    def recover(self) -> list[str]:
+    def recover(self, sessions: Iterable[str] | None = None) -> list[str]:
         """Start the sessions whose log shows unfinished work: a turn cut by a crash, or
-        inputs still queued. Their actors record the cut turn and schedule the queue."""
+        inputs still queued. Their actors record the cut turn and schedule the queue.
+        Returns the sessions started.
+
+        ``sessions`` limits it to those ids (the others' logs are not read, their work is
+        left for the runtime that runs them: a chat restarted on a shared database
+        recovers its own session only, and not others' queues with its model); an id
+        with no log, or none left to do, is skipped. ``None`` (the default): every
+        session."""
+        wanted = None if sessions is None else set(sessions)
         started, idle = [], []
         # Only sessions the log does not know to be idle are folded (ES4: start-up does
         # not grow with the whole history); those found idle are marked for next time.
         # A session whose log does not decode is quarantined (see quarantined()); the
         # others go on.
         for session_id in self.store.open_sessions():
+            if wanted is not None and session_id not in wanted:
+                continue
             try:
                 view = self._load(session_id)
                 if queue.has_open_work(view.queue):

@@ -259,7 +259,10 @@ class ToolBatch(TurnBase):
                         # An async handler runs on the shared tool loop thread; a stop
                         # cancels it (SCH6).
                         value = run_awaitable(
-                            value, default_loop_thread().loop, abort=c.tool_call_context.abort
+                            value,
+                            default_loop_thread().loop,
+                            abort=c.tool_call_context.abort,
+                            name=tc.name,
                         )
                 holder["result"] = value
             except _PASSED_ON:
@@ -296,7 +299,7 @@ class ToolBatch(TurnBase):
         nesting too deep, is an error for the model), text cleaned of lone surrogates,
         metadata dropped (and logged) when it is not a dict or could not be stored."""
         try:
-            result, problem = coerce_tool_result(after.result)
+            result, problem = coerce_tool_result(after.result, texts=self.texts)
         except Exception as exc:  # a value of the tool's own whose reading fails
             result, problem = None, redact(exception_text(exc, named=True))
         try:

@@ -8,7 +8,10 @@ list the models and personas; the built-in tools (time, arithmetic) are offered 
 model and each call shows as a ``[工具]`` line; ``/quit`` (or end of input)
 leaves once the last turn has ended. The reply streams as it comes, and a one-line
 token-usage status follows each turn. Everything is persisted: ``aalis-agent replay DB``
-shows it.
+shows it. A chat started on a log whose previous chat of the same session was killed
+mid-turn first finishes that run's work (``Runtime.recover`` of this session only): the cut
+turn is recorded (``aborted``, reason ``crash``) and the lines it had taken and not
+answered are answered, their replies printed as any, while new lines are read.
 
 Input is read as bytes and decoded line by line: a line that is not valid UTF-8 is
 reported on stderr (``chat: line 3 is not valid UTF-8; skipped``) and skipped, and the
@@ -467,6 +470,21 @@ def run_chat(
             if interactive:
                 with lock:
                     sink[0] = sys.stdout  # the proxy
+            # What a previous run of this session left (killed mid-turn): its cut turn is
+            # recorded and the lines it had taken are answered now, not at the next line
+            # typed. This session only: others in the file are their own runtimes' work.
+            # Its output waits for the line saying so (as a typed line's does).
+            with lock:
+                paused[0] = []
+            resumed: list[str] = []
+            try:
+                resumed = runtime.recover(sessions=(session_id,))
+            finally:
+                with lock:
+                    waiting, paused[0] = paused[0] or [], None
+                    if resumed:
+                        emit(texts("chat.resumed") + "\n")
+                    emit("".join(waiting))
             lines = _typed_lines(prompt_session, stop_running) if interactive else _lines(stdin)
             for number, line in lines:
                 if line is None:

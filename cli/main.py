@@ -92,7 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
             "OPENAI_API_KEY by default), or --script, else a "
             "scripted model that echoes; with --config, --base-url or --script gives the "
             "model in place of the file's. The model may call the built-in tools "
-            "current_time and calculate (--no-tools: none)."
+            "current_time and calculate (--no-tools: none). Started where an earlier chat "
+            "of the session was killed mid-turn, it first records the cut turn (aborted, "
+            "crash) and answers the lines that run took and left unanswered (this "
+            "session's only), while reading new lines."
         ),
     )
     chat.add_argument("--config", metavar="FILE", help="configuration file (TOML)")

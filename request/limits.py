@@ -14,7 +14,8 @@ iterative, so a value nested 100,000 deep gets an error instead of a ``Recursion
   (the parsed table, and the TOML text before it is parsed), the dotted key of the first
   value the log cannot hold.
 
-The texts that go to the model are Chinese, in the tone of ``texts.py``.
+The texts that go to the model (a tool's arguments or result refused) come from the
+locale packs, in the ``texts`` given (default ``zh``); the others are Chinese, in their tone.
 """
 
 from __future__ import annotations
@@ -274,12 +275,13 @@ def _json_key(key: object) -> str | None:
 
 
 def coerce_tool_result(
-    value: object, *, max_depth: int = MAX_DEPTH
+    value: object, *, max_depth: int = MAX_DEPTH, texts: Texts = ZH
 ) -> tuple[str | None, str | None]:
     """A tool handler's return value as ``(text, error)``: text is cleaned (lone
     surrogates replaced), bytes decoded as UTF-8 with replacement, None stays None, and a
     JSON value (dict, list, tuple, int, float, bool) becomes compact JSON text. Anything
-    else, a non-finite number, or nesting past ``max_depth`` gives ``(None, error)``."""
+    else, a non-finite number, or nesting past ``max_depth`` gives ``(None, error)``, the
+    error in ``texts``' language (``tool.result_*``; the model reads it)."""
     if value is None:
         return None, None
     if isinstance(value, str):
@@ -287,26 +289,23 @@ def coerce_tool_result(
     if isinstance(value, bytes | bytearray | memoryview):
         return bytes(value).decode("utf-8", "replace"), None
     if not isinstance(value, dict | list | tuple | int | float):  # bool is an int
-        return None, (
-            f"工具返回了 {type(value).__name__}，不能转成文本"
-            "（只接受文本、字节、JSON 对象、数组、数字、布尔或 None）"
-        )
+        return None, texts("tool.result_type", type=type(value).__name__)
     found = _walk(value, max_depth, _json_leaf, _json_key)
     if found is not None:
         path, problem = found
-        where = _where(path)
+        where = texts("tool.result_where", path=show_path(path)) if path else ""
         if problem == "deep":
-            return None, f"工具返回的结果嵌套超过 {max_depth} 层，不能转成文本{where}"
+            return None, texts("tool.result_too_deep", max_depth=max_depth, where=where)
         if problem == "nan":
-            return None, f"工具返回的结果里有 NaN 或无穷大，JSON 表示不了{where}"
+            return None, texts("tool.result_nan", where=where)
         if problem == "key":
-            return None, f"工具返回的结果里有不是文本的键，JSON 表示不了{where}"
+            return None, texts("tool.result_key", where=where)
         bad = type(_at(value, path)).__name__
-        return None, f"工具返回的结果里有 {bad}，JSON 表示不了{where}"
+        return None, texts("tool.result_value", type=bad, where=where)
     try:
         text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:  # e.g. an integer past the digit limit
-        return None, f"工具返回的结果不能转成 JSON 文本：{exc}"
+        return None, texts("tool.result_not_json", error=exc)
     return clean_text(text), None
 
 

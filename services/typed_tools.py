@@ -22,7 +22,11 @@ user's classes are left as they are (see "unknown fields in nested objects" belo
 A parameter annotated :class:`ToolCallContext` receives the call's context and is left out
 of the schema. An ``async def`` function (or one returning an awaitable) runs to completion
 on an event loop thread (:class:`EventLoopThread`, a shared one unless a loop is given)
-while the tool thread waits; stopping the turn (``ctx.abort``) cancels the task.
+while the tool thread waits; stopping the turn (``ctx.abort``), or the tool's ``timeout``
+running out, cancels the task and ends the wait. A task that ignores its cancellation
+runs on; it is logged once (:data:`RUNAWAY_GRACE_S` later), listed by
+:meth:`EventLoopThread.runaways`, and cancelled again when its loop closes (at the last
+runtime's shutdown), which names one that outlasts that too and closes its coroutine.
 A ``str`` result is returned as is; any other value is JSON-encoded with msgspec.
 """
 
@@ -35,6 +39,7 @@ import inspect
 import math
 import re
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar, get_type_hints, overload
@@ -42,6 +47,7 @@ from typing import Annotated, Any, TypeVar, get_type_hints, overload
 import docstring_parser
 import msgspec
 import msgspec.inspect as mi
+import structlog
 from aalis_agent.events.errors import Aborted, ToolError
 from aalis_agent.services.abort import AbortSignal
 from aalis_agent.services.tools import Tool, ToolCallContext
@@ -60,6 +66,19 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+log = structlog.get_logger("aalis.tools")
+
+RUNAWAY_GRACE_S = 1.0
+"""How long a coroutine cancelled by its waiter (its timeout ran out, its turn stopped)
+has to end before it is logged as still running (once)."""
+
+# The tasks run_awaitable started, named (the tool's name, else the coroutine's), and
+# those still running after their cancellation: their loop's close cancels and waits for
+# them again, and names one that never ends instead of leaving it to asyncio's "Task was
+# destroyed but it is pending!" at exit.
+_names: weakref.WeakKeyDictionary[asyncio.Task[Any], str] = weakref.WeakKeyDictionary()
+_runaways: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
 
 
 # --- running coroutines from a tool thread ------------------------------------------------
@@ -123,20 +142,37 @@ class EventLoopThread:
         """Schedule ``awaitable`` on this loop; its future, to wait for or cancel."""
         return asyncio.run_coroutine_threadsafe(_as_coroutine(awaitable), self.loop)
 
+    def runaways(self) -> list[str]:
+        """The names of the coroutines on this loop that a waiter cancelled (a timeout, a
+        stop) and that still run :data:`RUNAWAY_GRACE_S` later, ignoring it."""
+        loop = self.running_loop()
+        return sorted(
+            _names.get(t, "?") for t in list(_runaways) if t.get_loop() is loop and not t.done()
+        )
+
     def close(self, timeout: float = 5.0) -> None:
-        """Cancel what is still running, stop the loop and join its thread."""
+        """Cancel what is still running, wait up to ``timeout`` seconds for it to end
+        (once, in all), stop the loop and join its thread. A task still running then (it
+        ignores its cancellation) is logged by name and its coroutine closed (its
+        ``finally`` blocks run): the loop is closed without it, and without asyncio's
+        "Task was destroyed but it is pending!" at exit."""
         with self._lock:
             loop, thread = self._loop, self._thread
             self._loop = self._thread = None
         if loop is None or thread is None or loop.is_closed():
             return
 
+        outlasted: set[asyncio.Task[Any]] = set()  # by a wait: not waited for again
+
         async def cancel_all() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in tasks:
                 task.cancel()
-            if tasks:
-                await asyncio.wait(tasks, timeout=timeout)
+            fresh = [t for t in tasks if t not in outlasted]
+            if fresh:
+                await asyncio.wait(fresh, timeout=timeout)
+            await asyncio.sleep(0)  # the others' cancellations thrown in
+            outlasted.update(t for t in tasks if not t.done())
 
         if thread.is_alive():
             with contextlib.suppress(Exception):
@@ -149,6 +185,16 @@ class EventLoopThread:
                 loop.run_until_complete(cancel_all())
             with contextlib.suppress(Exception):
                 loop.run_until_complete(loop.shutdown_asyncgens())
+            for task in asyncio.all_tasks(loop):
+                log.warning(
+                    "async tool left running at shutdown: it ignores its cancellation",
+                    tool=_names.get(task) or getattr(task.get_coro(), "__qualname__", "?"),
+                    waited_s=timeout,
+                )
+                # Said here, by name: not again by asyncio when the task is collected.
+                task._log_destroy_pending = False  # type: ignore[attr-defined]
+                with contextlib.suppress(Exception):  # its finally runs now, not at exit
+                    task.get_coro().close()  # (a coroutine ignoring GeneratorExit: left)
             loop.close()
 
 
@@ -208,11 +254,16 @@ def run_awaitable(
     *,
     abort: AbortSignal | None = None,
     timeout: float | None = None,
+    name: str | None = None,
 ) -> T:
     """Run ``awaitable`` to completion on ``loop`` (running on another thread) and wait.
 
     When ``abort`` is set the task is cancelled and :class:`Aborted` is raised; after
-    ``timeout`` seconds the task is cancelled and :class:`TimeoutError` is raised.
+    ``timeout`` seconds the task is cancelled and :class:`TimeoutError` is raised. The
+    wait ends there: a task that ignores its cancellation goes on on its loop, is logged
+    once (by ``name``, default the coroutine's) if it still runs
+    :data:`RUNAWAY_GRACE_S` later, and is cancelled and waited for again when its
+    :class:`EventLoopThread` closes.
     """
     coroutine: Coroutine[Any, Any, T] = (
         awaitable if inspect.iscoroutine(awaitable) else _as_coroutine(awaitable)
@@ -227,11 +278,14 @@ def run_awaitable(
     if running is loop:
         coroutine.close()
         raise RuntimeError("cannot wait for a coroutine on the loop of this very thread")
-    future = asyncio.run_coroutine_threadsafe(_contained(coroutine), loop)
+    label = name or getattr(coroutine, "__qualname__", None) or type(awaitable).__name__
+    started: list[asyncio.Task[Any]] = []
+    future = asyncio.run_coroutine_threadsafe(_contained(coroutine, label, started), loop)
     if abort is not None:
 
         def cancel() -> None:
-            future.cancel()  # cancels the task on the loop (thread-safe)
+            if future.cancel():  # cancels the task on the loop (thread-safe)
+                _watch(loop, started, label, f"stop: {abort.reason or 'stop'}")
 
         abort.add_callback(cancel)
     try:
@@ -243,8 +297,36 @@ def run_awaitable(
             raise Aborted(abort.reason or "stop") from None
         raise
     except TimeoutError:
-        future.cancel()
+        if future.cancel():
+            _watch(loop, started, label, f"timed out after {timeout} s")
         raise
+
+
+def _watch(
+    loop: asyncio.AbstractEventLoop, started: list[asyncio.Task[Any]], label: str, why: str
+) -> None:
+    """After a waiter cancelled the task in ``started``: if it still runs
+    :data:`RUNAWAY_GRACE_S` later (it ignores the cancellation), log it once and track it
+    (see :meth:`EventLoopThread.runaways`). From any thread."""
+
+    def check() -> None:
+        task = started[0] if started else None
+        if task is None or task.done():
+            return
+        _runaways.add(task)
+        log.warning(
+            "async tool still running after its cancellation: it goes on on the tool loop "
+            "until it ends or the loop closes",
+            tool=label,
+            cancelled=why,
+            grace_s=RUNAWAY_GRACE_S,
+        )
+
+    def later() -> None:
+        loop.call_later(RUNAWAY_GRACE_S, check)
+
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs on it
+        loop.call_soon_threadsafe(later)
 
 
 class _Escaped(Exception):
@@ -255,10 +337,17 @@ class _Escaped(Exception):
         self.original = original
 
 
-async def _contained(coroutine: Coroutine[Any, Any, T]) -> T:
+async def _contained(
+    coroutine: Coroutine[Any, Any, T], label: str, started: list[asyncio.Task[Any]]
+) -> T:
     """``coroutine``, with a SystemExit or KeyboardInterrupt it raises kept in its task:
     asyncio raises those out of the loop itself, which would end the loop's thread, and
-    every coroutine sent to it after (every session's async tools) would wait for good."""
+    every coroutine sent to it after (every session's async tools) would wait for good.
+    Its task goes in ``started``, named ``label``."""
+    task = asyncio.current_task()
+    if task is not None:
+        started.append(task)
+        _names[task] = label
     try:
         return await coroutine
     except (SystemExit, KeyboardInterrupt) as exc:
@@ -738,7 +827,7 @@ def _await(
     target = loop if loop is not None else default_loop_thread()
     running = target.loop if isinstance(target, EventLoopThread) else target
     try:
-        return run_awaitable(value, running, abort=abort, timeout=timeout)
+        return run_awaitable(value, running, abort=abort, timeout=timeout, name=tool_name)
     except TimeoutError:
         raise ToolError(f"tool {tool_name!r} timed out after {timeout} s") from None
 

@@ -489,3 +489,70 @@ def test_an_empty_db_is_refused_not_kept_in_a_temporary_file() -> None:
     assert result.stderr == (
         "aalis-agent chat: error: --db must name a database file (or a postgresql:// URL)\n"
     )
+
+
+def test_a_restarted_chat_finishes_what_a_killed_one_left_and_only_its_own(
+    tmp_path: Path,
+) -> None:
+    """A chat SIGKILLed while a reply streams, with two more lines received, leaves the
+    turn without its record and the lines unanswered; the next chat on that database
+    records the cut turn and answers them at its start (no line typed: stdin is empty),
+    printing the reply. Another session's unfinished work in the same file is left."""
+    from aalis_agent.events import Batch, Input, ModelCallStarted, TurnOpened
+
+    db = tmp_path / "q.db"
+    script = tmp_path / "slow.toml"
+    script.write_text(
+        '[[replies]]\ntext = "' + "慢" * 20 + '"\nchunks = 20\nchunk_delay_s = 0.2\n',
+        encoding="utf-8",
+    )
+    with SqliteEventStore(db) as store:  # another chat's session, cut mid-turn
+        cut = Batch("room", 0, now_ms=1_000)
+        cut.add(InputReceived(input=Input(id="r", content="theirs", timestamp=1_000)))
+        cut.add(TurnOpened(turn_id="turn-r", input_ids=("r",)))
+        cut.add(InputJoined(input_id="r", turn_id="turn-r", entry="opened"))
+        cut.add(ModelCallStarted(turn_id="turn-r", index=1))
+        store.append("room", cut.events, 0)
+    chat = subprocess.Popen(
+        [*CLI, "chat", "--db", str(db), "--script", str(script)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
+    try:
+        assert chat.stdin is not None
+        chat.stdin.write(b"a\nb\nc\n")
+        chat.stdin.flush()  # and kept open: the chat waits for more
+        deadline = time.monotonic() + 30
+        while True:  # until the three lines are in the log and the reply streams
+            assert time.monotonic() < deadline, "the chat did not take the three lines"
+            with SqliteEventStore(db, read_only=True) as store:
+                log = store.read("cli:console")
+            received = [e for e in log if isinstance(e, InputReceived)]
+            if len(received) == 3 and any(isinstance(e, ModelCallStarted) for e in log):
+                break
+            time.sleep(0.05)
+    finally:
+        chat.kill()  # SIGKILL: mid-reply (20 pieces, 0.2 s apart)
+        chat.wait(10)
+        chat.stdin.close()
+    with SqliteEventStore(db, read_only=True) as store:
+        assert [e for e in store.read("cli:console") if isinstance(e, TurnRecorded)] == []
+    result = run_cli("chat", "--db", str(db))
+    assert result.returncode == 0, result.stderr
+    with SqliteEventStore(db, read_only=True) as store:
+        log = store.read("cli:console")
+        theirs = store.read("room")
+    records = [(e.outcome, e.reason) for e in log if isinstance(e, TurnRecorded)]
+    assert records[0] == ("aborted", "crash")
+    assert records[1:] and {r for r in records[1:]} == {("replied", None)}
+    opened = [e.input_ids for e in log if isinstance(e, TurnOpened)]
+    ids = {e.input.content: e.input.id for e in log if isinstance(e, InputReceived)}
+    assert opened[0] == (ids["a"],) and ids["b"] in opened[1]  # each input in one turn
+    joined = [e.input_id for e in log if isinstance(e, InputJoined)]
+    assert sorted(joined) == sorted(ids.values())
+    # The echoing model says the user's words since its last answer: a's was cut.
+    assert "（脚本模型）收到：a / b / c" in result.stdout.splitlines(), result.stdout
+    assert "[恢复] " in result.stdout
+    assert len(theirs) == 4  # the other session's cut turn: not recorded, not run here

@@ -234,6 +234,55 @@ def test_recovery_folds_only_sessions_that_may_have_work() -> None:
         first.shutdown(timeout=10)
 
 
+def test_recovery_limited_to_some_sessions_leaves_the_others_for_their_owner(
+    tmp_path: Path,
+) -> None:
+    """``recover(sessions=...)`` (a chat restarted on a shared database) records the cut
+    turn and runs the queue of the sessions named, and no other: the others' work is
+    left, unread, for the runtime that runs them (it would run with the wrong model)."""
+    store = CountingSqlite(tmp_path / "shared.db")
+    model = GatedModel()
+    first = Runtime(store, Services(llm=model), FixedClock(), SequentialIds(), janitor=False)
+    for sid in ("mine", "theirs"):
+        first.submit(sid, Input(id=f"{sid}-a", content="一"))
+        first.submit(sid, Input(id=f"{sid}-b", content="二", source="schedule"))  # queued
+    settle(first, model)
+    for ref in pykka.ActorRegistry.get_all():
+        ref.stop()
+    for call in model.parked:
+        call.abort.abort("crash")
+    store.reads.clear()
+    second = Runtime(
+        store, Services(llm=ScriptedModel()), FixedClock(), SequentialIds(), janitor=False
+    )
+    try:
+        assert second.recover(sessions=["mine", "absent"]) == ["mine"]
+        assert second.wait_idle(10)
+        assert set(store.reads) == {"mine"}  # the other session's log is not even read
+        mine = [(e.outcome, e.reason) for e in store.read("mine") if isinstance(e, TurnRecorded)]
+        assert mine == [("aborted", "crash"), ("replied", None)]
+        assert [e for e in store.read("theirs") if isinstance(e, TurnRecorded)] == []
+        assert store.open_sessions() == ["theirs"]  # still waiting for its owner
+        assert second.recover(sessions=[]) == []
+        assert second.recover() == ["theirs"]  # unlimited: as before, every session
+    finally:
+        second.shutdown(timeout=10)
+        first.shutdown(timeout=10)
+        store.close()
+
+
+class CountingSqlite(SqliteEventStore):
+    """A SQLite log that counts which sessions' logs were read."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.reads: Counter[str] = Counter()
+
+    def read(self, session_id: str, after_seq: int = 0, **kw: Any) -> list[SessionEvent]:
+        self.reads[session_id] += 1
+        return super().read(session_id, after_seq, **kw)
+
+
 def _cut_log(*, archived: bool, reply_saved: bool, session: str = "s") -> list[SessionEvent]:
     """A log a kill left behind: turn-1 opened with input a; then, maybe, a's archive and
     the model call; maybe the reply saved; never the turn's record."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import string
 from collections.abc import Iterator
+from pathlib import Path
 
 import pykka
 import pytest
@@ -55,6 +56,13 @@ FROZEN_ZH: dict[str, str] = {
         "[错误] 回复在输出长度上限处被截断，这次工具调用的参数不完整，没有执行，"
         "请用更短的参数重新生成。原文前 200 字：{raw}"
     ),
+    "tool.result_type": "工具返回了 {type}，不能转成文本（只接受文本、字节、JSON 对象、数组、数字、布尔或 None）",
+    "tool.result_too_deep": "工具返回的结果嵌套超过 {max_depth} 层，不能转成文本{where}",
+    "tool.result_nan": "工具返回的结果里有 NaN 或无穷大，JSON 表示不了{where}",
+    "tool.result_key": "工具返回的结果里有不是文本的键，JSON 表示不了{where}",
+    "tool.result_value": "工具返回的结果里有 {type}，JSON 表示不了{where}",
+    "tool.result_not_json": "工具返回的结果不能转成 JSON 文本：{error}",
+    "tool.result_where": "（位置 {path}）",
     "tool.not_found": "没有这个工具：{name}",
     "tool.blocked": "工具调用被拦下，没有执行",
     "tool.builtin.current_time": "当前日期与时间（可指定 UTC 偏移小时数）",
@@ -140,6 +148,7 @@ FROZEN_ZH: dict[str, str] = {
     "chat.reason": "（{reason}）",
     "chat.unknown_command": "没有这个命令：{command}（/help 看有哪些）",
     "chat.scripted_reply": "（脚本模型）收到：{said}",
+    "chat.resumed": "[恢复] 上次没做完的：记下被中断的那一轮，回答还在等的消息",
 }
 
 
@@ -321,3 +330,65 @@ def test_a_reset_refuses_an_unknown_key_and_clears_a_locale_an_older_log_holds()
     finally:
         rt.shutdown(timeout=10)
         pykka.ActorRegistry.stop_all()
+
+
+def _cjk(text: str) -> bool:
+    return any("\u3000" <= ch <= "\u9fff" or "\uff00" <= ch <= "\uffef" for ch in text)
+
+
+@pytest.mark.parametrize(
+    ("value", "english"),
+    [
+        (object(), "The tool returned object, which cannot be made text"),
+        ({1.5, 2.5}, "The tool returned set, which cannot be made text"),
+        ({"a": [1, float("inf")]}, "holds NaN or infinity, which JSON cannot hold (at a[1])"),
+        ({"a": {1, 2}}, "holds set, which JSON cannot hold (at a)"),
+        ({("k",): 1}, "holds a key that is not text, which JSON cannot hold"),
+        ([[[1]]], "nests deeper than 2 levels, so it cannot be made text (at [0][0])"),
+        (10**5000, "cannot be made JSON text: "),
+    ],
+    ids=["object", "set", "nan", "inner-set", "key", "deep", "huge-int"],
+)
+def test_a_tool_results_error_is_in_the_locale(value: object, english: str) -> None:
+    """What is wrong with a tool's return value reaches the model in the session's
+    language: the ``en`` texts for an ``en`` runtime (they were Chinese whatever the
+    locale), the ``zh`` ones unchanged by default."""
+    from aalis_agent.request.limits import coerce_tool_result
+
+    text, error = coerce_tool_result(value, max_depth=2, texts=texts_for("en"))
+    assert text is None and error is not None and english in error, error
+    assert not _cjk(error), error
+    text, error = coerce_tool_result(value, max_depth=2)
+    assert text is None and error is not None and error.startswith("工具返回"), error
+
+
+def test_an_en_runtime_tells_the_model_in_english_what_a_tool_returned_wrong(
+    tmp_path: Path,
+) -> None:
+    from aalis_agent.events import SqliteEventStore, ToolCall, ToolFinished
+    from aalis_agent.services import ScriptedReply, Tool, ToolRegistry
+
+    model = ScriptedModel(
+        [
+            ScriptedReply(tool_calls=(ToolCall(id="c1", name="odd", arguments="{}"),)),
+            ScriptedReply(text="done"),
+        ]
+    )
+    services = Services(
+        llm=model,
+        tools=ToolRegistry([Tool("odd", lambda args, ctx: {"when": {1, 2}})]),
+        config=AgentConfig(locale="en"),
+    )
+    store = SqliteEventStore(tmp_path / "en.db")
+    rt = Runtime(store, services, janitor=False)
+    try:
+        assert rt.submit("s", Input(id="", content="hi")).result(10).outcome == "replied"
+        (finished,) = [e for e in store.read("s") if isinstance(e, ToolFinished)]
+        assert finished.error == (
+            "The tool's result holds set, which JSON cannot hold (at when)"
+        ), finished.error
+        sent = [m.content for m in model.requests[-1].messages if m.role == "tool"]
+        assert any("holds set, which JSON cannot hold" in s for s in sent), sent
+    finally:
+        rt.shutdown(timeout=10)
+        store.close()

@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, TypedDict
 
 import msgspec
@@ -788,3 +791,119 @@ def test_a_tool_name_ending_in_a_line_break_is_refused() -> None:
     with pytest.raises(ValueError, match=r"tool name 'echo\\n': use 1-64 letters"):
         tool(name="echo\n")(lambda: "x")
     assert tool(name="echo")(lambda: "x").name == "echo"
+
+
+_RUNAWAY_CHILD = """
+import asyncio, sys, time
+import structlog
+from aalis_agent.actors.runtime import Runtime
+from aalis_agent.events import Input, SqliteEventStore, ToolCall, ToolFinished
+from aalis_agent.services import ScriptedModel, ScriptedReply, Services, ToolRegistry
+from aalis_agent.services.typed_tools import tool_from
+
+structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+db, late = sys.argv[1], sys.argv[2] == "late"
+
+async def stubborn() -> str:
+    '''Swallows its cancellation: for good, or (late) once, then ends 3 s later.'''
+    try:
+        while True:
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                if late:
+                    await asyncio.sleep(3)
+                    return "late"
+    finally:
+        print("TOOL ENDED", flush=True)
+
+call = ToolCall(id="c1", name="stubborn", arguments="{}")
+model = ScriptedModel([ScriptedReply(tool_calls=(call,)), ScriptedReply(text="done")])
+tools = ToolRegistry([tool_from(stubborn, timeout=0.2)])
+store = SqliteEventStore(db)
+rt = Runtime(store, Services(llm=model, tools=tools), janitor=False)
+print("OUTCOME", rt.submit("s", Input(id="", content="hi")).result(20).outcome, flush=True)
+print("ERROR", [e.error for e in store.read("s") if isinstance(e, ToolFinished)], flush=True)
+time.sleep(2)  # past the grace a cancelled tool has to end
+t0 = time.monotonic()
+rt.shutdown(timeout=10)
+store.close()
+print("SHUTDOWN", round(time.monotonic() - t0, 1), flush=True)
+"""
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["never-ends", "ends-late"])
+def test_an_async_tool_ignoring_its_cancellation_is_logged_and_ended_at_shutdown(
+    tmp_path: Path, late: bool
+) -> None:
+    """An async tool past its timeout that ignores its cancellation: the turn goes on
+    with the timeout as the call's error; the task still running is logged once, by
+    name; at shutdown it is cancelled and waited for (a bounded time), one that never
+    ends is logged as left and its coroutine closed, and the interpreter exits without
+    asyncio's 'Task was destroyed but it is pending!' (it printed that, after a 10 s
+    wait)."""
+    child = subprocess.run(
+        [sys.executable, "-c", _RUNAWAY_CHILD, str(tmp_path / "r.db"), "late" if late else ""],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    out, err = child.stdout, child.stderr
+    assert child.returncode == 0, err
+    assert "OUTCOME replied" in out
+    assert "ToolError: tool 'stubborn' timed out after 0.2 s" in out
+    still = [line for line in err.splitlines() if "still running after its cancellation" in line]
+    assert len(still) == 1 and "stubborn" in still[0], err
+    assert "Task was destroyed" not in err and "Task was destroyed" not in out, err
+    shutdown_s = float(out.split("SHUTDOWN ", 1)[1].split()[0])
+    left = [line for line in err.splitlines() if "left running at shutdown" in line]
+    if late:  # cancelled at shutdown, it ended within the wait
+        assert out.count("TOOL ENDED") == 1 and left == [], (out, err)
+        assert shutdown_s < 4
+    else:  # its coroutine closed at shutdown (its finally ran), not at exit
+        assert out.count("TOOL ENDED") == 1 and out.index("TOOL ENDED") < out.index("SHUTDOWN")
+        assert len(left) == 1 and "stubborn" in left[0], err
+        assert shutdown_s < 7  # the loop's wait (5 s), once
+
+
+def test_a_stopped_async_tool_still_running_is_tracked_until_its_loop_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stop (not only a timeout) that the coroutine ignores: the wait ends with
+    Aborted, the task is listed by ``runaways()`` and logged once; ``close`` cancels it
+    again, and one that ends then is gone from the list."""
+    import time
+
+    from aalis_agent.services import typed_tools
+    from structlog.testing import capture_logs
+
+    monkeypatch.setattr(typed_tools, "RUNAWAY_GRACE_S", 0.05)
+    thread = EventLoopThread("test-runaway")
+    cancels: list[int] = []
+
+    async def deaf() -> None:
+        while True:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                cancels.append(1)
+                if len(cancels) > 1:  # the loop's close: this one it heeds
+                    raise
+
+    abort = AbortSignal()
+    try:
+        with capture_logs() as logs:
+            threading.Timer(0.1, abort.abort, args=("user",)).start()
+            with pytest.raises(Aborted):
+                typed_tools.run_awaitable(deaf(), thread.loop, abort=abort, name="deaf")
+            deadline = time.monotonic() + 10
+            while thread.runaways() != ["deaf"]:
+                assert time.monotonic() < deadline, thread.runaways()
+                time.sleep(0.01)
+            time.sleep(0.2)  # no second line for the same task
+        still = [e for e in logs if "still running after its cancellation" in e["event"]]
+        assert [(e["tool"], e["cancelled"]) for e in still] == [("deaf", "stop: user")]
+    finally:
+        thread.close(timeout=5)
+    assert len(cancels) == 2 and thread.runaways() == []

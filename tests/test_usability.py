@@ -156,6 +156,7 @@ def test_an_asyncio_bot_recovers_after_a_restart_without_blocking_its_loop() -> 
         async with AsyncRuntime(runtime) as agent:
             ended: list[tuple[str, str, str | None]] = []
             async with agent.events("room", topics=("turn:ended",)) as events:
+                assert await agent.arecover(sessions=["elsewhere"]) == []  # not this one
                 assert await agent.arecover() == ["room"]
                 while len(ended) < 2:
                     event = await events.next(10)

@@ -68,6 +68,20 @@ TEXTS: dict[str, str] = {
         "arguments are incomplete; the call did not run. Please generate it again with "
         "shorter arguments. The first 200 characters: {raw}"
     ),
+    "tool.result_type": (
+        "The tool returned {type}, which cannot be made text (only text, bytes, a JSON "
+        "object or array, a number, a boolean or None are taken)"
+    ),
+    "tool.result_too_deep": (
+        "The tool's result nests deeper than {max_depth} levels, so it cannot be made text{where}"
+    ),
+    "tool.result_nan": "The tool's result holds NaN or infinity, which JSON cannot hold{where}",
+    "tool.result_key": (
+        "The tool's result holds a key that is not text, which JSON cannot hold{where}"
+    ),
+    "tool.result_value": "The tool's result holds {type}, which JSON cannot hold{where}",
+    "tool.result_not_json": "The tool's result cannot be made JSON text: {error}",
+    "tool.result_where": " (at {path})",
     "tool.not_found": "There is no tool named {name}",
     "tool.blocked": "The tool call was blocked and did not run",
     "tool.builtin.current_time": "The current date and time (optionally at a UTC offset in hours)",
@@ -173,4 +187,8 @@ TEXTS: dict[str, str] = {
     "chat.reason": " ({reason})",
     "chat.unknown_command": "No such command: {command} (/help lists them)",
     "chat.scripted_reply": "(scripted model) received: {said}",
+    "chat.resumed": (
+        "[resumed] the previous run's unfinished work: the cut turn recorded, the "
+        "messages still waiting answered"
+    ),
 }

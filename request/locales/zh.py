@@ -62,6 +62,15 @@ TEXTS: dict[str, str] = {
         "[错误] 回复在输出长度上限处被截断，这次工具调用的参数不完整，没有执行，"
         "请用更短的参数重新生成。原文前 200 字：{raw}"
     ),
+    "tool.result_type": (
+        "工具返回了 {type}，不能转成文本（只接受文本、字节、JSON 对象、数组、数字、布尔或 None）"
+    ),
+    "tool.result_too_deep": "工具返回的结果嵌套超过 {max_depth} 层，不能转成文本{where}",
+    "tool.result_nan": "工具返回的结果里有 NaN 或无穷大，JSON 表示不了{where}",
+    "tool.result_key": "工具返回的结果里有不是文本的键，JSON 表示不了{where}",
+    "tool.result_value": "工具返回的结果里有 {type}，JSON 表示不了{where}",
+    "tool.result_not_json": "工具返回的结果不能转成 JSON 文本：{error}",
+    "tool.result_where": "（位置 {path}）",
     "tool.not_found": "没有这个工具：{name}",
     "tool.blocked": "工具调用被拦下，没有执行",
     "tool.builtin.current_time": "当前日期与时间（可指定 UTC 偏移小时数）",
@@ -163,4 +172,5 @@ TEXTS: dict[str, str] = {
     "chat.reason": "（{reason}）",
     "chat.unknown_command": "没有这个命令：{command}（/help 看有哪些）",
     "chat.scripted_reply": "（脚本模型）收到：{said}",
+    "chat.resumed": "[恢复] 上次没做完的：记下被中断的那一轮，回答还在等的消息",
 }
