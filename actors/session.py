@@ -127,6 +127,20 @@ _UNTIMED = (Passivate, Ping, GetView)
 """Messages that are not a session's activity (its idle time goes on)."""
 
 
+_ELSEWHERE = ", here or at its other owner (which may have done so already)"
+
+
+def _begun(kind: str, where: str = _ELSEWHERE) -> str:
+    """What a caller of a deletion (``kind`` "delete") or clear cut short after it began
+    is told: the log holds its beginning, and the session's next start (``where``)
+    finishes it."""
+    what = "deletion" if kind == "delete" else "clear"
+    return (
+        f"its {what} was begun in its log (the turn stopped, its inputs released) and is "
+        f"finished by the session's next start{where}"
+    )
+
+
 def _is_reply(event: SessionEvent) -> bool:
     """The event that saves a turn's reply (it carries the turn's record, SAVE5)."""
     return (
@@ -547,28 +561,33 @@ class SessionActor(pykka.ThreadingActor):
             # Nobody may wait forever on a stopped actor (a turn cut by a shutdown whose
             # wait ran out, an input accepted while it stopped): what it accepted is in
             # its log and runs when the session is next started. A deletion or clear
-            # winding down is begun in the log: the next start finishes it.
+            # winding down is begun in the log: the next start finishes it, and runs
+            # none of the inputs it stopped or released.
+            stopped = (
+                f"session {self.session_id!r} stopped here (the runtime shut down, or the "
+                "session moved to another owner)"
+            )
             winding, self._winding_down = self._winding_down, []
             for kind, done, _kinds in winding:
-                what = "deletion" if kind == "delete" else "clear"
                 if not done.done():
                     done.set_exception(
-                        RuntimeClosed(
-                            f"session {self.session_id!r} stopped here (the runtime shut "
-                            f"down, or the session moved to another owner) while its turn "
-                            f"wound down: its {what} was begun in its log (the turn stopped, "
-                            f"its inputs released) and is finished by the session's next "
-                            f"start, here or at its other owner (which may have done so "
-                            f"already)"
-                        )
+                        RuntimeClosed(f"{stopped} while its turn wound down: {_begun(kind)}")
                     )
-            self._fail_waiting(
-                RuntimeClosed(
-                    f"session {self.session_id!r} stopped here (the runtime shut down, or "
-                    "the session moved to another owner) before the turn ended; what it "
-                    "accepted is in its log and runs when the session is next started"
+            wind = self.view.queue.winding_down  # as the log has it
+            if wind is not None:
+                what = "deletion" if wind.kind == "delete" else "clear"
+                error = RuntimeClosed(
+                    f"{stopped} while its {what} wound down: the {what}, begun in its log, "
+                    "stopped the turn and released the inputs waiting, so this input does "
+                    "not run; the session's next start finishes the "
+                    f"{what}{_ELSEWHERE}"
                 )
-            )
+            else:
+                error = RuntimeClosed(
+                    f"{stopped} before the turn ended; what it accepted is in its log and "
+                    "runs when the session is next started"
+                )
+            self._fail_waiting(error)
 
     def _fail_waiting(self, error: BaseException) -> None:
         """Answer everyone still waiting on this actor with ``error``."""

@@ -219,8 +219,14 @@ def test_a_lease_taken_over_mid_wind_down_the_first_caller_hears_what_happened(
         assert "finished by the session's next start" in text, text
         assert "runs when the session is next started" not in text, text
         gate.set()
-        with pytest.raises(RuntimeClosed):
+        # The in-flight input's caller: the wind-down stopped its turn, so it does not
+        # run when the session next starts (B's start did not run it).
+        with pytest.raises(RuntimeClosed) as info:
             handle.result(timeout=10)
+        text = str(info.value)
+        assert f"while its {what} wound down: the {what}, begun in its log" in text, text
+        assert "this input does not run" in text, text
+        assert "runs when the session is next started" not in text, text
     finally:
         gate.set()
         for runtime in (a, b):
@@ -233,6 +239,10 @@ def test_a_lease_taken_over_mid_wind_down_the_first_caller_hears_what_happened(
     finished = [e for e in events if type(e).__name__ in ("SessionDeleted", "ContextCleared")]
     assert len(finished) == 1  # by B, once; A wrote nothing after losing the lease
     assert [type(e).__name__ for e in events].count("InputReceived") == 2
+    records = [e for e in events if isinstance(e, TurnRecorded)]
+    assert [r.outcome for r in records] == ["aborted", "replied"], records  # i1's, i2's
+    joined = [e.input_id for e in events if type(e).__name__ == "InputJoined"]
+    assert joined == ["i1", "i2"]  # i1 never ran again
 
 
 def test_a_session_id_too_long_for_a_lease_is_refused_naming_its_size(
