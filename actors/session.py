@@ -80,6 +80,7 @@ from aalis_agent.events import (
     Batch,
     ChatMessage,
     Clock,
+    ConcurrencyConflict,
     ContextCleared,
     EventStore,
     IdSource,
@@ -784,6 +785,23 @@ class SessionActor(pykka.ThreadingActor):
         # Forgotten first: a caller its error wakes (a deletion, a held-back input) finds
         # the next actor, rebuilt from the log, and the generation the log holds.
         self.host.session_failed(self.session_id, self, self._runner)
+        # A deletion or clear winding down was begun in the log (its stop and releases
+        # written): what failed is a later write, and the next start finishes it.
+        winding, self._winding_down = self._winding_down, []
+        for kind, done, _kinds in winding:
+            if not done.done():
+                if isinstance(exc, ConcurrencyConflict):  # a new owner wrote first
+                    how = f"another owner wrote to its log first ({reason})"
+                    where = _ELSEWHERE
+                else:
+                    how, where = f"a write to its log failed ({reason})", ""
+                cut = SessionFailed(self.session_id, reason)
+                cut.args = (
+                    f"session {self.session_id!r} stopped: {how} while its turn wound "
+                    f"down: {_begun(kind, where)}",
+                )
+                cut.__cause__ = exc
+                done.set_exception(cut)
         self._fail_waiting(error)
         self.stop()
         raise error from exc
