@@ -80,6 +80,7 @@ from aalis_agent.events import (
     Batch,
     ChatMessage,
     Clock,
+    ConcurrencyConflict,
     ContextCleared,
     EventStore,
     IdSource,
@@ -125,6 +126,20 @@ _TOLD = (AppendEvents, CallEnded, Settled, Delete, Clear)
 """Messages sent with ``tell``: a failure handling one must not stop the actor."""
 _UNTIMED = (Passivate, Ping, GetView)
 """Messages that are not a session's activity (its idle time goes on)."""
+
+
+_ELSEWHERE = ", here or at its other owner (which may have done so already)"
+
+
+def _begun(kind: str, where: str = _ELSEWHERE) -> str:
+    """What a caller of a deletion (``kind`` "delete") or clear cut short after it began
+    is told: the log holds its beginning, and the session's next start (``where``)
+    finishes it."""
+    what = "deletion" if kind == "delete" else "clear"
+    return (
+        f"its {what} was begun in its log (the turn stopped, its inputs released) and is "
+        f"finished by the session's next start{where}"
+    )
 
 
 def _is_reply(event: SessionEvent) -> bool:
@@ -547,28 +562,33 @@ class SessionActor(pykka.ThreadingActor):
             # Nobody may wait forever on a stopped actor (a turn cut by a shutdown whose
             # wait ran out, an input accepted while it stopped): what it accepted is in
             # its log and runs when the session is next started. A deletion or clear
-            # winding down is begun in the log: the next start finishes it.
+            # winding down is begun in the log: the next start finishes it, and runs
+            # none of the inputs it stopped or released.
+            stopped = (
+                f"session {self.session_id!r} stopped here (the runtime shut down, or the "
+                "session moved to another owner)"
+            )
             winding, self._winding_down = self._winding_down, []
             for kind, done, _kinds in winding:
-                what = "deletion" if kind == "delete" else "clear"
                 if not done.done():
                     done.set_exception(
-                        RuntimeClosed(
-                            f"session {self.session_id!r} stopped here (the runtime shut "
-                            f"down, or the session moved to another owner) while its turn "
-                            f"wound down: its {what} was begun in its log (the turn stopped, "
-                            f"its inputs released) and is finished by the session's next "
-                            f"start, here or at its other owner (which may have done so "
-                            f"already)"
-                        )
+                        RuntimeClosed(f"{stopped} while its turn wound down: {_begun(kind)}")
                     )
-            self._fail_waiting(
-                RuntimeClosed(
-                    f"session {self.session_id!r} stopped here (the runtime shut down, or "
-                    "the session moved to another owner) before the turn ended; what it "
-                    "accepted is in its log and runs when the session is next started"
+            wind = self.view.queue.winding_down  # as the log has it
+            if wind is not None:
+                what = "deletion" if wind.kind == "delete" else "clear"
+                error = RuntimeClosed(
+                    f"{stopped} while its {what} wound down: the {what}, begun in its log, "
+                    "stopped the turn and released the inputs waiting, so this input does "
+                    "not run; the session's next start finishes the "
+                    f"{what}{_ELSEWHERE}"
                 )
-            )
+            else:
+                error = RuntimeClosed(
+                    f"{stopped} before the turn ended; what it accepted is in its log and "
+                    "runs when the session is next started"
+                )
+            self._fail_waiting(error)
 
     def _fail_waiting(self, error: BaseException) -> None:
         """Answer everyone still waiting on this actor with ``error``."""
@@ -765,6 +785,23 @@ class SessionActor(pykka.ThreadingActor):
         # Forgotten first: a caller its error wakes (a deletion, a held-back input) finds
         # the next actor, rebuilt from the log, and the generation the log holds.
         self.host.session_failed(self.session_id, self, self._runner)
+        # A deletion or clear winding down was begun in the log (its stop and releases
+        # written): what failed is a later write, and the next start finishes it.
+        winding, self._winding_down = self._winding_down, []
+        for kind, done, _kinds in winding:
+            if not done.done():
+                if isinstance(exc, ConcurrencyConflict):  # a new owner wrote first
+                    how = f"another owner wrote to its log first ({reason})"
+                    where = _ELSEWHERE
+                else:
+                    how, where = f"a write to its log failed ({reason})", ""
+                cut = SessionFailed(self.session_id, reason)
+                cut.args = (
+                    f"session {self.session_id!r} stopped: {how} while its turn wound "
+                    f"down: {_begun(kind, where)}",
+                )
+                cut.__cause__ = exc
+                done.set_exception(cut)
         self._fail_waiting(error)
         self.stop()
         raise error from exc

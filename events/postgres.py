@@ -66,7 +66,14 @@ from aalis_agent.events.store import (
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-__all__ = ["PG_FORMAT", "PostgresEventStore", "keepalive_options", "redact_url", "session_key"]
+__all__ = [
+    "PG_FORMAT",
+    "PostgresEventStore",
+    "error_line",
+    "keepalive_options",
+    "redact_url",
+    "session_key",
+]
 
 PG_FORMAT = 1
 """The layout's format, in ``aalis_head.format``."""
@@ -162,6 +169,15 @@ def keepalive_options(url: str) -> dict[str, Any]:
     return {k: v for k, v in _KEEPALIVES.items() if k not in given}
 
 
+def error_line(exc: BaseException) -> str:
+    """A database error's first line: the server's message without its CONTEXT (the
+    statements of ``aalis_append`` it ran in), libpq's without its hints ("This probably
+    means the server terminated abnormally ..."). The store's and the leases' errors
+    carry it."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
 class _OverLimit(Exception):
     """The server refused a statement as past one of its limits (an index row too big):
     nothing was written, and the same would be refused again."""
@@ -174,7 +190,7 @@ class _OverLimit(Exception):
 def _over_limit(session_id: str, name: bytes, error: psycopg.Error) -> InvalidBatch:
     """The refusal of a batch the server cannot hold, naming the id's size when that is
     what is too long (a name is indexed: at most 2,704 bytes a b-tree row, compressed)."""
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    first = error_line(error)
     size = f"; its session id is {len(name):,} bytes (UTF-8), too long" if len(name) > 1000 else ""
     return InvalidBatch(
         f"session {session_id!r:.80}: the PostgreSQL store cannot hold this batch "
@@ -327,15 +343,8 @@ class PostgresEventStore:
         if self.read_only:
             raise StoreError(f"{self.path!r} is opened read-only: nothing can be written")
 
-    @staticmethod
-    def _text(exc: BaseException) -> str:
-        """The error's first line: the server's message without its CONTEXT (the
-        statements of ``aalis_append`` it ran in), libpq's without its hints."""
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        return lines[0] if lines else type(exc).__name__
-
     def _fail(self, doing: str, exc: Exception) -> StoreError:
-        return StoreError(f"{self.path!r}: {doing} failed: {self._text(exc)}")
+        return StoreError(f"{self.path!r}: {doing} failed: {error_line(exc)}")
 
     def _call(
         self, doing: str, fn: Callable[[psycopg.Connection[Any]], T], *, retry: bool = True
@@ -480,9 +489,9 @@ class PostgresEventStore:
                 later = exc
                 break
         raise StoreError(
-            f"{self.path!r}: append failed: the connection broke ({self._text(error)}) "
+            f"{self.path!r}: append failed: the connection broke ({error_line(error)}) "
             f"and whether the batch of {session_id!r} up to seq {last} was recorded could "
-            f"not be settled ({self._text(later)}): read the log to know"
+            f"not be settled ({error_line(later)}): read the log to know"
         ) from None
 
     def mark_idle(self, sessions: Sequence[tuple[str, int]]) -> int:

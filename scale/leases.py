@@ -52,6 +52,7 @@ import structlog
 from aalis_agent.events.errors import InvalidInput, StoreError
 from aalis_agent.events.postgres import (
     PostgresEventStore,
+    error_line,
     keepalive_options,
     redact_url,
     session_key,
@@ -155,7 +156,8 @@ class PostgresLeases:
 
     def _run(self, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
         """``fn`` on the connection (called with ``_lock`` held), reconnecting once when
-        the connection broke."""
+        the connection broke. A failure is a :class:`StoreError` giving the error's first
+        line (:func:`error_line`), as the event store's do."""
         for attempt in (1, 2):
             try:
                 return fn(self._connection())
@@ -164,15 +166,15 @@ class PostgresLeases:
                 if conn is not None and not conn.broken and not conn.closed:
                     # The server refused the statement (its timeout, say): the same
                     # again would wait as long once more.
-                    raise StoreError(f"{self.path!r}: leases failed: {exc}") from None
+                    raise StoreError(f"{self.path!r}: leases failed: {error_line(exc)}") from None
                 if conn is not None:
                     with contextlib.suppress(Exception):
                         conn.close()
                 self._conn = None
                 if attempt == 2:
-                    raise StoreError(f"{self.path!r}: leases failed: {exc}") from None
+                    raise StoreError(f"{self.path!r}: leases failed: {error_line(exc)}") from None
             except psycopg.Error as exc:
-                raise StoreError(f"{self.path!r}: leases failed: {exc}") from None
+                raise StoreError(f"{self.path!r}: leases failed: {error_line(exc)}") from None
         raise AssertionError("unreachable")
 
     @staticmethod
@@ -192,9 +194,9 @@ class PostgresLeases:
                 try:
                     taken = conn.execute(_ACQUIRE, params).fetchone()
                 except psycopg.errors.ProgramLimitExceeded as exc:  # an index row too big
-                    first = (str(exc).strip().splitlines() or ["refused"])[0]
                     raise InvalidInput(
-                        f"session {session_id!r:.80}: no lease can be taken on it ({first}); "
+                        f"session {session_id!r:.80}: no lease can be taken on it "
+                        f"({error_line(exc)}); "
                         f"its session id is {len(key):,} bytes (UTF-8), too long"
                     ) from None
                 if taken is not None:

@@ -40,6 +40,11 @@ embedded :class:`~aalis_agent.actors.runtime.Runtime` over the shared PostgreSQL
   ``ShardedRuntime``, whose shard of the same index takes their leases (at once, or
   once they expire with ``incarnation_owners``) and answers an input sent again under
   its id from the log if it was accepted.
+- An error a shard's runtime raises (``SessionOwnedElsewhere``, ``SessionFailed``,
+  ``InvalidInput``...) reaches the caller of ``submit``, ``outcome`` and
+  ``handle.result`` as itself, its class and attributes kept, its message followed by
+  ``(raised by shard <n>)`` and its ``shard`` attribute set; Ray's error, with the
+  shard's traceback, is its ``__cause__``.
 
 ``services`` is a picklable callable building the shard's :class:`Services` (a model,
 tools, gateway), called in the shard's process.
@@ -49,12 +54,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import pickle
 import threading
 import time
 import uuid
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 import structlog
@@ -76,7 +82,7 @@ from aalis_agent.scale import with_input_id
 from aalis_agent.scale.leases import PostgresLeases
 from aalis_agent.scale.ownership import ShardOwnership, shard_of
 from aalis_agent.services import Services
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 __all__ = [
     "RayHandle",
@@ -157,6 +163,49 @@ class ShardUnavailable(RunError, TimeoutError):
         self.shard = shard
         self.reason = reason
         self.input_id = input_id
+
+
+class _Raised(RunError):
+    """An error a shard raised, as the Ray actor sends it back: its class, message and
+    attributes (``carried``), which pickle. Ray pickles an error by its ``args``, from
+    which an error whose ``__init__`` takes other arguments (``SessionOwnedElsewhere``,
+    ``SessionFailed``) cannot be rebuilt: the client would get Ray's
+    ``UnserializableException`` instead of it."""
+
+    def __init__(self, carried: tuple[type[BaseException], str, dict[str, Any]]) -> None:
+        super().__init__(carried)
+        self.carried = carried
+
+    def __str__(self) -> str:
+        return f"{self.carried[0].__name__}: {self.carried[1]}"
+
+    @classmethod
+    def of(cls, exc: Exception) -> _Raised:
+        carried = (type(exc), str(exc), dict(getattr(exc, "__dict__", {})))
+        try:
+            pickle.loads(pickle.dumps(carried))
+        except Exception:  # its class or an attribute does not pickle: its text does
+            carried = (RunError, f"{type(exc).__name__}: {exc}", {})
+        return cls(carried)
+
+
+def _raise_from_shard(exc: RayTaskError, index: int) -> NoReturn:
+    """Raise the error shard ``index`` raised, of its own class and attributes, its
+    message followed by ``(raised by shard <index>)``, with a ``shard`` attribute unless
+    it had one of its own, from Ray's error (the shard's traceback, for a log); Ray's
+    error itself when it carries no such error."""
+    cause = getattr(exc, "cause", None)
+    if not isinstance(cause, _Raised):
+        raise exc
+    cls, message, attrs = cause.carried
+    try:
+        error = cls.__new__(cls)
+        error.args = (f"{message} (raised by shard {index})",)
+        error.__dict__.update(attrs)
+    except Exception:  # a class that cannot be made so: its text is kept
+        error = RunError(f"{cls.__name__}: {message} (raised by shard {index})")
+    error.__dict__.setdefault("shard", index)
+    raise error from exc
 
 
 def _ray_reason(exc: BaseException) -> str:
@@ -341,6 +390,23 @@ class RuntimeShard:
         self.store.close()
 
 
+class _RayShard(RuntimeShard):
+    """:class:`RuntimeShard` as the Ray actor: an error its calls raise is sent back as
+    :class:`_Raised`, which the client turns into the error itself (naming the shard)."""
+
+    def submit(self, session_id: str, inp: Input) -> tuple[str, str]:
+        try:
+            return super().submit(session_id, inp)
+        except Exception as exc:
+            raise _Raised.of(exc) from exc
+
+    def outcome(self, session_id: str, input_id: str, timeout: float) -> InputOutcome | None:
+        try:
+            return super().outcome(session_id, input_id, timeout)
+        except Exception as exc:
+            raise _Raised.of(exc) from exc
+
+
 @dataclass
 class RayHandle:
     """An accepted input on a shard: ``where`` it went, and its outcome by ``result()``
@@ -380,7 +446,7 @@ class ShardedRuntime:
     ) -> None:
         """``incarnation_owners``: each incarnation of a shard owns under a name of its
         own and waits out its predecessor's leases (see the module docstring)."""
-        shard_class: Any = ray.remote(RuntimeShard)
+        shard_class: Any = ray.remote(_RayShard)
         remote = shard_class.options(
             max_restarts=max_restarts,
             max_task_retries=0,  # a submit is never run twice by Ray
@@ -469,6 +535,8 @@ class ShardedRuntime:
             try:
                 input_id, where = ray.get(actor.submit.remote(session_id, inp))
                 return RayHandle(self, session_id, input_id, where)
+            except RayTaskError as exc:
+                _raise_from_shard(exc, index)
             except _RETRYABLE as exc:
                 dead = _dead_for_good(exc, actor)
                 if dead is not None:
@@ -490,6 +558,8 @@ class ShardedRuntime:
             try:
                 input_id, where = await actor.submit.remote(session_id, inp)
                 return RayHandle(self, session_id, input_id, where)
+            except RayTaskError as exc:
+                _raise_from_shard(exc, index)
             except _RETRYABLE as exc:
                 dead = await asyncio.to_thread(_dead_for_good, exc, actor)
                 if dead is not None:
@@ -512,6 +582,8 @@ class ShardedRuntime:
             index, actor = self._live_shard(session_id, input_id, "outcome")
             try:
                 found = ray.get(actor.outcome.remote(session_id, input_id, min(left, 5.0)))
+            except RayTaskError as exc:
+                _raise_from_shard(exc, index)
             except _RETRYABLE as exc:
                 dead = _dead_for_good(exc, actor)
                 if dead is not None:
@@ -537,6 +609,8 @@ class ShardedRuntime:
             index, actor = self._live_shard(session_id, input_id, "outcome")
             try:
                 found = await actor.outcome.remote(session_id, input_id, min(left, 5.0))
+            except RayTaskError as exc:
+                _raise_from_shard(exc, index)
             except _RETRYABLE as exc:
                 dead = await asyncio.to_thread(_dead_for_good, exc, actor)
                 if dead is not None:

@@ -36,7 +36,7 @@ pytest.importorskip("psycopg", reason="psycopg is not installed (pip install -e 
 import msgspec
 import psycopg
 from aalis_agent.actors.runtime import Runtime, RuntimeClosed
-from aalis_agent.events import Input, InvalidInput, StoreError, TurnRecorded
+from aalis_agent.events import ConcurrencyConflict, Input, InvalidInput, StoreError, TurnRecorded
 from aalis_agent.events.errors import RunError
 from aalis_agent.events.postgres import PostgresEventStore
 from aalis_agent.projections import queue
@@ -219,8 +219,14 @@ def test_a_lease_taken_over_mid_wind_down_the_first_caller_hears_what_happened(
         assert "finished by the session's next start" in text, text
         assert "runs when the session is next started" not in text, text
         gate.set()
-        with pytest.raises(RuntimeClosed):
+        # The in-flight input's caller: the wind-down stopped its turn, so it does not
+        # run when the session next starts (B's start did not run it).
+        with pytest.raises(RuntimeClosed) as info:
             handle.result(timeout=10)
+        text = str(info.value)
+        assert f"while its {what} wound down: the {what}, begun in its log" in text, text
+        assert "this input does not run" in text, text
+        assert "runs when the session is next started" not in text, text
     finally:
         gate.set()
         for runtime in (a, b):
@@ -233,6 +239,75 @@ def test_a_lease_taken_over_mid_wind_down_the_first_caller_hears_what_happened(
     finished = [e for e in events if type(e).__name__ in ("SessionDeleted", "ContextCleared")]
     assert len(finished) == 1  # by B, once; A wrote nothing after losing the lease
     assert [type(e).__name__ for e in events].count("InputReceived") == 2
+    records = [e for e in events if isinstance(e, TurnRecorded)]
+    assert [r.outcome for r in records] == ["aborted", "replied"], records  # i1's, i2's
+    joined = [e.input_id for e in events if type(e).__name__ == "InputJoined"]
+    assert joined == ["i1", "i2"]  # i1 never ran again
+
+
+@pytest.mark.parametrize("kind", ["delete", "clear"])
+def test_a_wind_down_whose_finishing_write_loses_to_a_new_owner_says_it_is_begun(
+    pg_url: str,  # noqa: F811
+    kind: str,
+) -> None:
+    """A's lease expires while its deletion (or /clear) waits for a stubborn tool, and B
+    takes the session over (recovering it: the wind-down finished) without A noticing
+    (no renewal comes): when the tool returns, A's write recording the stopped turn loses
+    to B's (ConcurrencyConflict). A's caller is told the wind-down is begun in the log
+    and finished by the session's next start, here or at the other owner: not the
+    general "restarts from it at its next use"."""
+    from aalis_agent.events.errors import SessionFailed
+
+    gate, started = threading.Event(), threading.Event()
+
+    def stubborn(args: Any, ctx: Any) -> str:
+        started.set()
+        gate.wait(30)  # does not watch the stop
+        return "迟了"
+
+    store_a, store_b = PostgresEventStore(pg_url), PostgresEventStore(pg_url)
+    leases_a = PostgresLeases(store_a, owner="runtime-a", ttl_s=TTL_S, renew_s=3600)
+    leases_b = PostgresLeases(store_b, owner="runtime-b", ttl_s=TTL_S)
+    tools = ToolRegistry([Tool("lookup", stubborn)])
+    a = Runtime(
+        store_a,
+        Services(llm=ScriptedModel(tool_then_reply("甲")), tools=tools),
+        janitor=False,
+        ownership=leases_a,
+    )
+    b = _runtime(store_b, leases_b, "乙")
+    try:
+        handle = a.submit("s", Input(id="i1", content="一"))
+        assert started.wait(10)
+        asked = a._begin_delete("s") if kind == "delete" else a._begin_clear("s")
+        assert wait_until(lambda: bool(a.view("s").queue.winding_down), 10)
+        with psycopg.connect(pg_url, autocommit=True) as conn:  # A "paused" past its ttl
+            conn.execute("UPDATE aalis_leases SET expires_at = now() - interval '1 s'")
+        assert b.submit("s", Input(id="i2", content="二")).result(timeout=30).outcome == "replied"
+        gate.set()  # A's turn settles: its record is refused, B wrote first
+        with pytest.raises(SessionFailed) as info:
+            asked.result(timeout=10)
+        what = "deletion" if kind == "delete" else "clear"
+        text = str(info.value)
+        assert text.startswith("session 's' stopped: another owner wrote to its log first"), text
+        assert "ConcurrencyConflict" in text, text
+        assert f"its {what} was begun in its log" in text, text
+        assert "finished by the session's next start, here or at its other owner" in text, text
+        assert "restarts from it at its next use" not in text, text
+        assert isinstance(info.value.__cause__, ConcurrencyConflict)
+        with pytest.raises(SessionFailed):
+            handle.result(timeout=10)
+    finally:
+        gate.set()
+        for runtime in (a, b):
+            runtime.shutdown(timeout=10)
+        for closing in (leases_a, leases_b, store_a, store_b):
+            closing.close()
+        pykka.ActorRegistry.stop_all()
+    with PostgresEventStore(pg_url, read_only=True) as reader:
+        events = reader.read("s")
+    finished = [e for e in events if type(e).__name__ in ("SessionDeleted", "ContextCleared")]
+    assert len(finished) == 1  # by B, once; A's write was refused whole
 
 
 def test_a_session_id_too_long_for_a_lease_is_refused_naming_its_size(

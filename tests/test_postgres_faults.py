@@ -449,3 +449,31 @@ def test_a_lease_statement_held_by_a_lock_ends_within_the_leases_timeout(
         leases.release("s")
     finally:
         leases.close()
+
+
+def test_a_lease_failure_gives_the_servers_message_in_one_line(
+    pg_url: str,  # noqa: F811
+    proxy: TcpProxy,
+) -> None:
+    """The server gone: libpq's message carries hint lines ("This probably means the
+    server terminated abnormally ..."); a lease's refusal keeps its first line only, as the
+    store's errors do."""
+    url = _through(pg_url, proxy)
+    leases = PostgresLeases(url, owner="a", ttl_s=30, timeout_s=1)
+    try:
+        proxy.refuse = True  # the server goes away
+        proxy.cut_all()
+        with pytest.raises(StoreError) as info:
+            leases.acquire("s")
+        text = str(info.value)
+        assert text.startswith("session 's': no lease could be taken ("), text
+        assert "leases failed: connection failed:" in text, text
+        assert "\n" not in text and "probably means" not in text, text
+        assert text.endswith("): the session is not started here, and nothing was written for it")
+        with pytest.raises(StoreError) as info:  # the table cannot even be made
+            PostgresLeases(url, owner="b", ttl_s=30, timeout_s=1)
+        assert "leases failed: connection failed:" in str(info.value)
+        assert "\n" not in str(info.value), info.value
+    finally:
+        proxy.refuse = False
+        leases.close()

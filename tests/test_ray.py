@@ -110,7 +110,11 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         saved = {k: os.environ.get(k) for k in keys}
         os.environ.update({k: env[k] for k in keys})
         try:
-            ray.init(address=address, logging_level="WARNING")
+            # Ray puts the driver's working directory first on its workers' sys.path:
+            # from a neutral one, the shards import the package PYTHONPATH names (the
+            # code under test), never one that directory happens to hold.
+            with contextlib.chdir(folder):
+                ray.init(address=address, logging_level="WARNING")
         finally:
             for key, value in saved.items():
                 if value is None:
@@ -669,3 +673,94 @@ def test_a_shard_not_confirmed_dead_is_not_remembered_dead(
     handle = client.submit("room", Input(id="x", content="你好"), timeout=None)
     assert (handle.input_id, handle.where) == ("x", "opened")
     assert shard.sent == ["x", "x"]
+
+
+def test_an_error_raised_in_a_shard_names_the_shard_and_keeps_its_class(
+    ray_cluster: str,
+    pg_url: str,  # noqa: F811
+) -> None:
+    """An error a shard's runtime raises (Ray wraps it as ``RayTaskError``, whose text is
+    the shard's traceback) reaches the caller as its own class, in its own words (naming
+    the session) followed by the shard it came from: a session held by another runtime
+    (``SessionOwnedElsewhere``, its owner kept) and one whose id is too long for a lease
+    (``InvalidInput``), by submit and by asubmit."""
+    from aalis_agent.actors.ownership import SessionOwnedElsewhere
+    from aalis_agent.events.errors import InvalidInput
+    from aalis_agent.scale.leases import PostgresLeases
+    from aalis_agent.scale.ray_shards import ShardedRuntime
+    from ray.exceptions import RayTaskError
+
+    from tests.test_store_postgres import _unindexable_id
+
+    held, long = "room-held", _unindexable_id()
+    other = PostgresLeases(pg_url, owner="elsewhere", ttl_s=60)
+    client = ShardedRuntime(pg_url, 2, slow_services, ttl_s=5.0, num_cpus=0.5)
+    try:
+        other.acquire(held)
+        for submit in (
+            client.submit,
+            lambda s, inp: asyncio.run(client.asubmit(s, inp)),
+        ):
+            with pytest.raises(SessionOwnedElsewhere) as owned:
+                submit(held, Input(id="h", content="你好"))
+            error = owned.value
+            assert type(error) is SessionOwnedElsewhere and not isinstance(error, RayTaskError)
+            assert (error.session_id, error.owner) == (held, "elsewhere")
+            assert error.shard == shard_of(held, 2)
+            text = str(error)
+            assert text.startswith(f"session {held!r} is owned by 'elsewhere'"), text
+            assert text.endswith(f" (raised by shard {shard_of(held, 2)})"), text
+            assert "\n" not in text and "Traceback" not in text, text
+            assert isinstance(error.__cause__, RayTaskError)  # Ray's traceback, for the log
+            with pytest.raises(InvalidInput) as invalid:
+                submit(long, Input(id="l", content="你好"))
+            text = str(invalid.value)
+            assert text.startswith(f"session {long!r:.80}: no lease can be taken on it"), text
+            assert text.endswith(f" (raised by shard {shard_of(long, 2)})"), text
+            assert invalid.value.shard == shard_of(long, 2)
+    finally:
+        client.shutdown()
+        other.close()
+
+
+def test_a_session_stopped_in_its_shard_is_told_through_the_handle_naming_the_shard(
+    ray_cluster: str,
+    pg_url: str,  # noqa: F811
+) -> None:
+    """A write refused mid-turn (a trigger, as a full disk would) stops the session in its
+    shard: ``handle.result()`` and ``await handle`` raise ``SessionFailed`` (its session
+    and reason kept), naming the shard, where Ray could not rebuild it (its ``__init__``
+    takes the session and the reason) and raised ``UnserializableException``."""
+    import psycopg
+    from aalis_agent.events.errors import SessionFailed
+    from aalis_agent.scale.ray_shards import ShardedRuntime
+
+    session = "room-full"
+    client = ShardedRuntime(pg_url, 2, slow_services, ttl_s=5.0, num_cpus=0.5)
+    try:
+        assert client.submit(session, Input(id="f1", content="一")).result(60).outcome == "replied"
+        with PostgresEventStore(pg_url, read_only=True) as store:
+            armed = store.last_seq(session) + 5  # the next input is taken, its reply is not
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            admin.execute(
+                "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                f"IF NEW.seq > {armed} THEN RAISE EXCEPTION 'disk full at seq %', NEW.seq; "
+                "END IF; RETURN NEW; END $$"
+            )
+            admin.execute(
+                "CREATE TRIGGER refuse BEFORE INSERT ON aalis_log "
+                "FOR EACH ROW EXECUTE FUNCTION refuse()"
+            )
+        handle = client.submit(session, Input(id="f2", content="二"))
+        for wait in (handle.result, lambda timeout: asyncio.run(handle.aresult(timeout))):
+            with pytest.raises(SessionFailed) as info:
+                wait(60)
+            error = info.value
+            assert type(error) is SessionFailed and error.session_id == session
+            assert "disk full at seq" in error.reason, error.reason
+            assert error.shard == shard_of(session, 2)
+            text = str(error)
+            assert text.startswith(f"session {session!r} stopped: a write to its log failed")
+            assert text.endswith(f" (raised by shard {shard_of(session, 2)})"), text
+    finally:
+        client.shutdown()
