@@ -52,7 +52,9 @@ def _reply(request: Any, n: int) -> ScriptedReply:
 def _weather(args: Any, ctx: Any) -> str:
     slow = Path(os.environ.get("EXAMPLE_SLOW_TOOL", "/nonexistent"))
     if slow.exists():  # the example holds one tool here while it kills the worker
-        slow.with_suffix(".started").write_text(str(os.getpid()), encoding="utf-8")
+        mark = slow.with_suffix(".started")  # written whole (renamed), read as it shows
+        mark.with_suffix(".tmp").write_text(str(os.getpid()), encoding="utf-8")
+        os.replace(mark.with_suffix(".tmp"), mark)
         time.sleep(30)
     return "上海 多云 14-21 度"
 

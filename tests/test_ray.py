@@ -489,7 +489,13 @@ def test_a_shard_killed_for_good_fails_a_submit_at_once_naming_it(
         client.shutdown()
     assert _new_placement_answers(pg_url, session, x) == ("handled", first)
     where, outcome = _new_placement_answers(pg_url, session, y)
-    assert where != "handled" and outcome.outcome == "replied"
+    # The shard's process may still take y between Ray's listing it dead and its end (the
+    # error said it may have been accepted): the new placement then answers y from the
+    # log (its turn cut by the kill is recorded aborted), else runs it once.
+    if where == "handled":
+        assert outcome.outcome in ("replied", "aborted"), outcome
+    else:
+        assert outcome.outcome == "replied", (where, outcome)
     with PostgresEventStore(pg_url, read_only=True) as store:
         events = store.read(session)
     assert not any(audit_log(events, acked=["gone-x", "gone-y"]).values())
