@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -56,6 +57,7 @@ _HOLD = "shards"  # the directory's hold: ``shards.lock`` (events/ownership.py's
 _CHUNK = 4096  # events read at a time: a long session is not read whole
 _ROW = 32  # events a commit (a turn's are ~4): short rows, as reads decode a row whole
 _SUFFIXES = ("", "-wal", "-shm")  # a SQLite database's files
+_SHARD_FILES = re.compile(r"(shard-.*?\.db)(-wal|-shm|-journal|\.lock)?")  # and a shard's
 
 
 @dataclass(frozen=True)
@@ -241,8 +243,15 @@ def reshard(
                     f"{str(folder)!r} records {old} shards but {', '.join(missing[:3])} "
                     "is missing: nothing was changed"
                 )
+            # A shard file the count does not name, or a WAL, shared-memory or lock file
+            # of one: in the way of a new file, or (a WAL) read by SQLite as the new
+            # file's own, whosever it is.
             expected = {f"shard-{i}.db" for i in range(old)}
-            stray = sorted(p.name for p in folder.glob("shard-*.db") if p.name not in expected)
+            stray = sorted(
+                p.name
+                for p in folder.glob("shard-*.db*")
+                if (match := _SHARD_FILES.fullmatch(p.name)) and match[1] not in expected
+            )
             if stray:
                 raise UsageError(
                     f"{str(folder)!r} records {old} shards but also holds "

@@ -21,7 +21,6 @@ from aalis_agent.scale.processes import ProcessShards
 from aalis_agent.scale.reshard import JOURNAL, MANIFEST, reshard
 
 from tests import shard_services
-from tests.harness import ROOT
 
 SESSIONS = [f"room:{n}" for n in range(12)]
 
@@ -105,6 +104,31 @@ def test_stray_shard_files_are_refused_before_anything_changes(
     ]
 
 
+@pytest.mark.parametrize("suffix", ["-wal", "-shm", "-journal", ".lock"])
+def test_stray_files_of_a_shard_file_are_refused_before_anything_changes(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path, suffix: str
+) -> None:
+    """A WAL file left where a new shard file goes would be read as the new file's
+    (SQLite does not tell whose WAL it is: the new shard-2.db read as the other database);
+    a rollback journal likewise; a lock file there would stop the moving half-way."""
+    folder = _copy_of(template, tmp_path)
+    other = tmp_path / "other.db"
+    conn = sqlite3.connect(other, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA wal_autocheckpoint=0")
+        conn.execute("CREATE TABLE log (x)")  # its WAL now holds another database's pages
+        made = f"{other}{suffix}" if suffix in ("-wal", "-shm") else other
+        shutil.copy(made, f"{folder}/shard-2.db{suffix}")
+    finally:
+        conn.close()
+    with pytest.raises(UsageError, match=rf"records 2 shards but also holds shard-2\.db{suffix}"):
+        reshard(folder, 3)
+    assert not (folder / JOURNAL).exists()
+    assert json.loads((folder / MANIFEST).read_text())["shards"] == 2
+    assert _events(folder, 2) == template[1]
+
+
 def test_two_reshards_keep_their_old_files_apart(
     template: tuple[Path, dict[str, list[object]]], tmp_path: Path
 ) -> None:
@@ -140,18 +164,13 @@ def test_refused_while_its_shards_run_and_the_other_way(
         assert "StoreInUse" in done.stderr and "in use by another process" in done.stderr
     # And a ProcessShards while a reshard holds the directory (another process).
     with reshard_module.held_directory(folder):
-        code = (
+        code = (  # (refused before its workers would build services)
             "import sys\n"
             "from aalis_agent.scale.processes import ProcessShards\n"
-            "from tests import shard_services\n"
-            "ProcessShards(sys.argv[1], shard_services.services, shards=2)\n"
+            "ProcessShards(sys.argv[1], print, shards=2)\n"
         )
         done = subprocess.run(
-            [sys.executable, "-c", code, str(folder)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=ROOT,
+            [sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=60
         )
         assert done.returncode != 0 and "in use by another process" in done.stderr
     assert json.loads((folder / MANIFEST).read_text())["shards"] == 2
