@@ -19,7 +19,7 @@ not decode, a full disk) gives the reshard up at once: nothing was moved, and th
 names what failed (a bad row by its session and seq; ``aalis-agent replay`` shows what
 else that file holds). The directory is held the whole time, as ``ProcessShards`` holds
 it while its workers run: either one refuses while the other has it
-(:class:`StoreInUse`).
+(:class:`StoreInUse`), in this process too.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -86,29 +87,51 @@ def _shard_file(directory: Path, index: int) -> Path:
     return directory / f"shard-{index}.db"
 
 
-def hold_directory(directory: Path) -> str:
+_guard = threading.Lock()
+_holds: dict[str, int] = {}  # a held directory's key -> its holders here (-1: a reshard)
+
+
+def hold_directory(directory: Path, *, alone: bool = False) -> str:
     """Hold ``directory`` as its one user (``ProcessShards`` or a reshard) until
     :func:`release_directory`; :class:`StoreInUse` when another process holds it (the
-    kernel lets go of a process that dies). Returns the key to release it with."""
-    try:
-        return acquire_writer(str(directory / _HOLD))
-    except StoreInUse as exc:
-        refused = StoreInUse(str(directory), exc.holder)
-        refused.args = (
-            f"shard directory {str(directory)!r} is in use by another process (pid "
-            f"{exc.holder}): its ProcessShards or a reshard; stop it first",
-        )
-        raise refused from None
+    kernel lets go of a process that dies), or ``alone`` (a reshard) when this process
+    holds it too, or when a reshard in this process holds it. Returns the key to
+    release it with."""
+    key = os.path.realpath(directory / _HOLD)  # as acquire_writer names it
+    with _guard:
+        held = _holds.get(key, 0)
+        if held < 0 or (alone and held > 0):
+            refused = StoreInUse(str(directory), str(os.getpid()))
+            refused.args = (
+                f"shard directory {str(directory)!r} is in use by this process (pid "
+                f"{os.getpid()}): its ProcessShards or a reshard; stop it first",
+            )
+            raise refused
+        try:
+            acquire_writer(str(directory / _HOLD))
+        except StoreInUse as exc:
+            refused = StoreInUse(str(directory), exc.holder)
+            refused.args = (
+                f"shard directory {str(directory)!r} is in use by another process (pid "
+                f"{exc.holder}): its ProcessShards or a reshard; stop it first",
+            )
+            raise refused from None
+        _holds[key] = -1 if alone else held + 1
+    return key
 
 
 def release_directory(key: str) -> None:
-    release_writer(key)
+    with _guard:
+        held = _holds.pop(key, 0)
+        if held > 1:
+            _holds[key] = held - 1
+        release_writer(key)
 
 
 @contextlib.contextmanager
-def held_directory(directory: Path) -> Iterator[None]:
+def held_directory(directory: Path, *, alone: bool = False) -> Iterator[None]:
     """:func:`hold_directory` for the length of a block."""
-    key = hold_directory(directory)
+    key = hold_directory(directory, alone=alone)
     try:
         yield
     finally:
@@ -230,7 +253,7 @@ def reshard(
     folder = Path(directory)
     if not folder.is_dir():
         raise UsageError(f"{str(folder)!r} is not a directory")
-    with held_directory(folder):
+    with held_directory(folder, alone=True):  # (ProcessShards of this process too)
         journal = _read_journal(folder)
         if journal is None:
             old = _recorded_count(folder)

@@ -10,11 +10,12 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from aalis_agent.events import Input, SqliteEventStore
-from aalis_agent.events.errors import UsageError
+from aalis_agent.events.errors import StoreInUse, UsageError
 from aalis_agent.scale import reshard as reshard_module
 from aalis_agent.scale.ownership import shard_of
 from aalis_agent.scale.processes import ProcessShards
@@ -174,6 +175,42 @@ def test_refused_while_its_shards_run_and_the_other_way(
         )
         assert done.returncode != 0 and "in use by another process" in done.stderr
     assert json.loads((folder / MANIFEST).read_text())["shards"] == 2
+
+
+def test_refused_in_the_process_that_runs_its_shards(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path
+) -> None:
+    """The directory's hold keeps other processes out; within this one, a reshard is
+    refused too while its ProcessShards is open (its workers killed, between restarts:
+    the shard files free), and a second reshard while the first one runs."""
+    folder = _copy_of(template, tmp_path)
+    with ProcessShards(folder, shard_services.services, shards=2) as ps:
+        for shard in ps.info():
+            os.kill(shard["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while any(shard["alive"] for shard in ps.info()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(StoreInUse, match="in use by this process"):
+            reshard(folder, 3)
+        assert not (folder / JOURNAL).exists()
+        assert json.loads((folder / MANIFEST).read_text())["shards"] == 2
+        # It goes on over the files of its count.
+        assert ps.run("room:0", Input(id="room:0/after", content="hi")).outcome == "replied"
+    nested: list[BaseException] = []
+
+    def progress(p: reshard_module.Progress) -> None:
+        if not nested:
+            with pytest.raises(StoreInUse, match="in use by this process") as raised:
+                reshard(folder, 3)
+            nested.append(raised.value)
+
+    reshard(folder, 3, progress=progress)
+    assert nested
+    after = _events(folder, 3)
+    assert after["room:0"][: len(template[1]["room:0"])] == template[1]["room:0"]
+    assert {sid: after[sid] for sid in SESSIONS if sid != "room:0"} == {
+        sid: template[1][sid] for sid in SESSIONS if sid != "room:0"
+    }
 
 
 def test_a_move_that_fails_is_finished_by_running_it_again(
