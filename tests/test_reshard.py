@@ -339,3 +339,46 @@ def test_cli(template: tuple[Path, dict[str, list[object]]], tmp_path: Path) -> 
     assert done.returncode == 2 and "no shards.json" in done.stderr
     done = subprocess.run([*cli, str(folder), "--shards", "0"], capture_output=True, text=True)
     assert done.returncode == 2 and "expected a positive integer" in done.stderr
+
+
+def test_cli_progress_in_lines_when_stderr_is_not_a_terminal(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path
+) -> None:
+    """Captured (a log file, a pipe), the progress is lines, not a line redrawn with
+    carriage returns; an error after some progress starts a line of its own. On a
+    terminal the line is redrawn."""
+    folder = _copy_of(template, tmp_path)
+    conn = sqlite3.connect(folder / "shard-1.db")
+    try:  # the last session copied does not decode
+        conn.execute("UPDATE log SET data = X'ff' WHERE sid = (SELECT max(sid) FROM log)")
+        conn.commit()
+    finally:
+        conn.close()
+    cli = [sys.executable, "-m", "aalis_agent.cli", "reshard", str(folder), "--shards", "3"]
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "\r" not in done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("copied 1/12 sessions"), lines
+    assert lines[-1].startswith("aalis-agent reshard: error: "), lines
+    # On a terminal (a pseudo-terminal here), one line redrawn, ended before the error.
+    main, side = os.openpty()
+    try:
+        with subprocess.Popen(cli, stdout=subprocess.DEVNULL, stderr=side) as proc:
+            os.close(side)
+            out = b""
+            while chunk := _read_pty(main):
+                out += chunk
+            assert proc.wait(timeout=60) == 2
+    finally:
+        os.close(main)
+    text = out.decode()
+    assert text.startswith("\rcopied 1/12 sessions"), text
+    assert "\naalis-agent reshard: error: " in text, text
+
+
+def _read_pty(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # the other side closed (EIO)
+        return b""
