@@ -332,35 +332,40 @@ def _copy(
     directory: Path, journal: _Journal, progress: Callable[[Progress], None] | None
 ) -> tuple[int, int]:
     """Copy every session of the old files into new ones in the staging folder (made
-    anew: a copy cut before is started again), each checked against its original."""
+    anew: a copy cut before is started again), each checked against its original. The
+    old files are open together; the new ones one at a time, each written whole, then
+    closed (checkpointed: the file holds every event) and flushed to the disk."""
     staging = _staging(directory, journal)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     olds: list[SqliteEventStore] = []
-    news: list[SqliteEventStore] = []
     try:
         for i in range(journal.old):  # held for writing: no other process writes them
             olds.append(SqliteEventStore(_shard_file(directory, i), background_checkpoint=False))
-        for i in range(journal.to):
-            news.append(SqliteEventStore(_shard_file(staging, i), background_checkpoint=False))
-        plan = [(store, sid) for store in olds for sid in store.sessions()]
+        plan: list[list[tuple[SqliteEventStore, str]]] = [[] for _ in range(journal.to)]
+        for store in olds:
+            for sid in store.sessions():
+                plan[shard_of(sid, journal.to)].append((store, sid))
+        sessions = sum(map(len, plan))
         open_work = {id(store): set(store.open_sessions()) for store in olds}
         total = sum(store.count() for store in olds)
-        copied = 0
-        for done, (store, sid) in enumerate(plan, 1):
-            target = news[shard_of(sid, journal.to)]
-            copied += _copy_session(store, target, sid, sid in open_work[id(store)])
-            if progress is not None:
-                progress(Progress(done, len(plan), copied, total))
-        for store in news:
-            store.close()  # checkpointed: the file holds every event
-        for i in range(journal.to):
+        copied = done = 0
+        for i, moving in enumerate(plan):
+            new = SqliteEventStore(_shard_file(staging, i), background_checkpoint=False)
+            try:
+                for store, sid in moving:
+                    copied += _copy_session(store, new, sid, sid in open_work[id(store)])
+                    done += 1
+                    if progress is not None:
+                        progress(Progress(done, sessions, copied, total))
+            finally:
+                new.close()
             for suffix in _SUFFIXES:
                 _sync_file(Path(f"{_shard_file(staging, i)}{suffix}"))
         _sync_folder(staging)
-        return len(plan), copied
+        return sessions, copied
     finally:
-        for store in (*olds, *news):
+        for store in olds:
             store.close()
 
 

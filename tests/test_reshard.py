@@ -141,6 +141,26 @@ def test_two_reshards_keep_their_old_files_apart(
     assert _events(first, 2) == _events(second, 2) == template[1]
 
 
+def test_many_shards_within_a_small_limit_of_open_files(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path
+) -> None:
+    """A new shard file is open only while its sessions are copied: a count of 40 under
+    a limit of 64 open files (each store holds four) goes as 3 does."""
+    folder = _copy_of(template, tmp_path)
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
+        "from aalis_agent.scale.reshard import reshard\n"
+        "print(reshard(sys.argv[1], 40).sessions)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(len(SESSIONS))
+    assert _events(folder, 40) == template[1]
+
+
 def test_the_same_count_changes_nothing(
     template: tuple[Path, dict[str, list[object]]], tmp_path: Path
 ) -> None:
