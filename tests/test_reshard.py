@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from aalis_agent.events import Input, SqliteEventStore
-from aalis_agent.events.errors import StoreInUse, UsageError
+from aalis_agent.events.errors import StoreError, StoreInUse, UsageError
 from aalis_agent.scale import reshard as reshard_module
 from aalis_agent.scale.ownership import shard_of
 from aalis_agent.scale.processes import ProcessShards
@@ -295,6 +295,49 @@ def test_a_row_that_does_not_decode_gives_the_reshard_up(
     assert not (folder / JOURNAL).exists() and not (folder / "reshard-3").exists()
     assert json.loads((folder / MANIFEST).read_text())["shards"] == 2
     assert sorted(p.name for p in folder.glob("shard-*.db")) == ["shard-0.db", "shard-1.db"]
+
+
+def test_events_it_would_leave_behind_give_the_reshard_up(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path
+) -> None:
+    """Rows whose session number the sessions table does not name (a hand edit) are in
+    no session it lists: left behind, the copy would not hold every event; and one
+    session in two shard files would be copied twice. Either gives the reshard up,
+    named, with nothing moved."""
+    orphan = _copy_of(template, tmp_path / "orphan")
+    conn = sqlite3.connect(orphan / "shard-0.db")
+    try:
+        sid, last = conn.execute("SELECT sid, max(seq) FROM log GROUP BY sid LIMIT 1").fetchone()
+        conn.execute("UPDATE log SET sid = 9999 WHERE sid = ?", (sid,))
+        conn.commit()
+    finally:
+        conn.close()
+    with pytest.raises(StoreError, match=rf"shard-0\.db' holds {last} events .*no session"):
+        reshard(orphan, 3)
+    twice = _copy_of(template, tmp_path / "twice")
+    name = sorted(_events(twice, 2))[0]
+    conn = sqlite3.connect(twice / "shard-0.db")
+    try:
+        conn.execute("ATTACH ? AS other", (str(twice / "shard-1.db"),))
+        here = shard_of(name, 2) == 0
+        source, target = ("main", "other") if here else ("other", "main")
+        number = "SELECT id FROM {}.sessions WHERE name = ?"
+        (sid,) = conn.execute(number.format(source), (name,)).fetchone()
+        conn.execute(f"INSERT INTO {target}.sessions (name) VALUES (?)", (name,))
+        (new,) = conn.execute(number.format(target), (name,)).fetchone()
+        conn.execute(
+            f"INSERT INTO {target}.log SELECT ?, seq, position + 100000, data "
+            f"FROM {source}.log WHERE sid = ?",
+            (new, sid),
+        )
+        conn.commit()
+    finally:
+        conn.close()
+    with pytest.raises(StoreError, match=rf"session {name!r} is in both shard-0\.db and shard-1"):
+        reshard(twice, 3)
+    for folder in (orphan, twice):
+        assert not (folder / JOURNAL).exists() and not (folder / "reshard-3").exists()
+        assert json.loads((folder / MANIFEST).read_text())["shards"] == 2
 
 
 _KILLED = """
