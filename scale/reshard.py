@@ -19,7 +19,7 @@ not decode, a full disk) gives the reshard up at once: nothing was moved, and th
 names what failed (a bad row by its session and seq; ``aalis-agent replay`` shows what
 else that file holds). The directory is held the whole time, as ``ProcessShards`` holds
 it while its workers run: either one refuses while the other has it
-(:class:`StoreInUse`).
+(:class:`StoreInUse`), in this process too.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,6 +58,7 @@ _HOLD = "shards"  # the directory's hold: ``shards.lock`` (events/ownership.py's
 _CHUNK = 4096  # events read at a time: a long session is not read whole
 _ROW = 32  # events a commit (a turn's are ~4): short rows, as reads decode a row whole
 _SUFFIXES = ("", "-wal", "-shm")  # a SQLite database's files
+_SHARD_FILES = re.compile(r"(shard-.*?\.db)(-wal|-shm|-journal|\.lock)?")  # and a shard's
 
 
 @dataclass(frozen=True)
@@ -84,29 +87,51 @@ def _shard_file(directory: Path, index: int) -> Path:
     return directory / f"shard-{index}.db"
 
 
-def hold_directory(directory: Path) -> str:
+_guard = threading.Lock()
+_holds: dict[str, int] = {}  # a held directory's key -> its holders here (-1: a reshard)
+
+
+def hold_directory(directory: Path, *, alone: bool = False) -> str:
     """Hold ``directory`` as its one user (``ProcessShards`` or a reshard) until
     :func:`release_directory`; :class:`StoreInUse` when another process holds it (the
-    kernel lets go of a process that dies). Returns the key to release it with."""
-    try:
-        return acquire_writer(str(directory / _HOLD))
-    except StoreInUse as exc:
-        refused = StoreInUse(str(directory), exc.holder)
-        refused.args = (
-            f"shard directory {str(directory)!r} is in use by another process (pid "
-            f"{exc.holder}): its ProcessShards or a reshard; stop it first",
-        )
-        raise refused from None
+    kernel lets go of a process that dies), or ``alone`` (a reshard) when this process
+    holds it too, or when a reshard in this process holds it. Returns the key to
+    release it with."""
+    key = os.path.realpath(directory / _HOLD)  # as acquire_writer names it
+    with _guard:
+        held = _holds.get(key, 0)
+        if held < 0 or (alone and held > 0):
+            refused = StoreInUse(str(directory), str(os.getpid()))
+            refused.args = (
+                f"shard directory {str(directory)!r} is in use by this process (pid "
+                f"{os.getpid()}): its ProcessShards or a reshard; stop it first",
+            )
+            raise refused
+        try:
+            acquire_writer(str(directory / _HOLD))
+        except StoreInUse as exc:
+            refused = StoreInUse(str(directory), exc.holder)
+            refused.args = (
+                f"shard directory {str(directory)!r} is in use by another process (pid "
+                f"{exc.holder}): its ProcessShards or a reshard; stop it first",
+            )
+            raise refused from None
+        _holds[key] = -1 if alone else held + 1
+    return key
 
 
 def release_directory(key: str) -> None:
-    release_writer(key)
+    with _guard:
+        held = _holds.pop(key, 0)
+        if held > 1:
+            _holds[key] = held - 1
+        release_writer(key)
 
 
 @contextlib.contextmanager
-def held_directory(directory: Path) -> Iterator[None]:
+def held_directory(directory: Path, *, alone: bool = False) -> Iterator[None]:
     """:func:`hold_directory` for the length of a block."""
-    key = hold_directory(directory)
+    key = hold_directory(directory, alone=alone)
     try:
         yield
     finally:
@@ -228,7 +253,7 @@ def reshard(
     folder = Path(directory)
     if not folder.is_dir():
         raise UsageError(f"{str(folder)!r} is not a directory")
-    with held_directory(folder):
+    with held_directory(folder, alone=True):  # (ProcessShards of this process too)
         journal = _read_journal(folder)
         if journal is None:
             old = _recorded_count(folder)
@@ -241,8 +266,15 @@ def reshard(
                     f"{str(folder)!r} records {old} shards but {', '.join(missing[:3])} "
                     "is missing: nothing was changed"
                 )
+            # A shard file the count does not name, or a WAL, shared-memory or lock file
+            # of one: in the way of a new file, or (a WAL) read by SQLite as the new
+            # file's own, whosever it is.
             expected = {f"shard-{i}.db" for i in range(old)}
-            stray = sorted(p.name for p in folder.glob("shard-*.db") if p.name not in expected)
+            stray = sorted(
+                p.name
+                for p in folder.glob("shard-*.db*")
+                if (match := _SHARD_FILES.fullmatch(p.name)) and match[1] not in expected
+            )
             if stray:
                 raise UsageError(
                     f"{str(folder)!r} records {old} shards but also holds "
@@ -300,35 +332,57 @@ def _copy(
     directory: Path, journal: _Journal, progress: Callable[[Progress], None] | None
 ) -> tuple[int, int]:
     """Copy every session of the old files into new ones in the staging folder (made
-    anew: a copy cut before is started again), each checked against its original."""
+    anew: a copy cut before is started again), each checked against its original. The
+    old files are open together; the new ones one at a time, each written whole, then
+    closed (checkpointed: the file holds every event) and flushed to the disk."""
     staging = _staging(directory, journal)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     olds: list[SqliteEventStore] = []
-    news: list[SqliteEventStore] = []
     try:
         for i in range(journal.old):  # held for writing: no other process writes them
             olds.append(SqliteEventStore(_shard_file(directory, i), background_checkpoint=False))
-        for i in range(journal.to):
-            news.append(SqliteEventStore(_shard_file(staging, i), background_checkpoint=False))
-        plan = [(store, sid) for store in olds for sid in store.sessions()]
+        plan: list[list[tuple[SqliteEventStore, str]]] = [[] for _ in range(journal.to)]
+        found: dict[str, SqliteEventStore] = {}
+        for store in olds:
+            for sid in store.sessions():
+                if (before := found.setdefault(sid, store)) is not store:
+                    raise StoreError(
+                        f"reshard: session {sid!r} is in both {Path(before.path).name} and "
+                        f"{Path(store.path).name}: nothing was moved (see `aalis-agent "
+                        "replay` of each; move one away by hand)"
+                    )
+                plan[shard_of(sid, journal.to)].append((store, sid))
+        sessions = sum(map(len, plan))
         open_work = {id(store): set(store.open_sessions()) for store in olds}
-        total = sum(store.count() for store in olds)
-        copied = 0
-        for done, (store, sid) in enumerate(plan, 1):
-            target = news[shard_of(sid, journal.to)]
-            copied += _copy_session(store, target, sid, sid in open_work[id(store)])
-            if progress is not None:
-                progress(Progress(done, len(plan), copied, total))
-        for store in news:
-            store.close()  # checkpointed: the file holds every event
-        for i in range(journal.to):
+        held = {id(store): store.count() for store in olds}
+        total = sum(held.values())
+        copied = done = 0
+        for i, moving in enumerate(plan):
+            new = SqliteEventStore(_shard_file(staging, i), background_checkpoint=False)
+            try:
+                for store, sid in moving:
+                    n = _copy_session(store, new, sid, sid in open_work[id(store)])
+                    copied += n
+                    held[id(store)] -= n
+                    done += 1
+                    if progress is not None:
+                        progress(Progress(done, sessions, copied, total))
+            finally:
+                new.close()
             for suffix in _SUFFIXES:
                 _sync_file(Path(f"{_shard_file(staging, i)}{suffix}"))
+        for store in olds:
+            if held[id(store)]:  # rows of a session number no name is given (a hand edit)
+                raise StoreError(
+                    f"reshard: {store.path!r} holds {held[id(store)]} events in no session "
+                    "it lists (rows of a session number its sessions table does not name): "
+                    "they would be left behind; nothing was moved"
+                )
         _sync_folder(staging)
-        return len(plan), copied
+        return sessions, copied
     finally:
-        for store in (*olds, *news):
+        for store in olds:
             store.close()
 
 

@@ -10,18 +10,18 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from aalis_agent.events import Input, SqliteEventStore
-from aalis_agent.events.errors import UsageError
+from aalis_agent.events.errors import StoreError, StoreInUse, UsageError
 from aalis_agent.scale import reshard as reshard_module
 from aalis_agent.scale.ownership import shard_of
 from aalis_agent.scale.processes import ProcessShards
 from aalis_agent.scale.reshard import JOURNAL, MANIFEST, reshard
 
 from tests import shard_services
-from tests.harness import ROOT
 
 SESSIONS = [f"room:{n}" for n in range(12)]
 
@@ -105,6 +105,31 @@ def test_stray_shard_files_are_refused_before_anything_changes(
     ]
 
 
+@pytest.mark.parametrize("suffix", ["-wal", "-shm", "-journal", ".lock"])
+def test_stray_files_of_a_shard_file_are_refused_before_anything_changes(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path, suffix: str
+) -> None:
+    """A WAL file left where a new shard file goes would be read as the new file's
+    (SQLite does not tell whose WAL it is: the new shard-2.db read as the other database);
+    a rollback journal likewise; a lock file there would stop the moving half-way."""
+    folder = _copy_of(template, tmp_path)
+    other = tmp_path / "other.db"
+    conn = sqlite3.connect(other, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA wal_autocheckpoint=0")
+        conn.execute("CREATE TABLE log (x)")  # its WAL now holds another database's pages
+        made = f"{other}{suffix}" if suffix in ("-wal", "-shm") else other
+        shutil.copy(made, f"{folder}/shard-2.db{suffix}")
+    finally:
+        conn.close()
+    with pytest.raises(UsageError, match=rf"records 2 shards but also holds shard-2\.db{suffix}"):
+        reshard(folder, 3)
+    assert not (folder / JOURNAL).exists()
+    assert json.loads((folder / MANIFEST).read_text())["shards"] == 2
+    assert _events(folder, 2) == template[1]
+
+
 def test_two_reshards_keep_their_old_files_apart(
     template: tuple[Path, dict[str, list[object]]], tmp_path: Path
 ) -> None:
@@ -114,6 +139,26 @@ def test_two_reshards_keep_their_old_files_apart(
     second = reshard(folder, 3).kept  # within the same second, likely: another folder
     assert first is not None and second is not None and first != second
     assert _events(first, 2) == _events(second, 2) == template[1]
+
+
+def test_many_shards_within_a_small_limit_of_open_files(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path
+) -> None:
+    """A new shard file is open only while its sessions are copied: a count of 40 under
+    a limit of 64 open files (each store holds four) goes as 3 does."""
+    folder = _copy_of(template, tmp_path)
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
+        "from aalis_agent.scale.reshard import reshard\n"
+        "print(reshard(sys.argv[1], 40).sessions)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(len(SESSIONS))
+    assert _events(folder, 40) == template[1]
 
 
 def test_the_same_count_changes_nothing(
@@ -140,21 +185,52 @@ def test_refused_while_its_shards_run_and_the_other_way(
         assert "StoreInUse" in done.stderr and "in use by another process" in done.stderr
     # And a ProcessShards while a reshard holds the directory (another process).
     with reshard_module.held_directory(folder):
-        code = (
+        code = (  # (refused before its workers would build services)
             "import sys\n"
             "from aalis_agent.scale.processes import ProcessShards\n"
-            "from tests import shard_services\n"
-            "ProcessShards(sys.argv[1], shard_services.services, shards=2)\n"
+            "ProcessShards(sys.argv[1], print, shards=2)\n"
         )
         done = subprocess.run(
-            [sys.executable, "-c", code, str(folder)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=ROOT,
+            [sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=60
         )
         assert done.returncode != 0 and "in use by another process" in done.stderr
     assert json.loads((folder / MANIFEST).read_text())["shards"] == 2
+
+
+def test_refused_in_the_process_that_runs_its_shards(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path
+) -> None:
+    """The directory's hold keeps other processes out; within this one, a reshard is
+    refused too while its ProcessShards is open (its workers killed, between restarts:
+    the shard files free), and a second reshard while the first one runs."""
+    folder = _copy_of(template, tmp_path)
+    with ProcessShards(folder, shard_services.services, shards=2) as ps:
+        for shard in ps.info():
+            os.kill(shard["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while any(shard["alive"] for shard in ps.info()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(StoreInUse, match="in use by this process"):
+            reshard(folder, 3)
+        assert not (folder / JOURNAL).exists()
+        assert json.loads((folder / MANIFEST).read_text())["shards"] == 2
+        # It goes on over the files of its count.
+        assert ps.run("room:0", Input(id="room:0/after", content="hi")).outcome == "replied"
+    nested: list[BaseException] = []
+
+    def progress(p: reshard_module.Progress) -> None:
+        if not nested:
+            with pytest.raises(StoreInUse, match="in use by this process") as raised:
+                reshard(folder, 3)
+            nested.append(raised.value)
+
+    reshard(folder, 3, progress=progress)
+    assert nested
+    after = _events(folder, 3)
+    assert after["room:0"][: len(template[1]["room:0"])] == template[1]["room:0"]
+    assert {sid: after[sid] for sid in SESSIONS if sid != "room:0"} == {
+        sid: template[1][sid] for sid in SESSIONS if sid != "room:0"
+    }
 
 
 def test_a_move_that_fails_is_finished_by_running_it_again(
@@ -221,6 +297,49 @@ def test_a_row_that_does_not_decode_gives_the_reshard_up(
     assert sorted(p.name for p in folder.glob("shard-*.db")) == ["shard-0.db", "shard-1.db"]
 
 
+def test_events_it_would_leave_behind_give_the_reshard_up(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path
+) -> None:
+    """Rows whose session number the sessions table does not name (a hand edit) are in
+    no session it lists: left behind, the copy would not hold every event; and one
+    session in two shard files would be copied twice. Either gives the reshard up,
+    named, with nothing moved."""
+    orphan = _copy_of(template, tmp_path / "orphan")
+    conn = sqlite3.connect(orphan / "shard-0.db")
+    try:
+        sid, last = conn.execute("SELECT sid, max(seq) FROM log GROUP BY sid LIMIT 1").fetchone()
+        conn.execute("UPDATE log SET sid = 9999 WHERE sid = ?", (sid,))
+        conn.commit()
+    finally:
+        conn.close()
+    with pytest.raises(StoreError, match=rf"shard-0\.db' holds {last} events .*no session"):
+        reshard(orphan, 3)
+    twice = _copy_of(template, tmp_path / "twice")
+    name = sorted(_events(twice, 2))[0]
+    conn = sqlite3.connect(twice / "shard-0.db")
+    try:
+        conn.execute("ATTACH ? AS other", (str(twice / "shard-1.db"),))
+        here = shard_of(name, 2) == 0
+        source, target = ("main", "other") if here else ("other", "main")
+        number = "SELECT id FROM {}.sessions WHERE name = ?"
+        (sid,) = conn.execute(number.format(source), (name,)).fetchone()
+        conn.execute(f"INSERT INTO {target}.sessions (name) VALUES (?)", (name,))
+        (new,) = conn.execute(number.format(target), (name,)).fetchone()
+        conn.execute(
+            f"INSERT INTO {target}.log SELECT ?, seq, position + 100000, data "
+            f"FROM {source}.log WHERE sid = ?",
+            (new, sid),
+        )
+        conn.commit()
+    finally:
+        conn.close()
+    with pytest.raises(StoreError, match=rf"session {name!r} is in both shard-0\.db and shard-1"):
+        reshard(twice, 3)
+    for folder in (orphan, twice):
+        assert not (folder / JOURNAL).exists() and not (folder / "reshard-3").exists()
+        assert json.loads((folder / MANIFEST).read_text())["shards"] == 2
+
+
 _KILLED = """
 import sys, time
 from aalis_agent.scale.reshard import reshard
@@ -283,3 +402,46 @@ def test_cli(template: tuple[Path, dict[str, list[object]]], tmp_path: Path) -> 
     assert done.returncode == 2 and "no shards.json" in done.stderr
     done = subprocess.run([*cli, str(folder), "--shards", "0"], capture_output=True, text=True)
     assert done.returncode == 2 and "expected a positive integer" in done.stderr
+
+
+def test_cli_progress_in_lines_when_stderr_is_not_a_terminal(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path
+) -> None:
+    """Captured (a log file, a pipe), the progress is lines, not a line redrawn with
+    carriage returns; an error after some progress starts a line of its own. On a
+    terminal the line is redrawn."""
+    folder = _copy_of(template, tmp_path)
+    conn = sqlite3.connect(folder / "shard-1.db")
+    try:  # the last session copied does not decode
+        conn.execute("UPDATE log SET data = X'ff' WHERE sid = (SELECT max(sid) FROM log)")
+        conn.commit()
+    finally:
+        conn.close()
+    cli = [sys.executable, "-m", "aalis_agent.cli", "reshard", str(folder), "--shards", "3"]
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "\r" not in done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("copied 1/12 sessions"), lines
+    assert lines[-1].startswith("aalis-agent reshard: error: "), lines
+    # On a terminal (a pseudo-terminal here), one line redrawn, ended before the error.
+    main, side = os.openpty()
+    try:
+        with subprocess.Popen(cli, stdout=subprocess.DEVNULL, stderr=side) as proc:
+            os.close(side)
+            out = b""
+            while chunk := _read_pty(main):
+                out += chunk
+            assert proc.wait(timeout=60) == 2
+    finally:
+        os.close(main)
+    text = out.decode()
+    assert text.startswith("\rcopied 1/12 sessions"), text
+    assert "\naalis-agent reshard: error: " in text, text
+
+
+def _read_pty(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # the other side closed (EIO)
+        return b""
