@@ -249,9 +249,13 @@ def _installed_version() -> str:
 
 
 def _shard_count(text: str) -> int:
-    """A shard count: a positive integer."""
+    """A shard count: an integer from 1 to ``MAX_SHARDS``."""
+    from aalis_agent.scale.reshard import MAX_SHARDS
+
     if not (text.isascii() and text.isdigit()) or len(text) > 6 or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if int(text) > MAX_SHARDS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_SHARDS:,} shards, got {text}")
     return int(text)
 
 

@@ -105,7 +105,13 @@ from aalis_agent.events.errors import InvalidInput, RunError, RuntimeClosed, Usa
 from aalis_agent.events.schema import Input
 from aalis_agent.scale import with_input_id
 from aalis_agent.scale.ownership import shard_of
-from aalis_agent.scale.reshard import hold_directory, refuse_if_resharding, release_directory
+from aalis_agent.scale.reshard import (
+    MAX_SHARDS,
+    hold_directory,
+    refuse_if_resharding,
+    release_directory,
+    write_json_atomically,
+)
 from aalis_agent.services.bus import EventBus
 
 __all__ = ["ProcessHandle", "ProcessShards", "ShardUnavailable"]
@@ -182,14 +188,14 @@ def _manifest(directory: Path, shards: int) -> None:
                 f"{str(directory)!r} holds shard databases ({', '.join(found[:3])}) but no "
                 f"{MANIFEST}: it was not made by ProcessShards, or its {MANIFEST} was removed"
             ) from None
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"format": 1, "shards": shards}) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        write_json_atomically(path, {"format": 1, "shards": shards})  # flushed to the disk
         return
     try:
         recorded = json.loads(text)["shards"]
     except (ValueError, KeyError, TypeError):
-        raise UsageError(f"{str(path)!r} is not a shard manifest: {text[:80]!r}") from None
+        recorded = None
+    if isinstance(recorded, bool) or not isinstance(recorded, int) or recorded < 1:
+        raise UsageError(f"{str(path)!r} is not a shard manifest: {text[:80]!r}")
     if recorded != shards:
         raise UsageError(
             f"{str(directory)!r} holds {recorded} shards ({MANIFEST}); open it with "
@@ -1288,8 +1294,10 @@ class ProcessShards:
         inline_s: float = 0.02,
         quick_s: float = 0.005,
     ) -> None:
-        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
-            raise UsageError(f"ProcessShards: shards must be an integer >= 1, not {shards!r}")
+        if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
+            raise UsageError(
+                f"ProcessShards: shards must be an integer from 1 to {MAX_SHARDS:,}, not {shards!r}"
+            )
         if not callable(services):
             raise UsageError(f"ProcessShards: services must be callable, not {services!r}")
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:

@@ -43,6 +43,7 @@ from aalis_agent.scale.ownership import shard_of
 __all__ = [
     "JOURNAL",
     "MANIFEST",
+    "MAX_SHARDS",
     "Progress",
     "ReshardDone",
     "held_directory",
@@ -50,9 +51,12 @@ __all__ = [
     "refuse_if_resharding",
     "release_directory",
     "reshard",
+    "write_json_atomically",
 ]
 
 MANIFEST = "shards.json"
+# A worker process a shard: more than this on one machine is a typo, not a plan.
+MAX_SHARDS = 4096
 JOURNAL = "reshard.json"
 _HOLD = "shards"  # the directory's hold: ``shards.lock`` (events/ownership.py's lock)
 _CHUNK = 4096  # events read at a time: a long session is not read whole
@@ -193,7 +197,7 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _write_atomically(path: Path, data: dict[str, object]) -> None:
+def write_json_atomically(path: Path, data: dict[str, object]) -> None:
     """Write ``path`` whole or not at all, durably (the file and its folder flushed)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -213,7 +217,7 @@ def _sync_folder(folder: Path) -> None:
 
 
 def _record(directory: Path, journal: _Journal) -> None:
-    _write_atomically(
+    write_json_atomically(
         directory / JOURNAL,
         {"from": journal.old, "to": journal.to, "state": journal.state, "kept": journal.kept},
     )
@@ -248,8 +252,10 @@ def reshard(
     cut while still copying is given up by calling it with the old count instead. An
     error while copying (a row that does not decode, a full disk) gives it up itself:
     nothing was moved, the directory is as it was."""
-    if not _count(shards):
-        raise UsageError(f"reshard: shards must be an integer >= 1, not {shards!r}")
+    if not _count(shards) or shards > MAX_SHARDS:
+        raise UsageError(
+            f"reshard: shards must be an integer from 1 to {MAX_SHARDS:,}, not {shards!r}"
+        )
     folder = Path(directory)
     if not folder.is_dir():
         raise UsageError(f"{str(folder)!r} is not a directory")
@@ -298,19 +304,32 @@ def reshard(
             )
         sessions = events = 0
         if journal.state == "copying":
+            # The old files' writer locks are held from before the copy until they are
+            # moved aside: no other process (``chat --db`` on a shard file) writes one
+            # after its sessions were copied.
+            held: list[str] = []
             try:
-                sessions, events = _copy(folder, journal, progress)
-            except Exception:
-                _abandon(folder, journal)  # nothing was moved: the directory is as it was
-                raise
-            journal = _Journal(journal.old, journal.to, "moving-old", journal.kept)
-            _record(folder, journal)
+                try:
+                    for i in range(journal.old):
+                        held.append(acquire_writer(str(_shard_file(folder, i))))
+                    sessions, events = _copy(folder, journal, progress)
+                except Exception:
+                    _abandon(folder, journal)  # nothing was moved: as it was
+                    raise
+                journal = _Journal(journal.old, journal.to, "moving-old", journal.kept)
+                _record(folder, journal)
+                _move_old(folder, journal)
+                journal = _Journal(journal.old, journal.to, "moving-new", journal.kept)
+                _record(folder, journal)
+            finally:
+                for key in held:
+                    release_writer(key)
         if journal.state == "moving-old":
             _move_old(folder, journal)
             journal = _Journal(journal.old, journal.to, "moving-new", journal.kept)
             _record(folder, journal)
         _move_new(folder, journal)
-        _write_atomically(folder / MANIFEST, {"format": 1, "shards": journal.to})
+        write_json_atomically(folder / MANIFEST, {"format": 1, "shards": journal.to})
         (folder / JOURNAL).unlink()
         _sync_folder(folder)
         return ReshardDone(journal.old, journal.to, sessions, events, folder / journal.kept)

@@ -170,6 +170,15 @@ def test_the_directory_keeps_its_shard_count(tmp_path: Path) -> None:
         ProcessShards(folder, shard_services.services, 2)
 
 
+@pytest.mark.parametrize("recorded", ["true", "0", "-2", "1.5", '"2"', "null"])
+def test_a_manifest_whose_count_is_not_a_count_is_refused(tmp_path: Path, recorded: str) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / MANIFEST).write_text(f'{{"format": 1, "shards": {recorded}}}', encoding="utf-8")
+    with pytest.raises(UsageError, match="is not a shard manifest"):
+        ProcessShards(folder, shard_services.services, 1)
+
+
 def test_a_second_process_on_the_directory_is_refused_and_the_first_serves_on(
     shards: ProcessShards, tmp_path: Path
 ) -> None:
@@ -183,8 +192,10 @@ def test_services_that_cannot_reach_a_worker_are_refused(tmp_path: Path) -> None
         ProcessShards(tmp_path / "a", lambda: shard_services.services(), 1)
     with pytest.raises(RuntimeError, match="no model configured"):
         ProcessShards(tmp_path / "b", shard_services.broken_services, 1)
-    with pytest.raises(UsageError, match="shards must be an integer >= 1"):
+    with pytest.raises(UsageError, match="shards must be an integer from 1 to 4,096, not 0"):
         ProcessShards(tmp_path / "c", shard_services.services, 0)
+    with pytest.raises(UsageError, match="shards must be an integer from 1 to 4,096, not 10000"):
+        ProcessShards(tmp_path / "c", shard_services.services, 10_000)
     for bad, match in (
         ({"max_restarts": -1}, "max_restarts must be an integer >= 0, not -1"),
         ({"max_restarts": "3"}, "max_restarts must be an integer >= 0, not '3'"),

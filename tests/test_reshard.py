@@ -161,6 +161,49 @@ def test_many_shards_within_a_small_limit_of_open_files(
     assert _events(folder, 40) == template[1]
 
 
+def test_the_old_files_stay_locked_until_moved_aside(
+    template: tuple[Path, dict[str, list[object]]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between the copy and the moves no other process may write an old shard file
+    (``chat --db`` on one): what it wrote would be left in the kept copy only."""
+    folder = _copy_of(template, tmp_path)
+    real = reshard_module._move_old
+    tried: list[subprocess.CompletedProcess[str]] = []
+
+    def moving_old(directory: Path, journal: object) -> None:
+        code = (
+            "import sys\n"
+            "from aalis_agent.events import SqliteEventStore\n"
+            "SqliteEventStore(sys.argv[1]).close()\n"
+        )
+        tried.append(
+            subprocess.run(
+                [sys.executable, "-c", code, str(directory / "shard-0.db")],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        )
+        real(directory, journal)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(reshard_module, "_move_old", moving_old)
+    reshard(folder, 3)
+    assert tried and tried[0].returncode != 0, tried
+    assert "StoreInUse" in tried[0].stderr, tried[0].stderr
+    assert _events(folder, 3) == template[1]
+
+
+def test_a_count_past_the_limit_is_refused(
+    template: tuple[Path, dict[str, list[object]]], tmp_path: Path
+) -> None:
+    folder = _copy_of(template, tmp_path)
+    with pytest.raises(UsageError, match="from 1 to 4,096, not 4097"):
+        reshard(folder, 4097)
+    assert not (folder / JOURNAL).exists()
+
+
 def test_the_same_count_changes_nothing(
     template: tuple[Path, dict[str, list[object]]], tmp_path: Path
 ) -> None:
