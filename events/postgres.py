@@ -568,8 +568,7 @@ class PostgresEventStore:
             except CorruptEvent as exc:
                 if seq <= after_seq:
                     continue  # the row that needs it will say so
-                follow.skip(seq)
-                report(exc)
+                report(follow.unread(exc, seq, data))
                 continue
             if (fault := follow.fault(events[0].seq, seq)) is not None:
                 report(fault)

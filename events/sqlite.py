@@ -771,10 +771,10 @@ class SqliteEventStore:
             except CorruptEvent as exc:
                 if seq <= after_seq:
                     continue  # the row that needs it will say so
-                follow.skip(seq)
+                bad = follow.unread(exc, seq, data)
                 if on_corrupt is None:
-                    raise
-                on_corrupt(exc)
+                    raise bad from None
+                on_corrupt(bad)
                 continue
             if (fault := follow.fault(events[0].seq, seq)) is not None:
                 if on_corrupt is None:

@@ -13,7 +13,14 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
-from aalis_agent.events.codec import decode, decode_rows, encode, encode_keyless, encode_rows
+from aalis_agent.events.codec import (
+    decode,
+    decode_rows,
+    encode,
+    encode_keyless,
+    encode_rows,
+    row_header,
+)
 from aalis_agent.events.errors import ConcurrencyConflict, CorruptEvent, InvalidBatch
 from aalis_agent.events.schema import Event, SessionEvent
 
@@ -210,6 +217,26 @@ class FollowOn:
         """A row ending at ``last`` that could not be read (reported as corrupt)."""
         self._next = max(self._next, last + 1)
         self._leading = False
+
+    def unread(self, exc: CorruptEvent, last: int, data: object) -> CorruptEvent:
+        """:meth:`skip` of the row ``data`` ending at ``last``, which raised ``exc``; the
+        error to report for it. When no row holds the seqs just before it (rows deleted
+        by hand, the next one continuing their group, so it cannot be read either), that
+        is ``exc`` saying which seqs are missing too; else ``exc`` itself."""
+        expected = self._next
+        self.skip(last)
+        header = row_header(data)
+        if header is None:
+            first = last  # a row of one event
+        elif 1 <= header[1] <= last:
+            first = last - header[1] + 1
+        else:
+            return exc  # a damaged count: where the row starts is not known
+        if first <= expected:
+            return exc
+        span = f"seqs {expected}-{first - 1} are" if first - 1 > expected else f"seq {expected} is"
+        reason = f"{exc.reason}; {span} missing (rows deleted?)"
+        return CorruptEvent(exc.session_id, exc.seq, reason)
 
     def end(self, last_seq: int) -> CorruptEvent | None:
         """Seqs missing at the end when the log says it ends at ``last_seq``."""

@@ -59,7 +59,8 @@ and ``inspect`` read it, while the workers run too), held by its worker for writ
   as ``Runtime.subscribe``): each shard's on a connection of its own, read by a thread
   of the shard's in the parent, in the order the worker published them; a worker sends
   only the topics someone subscribed to, from a bounded queue (a slow subscriber holds
-  up no turn), and a worker started again is subscribed before the call that started it
+  up no turn; past ``event_backlog`` events the next are dropped, and counted in
+  ``info()``), and a worker started again is subscribed before the call that started it
   goes on.
 """
 
@@ -219,6 +220,7 @@ _RUN, _SUBMIT, _WAIT_IDLE, _INFO, _METHOD = "run", "submit", "wait_idle", "info"
 # the parent sends when the topics its subscribers want change.
 _SUBSCRIBE = "subscribe"
 _EVENT_BACKLOG = 10_000  # events a stream holds for a parent slower than the shard
+_DROPPED = None  # an event stream's [None, n]: n events dropped before the next one
 _SESSION_METHODS = frozenset(
     ("command", "stop", "stop_command", "stop_all", "mute", "delete", "clear", "set_setting")
 )
@@ -263,6 +265,7 @@ class _Server:
         control: Connection,
         inline_s: float,
         quick_s: float,
+        event_backlog: int = _EVENT_BACKLOG,
     ) -> None:
         self.runtime = runtime
         self.listener = listener
@@ -270,6 +273,7 @@ class _Server:
         self.control = control
         self.inline_s = inline_s
         self.quick_s = quick_s
+        self.event_backlog = event_backlog
         self._selector = selectors.DefaultSelector()
         self._accepted: deque[Connection] = deque()
         self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
@@ -427,7 +431,7 @@ class _Server:
         try:
             raw = _call_decoder.decode(data)[2]
             seq, topics = _topics_decoder.decode(raw)
-            _EventStream(self.runtime.services.bus, conn, seq, topics)
+            _EventStream(self.runtime.services.bus, conn, seq, topics, self.event_backlog)
         except Exception as exc:
             log.warning("a bus subscription from the parent failed", error=repr(exc))
             conn.close()
@@ -463,13 +467,22 @@ class _EventStream:
     """The worker's bus events on their way to the parent (``ProcessShards.subscribe``),
     on a connection of their own: subscribed to the topics the parent wants and no more
     (the runtime builds an event only when someone wants it), in a queue a thread sends
-    from, so that the shard's turns never wait for the parent. A queue of
-    ``_EVENT_BACKLOG`` events not yet sent (a parent subscriber slower than the shard)
-    drops the next ones, with a warning in the worker's log saying how many."""
+    from, so that the shard's turns never wait for the parent. A queue of ``backlog``
+    events not yet sent (``ProcessShards(event_backlog=)``: a parent subscriber slower
+    than the shard) drops the next ones, with a warning in the worker's log; how many is
+    logged, and sent to the parent (``[None, n]``), before the next event sent."""
 
-    def __init__(self, bus: Any, conn: Connection, seq: int, topics: list[str]) -> None:
+    def __init__(
+        self,
+        bus: Any,
+        conn: Connection,
+        seq: int,
+        topics: list[str],
+        backlog: int = _EVENT_BACKLOG,
+    ) -> None:
         self.bus = bus
         self.conn = conn
+        self.backlog = backlog
         self.cv = threading.Condition()
         self.queue: deque[bytes] = deque()
         self.dropped = 0
@@ -510,12 +523,12 @@ class _EventStream:
         with self.cv:
             if self.closed:
                 return
-            if len(self.queue) >= _EVENT_BACKLOG:
+            if len(self.queue) >= self.backlog:
                 if not self.dropped:
                     log.warning(
                         "the parent's bus subscribers are slower than the shard: dropping "
                         "events until they catch up",
-                        backlog=_EVENT_BACKLOG,
+                        backlog=self.backlog,
                     )
                 self.dropped += 1
                 return
@@ -531,9 +544,10 @@ class _EventStream:
                     return
                 data = self.queue.popleft()
                 dropped, self.dropped = self.dropped, 0
-            if dropped:
-                log.warning("bus events dropped for the parent", dropped=dropped)
             try:
+                if dropped:
+                    log.warning("bus events dropped for the parent", dropped=dropped)
+                    self.conn.send_bytes(_encode((_DROPPED, dropped)))
                 self.conn.send_bytes(data)
             except (OSError, ValueError):  # the parent went away (or stopped following)
                 self.close()
@@ -576,6 +590,7 @@ def _shard_main(
     control: Connection,
     inline_s: float,
     quick_s: float,
+    event_backlog: int,
 ) -> None:
     """A worker process: its shard's runtime, answering calls until told to stop."""
     from aalis_agent.actors.runtime import Runtime
@@ -605,7 +620,7 @@ def _shard_main(
         control.send(("failed", _portable(exc)))
         return
     control.send(("ready", os.getpid(), recovered))
-    server = _Server(runtime, listener, authkey, control, inline_s, quick_s)
+    server = _Server(runtime, listener, authkey, control, inline_s, quick_s, event_backlog)
     code = 0
     try:
         server.serve()
@@ -648,6 +663,7 @@ class _Shard:
         self.down: str | None = None  # why it is not started again
         self.recovered: list[str] = []
         self.restarts = 0
+        self.events_dropped = 0  # bus events its workers dropped, as they said
         self.feed: _EventFeed | None = None  # set (under ``lock``) once someone subscribes
 
     def start(self) -> None:
@@ -667,6 +683,7 @@ class _Shard:
                 theirs,
                 owner.inline_s,
                 owner.quick_s,
+                owner.event_backlog,
             ),
             name=f"aalis-shard-{self.index}",
             daemon=True,
@@ -1035,6 +1052,9 @@ class _EventFeed:
                             self.acked = max(self.acked, event)
                             self.cv.notify_all()
                         continue
+                    if event[0] is _DROPPED:
+                        self.shard.events_dropped += event[1]
+                        continue
                     bus.publish(event[0], event[1])  # a subscriber that raises is logged
             except (EOFError, OSError):
                 pass  # the worker ended: the next one is attached as it starts
@@ -1280,7 +1300,8 @@ class ProcessShards:
     ``max_live_sessions``). ``max_restarts``: how often a shard's worker may die within a
     minute and be started again. ``inline_s`` and ``quick_s``: a call quicker than
     ``quick_s`` three times in a row is then run by the worker's reading thread, until one
-    takes longer than ``inline_s``."""
+    takes longer than ``inline_s``. ``event_backlog``: how many bus events a worker holds
+    for the parent's subscribers (:meth:`subscribe`) before it drops the next ones."""
 
     def __init__(
         self,
@@ -1293,6 +1314,7 @@ class ProcessShards:
         max_restarts: int = 3,
         inline_s: float = 0.02,
         quick_s: float = 0.005,
+        event_backlog: int = _EVENT_BACKLOG,
     ) -> None:
         if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
             raise UsageError(
@@ -1303,6 +1325,11 @@ class ProcessShards:
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise UsageError(
                 f"ProcessShards: max_restarts must be an integer >= 0, not {max_restarts!r}"
+            )
+        backlog = event_backlog
+        if isinstance(backlog, bool) or not isinstance(backlog, int) or backlog < 1:
+            raise UsageError(
+                f"ProcessShards: event_backlog must be an integer >= 1, not {event_backlog!r}"
             )
         for name, value in (
             ("inline_s", inline_s),
@@ -1331,6 +1358,7 @@ class ProcessShards:
         self.max_restarts = max_restarts
         self.inline_s = float(inline_s)
         self.quick_s = float(quick_s)
+        self.event_backlog = event_backlog
         self._closed = False
         self.bus: EventBus = _ForwardedBus(self)
         self._feeds_lock = threading.Lock()
@@ -1496,9 +1524,11 @@ class ProcessShards:
         a shard (of a session) come in the order its worker published them; events of
         different shards in no given order. A worker publishes only the topics someone
         subscribed to (nothing with no subscriber); it sends them from a queue, so that a
-        subscriber that is slow holds up no turn: past 10,000 events not yet delivered
-        the worker drops the next ones, with a warning in its log. A subscriber that
-        raises is logged, and the others still get the event.
+        subscriber that is slow holds up no turn: past ``event_backlog`` (10,000) events
+        not yet delivered the worker drops the next ones, with a warning in its log;
+        :meth:`info` counts them (``events_dropped``) once the shard's next event reached
+        this process. A subscriber that raises is logged, and the others still get the
+        event.
 
         The first subscription returns once every live worker follows its events, and a
         worker started again (after it died) is subscribed before the call that started
@@ -1547,8 +1577,10 @@ class ProcessShards:
 
     def info(self) -> list[dict[str, Any]]:
         """Per shard: its index, database, worker pid, whether the worker is alive, its
-        restarts, the sessions its worker recovered when it last started, and why it is
-        not started again (``down``; None until it is given up)."""
+        restarts, the sessions its worker recovered when it last started, why it is not
+        started again (``down``; None until it is given up), and how many bus events its
+        workers dropped for subscribers too slow (``events_dropped``, see
+        :meth:`subscribe`)."""
         return [
             {
                 "index": s.index,
@@ -1558,6 +1590,7 @@ class ProcessShards:
                 "restarts": s.restarts,
                 "recovered": list(s.recovered),
                 "down": s.down,
+                "events_dropped": s.events_dropped,
             }
             for s in self._shards
         ]

@@ -8,6 +8,7 @@ until ``<dir>/release`` exists (then "released"); the turn then replies."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -43,6 +44,14 @@ def services() -> Services:
         llm=ScriptedModel(_reply, keep_requests=0),
         tools=ToolRegistry([Tool("block", _block)]),
     )
+
+
+def logged_services(log_file: str) -> Services:
+    """:func:`services`, with the worker's warnings logged to ``log_file``."""
+    logging.basicConfig(
+        filename=log_file, level=logging.WARNING, format="%(process)d %(name)s %(message)s"
+    )
+    return services()
 
 
 def broken_services() -> Services:

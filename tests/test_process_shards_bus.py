@@ -4,7 +4,9 @@ the workers' services are ``tests/shard_services.py``."""
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import signal
 import threading
 import time
@@ -14,7 +16,7 @@ from typing import Any
 
 import pytest
 from aalis_agent.events import Input
-from aalis_agent.events.errors import InvalidInput, RuntimeClosed
+from aalis_agent.events.errors import InvalidInput, RuntimeClosed, UsageError
 from aalis_agent.scale.ownership import shard_of
 from aalis_agent.scale.processes import ProcessShards
 from aalis_agent.services.bus_events import TurnEnded, subscribe_typed, typed_event
@@ -175,6 +177,54 @@ def test_a_slow_subscriber_does_not_hold_up_the_shard(shards: ProcessShards) -> 
     finally:
         release.set()
     _wait_for(lambda: calls.count("turn:ended") == 5, "the events held back")
+
+
+def test_events_past_the_backlog_are_dropped_logged_and_counted(tmp_path: Path) -> None:
+    """A subscriber held up: the worker queues ``event_backlog`` events (past what the
+    socket holds), drops the next ones with a warning in its log, and says how many
+    before the next event it sends: ``info()`` counts them once the parent reads again."""
+    log_file = tmp_path / "worker.log"
+    services = functools.partial(shard_services.logged_services, str(log_file))
+    shards = ProcessShards(tmp_path / "s", services, 1, runtime_options=OPTIONS, event_backlog=5)
+
+    def logged() -> str:
+        return log_file.read_text(encoding="utf-8") if log_file.exists() else ""
+
+    def told() -> int:
+        counts = re.findall(r"events dropped for the parent dropped=(\d+)", logged())
+        return sum(int(n) for n in counts)
+
+    try:
+        release = threading.Event()
+        seen = _Seen()
+
+        def slow(topic: str, payload: Any) -> None:
+            seen(topic, payload)
+            release.wait(60)
+
+        shards.subscribe("*", slow)
+        try:
+            turns = 0
+            while "dropping events until they catch up backlog=5" not in logged():
+                assert turns < 3_000, "no event was dropped"
+                shards.run("room", Input(id=f"in-{turns}", content="hi"))
+                turns += 1
+            assert len(seen.events) == 1  # still in its first event
+        finally:
+            release.set()
+        last = shards.run("room", Input(id="last", content="hi"))
+        assert last.outcome == "replied"
+        # Each count the worker logged reaches the parent, before the events after it.
+        _wait_for(lambda: 0 < shards.info()[0]["events_dropped"] == told(), "the drops counted")
+        assert len(seen.events) > 1 and shards.info()[0]["alive"]
+    finally:
+        shards.shutdown(timeout=10)
+
+
+def test_event_backlog_is_checked(tmp_path: Path) -> None:
+    for bad in (0, -1, 2.5, True, "10"):
+        with pytest.raises(UsageError, match="event_backlog must be an integer >= 1"):
+            ProcessShards(tmp_path / "s", shard_services.services, 1, event_backlog=bad)  # type: ignore[arg-type]
 
 
 def test_subscribe_refuses_what_it_cannot_call(tmp_path: Path) -> None:

@@ -143,6 +143,26 @@ def test_corrupt_rows_are_named_and_the_rest_replays(
     assert [(e["session_id"], e["seq"]) for e in errors] == [(SESSION, 57), (SESSION, 58)]
 
 
+def test_rows_deleted_by_hand_are_named_by_the_seqs_they_held(
+    demo_db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    conn = sqlite3.connect(demo_db)
+    with conn:
+        rows = [seq for (seq,) in conn.execute("SELECT seq FROM log ORDER BY seq")]
+        assert rows[:4] == [5, 8, 10, 16]  # rows of seqs 1-5, 6-8, 9-10, 11-16
+        conn.execute("DELETE FROM log WHERE seq IN (8, 10)")
+    conn.close()
+    code, out, err = run(capsys, "replay", str(demo_db))
+    assert code == 1
+    first = err.splitlines()[0]
+    assert first == (
+        f"error: session '{SESSION}' seq 11: cannot decode event: a row of seqs 11-16: "
+        "it continues the row before seq 11, which was not read; "
+        "seqs 6-10 are missing (rows deleted?)"
+    )
+    assert "#5 " in out and "#6 " not in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -1026,6 +1026,34 @@ class TestSqliteStore(StoreContract):
             assert [c.seq for c in seen] == [3]
             assert store.read("s", after_seq=4) == batch("s", 5, 2)
 
+    def test_rows_deleted_within_a_group_name_the_missing_seqs(self, tmp_path: Path) -> None:
+        """The row after rows deleted by hand continues their group, so it cannot be read
+        either: its error says so, and which seqs no row holds."""
+        path = tmp_path / "events.db"
+        with SqliteEventStore(path) as writer:
+            for at in range(0, 10, 2):
+                writer.append("s", batch("s", at + 1, 2), at)  # rows ending at 2, 4, .. 10
+        with sqlite3.connect(path) as conn:
+            conn.execute("DELETE FROM log WHERE seq IN (4, 6)")
+        conn.close()
+        with SqliteEventStore(path, read_only=True) as store:
+            with pytest.raises(CorruptEvent) as info:
+                store.read("s")
+            assert info.value.seq == 7  # the row it read, as before
+            assert info.value.reason == (
+                "a row of seqs 7-8: it continues the row before seq 7, which was not read; "
+                "seqs 3-6 are missing (rows deleted?)"
+            )
+            seen: list[CorruptEvent] = []
+            assert store.read("s", on_corrupt=seen.append) == batch("s", 1, 2)
+            assert [c.seq for c in seen] == [7, 9]
+            assert seen[0].reason == info.value.reason
+            assert "missing" not in seen[1].reason  # seqs 7-8 are held, by a row not read
+            seen.clear()
+            assert store.read("s", after_seq=5, on_corrupt=seen.append) == []
+            assert [c.seq for c in seen] == [7, 9]
+            assert seen[0].reason.endswith("; seq 6 is missing (rows deleted?)")
+
     def test_on_corrupt_receives_bad_rows_and_the_rest_are_returned(
         self, tmp_path: Path, store: EventStore
     ) -> None:

@@ -282,6 +282,26 @@ def test_rows_deleted_by_hand_are_reported_missing_not_read_past(
         store.read("s")
 
 
+def test_a_bad_row_after_rows_deleted_by_hand_names_the_missing_seqs_too(
+    pg_url: str,  # noqa: F811
+    store: PostgresEventStore,
+) -> None:
+    for at in (0, 2, 4):
+        store.append("s", batch("s", at + 1, 2), at)  # rows ending at seqs 2, 4, 6
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("DELETE FROM aalis_log WHERE seq = 4")
+        # The row of seqs 5-6 cut short: its header still says where it starts.
+        conn.execute("UPDATE aalis_log SET data = substring(data FOR length(data) - 3) WHERE seq=6")
+    with pytest.raises(CorruptEvent) as info:
+        store.read("s")
+    assert info.value.seq == 5
+    assert info.value.reason.startswith("a row of seqs 5-6: ")
+    assert info.value.reason.endswith("; seqs 3-4 are missing (rows deleted?)")
+    seen: list[CorruptEvent] = []
+    assert store.read("s", on_corrupt=seen.append) == batch("s", 1, 2)
+    assert [c.reason for c in seen] == [info.value.reason]
+
+
 def test_a_row_repeating_seqs_read_before_is_reported_and_skipped(
     pg_url: str,  # noqa: F811
     store: PostgresEventStore,
