@@ -989,3 +989,37 @@ def test_a_slow_bus_subscriber_holds_up_no_turn_and_the_events_dropped_are_count
         assert turns == sorted(turns, key=ran.index), calls
     finally:
         client.shutdown()
+
+
+def test_a_new_shard_forwards_the_events_of_a_first_submit_that_names_the_topics(
+    pg_url: str,  # noqa: F811
+) -> None:
+    """A shard Ray restarted knows no topics: the submit that reaches it first names them
+    (as every submit does once someone subscribes), and it follows them before it takes
+    the input, so that input's events are held for the driver. A fetch naming an older
+    version of the topics does not change them; a fetch after an event lets it go, and
+    one naming another incarnation (the driver's first from a restarted shard) gets all
+    the shard holds. (The shard's class itself, in this process.)"""
+    import pickle
+
+    from aalis_agent.scale.ray_shards import RuntimeShard
+
+    shard = RuntimeShard(0, 1, pg_url, slow_services, ttl_s=5.0)
+    try:
+        assert shard.info()["bus_topics"] == []
+        inp = Input(id="f1", content="你好")
+        input_id, _ = shard.submit("room-follow", inp, follow=(3, ["turn:ended"]))
+        outcome = shard.outcome("room-follow", input_id, 30)
+        assert outcome is not None and outcome.outcome == "replied"
+        incarnation, items, dropped = shard.events("", 0, 2, ["*"], 10)
+        assert shard.info()["bus_topics"] == ["turn:ended"]  # version 2 < 3: ignored
+        ended = [(t, pickle.loads(d)["turnId"]) for _, t, d in items]
+        assert ended == [("turn:ended", outcome.turn_id)] and dropped == 0
+        assert shard.events("another", 0, 3, ["turn:ended"], 0.1)[1] == items
+        assert shard.events(incarnation, items[-1][0], 3, ["turn:ended"], 0.1) == (
+            incarnation,
+            [],
+            0,
+        )
+    finally:
+        shard.shutdown()
