@@ -46,6 +46,16 @@ embedded :class:`~aalis_agent.actors.runtime.Runtime` over the shared PostgreSQL
   ``(raised by shard <n>)`` and its ``shard`` attribute set; Ray's error, with the
   shard's traceback, is its ``__cause__``.
 
+- The shards' bus events reach the driver's subscribers (:meth:`ShardedRuntime.subscribe`,
+  as ``Runtime.subscribe``; ``client.bus`` for ``subscribe_typed``): a shard subscribes
+  only to the topics someone here wants (nothing with no subscriber) and holds their
+  events in a bounded buffer, which a thread of the driver's, one a shard, fetches by
+  long polls and publishes on ``client.bus`` in the shard's publishing order. A
+  subscriber slower than the shard holds up no turn: past ``event_backlog`` events not
+  fetched the shard drops the next ones, counting and logging them (both ends). A shard
+  Ray restarted is followed again from its first call: see ``subscribe`` for what a
+  restart loses.
+
 ``services`` is a picklable callable building the shard's :class:`Services` (a model,
 tools, gateway), called in the shard's process.
 """
@@ -54,10 +64,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import pickle
 import threading
 import time
 import uuid
+import weakref
+from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -76,13 +90,20 @@ from aalis_agent.events import (
     SessionEvent,
     TurnRecorded,
 )
-from aalis_agent.events.errors import RunError, RuntimeClosed
+from aalis_agent.events.errors import InvalidInput, RunError, RuntimeClosed
 from aalis_agent.events.postgres import PostgresEventStore
 from aalis_agent.scale import with_input_id
 from aalis_agent.scale.leases import PostgresLeases
 from aalis_agent.scale.ownership import ShardOwnership, shard_of
 from aalis_agent.services import Services
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from aalis_agent.services.bus import EventBus
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    GetTimeoutError,
+    RayActorError,
+    RayTaskError,
+)
 
 __all__ = [
     "RayHandle",
@@ -95,6 +116,11 @@ __all__ = [
 
 _RETRYABLE = (RayActorError, ActorUnavailableError)
 log = structlog.get_logger("aalis.ray")
+
+EVENT_BACKLOG = 10_000  # bus events a shard holds for the driver before it drops
+_EVENT_BATCH = 1_000  # events one fetch returns at most
+_POLL_S = 5.0  # how long a fetch waits in the shard for an event
+_FOLLOW_S = 5.0  # how long subscribe waits for the live shards to follow its topics
 
 
 class ShardDead(RunError):
@@ -279,6 +305,118 @@ def logged_outcome(events: Sequence[SessionEvent], input_id: str) -> InputOutcom
     return None
 
 
+class _EventBuffer:
+    """A shard's bus events on their way to the driver (:meth:`ShardedRuntime.subscribe`):
+    subscribed to the topics the driver wants and no more (the runtime builds an event
+    only when someone wants it), each pickled on the publishing thread and held, numbered
+    in publishing order, until the driver's fetch after it (:meth:`fetch`) says it was
+    received. Past ``backlog`` events held (a driver slower than the shard) the next ones
+    are dropped, with a warning in the shard's log, and counted for the driver: the
+    shard's turns never wait for it."""
+
+    def __init__(self, bus: EventBus, index: int, backlog: int = EVENT_BACKLOG) -> None:
+        self.bus = bus
+        self.index = index
+        self.backlog = backlog
+        # Which incarnation of the shard the driver's fetches are numbered against: a
+        # restarted shard numbers its events from 1 again.
+        self.incarnation = uuid.uuid4().hex
+        self.cv = threading.Condition()
+        self.queue: deque[tuple[int, str, bytes]] = deque()
+        self.seq = 0
+        self.version = 0  # of the topics followed: the driver numbers its changes
+        self.active: frozenset[str] = frozenset()
+        self.subscribed: dict[str, Callable[[], None]] = {}
+        self.dropped = 0  # since the driver last fetched ...
+        self.dropped_total = 0  # ... and since the shard started
+        self.closed = False
+
+    def follow(self, version: int, topics: Sequence[str]) -> None:
+        """Subscribe to ``topics`` (``*`` alone when it is among them) unless a later
+        version was followed already, then end the subscriptions no longer wanted (an
+        event comes once, through the subscription ``active`` names) and forget the
+        events held of topics no longer wanted."""
+        want = frozenset(("*",)) if "*" in topics else frozenset(topics)
+        with self.cv:
+            if self.closed or version <= self.version:
+                return
+            self.version = version
+            for topic in want - self.subscribed.keys():
+                self.subscribed[topic] = self.bus.subscribe(
+                    topic, functools.partial(self._on_event, topic)
+                )
+            self.active = want
+            for topic in self.subscribed.keys() - want:
+                self.subscribed.pop(topic)()
+            if "*" not in want:
+                self.queue = deque(e for e in self.queue if e[1] in want)
+
+    def topics(self) -> list[str]:
+        return sorted(self.subscribed)
+
+    def _on_event(self, subscribed: str, topic: str, payload: Any) -> None:
+        """On the publishing thread (a session's, a turn's): pickle and hold."""
+        if subscribed not in self.active:
+            return  # a subscription on its way out (or in)
+        try:
+            data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            log.warning("a bus event cannot be sent to the driver", topic=topic, error=repr(exc))
+            return
+        with self.cv:
+            if self.closed:
+                return
+            if len(self.queue) >= self.backlog:
+                if not self.dropped:
+                    log.warning(
+                        "the driver's bus subscribers are slower than the shard: dropping "
+                        "events until they catch up",
+                        shard=self.index,
+                        backlog=self.backlog,
+                    )
+                self.dropped += 1
+                self.dropped_total += 1
+                return
+            self.seq += 1
+            self.queue.append((self.seq, topic, data))
+            self.cv.notify_all()
+
+    def fetch(
+        self, incarnation: str, after: int, wait_s: float
+    ) -> tuple[str, list[tuple[int, str, bytes]], int]:
+        """The events held after number ``after`` (those up to it were received: they
+        are let go), waiting up to ``wait_s`` for one: (this incarnation, up to
+        ``_EVENT_BATCH`` events (number, topic, pickled payload), events dropped since
+        the last fetch). ``after`` counts for the ``incarnation`` named only: the
+        driver's first fetch from a restarted shard gets all it holds."""
+        deadline = time.monotonic() + wait_s
+        with self.cv:
+            if incarnation == self.incarnation:
+                while self.queue and self.queue[0][0] <= after:
+                    self.queue.popleft()
+            while not self.queue and not self.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cv.wait(left)
+            items = list(itertools.islice(self.queue, _EVENT_BATCH))
+            dropped, self.dropped = self.dropped, 0
+        if dropped:
+            log.warning("bus events dropped for the driver", shard=self.index, dropped=dropped)
+        return self.incarnation, items, dropped
+
+    def close(self) -> None:
+        with self.cv:
+            if self.closed:
+                return
+            self.closed = True
+            self.queue.clear()
+            for unsubscribe in self.subscribed.values():
+                unsubscribe()
+            self.subscribed.clear()
+            self.cv.notify_all()
+
+
 class RuntimeShard:
     """One shard: a Runtime over the shared log, owning the sessions hashed to it. Made a
     Ray actor by :class:`ShardedRuntime` (threaded: ``max_concurrency`` calls at once)."""
@@ -293,6 +431,7 @@ class RuntimeShard:
         ttl_s: float = 15.0,
         runtime_options: dict[str, Any] | None = None,
         incarnation_owner: bool = False,
+        event_backlog: int = EVENT_BACKLOG,
     ) -> None:
         self.index = index
         self.ttl_s = ttl_s
@@ -309,6 +448,7 @@ class RuntimeShard:
         )
         self._handles: dict[str, SubmitHandle] = {}
         self._closed = threading.Event()
+        self.bus_events = _EventBuffer(self.runtime.services.bus, index, event_backlog)
         self.recovered = self.runtime.recover()
         if incarnation_owner:
             # A predecessor's sessions with work open are refused until their leases
@@ -330,8 +470,9 @@ class RuntimeShard:
             self.recovered.extend(s for s in found if s not in self.recovered)
 
     def info(self) -> dict[str, Any]:
-        """The shard's index, owner name, process id and the sessions it recovered since
-        it started."""
+        """The shard's index, owner name, process id, the sessions it recovered since
+        it started, the bus topics it forwards to the driver and the bus events it
+        dropped since it started (the driver's subscribers slower than it)."""
         import os
 
         return {
@@ -339,13 +480,34 @@ class RuntimeShard:
             "owner": self.owner,
             "pid": os.getpid(),
             "recovered": list(self.recovered),
+            "bus_topics": self.bus_events.topics(),
+            "bus_dropped": self.bus_events.dropped_total,
         }
 
-    def submit(self, session_id: str, inp: Input) -> tuple[str, str]:
+    def follow(self, version: int, topics: list[str]) -> None:
+        """Forward the bus events of ``topics`` to the driver (version ``version`` of
+        the driver's subscriptions; an older one than followed is ignored)."""
+        self.bus_events.follow(version, topics)
+
+    def events(
+        self, incarnation: str, after: int, version: int, topics: list[str], wait_s: float
+    ) -> tuple[str, list[tuple[int, str, bytes]], int]:
+        """The driver's fetch of the shard's bus events (see :class:`_EventBuffer`),
+        following ``topics`` first (a restarted shard learns them so)."""
+        self.bus_events.follow(version, topics)
+        return self.bus_events.fetch(incarnation, after, wait_s)
+
+    def submit(
+        self, session_id: str, inp: Input, follow: tuple[int, list[str]] | None = None
+    ) -> tuple[str, str]:
         """``Runtime.submit``: (input id, where), once the input is durably accepted. A
         session an earlier incarnation of this shard still holds (``incarnation_owner``)
         is waited for until its lease expires (at most twice ``ttl_s``); one held by
-        another name is refused at once (``SessionOwnedElsewhere``)."""
+        another name is refused at once (``SessionOwnedElsewhere``). ``follow``: the
+        driver's bus topics (:meth:`follow`), followed before the input is taken, so
+        that a restarted shard forwards the events of the first input it takes."""
+        if follow is not None:
+            self.bus_events.follow(*follow)
         deadline = time.monotonic() + 2 * self.ttl_s + 1.0
         while True:
             try:
@@ -385,6 +547,7 @@ class RuntimeShard:
 
     def shutdown(self) -> None:
         self._closed.set()
+        self.bus_events.close()  # the driver's fetch under way returns
         self.runtime.shutdown(timeout=30)
         self.leases.close()
         self.store.close()
@@ -394,9 +557,11 @@ class _RayShard(RuntimeShard):
     """:class:`RuntimeShard` as the Ray actor: an error its calls raise is sent back as
     :class:`_Raised`, which the client turns into the error itself (naming the shard)."""
 
-    def submit(self, session_id: str, inp: Input) -> tuple[str, str]:
+    def submit(
+        self, session_id: str, inp: Input, follow: tuple[int, list[str]] | None = None
+    ) -> tuple[str, str]:
         try:
-            return super().submit(session_id, inp)
+            return super().submit(session_id, inp, follow)
         except Exception as exc:
             raise _Raised.of(exc) from exc
 
@@ -405,6 +570,15 @@ class _RayShard(RuntimeShard):
             return super().outcome(session_id, input_id, timeout)
         except Exception as exc:
             raise _Raised.of(exc) from exc
+
+    # The driver's long polls of the bus events run on threads of their own (two: one
+    # under way and one the driver gave up waiting for), never taking one of the
+    # ``max_concurrency`` its other calls run on.
+    @ray.method(concurrency_group="bus")
+    def events(  # type: ignore[override]  # (Ray types it as its remote method)
+        self, incarnation: str, after: int, version: int, topics: list[str], wait_s: float
+    ) -> tuple[str, list[tuple[int, str, bytes]], int]:
+        return super().events(incarnation, after, version, topics, wait_s)
 
 
 @dataclass
@@ -427,9 +601,125 @@ class RayHandle:
         return self.aresult().__await__()
 
 
+class _ForwardedBus(EventBus):
+    """The driver's bus: its shards' events are published on it (see
+    :meth:`ShardedRuntime.subscribe`); its subscriptions tell the shards which topics to
+    forward."""
+
+    def __init__(self, owner: ShardedRuntime) -> None:
+        super().__init__()
+        self._owner = weakref.ref(owner)
+
+    def subscribe(self, topic: str, fn: Callable[[str, Any], None]) -> Callable[[], None]:
+        unsubscribe = super().subscribe(topic, fn)
+        self._follow()
+
+        def forwarded_unsubscribe() -> None:
+            unsubscribe()
+            self._follow()
+
+        return forwarded_unsubscribe
+
+    def _follow(self) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner._follow()
+
+
+class _EventFeed:
+    """Shard ``index``'s bus events, fetched by a thread of the driver's (long polls of
+    :meth:`RuntimeShard.events`) and published on the client's bus in the shard's
+    publishing order. Each fetch names the topics wanted, so a shard Ray restarted
+    follows them from its first fetch on; the feed ends with the client (it holds it
+    weakly), at its shutdown, or once its shard is confirmed dead for good."""
+
+    def __init__(self, owner: ShardedRuntime, index: int) -> None:
+        self.owner = weakref.ref(owner)
+        self.index = index
+        self.incarnation = ""  # the shard's incarnation the feed read last ...
+        self.after = 0  # ... and the number of the last event it received from it
+        self.closed = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, name=f"aalis-ray-shard-{index}-events", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.closed.is_set():
+            owner = self.owner()
+            if owner is None or owner._closed or not ray.is_initialized():
+                return
+            version, topics = owner._following
+            if not topics:  # nobody subscribes: no fetches until someone does
+                wake = owner._wake
+                del owner
+                wake.wait(1.0)
+                continue
+            actor, bus = owner.actors[self.index], owner.bus
+            dead = owner._dead.get(self.index)
+            del owner  # not kept alive by a fetch under way
+            if dead is not None and dead[0] is actor:
+                log.error("the shard is dead for good: no bus events from it", shard=self.index)
+                return
+            try:
+                ref = actor.events.remote(self.incarnation, self.after, version, topics, _POLL_S)
+                incarnation, items, dropped = ray.get(ref, timeout=_POLL_S + 30.0)
+            except GetTimeoutError:
+                continue
+            except _RETRYABLE as exc:
+                if self.closed.is_set():
+                    return
+                gone = _dead_for_good(exc, actor)
+                if gone is not None and gone[1]:
+                    log.error(
+                        "the shard is dead for good: no bus events from it",
+                        shard=self.index,
+                        reason=gone[0],
+                    )
+                    return
+                self.closed.wait(0.2)  # the shard is restarting
+                continue
+            except Exception:
+                if self.closed.is_set() or not ray.is_initialized():
+                    return
+                log.exception("fetching a shard's bus events failed", shard=self.index)
+                self.closed.wait(1.0)
+                continue
+            self._deliver(bus, incarnation, items, dropped)
+
+    def _deliver(
+        self, bus: EventBus, incarnation: str, items: list[tuple[int, str, bytes]], dropped: int
+    ) -> None:
+        if incarnation != self.incarnation:
+            if self.incarnation:
+                log.info("following the bus events of a restarted shard", shard=self.index)
+            self.incarnation, self.after = incarnation, 0
+        if dropped:
+            log.warning(
+                "the shard dropped bus events: the subscribers here were slower than it",
+                shard=self.index,
+                dropped=dropped,
+            )
+        for seq, topic, data in items:
+            self.after = seq
+            try:
+                payload = pickle.loads(data)
+            except Exception:
+                log.exception("a shard's bus event cannot be read", shard=self.index, topic=topic)
+                continue
+            bus.publish(topic, payload)  # a subscriber that raises is logged
+
+    def close(self) -> None:
+        self.closed.set()
+
+
 class ShardedRuntime:
     """Starts ``shards`` :class:`RuntimeShard` actors on the connected Ray cluster and
     routes each session to its shard."""
+
+    # The topics the driver's subscribers want, numbered by change: (version, topics).
+    _following: tuple[int, list[str]] = (0, [])
+    _feeds: tuple[_EventFeed, ...] = ()  # one a shard, from the first subscription on
 
     def __init__(
         self,
@@ -443,10 +733,20 @@ class ShardedRuntime:
         max_concurrency: int = 64,
         runtime_options: dict[str, Any] | None = None,
         incarnation_owners: bool = False,
+        event_backlog: int = EVENT_BACKLOG,
     ) -> None:
         """``incarnation_owners``: each incarnation of a shard owns under a name of its
-        own and waits out its predecessor's leases (see the module docstring)."""
-        shard_class: Any = ray.remote(_RayShard)
+        own and waits out its predecessor's leases (see the module docstring).
+        ``event_backlog``: the bus events a shard holds for the driver's subscribers
+        before it drops the next ones (see :meth:`subscribe`). Each shard runs up to
+        ``max_concurrency`` calls at once (its bus events are fetched besides)."""
+        if isinstance(event_backlog, bool) or not isinstance(event_backlog, int):
+            raise InvalidInput(f"event_backlog must be an int, not {event_backlog!r:.80}")
+        if event_backlog < 1:
+            raise InvalidInput(f"event_backlog must be at least 1, not {event_backlog}")
+        # (Ray's stubs do not name the options it takes here.)
+        as_actor: Any = ray.remote
+        shard_class: Any = as_actor(concurrency_groups={"bus": 2})(_RayShard)
         remote = shard_class.options(
             max_restarts=max_restarts,
             max_task_retries=0,  # a submit is never run twice by Ray
@@ -463,9 +763,13 @@ class ShardedRuntime:
                 ttl_s=ttl_s,
                 runtime_options=runtime_options,
                 incarnation_owner=incarnation_owners,
+                event_backlog=event_backlog,
             )
             for i in range(shards)
         ]
+        self.bus: EventBus = _ForwardedBus(self)
+        self._follow_lock = threading.Lock()
+        self._wake = threading.Event()  # set while someone subscribes: the feeds fetch
         # Shards found dead for good: index -> (that actor, Ray's reason). DEAD is final
         # in Ray, so later calls to the same actor are refused without being sent.
         self._dead: dict[int, tuple[Any, str]] = {}
@@ -478,6 +782,75 @@ class ShardedRuntime:
     def info(self) -> list[dict[str, Any]]:
         self._refuse_if_closed("info")
         return list(ray.get([a.info.remote() for a in self.actors]))
+
+    def subscribe(self, topic: str, fn: Callable[[str, Any], None]) -> Callable[[], None]:
+        """``Runtime.subscribe`` over the shards: ``fn(topic, payload)`` for each event
+        the shards' runtimes publish on ``topic`` (``*``: all; the topics of
+        ``services.bus_events.TOPICS``); returns the unsubscribe function (after which
+        ``fn`` is called no more; a second call does nothing). ``bus`` is the driver's
+        bus they are published on (``subscribe_typed(client.bus, fn)`` gives typed
+        events).
+
+        The payload is the runtime's, pickled in the shard as it is published. ``fn``
+        runs on the shard's event thread in this process (one a shard, started by the
+        first subscription), so the events of a shard (of a session) come in the order
+        the shard published them; events of different shards in no given order. A shard
+        subscribes only to the topics someone here subscribed to (nothing with no
+        subscriber, and no fetches then) and holds their events until this process has
+        fetched them, so that a subscriber that is slow holds up no turn: past
+        ``event_backlog`` (10,000) events not fetched the shard drops the next ones,
+        with a warning in its log and in this process's (``info()``'s ``bus_dropped``
+        counts them). A subscriber that raises is logged, and the others still get the
+        event. The first subscription returns once the live shards follow its topics (5 s
+        at most: a shard restarting follows them from its next call).
+
+        A shard Ray restarted is followed again: each fetch and each submit names the
+        topics wanted, and the shard follows them before it answers, so the events of an
+        input submitted after the restart are delivered. Lost across a restart: the
+        events the dead incarnation held that this process had not fetched yet (those of
+        the last moments before it died), and what the new incarnation publishes before
+        the first call from here reaches it (its next fetch, within a fraction of a
+        second, or a submit): ``recover()`` finishing the cut turns as it starts, and the
+        beginning of the turns it resumes. A shard dead for good sends nothing more."""
+        if not isinstance(topic, str) or not topic:
+            raise InvalidInput(f"subscribe: topic must be a non-empty str, not {topic!r:.80}")
+        if not callable(fn):
+            raise InvalidInput(f"subscribe: fn must be callable, not {type(fn).__name__}")
+        self._refuse_if_closed("subscribe")
+        return self.bus.subscribe(topic, fn)
+
+    def _follow(self) -> None:
+        """The subscriptions changed: tell the live shards the topics wanted now (the
+        first time, each shard gets its feed) and wait (a moment at most) until they
+        follow them."""
+        with self._follow_lock:
+            if self._closed:
+                return
+            topics = sorted(self.bus._wanted)
+            if topics == self._following[1]:
+                return
+            version = self._following[0] + 1
+            self._following = (version, topics)
+            if topics and not self._feeds:
+                self._feeds = tuple(_EventFeed(self, i) for i in range(self.shards))
+            if topics:
+                self._wake.set()
+            else:
+                self._wake.clear()
+            refs = []
+            for index, actor in enumerate(self.actors):
+                dead = self._dead.get(index)
+                if dead is None or dead[0] is not actor:
+                    refs.append(actor.follow.remote(version, topics))
+        deadline = time.monotonic() + _FOLLOW_S
+        for ref in refs:
+            with contextlib.suppress(Exception):  # dead or restarting: its next call follows
+                ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+
+    def _follow_args(self) -> dict[str, Any]:
+        """What a submit carries for the shard to follow the topics wanted (nothing when
+        nobody subscribes)."""
+        return {"follow": self._following} if self._following[1] else {}
 
     def _refuse_if_closed(self, asking: str) -> None:
         if self._closed:
@@ -533,7 +906,8 @@ class ShardedRuntime:
         while True:
             index, actor = self._live_shard(session_id, inp.id, "submit")
             try:
-                input_id, where = ray.get(actor.submit.remote(session_id, inp))
+                ref = actor.submit.remote(session_id, inp, **self._follow_args())
+                input_id, where = ray.get(ref)
                 return RayHandle(self, session_id, input_id, where)
             except RayTaskError as exc:
                 _raise_from_shard(exc, index)
@@ -556,7 +930,7 @@ class ShardedRuntime:
         while True:
             index, actor = self._live_shard(session_id, inp.id, "submit")
             try:
-                input_id, where = await actor.submit.remote(session_id, inp)
+                input_id, where = await actor.submit.remote(session_id, inp, **self._follow_args())
                 return RayHandle(self, session_id, input_id, where)
             except RayTaskError as exc:
                 _raise_from_shard(exc, index)
@@ -636,7 +1010,11 @@ class ShardedRuntime:
         after it raise :class:`RuntimeClosed` (not :class:`ShardDead`: the shards were
         stopped, not lost)."""
         self._closed = True
+        for feed in self._feeds:
+            feed.close()
         for actor in self.actors:
             with contextlib.suppress(Exception):  # a dead shard's leases expire by themselves
                 ray.get(actor.shutdown.remote(), timeout=60)
             ray.kill(actor, no_restart=True)
+        for feed in self._feeds:
+            feed.thread.join(5)

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -770,3 +771,255 @@ def test_a_session_stopped_in_its_shard_is_told_through_the_handle_naming_the_sh
             assert text.endswith(f" (raised by shard {shard_of(session, 2)})"), text
     finally:
         client.shutdown()
+
+
+def _one_per_shard(shards: int = 2) -> list[str]:
+    names = [f"room-bus-{n}" for n in range(50)]
+    return [next(s for s in names if shard_of(s, shards) == i) for i in range(shards)]
+
+
+class _Seen:
+    """What a subscriber received (topic, payload, the delivering thread's name), read
+    from the test's thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.events: list[tuple[str, dict[str, Any], str]] = []
+
+    def __call__(self, topic: str, payload: Any) -> None:
+        with self.lock:
+            self.events.append((topic, payload, threading.current_thread().name))
+
+    def of(self, session: str, topic: str | None = None) -> list[dict[str, Any]]:
+        with self.lock:
+            return [
+                p
+                for t, p, _ in self.events
+                if p.get("sessionId") == session and (topic is None or t == topic)
+            ]
+
+
+def _wait_for(predicate: Any, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _pid(client: Any, index: int) -> int | None:
+    """The process id of shard ``index``; None while Ray restarts it."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    try:
+        return int(ray.get(client.actors[index].info.remote(), timeout=5)["pid"])
+    except (RayActorError, ActorUnavailableError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+def _turns(outcomes: list[InputOutcome]) -> list[str | None]:
+    """The turns that ran ``outcomes``' inputs, in order (inputs queued together join
+    one turn)."""
+    return list(dict.fromkeys(o.turn_id for o in outcomes))
+
+
+def _turns_in_order(seen: _Seen, session: str, outcomes: list[InputOutcome]) -> None:
+    """Per turn of ``session``, in the order the shard published them: opened, its reply
+    streamed piece by piece, the reply sent, ended; one turn after the other."""
+    kinds = ("turn:opened", "outbound:message", "turn:ended")
+    trail = [
+        (t, p.get("turnId"))
+        for t, p, _ in list(seen.events)
+        if p.get("sessionId") == session and t in kinds
+    ]
+    turns = _turns(outcomes)
+    assert trail == [(k, t) for t in turns for k in kinds], trail
+    for o in {o.turn_id: o for o in outcomes}.values():
+        deltas = [
+            p["contentDelta"]
+            for p in seen.of(session, "outbound:stream")
+            if p["turnId"] == o.turn_id
+        ]
+        assert "".join(deltas) == o.reply and len(deltas) > 1, (deltas, o.reply)
+        sent = [
+            p["content"] for p in seen.of(session, "outbound:message") if p["turnId"] == o.turn_id
+        ]
+        assert sent == [o.reply]
+
+
+def test_bus_events_of_both_shards_reach_the_driver_in_order_across_a_restart(
+    ray_cluster: str,
+    pg_url: str,  # noqa: F811
+) -> None:
+    """``ShardedRuntime.subscribe``: nothing is forwarded (no topic followed, no thread)
+    until someone subscribes; then the events of sessions on both shards reach the
+    driver's subscribers, each shard's on a thread of its own in the order it published
+    them; a subscriber that raises is logged and the others still get the event; a shard
+    ``ray.kill``-ed and restarted by Ray forwards the events of the inputs sent after;
+    unsubscribing stops delivery, and the shards stop following what nobody wants."""
+    from aalis_agent.events.errors import InvalidInput, RuntimeClosed
+    from aalis_agent.scale.ray_shards import ShardedRuntime
+    from aalis_agent.services.bus_events import TurnStarted, subscribe_typed
+    from structlog.testing import capture_logs
+
+    client = ShardedRuntime(pg_url, 2, slow_services, ttl_s=5.0, num_cpus=0.5)
+    a, b = _one_per_shard()
+    feeds = ("aalis-ray-shard-0-events", "aalis-ray-shard-1-events")
+    try:
+        assert [i["bus_topics"] for i in client.info()] == [[], []]
+        assert not {t.name for t in threading.enumerate()} & set(feeds)
+        with pytest.raises(InvalidInput, match="topic"):
+            client.subscribe("", print)
+        with pytest.raises(InvalidInput, match="fn must be callable"):
+            client.subscribe("*", "print")  # type: ignore[arg-type]
+        seen, kept, typed = _Seen(), _Seen(), []
+
+        def raises(topic: str, payload: Any) -> None:
+            raise RuntimeError("a broken subscriber")
+
+        with capture_logs() as logs:
+            client.subscribe("turn:ended", raises)
+            unsubscribe = client.subscribe("*", seen)
+            client.subscribe("turn:ended", kept)
+            untyped = subscribe_typed(client.bus, typed.append, topics=("turn:opened",))
+            assert [i["bus_topics"] for i in client.info()] == [["*"], ["*"]]
+            handles = {
+                s: [client.submit(s, Input(id=f"{s}-{n}", content=f"消息{n}")) for n in range(3)]
+                for s in (a, b)
+            }
+            outcomes = {s: [h.result(timeout=60) for h in hs] for s, hs in handles.items()}
+            turns = {s: _turns(outcomes[s]) for s in (a, b)}
+            ended = len(turns[a]) + len(turns[b])  # inputs sent while a turn ran join the next
+            _wait_for(lambda: len(kept.events) == ended, "the turns' ends")
+        for s in (a, b):
+            _turns_in_order(seen, s, outcomes[s])
+        assert {name for _, _, name in seen.events} == set(feeds)  # one thread a shard
+        failed = [e for e in logs if e["event"] == "subscriber failed"]
+        assert len(failed) == ended and {e["topic"] for e in failed} == {"turn:ended"}, failed
+        assert all(isinstance(e, TurnStarted) for e in typed) and len(typed) == ended
+
+        # A shard killed and restarted by Ray: the events of what is sent after arrive.
+        victim = shard_of(a, 2)
+        before = client.info()[victim]
+        ray.kill(client.actors[victim], no_restart=False)
+        # (The kill lands later: an input sent at once may be cut in the old process,
+        # and the new one's recovery of it is not forwarded; see subscribe.)
+        _wait_for(lambda: _pid(client, victim) not in (None, before["pid"]), "the restart")
+        later = [client.submit(a, Input(id=f"{a}-r{n}", content="再来")) for n in range(2)]
+        later_outcomes = [h.result(timeout=120) for h in later]
+        assert {o.outcome for o in later_outcomes} == {"replied"}, later_outcomes
+        assert client.info()[victim]["bus_topics"] == ["*"]
+        ended += len(_turns(later_outcomes))
+        _wait_for(lambda: len(kept.events) == ended, "the restarted shard's events")
+        _turns_in_order(seen, a, outcomes[a] + later_outcomes)
+
+        unsubscribe()
+        unsubscribe()  # a second call does nothing
+        untyped()
+        assert [i["bus_topics"] for i in client.info()] == [["turn:ended"], ["turn:ended"]]
+        count = len(seen.events)
+        last = [client.submit(s, Input(id=f"{s}-last", content="最后")) for s in (a, b)]
+        assert [h.result(timeout=60).outcome for h in last] == ["replied", "replied"]
+        # ``kept`` and ``seen`` ran on the same thread a shard, in order: once ``kept``
+        # has both turns' ends, ``seen`` would have had them too.
+        _wait_for(lambda: len(kept.events) == ended + 2, "the last turns' ends")
+        assert len(seen.events) == count and len(typed) == ended
+    finally:
+        client.shutdown()
+    assert not {t.name for t in threading.enumerate()} & set(feeds)  # the feeds ended
+    with pytest.raises(RuntimeClosed):
+        client.subscribe("*", print)
+
+
+def test_a_slow_bus_subscriber_holds_up_no_turn_and_the_events_dropped_are_counted(
+    ray_cluster: str,
+    pg_url: str,  # noqa: F811
+) -> None:
+    """The driver's long poll of a shard's events takes none of the ``max_concurrency``
+    threads of its other calls. A subscriber stuck in its first event: the shard's turns
+    go on, the shard holds ``event_backlog`` events for the driver and drops the next
+    ones, counted (``info()``) and logged in the driver; once the subscriber returns,
+    what was held and what is published later arrive."""
+    from aalis_agent.events.errors import InvalidInput
+    from aalis_agent.scale.ray_shards import ShardedRuntime
+    from structlog.testing import capture_logs
+
+    with pytest.raises(InvalidInput, match="event_backlog must be at least 1, not 0"):
+        ShardedRuntime(pg_url, 1, slow_services, event_backlog=0)
+    client = ShardedRuntime(
+        pg_url, 1, slow_services, ttl_s=5.0, num_cpus=0.5, event_backlog=8, max_concurrency=1
+    )
+    release = threading.Event()
+    calls: list[tuple[str, str | None]] = []
+
+    def slow(topic: str, payload: Any) -> None:
+        calls.append((topic, payload.get("turnId")))
+        release.wait(120)
+
+    try:
+        with capture_logs() as logs:
+            client.subscribe("*", slow)
+            time.sleep(0.5)  # the driver's long poll waits in the idle shard (up to 5 s) ...
+            start = time.monotonic()
+            client.info()  # ... on a thread of its own: not the one thread of the others
+            assert time.monotonic() - start < 2.0
+            try:
+                start = time.monotonic()
+                ran: list[str | None] = []
+                for n in range(5):
+                    inp = Input(id=f"slow-{n}", content=f"{n}")
+                    outcome = client.submit("room-slow", inp).result(60)
+                    assert outcome.outcome == "replied"
+                    ran.append(outcome.turn_id)
+                took = time.monotonic() - start
+                assert took < 20, took  # 5 turns of ~0.6 s each, not held up
+                assert len(calls) == 1  # still in its first event
+                dropped = client.info()[0]["bus_dropped"]
+                assert dropped > 0
+            finally:
+                release.set()
+            last = client.submit("room-slow", Input(id="slow-last", content="再来")).result(60)
+            _wait_for(lambda: ("turn:ended", last.turn_id) in calls, "the turn after the release")
+        warned = [e for e in logs if e["event"].startswith("the shard dropped bus events")]
+        total = client.info()[0]["bus_dropped"]
+        assert total >= dropped and sum(e["dropped"] for e in warned) == total, (warned, total)
+        # What was held, and not dropped, came in the order the turns ran.
+        ran.append(last.turn_id)
+        turns = [t for _, t in calls if t is not None]
+        assert turns == sorted(turns, key=ran.index), calls
+    finally:
+        client.shutdown()
+
+
+def test_a_new_shard_forwards_the_events_of_a_first_submit_that_names_the_topics(
+    pg_url: str,  # noqa: F811
+) -> None:
+    """A shard Ray restarted knows no topics: the submit that reaches it first names them
+    (as every submit does once someone subscribes), and it follows them before it takes
+    the input, so that input's events are held for the driver. A fetch naming an older
+    version of the topics does not change them; a fetch after an event lets it go, and
+    one naming another incarnation (the driver's first from a restarted shard) gets all
+    the shard holds. (The shard's class itself, in this process.)"""
+    import pickle
+
+    from aalis_agent.scale.ray_shards import RuntimeShard
+
+    shard = RuntimeShard(0, 1, pg_url, slow_services, ttl_s=5.0)
+    try:
+        assert shard.info()["bus_topics"] == []
+        inp = Input(id="f1", content="你好")
+        input_id, _ = shard.submit("room-follow", inp, follow=(3, ["turn:ended"]))
+        outcome = shard.outcome("room-follow", input_id, 30)
+        assert outcome is not None and outcome.outcome == "replied"
+        incarnation, items, dropped = shard.events("", 0, 2, ["*"], 10)
+        assert shard.info()["bus_topics"] == ["turn:ended"]  # version 2 < 3: ignored
+        ended = [(t, pickle.loads(d)["turnId"]) for _, t, d in items]
+        assert ended == [("turn:ended", outcome.turn_id)] and dropped == 0
+        assert shard.events("another", 0, 3, ["turn:ended"], 0.1)[1] == items
+        assert shard.events(incarnation, items[-1][0], 3, ["turn:ended"], 0.1) == (
+            incarnation,
+            [],
+            0,
+        )
+    finally:
+        shard.shutdown()
