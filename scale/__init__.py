@@ -4,11 +4,45 @@ ownership across processes, and placement of runtime shards on Ray."""
 from __future__ import annotations
 
 import uuid
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 from aalis_agent.events.schema import Input
+from aalis_agent.services.bus import EventBus
 
-__all__ = ["with_input_id"]
+__all__ = ["ForwardedBus", "with_input_id"]
+
+
+class _Follows(Protocol):
+    def _follow(self) -> None: ...
+
+
+class ForwardedBus(EventBus):
+    """The bus of a client whose sessions run in other processes (worker processes, Ray
+    shards): their events are published on it, and each change of its subscriptions
+    calls its owner's ``_follow()`` (the owner held weakly), which tells the shards the
+    topics wanted now."""
+
+    def __init__(self, owner: _Follows) -> None:
+        super().__init__()
+        self._owner = weakref.ref(owner)
+
+    def subscribe(self, topic: str, fn: Callable[[str, Any], None]) -> Callable[[], None]:
+        unsubscribe = super().subscribe(topic, fn)
+        self._follow()
+
+        def forwarded_unsubscribe() -> None:
+            unsubscribe()
+            self._follow()
+
+        return forwarded_unsubscribe
+
+    def _follow(self) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner._follow()
 
 
 def with_input_id(inp: Input) -> Input:

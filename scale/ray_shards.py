@@ -92,7 +92,7 @@ from aalis_agent.events import (
 )
 from aalis_agent.events.errors import InvalidInput, RunError, RuntimeClosed
 from aalis_agent.events.postgres import PostgresEventStore
-from aalis_agent.scale import with_input_id
+from aalis_agent.scale import ForwardedBus, with_input_id
 from aalis_agent.scale.leases import PostgresLeases
 from aalis_agent.scale.ownership import ShardOwnership, shard_of
 from aalis_agent.services import Services
@@ -601,31 +601,6 @@ class RayHandle:
         return self.aresult().__await__()
 
 
-class _ForwardedBus(EventBus):
-    """The driver's bus: its shards' events are published on it (see
-    :meth:`ShardedRuntime.subscribe`); its subscriptions tell the shards which topics to
-    forward."""
-
-    def __init__(self, owner: ShardedRuntime) -> None:
-        super().__init__()
-        self._owner = weakref.ref(owner)
-
-    def subscribe(self, topic: str, fn: Callable[[str, Any], None]) -> Callable[[], None]:
-        unsubscribe = super().subscribe(topic, fn)
-        self._follow()
-
-        def forwarded_unsubscribe() -> None:
-            unsubscribe()
-            self._follow()
-
-        return forwarded_unsubscribe
-
-    def _follow(self) -> None:
-        owner = self._owner()
-        if owner is not None:
-            owner._follow()
-
-
 class _EventFeed:
     """Shard ``index``'s bus events, fetched by a thread of the driver's (long polls of
     :meth:`RuntimeShard.events`) and published on the client's bus in the shard's
@@ -767,7 +742,7 @@ class ShardedRuntime:
             )
             for i in range(shards)
         ]
-        self.bus: EventBus = _ForwardedBus(self)
+        self.bus: EventBus = ForwardedBus(self)
         self._follow_lock = threading.Lock()
         self._wake = threading.Event()  # set while someone subscribes: the feeds fetch
         # Shards found dead for good: index -> (that actor, Ray's reason). DEAD is final
