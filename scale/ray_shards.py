@@ -481,7 +481,7 @@ class RuntimeShard:
             "pid": os.getpid(),
             "recovered": list(self.recovered),
             "bus_topics": self.bus_events.topics(),
-            "bus_dropped": self.bus_events.dropped_total,
+            "events_dropped": self.bus_events.dropped_total,
         }
 
     def follow(self, version: int, topics: list[str]) -> None:
@@ -774,7 +774,7 @@ class ShardedRuntime:
         subscriber, and no fetches then) and holds their events until this process has
         fetched them, so that a subscriber that is slow holds up no turn: past
         ``event_backlog`` (10,000) events not fetched the shard drops the next ones,
-        with a warning in its log and in this process's (``info()``'s ``bus_dropped``
+        with a warning in its log and in this process's (``info()``'s ``events_dropped``
         counts them). A subscriber that raises is logged, and the others still get the
         event. The first subscription returns once the live shards follow its topics (5 s
         at most: a shard restarting follows them from its next call).
