@@ -983,7 +983,8 @@ class ShardedRuntime:
     def shutdown(self) -> None:
         """Shut every shard's runtime down (releasing its leases), then the actors. Calls
         after it raise :class:`RuntimeClosed` (not :class:`ShardDead`: the shards were
-        stopped, not lost)."""
+        stopped, not lost). A subscriber may call it from its callback (on a shard's
+        event thread, which ends once the callback returns)."""
         self._closed = True
         for feed in self._feeds:
             feed.close()
@@ -992,4 +993,5 @@ class ShardedRuntime:
                 ray.get(actor.shutdown.remote(), timeout=60)
             ray.kill(actor, no_restart=True)
         for feed in self._feeds:
-            feed.thread.join(5)
+            if feed.thread is not threading.current_thread():  # (a subscriber's call)
+                feed.thread.join(5)

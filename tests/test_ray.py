@@ -1023,3 +1023,48 @@ def test_a_new_shard_forwards_the_events_of_a_first_submit_that_names_the_topics
         )
     finally:
         shard.shutdown()
+
+
+def test_a_subscriber_may_shut_the_client_down_from_its_callback(
+    ray_cluster: str,
+    pg_url: str,  # noqa: F811
+) -> None:
+    """A subscriber runs on a shard's event thread: one that subscribes again and then
+    shuts the client down from its callback gets no error (shutdown joined every event
+    thread, its own included: 'cannot join current thread'), and every event thread
+    ends."""
+    from aalis_agent.events.errors import RuntimeClosed
+    from aalis_agent.scale.ray_shards import ShardedRuntime
+    from structlog.testing import capture_logs
+
+    client = ShardedRuntime(pg_url, 2, slow_services, ttl_s=5.0, num_cpus=0.5)
+    feeds = ("aalis-ray-shard-0-events", "aalis-ray-shard-1-events")
+    done = threading.Event()
+    raised: list[BaseException] = []
+
+    def stops(topic: str, payload: Any) -> None:
+        if topic != "turn:ended" or done.is_set():
+            return
+        try:
+            client.subscribe("turn:opened", lambda t, p: None)
+            client.shutdown()
+        except BaseException as exc:
+            raised.append(exc)
+        done.set()
+
+    try:
+        with capture_logs() as logs:
+            client.subscribe("*", stops)
+            client.submit("room-stops", Input(id="s1", content="你好"))
+            assert done.wait(60), "no turn:ended"
+            _wait_for(
+                lambda: not {t.name for t in threading.enumerate()} & set(feeds),
+                "the event threads' end",
+                timeout=15,
+            )
+        assert raised == [], raised
+        assert not [e for e in logs if e["event"] == "subscriber failed"], logs
+        with pytest.raises(RuntimeClosed):
+            client.submit("room-stops", Input(id="s2", content="再来"))
+    finally:
+        client.shutdown()
