@@ -42,9 +42,10 @@ embedded :class:`~aalis_agent.actors.runtime.Runtime` over the shared PostgreSQL
   its id from the log if it was accepted.
 - An error a shard's runtime raises (``SessionOwnedElsewhere``, ``SessionFailed``,
   ``InvalidInput``...) reaches the caller of ``submit``, ``outcome`` and
-  ``handle.result`` as itself, its class and attributes kept, its message followed by
-  ``(raised by shard <n>)`` and its ``shard`` attribute set; Ray's error, with the
-  shard's traceback, is its ``__cause__``.
+  ``handle.result`` as itself, its class and attributes kept (one that does not pickle
+  is left out, named in the message), its message followed by ``(raised by shard <n>)``
+  and its ``shard`` attribute set; Ray's error, with the shard's traceback, is its
+  ``__cause__``.
 
 - The shards' bus events reach the driver's subscribers (:meth:`ShardedRuntime.subscribe`,
   as ``Runtime.subscribe``; ``client.bus`` for ``subscribe_typed``): a shard subscribes
@@ -193,10 +194,12 @@ class ShardUnavailable(RunError, TimeoutError):
 
 class _Raised(RunError):
     """An error a shard raised, as the Ray actor sends it back: its class, message and
-    attributes (``carried``), which pickle. Ray pickles an error by its ``args``, from
-    which an error whose ``__init__`` takes other arguments (``SessionOwnedElsewhere``,
-    ``SessionFailed``) cannot be rebuilt: the client would get Ray's
-    ``UnserializableException`` instead of it."""
+    attributes (``carried``), those that pickle (the others named in the message; an
+    error whose class does not pickle is sent as a ``RunError`` with its class's name
+    and message). Ray pickles an error by its ``args``, from which an error whose
+    ``__init__`` takes other arguments (``SessionOwnedElsewhere``, ``SessionFailed``)
+    cannot be rebuilt: the client would get Ray's ``UnserializableException`` instead of
+    it."""
 
     def __init__(self, carried: tuple[type[BaseException], str, dict[str, Any]]) -> None:
         super().__init__(carried)
@@ -207,11 +210,23 @@ class _Raised(RunError):
 
     @classmethod
     def of(cls, exc: Exception) -> _Raised:
-        carried = (type(exc), str(exc), dict(getattr(exc, "__dict__", {})))
+        attrs: dict[str, Any] = {}
+        left_out: list[str] = []
+        for name, value in getattr(exc, "__dict__", {}).items():
+            try:
+                pickle.loads(pickle.dumps(value))
+            except Exception:  # (a lock, a connection): named in the message instead
+                left_out.append(name)
+            else:
+                attrs[name] = value
+        message = str(exc)
+        if left_out:
+            message += f" [attributes not sent, as they do not pickle: {', '.join(left_out)}]"
+        carried = (type(exc), message, attrs)
         try:
             pickle.loads(pickle.dumps(carried))
-        except Exception:  # its class or an attribute does not pickle: its text does
-            carried = (RunError, f"{type(exc).__name__}: {exc}", {})
+        except Exception:  # its class does not pickle (a local class): its text does
+            carried = (RunError, f"{type(exc).__name__}: {message}", {})
         return cls(carried)
 
 

@@ -1068,3 +1068,47 @@ def test_a_subscriber_may_shut_the_client_down_from_its_callback(
             client.submit("room-stops", Input(id="s2", content="再来"))
     finally:
         client.shutdown()
+
+
+class HeldError(Exception):
+    """An error whose ``__init__`` takes other arguments than its message and which
+    carries an attribute that does not pickle (a lock)."""
+
+    def __init__(self, who: str, n: int) -> None:
+        super().__init__(f"held by {who} ({n})")
+        self.who = who
+        self.n = n
+        self.lock = threading.Lock()
+
+
+@ray.remote(max_retries=0)
+def _raises_held() -> None:
+    """As a shard's call does: the error sent back as ``_Raised``."""
+    from aalis_agent.scale.ray_shards import _Raised
+
+    try:
+        raise HeldError("elsewhere", 3)
+    except HeldError as exc:
+        raise _Raised.of(exc) from exc
+
+
+def test_an_error_with_an_attribute_that_does_not_pickle_keeps_its_class(
+    ray_cluster: str,
+) -> None:
+    """An error raised in a shard with an attribute that does not pickle reaches the
+    caller as its own class still, its other attributes kept and the one left out named
+    (it came as a ``RunError`` holding only its text)."""
+    from aalis_agent.scale.ray_shards import _raise_from_shard
+    from ray.exceptions import RayTaskError
+
+    with pytest.raises(RayTaskError) as sent:
+        ray.get(_raises_held.remote(), timeout=60)
+    with pytest.raises(HeldError) as raised:
+        _raise_from_shard(sent.value, 1)
+    error = raised.value
+    assert type(error) is HeldError and (error.who, error.n, error.shard) == ("elsewhere", 3, 1)
+    assert not hasattr(error, "lock")
+    assert str(error) == (
+        "held by elsewhere (3) [attributes not sent, as they do not pickle: lock] "
+        "(raised by shard 1)"
+    )
