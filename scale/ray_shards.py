@@ -781,18 +781,19 @@ class ShardedRuntime:
         bus they are published on (``subscribe_typed(client.bus, fn)`` gives typed
         events).
 
-        The payload is the runtime's, pickled in the shard as it is published. ``fn``
-        runs on the shard's event thread in this process (one a shard, started by the
-        first subscription), so the events of a shard (of a session) come in the order
-        the shard published them; events of different shards in no given order. A shard
-        subscribes only to the topics someone here subscribed to (nothing with no
+        The payload is the runtime's, pickled in the shard as it is published (one that does
+        not pickle, as a hook's lambda, is not sent: a warning in the shard's log names its
+        topic). ``fn`` runs on the shard's event thread in this process (one a shard,
+        started by the first subscription), so the events of a shard (of a session) come in
+        the order the shard published them; events of different shards in no given order. A
+        shard subscribes only to the topics someone here subscribed to (nothing with no
         subscriber, and no fetches then) and holds their events until this process has
         fetched them, so that a subscriber that is slow holds up no turn: past
-        ``event_backlog`` (10,000) events not fetched the shard drops the next ones,
-        with a warning in its log and in this process's (``info()``'s ``events_dropped``
-        counts them). A subscriber that raises is logged, and the others still get the
-        event. The first subscription returns once the live shards follow its topics (5 s
-        at most: a shard restarting follows them from its next call).
+        ``event_backlog`` (10,000) events not fetched the shard drops the next ones, with a
+        warning in its log and in this process's (``info()``'s ``events_dropped`` counts
+        them). A subscriber that raises is logged, and the others still get the event. The
+        first subscription returns once the live shards follow its topics (5 s at most: a
+        shard restarting follows them from its next call).
 
         A shard Ray restarted is followed again: each fetch and each submit names the
         topics wanted, and the shard follows them before it answers, so the events of an
