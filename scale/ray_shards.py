@@ -122,6 +122,7 @@ EVENT_BACKLOG = 10_000  # bus events a shard holds for the driver before it drop
 _EVENT_BATCH = 1_000  # events one fetch returns at most
 _POLL_S = 5.0  # how long a fetch waits in the shard for an event
 _FOLLOW_S = 5.0  # how long subscribe waits for the live shards to follow its topics
+_SHUTDOWN_S = 60.0  # how long shutdown waits for its shards (all together)
 
 
 class ShardDead(RunError):
@@ -997,16 +998,25 @@ class ShardedRuntime:
         return all(ray.get([a.wait_idle.remote(timeout) for a in self.actors]))
 
     def shutdown(self) -> None:
-        """Shut every shard's runtime down (releasing its leases), then the actors. Calls
+        """Shut every shard's runtime down (releasing its leases; all at once, waiting a
+        minute at most in all), then the actors. Calls
         after it raise :class:`RuntimeClosed` (not :class:`ShardDead`: the shards were
         stopped, not lost). A subscriber may call it from its callback (on a shard's
         event thread, which ends once the callback returns)."""
         self._closed = True
         for feed in self._feeds:
             feed.close()
+        # Every shard is asked at once, then waited for within one minute in all: one at
+        # a time, busy shards took a minute each.
+        asked = []
         for actor in self.actors:
             with contextlib.suppress(Exception):  # a dead shard's leases expire by themselves
-                ray.get(actor.shutdown.remote(), timeout=60)
+                asked.append(actor.shutdown.remote())
+        deadline = time.monotonic() + _SHUTDOWN_S
+        for ref in asked:
+            with contextlib.suppress(Exception):
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        for actor in self.actors:
             ray.kill(actor, no_restart=True)
         for feed in self._feeds:
             if feed.thread is not threading.current_thread():  # (a subscriber's call)

@@ -55,6 +55,25 @@ def slow_services() -> Services:
     return Services(llm=ScriptedModel(reply))
 
 
+def stubborn_services() -> Services:
+    """Called in each shard's process: each input calls the ``wait`` tool, which runs
+    until its turn is stopped and then goes on 3 s more (a tool slow to stop)."""
+    from aalis_agent.events import ToolCall
+    from aalis_agent.services import Tool, ToolRegistry
+
+    def reply(request: Any, n: int) -> ScriptedReply:
+        if request.messages[-1].role == "user":
+            return ScriptedReply(tool_calls=(ToolCall(id=f"w{n}", name="wait", arguments="{}"),))
+        return ScriptedReply(text="done")
+
+    def wait(args: object, ctx: Any) -> str:
+        ctx.abort.wait(60)
+        time.sleep(3)
+        return "stopped late"
+
+    return Services(llm=ScriptedModel(reply), tools=ToolRegistry([Tool("wait", wait)]))
+
+
 def _ray(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     ray_cli = Path(sys.executable).parent / "ray"
     return subprocess.run(
@@ -1112,3 +1131,30 @@ def test_an_error_with_an_attribute_that_does_not_pickle_keeps_its_class(
         "held by elsewhere (3) [attributes not sent, as they do not pickle: lock] "
         "(raised by shard 1)"
     )
+
+
+def test_shutdown_stops_every_shard_at_once(
+    ray_cluster: str,
+    pg_url: str,  # noqa: F811
+) -> None:
+    """Two shards whose turns each take 3 s to stop: shut down together, about 3 s (one
+    shard after the other took 6: with N busy shards, N times a shard's time)."""
+    from aalis_agent.scale.ray_shards import ShardedRuntime
+
+    client = ShardedRuntime(pg_url, 2, stubborn_services, ttl_s=5.0, num_cpus=0.5)
+    closed = False
+    try:
+        sessions = _one_per_shard()
+        seen = _Seen()
+        client.subscribe("tool:execute", seen)
+        for session in sessions:
+            client.submit(session, Input(id=f"{session}/w", content="等等"), timeout=30)
+        _wait_for(lambda: all(seen.of(s) for s in sessions), "both tools to start")
+        t0 = time.monotonic()
+        client.shutdown()
+        closed = True
+        took = time.monotonic() - t0
+        assert took < 5.5, took
+    finally:
+        if not closed:
+            client.shutdown()
