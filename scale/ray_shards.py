@@ -422,11 +422,12 @@ class _EventBuffer:
         return self.incarnation, items, dropped
 
     def close(self) -> None:
+        """No more events: what is held stays for the driver's last fetch, which
+        returns at once."""
         with self.cv:
             if self.closed:
                 return
             self.closed = True
-            self.queue.clear()
             for unsubscribe in self.subscribed.values():
                 unsubscribe()
             self.subscribed.clear()
@@ -563,8 +564,8 @@ class RuntimeShard:
 
     def shutdown(self) -> None:
         self._closed.set()
-        self.bus_events.close()  # the driver's fetch under way returns
-        self.runtime.shutdown(timeout=30)
+        self.runtime.shutdown(timeout=30)  # the turns' last events are held for the driver
+        self.bus_events.close()  # a fetch returns what is held at once, no more comes
         self.leases.close()
         self.store.close()
 
@@ -636,12 +637,17 @@ class _EventFeed:
         self.thread.start()
 
     def _run(self) -> None:
-        while not self.closed.is_set():
+        while True:
+            # Closed (the client shut its shards down): one more fetch, which gets what
+            # the shard published until its runtime was down, then the feed ends.
+            last = self.closed.is_set()
             owner = self.owner()
-            if owner is None or owner._closed or not ray.is_initialized():
+            if owner is None or not ray.is_initialized():
                 return
             version, topics = owner._following
             if not topics:  # nobody subscribes: no fetches until someone does
+                if last:
+                    return
                 wake = owner._wake
                 del owner
                 wake.wait(1.0)
@@ -656,6 +662,8 @@ class _EventFeed:
                 ref = actor.events.remote(self.incarnation, self.after, version, topics, _POLL_S)
                 incarnation, items, dropped = ray.get(ref, timeout=_POLL_S + 30.0)
             except GetTimeoutError:
+                if last:
+                    return
                 continue
             except _RETRYABLE as exc:
                 if self.closed.is_set():
@@ -677,6 +685,8 @@ class _EventFeed:
                 self.closed.wait(1.0)
                 continue
             self._deliver(bus, incarnation, items, dropped)
+            if last:
+                return
 
     def _deliver(
         self, bus: EventBus, incarnation: str, items: list[tuple[int, str, bytes]], dropped: int
@@ -701,6 +711,7 @@ class _EventFeed:
             bus.publish(topic, payload)  # a subscriber that raises is logged
 
     def close(self) -> None:
+        """End the feed after one more fetch (its shard shut down: it returns at once)."""
         self.closed.set()
 
 
@@ -1002,10 +1013,11 @@ class ShardedRuntime:
         minute at most in all), then the actors. Calls
         after it raise :class:`RuntimeClosed` (not :class:`ShardDead`: the shards were
         stopped, not lost). A subscriber may call it from its callback (on a shard's
-        event thread, which ends once the callback returns)."""
+        event thread, which ends once the callback returns). The bus events the shards
+        publish until their runtimes are down (the turns they stop) are delivered
+        before it returns (but to a subscriber calling it, whose thread goes on once the
+        callback returns)."""
         self._closed = True
-        for feed in self._feeds:
-            feed.close()
         # Every shard is asked at once, then waited for within one minute in all: one at
         # a time, busy shards took a minute each.
         asked = []
@@ -1016,8 +1028,10 @@ class ShardedRuntime:
         for ref in asked:
             with contextlib.suppress(Exception):
                 ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
+        for feed in self._feeds:  # each fetches what its shard held last, then ends
+            feed.close()
         for feed in self._feeds:
             if feed.thread is not threading.current_thread():  # (a subscriber's call)
-                feed.thread.join(5)
+                feed.thread.join(_POLL_S + 5.0)
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)

@@ -1133,12 +1133,13 @@ def test_an_error_with_an_attribute_that_does_not_pickle_keeps_its_class(
     )
 
 
-def test_shutdown_stops_every_shard_at_once(
+def test_shutdown_stops_every_shard_at_once_and_delivers_their_last_events(
     ray_cluster: str,
     pg_url: str,  # noqa: F811
 ) -> None:
     """Two shards whose turns each take 3 s to stop: shut down together, about 3 s (one
-    shard after the other took 6: with N busy shards, N times a shard's time)."""
+    shard after the other took 6: with N busy shards, N times a shard's time); the
+    events of the turns it stopped reach the subscribers before it returns."""
     from aalis_agent.scale.ray_shards import ShardedRuntime
 
     client = ShardedRuntime(pg_url, 2, stubborn_services, ttl_s=5.0, num_cpus=0.5)
@@ -1147,6 +1148,7 @@ def test_shutdown_stops_every_shard_at_once(
         sessions = _one_per_shard()
         seen = _Seen()
         client.subscribe("tool:execute", seen)
+        client.subscribe("turn:ended", seen)
         for session in sessions:
             client.submit(session, Input(id=f"{session}/w", content="等等"), timeout=30)
         _wait_for(lambda: all(seen.of(s) for s in sessions), "both tools to start")
@@ -1155,6 +1157,11 @@ def test_shutdown_stops_every_shard_at_once(
         closed = True
         took = time.monotonic() - t0
         assert took < 5.5, took
+        # The turns the shutdown stopped ended within it: their events were delivered
+        # before it returned (the shards' buffers were dropped as they shut down).
+        for session in sessions:
+            ended = seen.of(session, "turn:ended")
+            assert len(ended) == 1 and ended[0]["outcome"] == "aborted", seen.of(session)
     finally:
         if not closed:
             client.shutdown()
