@@ -1009,24 +1009,26 @@ class _EventFeed:
             self.conn, self.generation = conn, generation
             self.cv.notify_all()
 
-    def update(self) -> None:
-        """Send the topics wanted now and wait (a moment at most) until the worker
-        follows them; not when called from this feed's own thread (a subscriber
-        subscribing from its callback): that thread reads the acknowledgement once the
-        callback returns, and the worker follows the topics from the next event on."""
+    def update(self) -> tuple[Connection, int] | None:
+        """Send the topics wanted now; the connection and the number the worker
+        acknowledges them with (see :meth:`wait_acked`), None when no worker follows."""
         with self.cv:
             conn = self.conn
             if conn is None:
-                return  # the next worker is subscribed as it starts
+                return None  # the next worker is subscribed as it starts
             self.sent += 1
             seq = self.sent
             try:
                 conn.send_bytes(_encode((seq, self._topics())))
             except (OSError, ValueError):
-                return
-            if threading.current_thread() is self.thread:
-                return
-            deadline = time.monotonic() + _ATTACH_S
+                return None
+            return conn, seq
+
+    def wait_acked(self, conn: Connection, seq: int, deadline: float) -> None:
+        """Wait until the worker acknowledged ``seq`` (until ``deadline`` at most): its
+        events of the topics sent are forwarded from then on. This feed's thread reads
+        the acknowledgement: not to be called from a feed's thread."""
+        with self.cv:
             while self.acked < seq and self.conn is conn and not self.closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -1034,6 +1036,7 @@ class _EventFeed:
                 self.cv.wait(left)
 
     def _run(self) -> None:
+        _feed_thread.on = True  # its subscribers' callbacks wait for no worker
         finished: Connection | None = None
         bus = self.shard.owner.bus
         while True:
@@ -1071,6 +1074,12 @@ class _EventFeed:
         with self.cv:
             self.closed = True
             self.cv.notify_all()
+
+
+# Set on the feeds' threads: a subscription made there (from a subscriber's callback)
+# does not wait for acknowledgements, which that thread, or another feed's waiting as
+# well, reads.
+_feed_thread = threading.local()
 
 
 def _ended(process: Any, seconds: float = 0.0) -> bool:
@@ -1181,14 +1190,14 @@ class _ForwardedBus(EventBus):
 
         def forwarded_unsubscribe() -> None:
             unsubscribe()
-            self._follow()
+            self._follow(wait=False)  # this bus calls it no more already
 
         return forwarded_unsubscribe
 
-    def _follow(self) -> None:
+    def _follow(self, *, wait: bool = True) -> None:
         owner = self._owner()
         if owner is not None:
-            owner._follow()
+            owner._follow(wait=wait)
 
 
 def _at_exit(ref: weakref.ref[ProcessShards]) -> None:
@@ -1534,10 +1543,13 @@ class ProcessShards:
         worker started again (after it died) is subscribed before the call that started
         it goes on: events of calls made after that are delivered. A worker's death
         loses what it had not sent yet, and what the new worker publishes while it
-        starts (``recover()`` finishing the cut turns) is not forwarded. A subscription
-        made from a subscriber's own callback returns without waiting for its shard's
-        worker (the thread it runs on is the one that reads its answer): that shard's
-        events of the new topic come from the worker's next events on."""
+        starts (``recover()`` finishing the cut turns) is not forwarded. A later
+        subscription returns once the live workers follow its topic, or after 5 s for
+        a worker that does not answer (stopped); ending one waits for no worker (this
+        bus stops calling ``fn`` at once). A subscription made, or ended, from a
+        subscriber's callback returns without waiting for any worker (the event threads
+        read their answers): the new topic's events come from each worker's next events
+        on."""
         if not isinstance(topic, str) or not topic:
             raise InvalidInput(f"subscribe: topic must be a non-empty str, not {topic!r:.80}")
         if not callable(fn):
@@ -1546,15 +1558,21 @@ class ProcessShards:
             raise RuntimeClosed("the shards are shut down")
         return self.bus.subscribe(topic, fn)
 
-    def _follow(self) -> None:
+    def _follow(self, *, wait: bool = True) -> None:
         """The subscriptions changed: the workers follow the topics wanted now (the
-        first time, each shard gets its event thread)."""
+        first time, each shard gets its event thread). ``wait``: until they acknowledged
+        them (``_ATTACH_S`` at most), outside the lock (a subscriber's callback may
+        change its subscriptions meanwhile) and not on a feed's thread (which reads
+        acknowledgements)."""
+        sent: list[tuple[_EventFeed, Connection, int]] = []
         with self._feeds_lock:
             if self._closed:
                 return
             for shard in self._shards:
                 if shard.feed is not None:
-                    shard.feed.update()
+                    update = shard.feed.update()
+                    if update is not None:
+                        sent.append((shard.feed, *update))
                     continue
                 if not self.bus._wanted:
                     continue
@@ -1562,6 +1580,11 @@ class ProcessShards:
                     shard.feed = _EventFeed(shard)
                     if shard.alive():
                         shard.feed.attach(shard.generation)
+        if not wait or getattr(_feed_thread, "on", False):
+            return
+        deadline = time.monotonic() + _ATTACH_S
+        for feed, conn, seq in sent:
+            feed.wait_acked(conn, seq, deadline)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Whether every shard had no turn running or queued within ``timeout``."""

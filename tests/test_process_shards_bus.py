@@ -261,3 +261,86 @@ def test_a_subscriber_subscribing_from_its_own_callback_does_not_wait_for_itself
     assert took[0] < 2.0, took  # it waited out the acknowledgement's 5 s before
     assert shards.run(first, Input(id="b", content="你好")).outcome == "replied"
     _wait_for(lambda: any(p.get("turnId") for _, p, _ in later.events), "the later subscriber")
+
+
+def test_a_callback_unsubscribing_while_another_thread_subscribes_waits_for_neither(
+    tmp_path: Path,
+) -> None:
+    """A subscriber that ends its own subscription from its callback (a wait for one
+    turn's end, say) while another thread subscribes: the other thread waits for the
+    worker's acknowledgement, which the callback's thread reads once the callback
+    returns; the callback must not wait for the other thread meanwhile. Both waited
+    5 s: the other thread held the subscriptions' lock while it waited."""
+    shards = ProcessShards(tmp_path / "s", shard_services.services, 1, runtime_options=OPTIONS)
+    try:
+        entered = threading.Event()
+        took: dict[str, float] = {}
+        box: dict[str, Any] = {}
+
+        def once(topic: str, payload: Any) -> None:
+            if "callback" in took or "unsubscribe" not in box:
+                return
+            entered.set()
+            time.sleep(0.5)  # the other thread subscribes meanwhile
+            t0 = time.monotonic()
+            box["unsubscribe"]()
+            took["callback"] = time.monotonic() - t0
+
+        box["unsubscribe"] = shards.subscribe("turn:opened", once)
+        assert shards.run("room", Input(id="", content="hi")).outcome == "replied"
+        assert entered.wait(30)
+        t0 = time.monotonic()
+        shards.subscribe("turn:ended", lambda topic, payload: None)
+        took["other"] = time.monotonic() - t0
+        _wait_for(lambda: "callback" in took, "the callback to unsubscribe")
+        assert took["callback"] < 1.0 and took["other"] < 2.0, took
+    finally:
+        shards.shutdown(timeout=10)
+
+
+def test_callbacks_on_two_shards_subscribing_at_once_do_not_wait_for_each_other(
+    shards: ProcessShards,
+) -> None:
+    """Each shard's callbacks run on its own thread, which reads its worker's
+    acknowledgements: a callback waiting for the other shard's while that one's
+    callback waits for its shard's held both for 5 s."""
+    a, b = _one_per_shard()
+    barrier = threading.Barrier(2, timeout=30)
+    took: list[float] = []
+    added: list[Any] = []
+
+    def on_opened(topic: str, payload: Any) -> None:
+        if len(added) >= 2:
+            return
+        barrier.wait()
+        t0 = time.monotonic()
+        added.append(shards.subscribe("turn:ended", lambda t, p: None))
+        took.append(time.monotonic() - t0)
+
+    shards.subscribe("turn:opened", on_opened)
+    shards.run(a, Input(id="", content="hi"))
+    shards.run(b, Input(id="", content="hi"))
+    _wait_for(lambda: len(took) == 2, "both callbacks to subscribe")
+    assert max(took) < 2.0, took
+
+
+def test_unsubscribe_does_not_wait_for_a_stopped_worker(shards: ProcessShards) -> None:
+    """Ending a subscription waits for no worker (the parent's bus stops calling it at
+    once); a new topic waits for a worker that does not answer (SIGSTOP) 5 s at most."""
+    a, _ = _one_per_shard()
+    seen = _Seen()
+    shards.subscribe("turn:ended", seen)
+    pid = shards.info()[0]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        unsubscribe = shards.subscribe("turn:opened", seen)
+        subscribing = time.monotonic() - t0
+        t0 = time.monotonic()
+        unsubscribe()
+        unsubscribing = time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert subscribing < 7.0 and unsubscribing < 1.0, (subscribing, unsubscribing)
+    shards.run(a, Input(id="", content="hi"))  # the worker follows again
+    _wait_for(lambda: len(seen.of(a, "turn:ended")) == 1, "the turn's end")
