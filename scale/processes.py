@@ -123,6 +123,7 @@ MANIFEST = "shards.json"
 _QUICK_CALLS = 3  # quick calls in a row before the reading thread runs calls itself
 _RESTART_WINDOW_S = 60.0
 _ATTACH_S = 5.0  # how long a worker may take to acknowledge a change of bus topics
+_REATTACH_S = 1.0  # how often a live worker that did not acknowledge them is asked again
 _HANDSHAKE_S = 10.0  # how long a new connection's peer may take to answer its handshake
 
 
@@ -983,7 +984,9 @@ class _EventFeed:
     def attach(self, generation: int) -> None:
         """Subscribe the worker of ``generation`` (the live one, under the shard's
         lock) to the topics wanted; return once it acknowledged: events its calls from
-        now on publish are forwarded."""
+        now on publish are forwarded. One that did not (stopped, or not answering
+        within ``_HANDSHAKE_S`` and ``_ATTACH_S``) is asked again by this feed's thread
+        every ``_REATTACH_S`` while it lives."""
         with self.cv:
             if self.closed or self.generation >= generation:
                 return
@@ -1004,6 +1007,9 @@ class _EventFeed:
             if answer != seq:
                 conn.close()
                 log.warning("the shard did not follow its events", shard=self.shard.index)
+                return
+            if self.closed:  # shut down meanwhile
+                conn.close()
                 return
             self.acked = max(self.acked, seq)
             self.conn, self.generation = conn, generation
@@ -1042,11 +1048,16 @@ class _EventFeed:
         while True:
             with self.cv:
                 while not self.closed and (self.conn is None or self.conn is finished):
-                    self.cv.wait()
+                    if not self.cv.wait(_REATTACH_S) and self.generation < self.shard.generation:
+                        break  # a live worker not followed: it did not answer its attach
                 if self.closed:
                     return
                 conn = self.conn
-            assert conn is not None
+            if conn is None or conn is finished:
+                with self.shard.lock:  # as a start attaches its worker
+                    if self.shard.alive():
+                        self.attach(self.shard.generation)
+                continue
             try:
                 while True:
                     event = _answer_decoder.decode(conn.recv_bytes())
@@ -1545,7 +1556,8 @@ class ProcessShards:
         loses what it had not sent yet, and what the new worker publishes while it
         starts (``recover()`` finishing the cut turns) is not forwarded. A later
         subscription returns once the live workers follow its topic, or after 5 s for
-        a worker that does not answer (stopped); ending one waits for no worker (this
+        a worker that does not answer (stopped: its events are forwarded once it
+        answers again, asked each second); ending one waits for no worker (this
         bus stops calling ``fn`` at once). A subscription made, or ended, from a
         subscriber's callback returns without waiting for any worker (the event threads
         read their answers): the new topic's events come from each worker's next events

@@ -344,3 +344,29 @@ def test_unsubscribe_does_not_wait_for_a_stopped_worker(shards: ProcessShards) -
     assert subscribing < 7.0 and unsubscribing < 1.0, (subscribing, unsubscribing)
     shards.run(a, Input(id="", content="hi"))  # the worker follows again
     _wait_for(lambda: len(seen.of(a, "turn:ended")) == 1, "the turn's end")
+
+
+def test_a_worker_that_did_not_answer_the_subscription_is_followed_once_it_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker stopped (SIGSTOP) when the first subscription is made does not answer
+    it: once it runs again, its events are forwarded. They never were: the shard's
+    events thread waited for the next worker the shard would start."""
+    from aalis_agent.scale import processes
+
+    monkeypatch.setattr(processes, "_HANDSHAKE_S", 1.0)  # the parent's wait, shortened
+    shards = ProcessShards(tmp_path / "s", shard_services.services, 2, runtime_options=OPTIONS)
+    try:
+        _, b = _one_per_shard()
+        pid = shards.info()[1]["pid"]
+        seen = _Seen()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            shards.subscribe("turn:ended", seen)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        shards.run(b, Input(id="", content="hi"))
+        _wait_for(lambda: len(seen.of(b)) == 1, "the stopped worker's events", timeout=15)
+        assert shards.info()[1]["pid"] == pid  # the same worker
+    finally:
+        shards.shutdown(timeout=10)
