@@ -973,6 +973,7 @@ class _EventFeed:
         self.sent = 0  # subscriptions and changes of topics sent ...
         self.acked = 0  # ... and acknowledged
         self.closed = False
+        self.finished = False  # shut down: no more events delivered
         self.thread = threading.Thread(
             target=self._run, name=f"aalis-shard-{shard.index}-events", daemon=True
         )
@@ -1069,6 +1070,8 @@ class _EventFeed:
                     if event[0] is _DROPPED:
                         self.shard.events_dropped += event[1]
                         continue
+                    if self.finished:
+                        return  # shut down: no event after it
                     bus.publish(event[0], event[1])  # a subscriber that raises is logged
             except (EOFError, OSError):
                 pass  # the worker ended: the next one is attached as it starts
@@ -1082,9 +1085,18 @@ class _EventFeed:
             finished = conn
 
     def close(self) -> None:
+        """No worker followed from now on: the events read until the last one's
+        connection closes are delivered (see :meth:`finish`)."""
         with self.cv:
             self.closed = True
             self.cv.notify_all()
+
+    def finish(self, deadline: float | None) -> None:
+        """Once its workers ended: wait until the events they sent were delivered
+        (until ``deadline`` at most), then deliver none."""
+        if threading.current_thread() is not self.thread:
+            self.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.finished = True
 
 
 # Set on the feeds' threads: a subscription made there (from a subscriber's callback)
@@ -1632,12 +1644,20 @@ class ProcessShards:
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Shut every worker's runtime down (waiting up to ``timeout`` for turns) and end
-        the workers. Calls after it raise ``RuntimeClosed``."""
-        self._closed = True
-        for shard in getattr(self, "_shards", ()):
+        the workers. Calls after it raise ``RuntimeClosed``. The bus events the workers
+        sent before they ended are delivered to the subscribers before it returns
+        (waiting up to ``timeout`` more for them), and none after it."""
+        with self._feeds_lock:  # no feed is made after it (see _follow)
+            self._closed = True
+        shards = getattr(self, "_shards", ())
+        for shard in shards:
             if shard.feed is not None:
                 shard.feed.close()
             shard.stop(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for shard in shards:
+            if shard.feed is not None:
+                shard.feed.finish(deadline)
         shutil.rmtree(self._sockets, ignore_errors=True)
         self._let_go()
 

@@ -370,3 +370,26 @@ def test_a_worker_that_did_not_answer_the_subscription_is_followed_once_it_does(
         assert shards.info()[1]["pid"] == pid  # the same worker
     finally:
         shards.shutdown(timeout=10)
+
+
+def test_shutdown_delivers_the_events_sent_before_it_and_none_after(tmp_path: Path) -> None:
+    """A slow subscriber still has events of turns that ended when ``shutdown()`` is
+    called: they are delivered before it returns, and no callback runs after it. They
+    were delivered for seconds after shutdown() returned."""
+    shards = ProcessShards(tmp_path / "s", shard_services.services, 1, runtime_options=OPTIONS)
+    calls: list[tuple[float, str]] = []
+
+    def slow(topic: str, payload: Any) -> None:
+        time.sleep(0.05)
+        calls.append((time.monotonic(), topic))
+
+    shards.subscribe("*", slow)
+    for n in range(5):
+        shards.run("room", Input(id=f"in-{n}", content="hi"))
+    shards.shutdown(timeout=10)
+    returned = time.monotonic()
+    delivered = len(calls)
+    time.sleep(1.0)
+    assert len(calls) == delivered, f"{len(calls) - delivered} callbacks after shutdown"
+    assert all(at <= returned for at, _ in calls)
+    assert [t for _, t in calls].count("turn:ended") == 5
