@@ -471,7 +471,8 @@ class _EventStream:
     from, so that the shard's turns never wait for the parent. A queue of ``backlog``
     events not yet sent (``ProcessShards(event_backlog=)``: a parent subscriber slower
     than the shard) drops the next ones, with a warning in the worker's log; how many is
-    logged, and sent to the parent (``[None, n]``), before the next event sent."""
+    logged, and sent to the parent (``[None, n]``), before the next event sent. An event
+    whose payload msgpack cannot carry is not sent (a warning), and counted there too."""
 
     def __init__(
         self,
@@ -487,6 +488,7 @@ class _EventStream:
         self.cv = threading.Condition()
         self.queue: deque[bytes] = deque()
         self.dropped = 0
+        self.unsendable = 0  # events whose payload msgpack cannot carry (not sent)
         self.closed = False
         self.active: frozenset[str] = frozenset()
         self.subscribed: dict[str, Callable[[], None]] = {}
@@ -520,6 +522,8 @@ class _EventStream:
             data = _encode((topic, payload))
         except (msgspec.EncodeError, OverflowError, TypeError, ValueError, RecursionError) as exc:
             log.warning("a bus event cannot be sent to the parent", topic=topic, error=str(exc))
+            with self.cv:
+                self.unsendable += 1  # counted with the dropped ones
             return
         with self.cv:
             if self.closed:
@@ -545,10 +549,12 @@ class _EventStream:
                     return
                 data = self.queue.popleft()
                 dropped, self.dropped = self.dropped, 0
+                unsendable, self.unsendable = self.unsendable, 0
             try:
                 if dropped:
                     log.warning("bus events dropped for the parent", dropped=dropped)
-                    self.conn.send_bytes(_encode((_DROPPED, dropped)))
+                if dropped or unsendable:
+                    self.conn.send_bytes(_encode((_DROPPED, dropped + unsendable)))
                 self.conn.send_bytes(data)
             except (OSError, ValueError):  # the parent went away (or stopped following)
                 self.close()
@@ -1559,8 +1565,10 @@ class ProcessShards:
         subscriber that is slow holds up no turn: past ``event_backlog`` (10,000) events
         not yet delivered the worker drops the next ones, with a warning in its log;
         :meth:`info` counts them (``events_dropped``) once the shard's next event reached
-        this process. A subscriber that raises is logged, and the others still get the
-        event.
+        this process. An event whose payload msgpack cannot carry (an object of a class
+        of its own a hook published, an integer past 64 bits) is not sent, with a
+        warning in the worker's log, and counted there too. A subscriber that raises is
+        logged, and the others still get the event.
 
         The first subscription returns once every live worker follows its events, and a
         worker started again (after it died) is subscribed before the call that started
@@ -1626,8 +1634,8 @@ class ProcessShards:
         """Per shard: its index, database, worker pid, whether the worker is alive, its
         restarts, the sessions its worker recovered when it last started, why it is not
         started again (``down``; None until it is given up), and how many bus events its
-        workers dropped for subscribers too slow (``events_dropped``, see
-        :meth:`subscribe`)."""
+        workers dropped, for subscribers too slow or as msgpack cannot carry them
+        (``events_dropped``, see :meth:`subscribe`)."""
         return [
             {
                 "index": s.index,

@@ -393,3 +393,29 @@ def test_shutdown_delivers_the_events_sent_before_it_and_none_after(tmp_path: Pa
     assert len(calls) == delivered, f"{len(calls) - delivered} callbacks after shutdown"
     assert all(at <= returned for at, _ in calls)
     assert [t for _, t in calls].count("turn:ended") == 5
+
+
+def test_an_event_msgpack_cannot_carry_is_counted_and_the_next_ones_still_come(
+    tmp_path: Path,
+) -> None:
+    """A hook publishing a payload of its own (an object msgpack cannot carry): that
+    event is not sent, and ``info()`` counts it with the dropped ones; the worker's
+    later events still come. It was left out with no trace in the parent."""
+    shards = ProcessShards(
+        tmp_path / "s", shard_services.odd_payload_services, 1, runtime_options=OPTIONS
+    )
+    try:
+        seen: list[tuple[str, Any]] = []
+        shards.subscribe("*", lambda topic, payload: seen.append((topic, payload)))
+        for n in range(3):
+            shards.run("room", Input(id=f"in-{n}", content="hi"))
+        _wait_for(lambda: [t for t, _ in seen].count("turn:ended") == 3, "the turns' ends")
+        custom = [(t, p) for t, p in seen if t.startswith("custom:")]
+        assert custom == [
+            (topic, payload)
+            for n in (1, 2, 3)
+            for topic, payload in (("custom:set", {"n": n, "tags": ["a"]}), ("custom:ok", {"n": n}))
+        ]
+        assert shards.info()[0]["events_dropped"] == 3
+    finally:
+        shards.shutdown(timeout=10)
