@@ -204,6 +204,10 @@ def test_events_past_the_backlog_are_dropped_logged_and_counted(tmp_path: Path) 
 
         shards.subscribe("*", slow)
         try:
+            # The subscriber holds up its first event before the worker fills its backlog
+            # (a worker's sending thread slow to run could fill it before sending any).
+            shards.run("room", Input(id="first", content="hi"))
+            _wait_for(lambda: len(seen.events) == 1, "the first event")
             turns = 0
             while "dropping events until they catch up backlog=5" not in logged():
                 assert turns < 3_000, "no event was dropped"
