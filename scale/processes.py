@@ -123,6 +123,7 @@ MANIFEST = "shards.json"
 _QUICK_CALLS = 3  # quick calls in a row before the reading thread runs calls itself
 _RESTART_WINDOW_S = 60.0
 _ATTACH_S = 5.0  # how long a worker may take to acknowledge a change of bus topics
+_REATTACH_S = 1.0  # how often a live worker that did not acknowledge them is asked again
 _HANDSHAKE_S = 10.0  # how long a new connection's peer may take to answer its handshake
 
 
@@ -470,7 +471,8 @@ class _EventStream:
     from, so that the shard's turns never wait for the parent. A queue of ``backlog``
     events not yet sent (``ProcessShards(event_backlog=)``: a parent subscriber slower
     than the shard) drops the next ones, with a warning in the worker's log; how many is
-    logged, and sent to the parent (``[None, n]``), before the next event sent."""
+    logged, and sent to the parent (``[None, n]``), before the next event sent. An event
+    whose payload msgpack cannot carry is not sent (a warning), and counted there too."""
 
     def __init__(
         self,
@@ -486,6 +488,7 @@ class _EventStream:
         self.cv = threading.Condition()
         self.queue: deque[bytes] = deque()
         self.dropped = 0
+        self.unsendable = 0  # events whose payload msgpack cannot carry (not sent)
         self.closed = False
         self.active: frozenset[str] = frozenset()
         self.subscribed: dict[str, Callable[[], None]] = {}
@@ -519,6 +522,8 @@ class _EventStream:
             data = _encode((topic, payload))
         except (msgspec.EncodeError, OverflowError, TypeError, ValueError, RecursionError) as exc:
             log.warning("a bus event cannot be sent to the parent", topic=topic, error=str(exc))
+            with self.cv:
+                self.unsendable += 1  # counted with the dropped ones
             return
         with self.cv:
             if self.closed:
@@ -544,10 +549,12 @@ class _EventStream:
                     return
                 data = self.queue.popleft()
                 dropped, self.dropped = self.dropped, 0
+                unsendable, self.unsendable = self.unsendable, 0
             try:
                 if dropped:
                     log.warning("bus events dropped for the parent", dropped=dropped)
-                    self.conn.send_bytes(_encode((_DROPPED, dropped)))
+                if dropped or unsendable:
+                    self.conn.send_bytes(_encode((_DROPPED, dropped + unsendable)))
                 self.conn.send_bytes(data)
             except (OSError, ValueError):  # the parent went away (or stopped following)
                 self.close()
@@ -972,6 +979,7 @@ class _EventFeed:
         self.sent = 0  # subscriptions and changes of topics sent ...
         self.acked = 0  # ... and acknowledged
         self.closed = False
+        self.finished = False  # shut down: no more events delivered
         self.thread = threading.Thread(
             target=self._run, name=f"aalis-shard-{shard.index}-events", daemon=True
         )
@@ -983,7 +991,9 @@ class _EventFeed:
     def attach(self, generation: int) -> None:
         """Subscribe the worker of ``generation`` (the live one, under the shard's
         lock) to the topics wanted; return once it acknowledged: events its calls from
-        now on publish are forwarded."""
+        now on publish are forwarded. One that did not (stopped, or not answering
+        within ``_HANDSHAKE_S`` and ``_ATTACH_S``) is asked again by this feed's thread
+        every ``_REATTACH_S`` while it lives."""
         with self.cv:
             if self.closed or self.generation >= generation:
                 return
@@ -1005,28 +1015,33 @@ class _EventFeed:
                 conn.close()
                 log.warning("the shard did not follow its events", shard=self.shard.index)
                 return
+            if self.closed:  # shut down meanwhile
+                conn.close()
+                return
             self.acked = max(self.acked, seq)
             self.conn, self.generation = conn, generation
             self.cv.notify_all()
 
-    def update(self) -> None:
-        """Send the topics wanted now and wait (a moment at most) until the worker
-        follows them; not when called from this feed's own thread (a subscriber
-        subscribing from its callback): that thread reads the acknowledgement once the
-        callback returns, and the worker follows the topics from the next event on."""
+    def update(self) -> tuple[Connection, int] | None:
+        """Send the topics wanted now; the connection and the number the worker
+        acknowledges them with (see :meth:`wait_acked`), None when no worker follows."""
         with self.cv:
             conn = self.conn
             if conn is None:
-                return  # the next worker is subscribed as it starts
+                return None  # the next worker is subscribed as it starts
             self.sent += 1
             seq = self.sent
             try:
                 conn.send_bytes(_encode((seq, self._topics())))
             except (OSError, ValueError):
-                return
-            if threading.current_thread() is self.thread:
-                return
-            deadline = time.monotonic() + _ATTACH_S
+                return None
+            return conn, seq
+
+    def wait_acked(self, conn: Connection, seq: int, deadline: float) -> None:
+        """Wait until the worker acknowledged ``seq`` (until ``deadline`` at most): its
+        events of the topics sent are forwarded from then on. This feed's thread reads
+        the acknowledgement: not to be called from a feed's thread."""
+        with self.cv:
             while self.acked < seq and self.conn is conn and not self.closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -1034,16 +1049,22 @@ class _EventFeed:
                 self.cv.wait(left)
 
     def _run(self) -> None:
+        _feed_thread.on = True  # its subscribers' callbacks wait for no worker
         finished: Connection | None = None
         bus = self.shard.owner.bus
         while True:
             with self.cv:
                 while not self.closed and (self.conn is None or self.conn is finished):
-                    self.cv.wait()
+                    if not self.cv.wait(_REATTACH_S) and self.generation < self.shard.generation:
+                        break  # a live worker not followed: it did not answer its attach
                 if self.closed:
                     return
                 conn = self.conn
-            assert conn is not None
+            if conn is None or conn is finished:
+                with self.shard.lock:  # as a start attaches its worker
+                    if self.shard.alive():
+                        self.attach(self.shard.generation)
+                continue
             try:
                 while True:
                     event = _answer_decoder.decode(conn.recv_bytes())
@@ -1055,6 +1076,8 @@ class _EventFeed:
                     if event[0] is _DROPPED:
                         self.shard.events_dropped += event[1]
                         continue
+                    if self.finished:
+                        return  # shut down: no event after it
                     bus.publish(event[0], event[1])  # a subscriber that raises is logged
             except (EOFError, OSError):
                 pass  # the worker ended: the next one is attached as it starts
@@ -1068,9 +1091,24 @@ class _EventFeed:
             finished = conn
 
     def close(self) -> None:
+        """No worker followed from now on: the events read until the last one's
+        connection closes are delivered (see :meth:`finish`)."""
         with self.cv:
             self.closed = True
             self.cv.notify_all()
+
+    def finish(self, deadline: float | None) -> None:
+        """Once its workers ended: wait until the events they sent were delivered
+        (until ``deadline`` at most), then deliver none."""
+        if threading.current_thread() is not self.thread:
+            self.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.finished = True
+
+
+# Set on the feeds' threads: a subscription made there (from a subscriber's callback)
+# does not wait for acknowledgements, which that thread, or another feed's waiting as
+# well, reads.
+_feed_thread = threading.local()
 
 
 def _ended(process: Any, seconds: float = 0.0) -> bool:
@@ -1181,14 +1219,14 @@ class _ForwardedBus(EventBus):
 
         def forwarded_unsubscribe() -> None:
             unsubscribe()
-            self._follow()
+            self._follow(wait=False)  # this bus calls it no more already
 
         return forwarded_unsubscribe
 
-    def _follow(self) -> None:
+    def _follow(self, *, wait: bool = True) -> None:
         owner = self._owner()
         if owner is not None:
-            owner._follow()
+            owner._follow(wait=wait)
 
 
 def _at_exit(ref: weakref.ref[ProcessShards]) -> None:
@@ -1527,17 +1565,23 @@ class ProcessShards:
         subscriber that is slow holds up no turn: past ``event_backlog`` (10,000) events
         not yet delivered the worker drops the next ones, with a warning in its log;
         :meth:`info` counts them (``events_dropped``) once the shard's next event reached
-        this process. A subscriber that raises is logged, and the others still get the
-        event.
+        this process. An event whose payload msgpack cannot carry (an object of a class
+        of its own a hook published, an integer past 64 bits) is not sent, with a
+        warning in the worker's log, and counted there too. A subscriber that raises is
+        logged, and the others still get the event.
 
         The first subscription returns once every live worker follows its events, and a
         worker started again (after it died) is subscribed before the call that started
         it goes on: events of calls made after that are delivered. A worker's death
         loses what it had not sent yet, and what the new worker publishes while it
-        starts (``recover()`` finishing the cut turns) is not forwarded. A subscription
-        made from a subscriber's own callback returns without waiting for its shard's
-        worker (the thread it runs on is the one that reads its answer): that shard's
-        events of the new topic come from the worker's next events on."""
+        starts (``recover()`` finishing the cut turns) is not forwarded. A later
+        subscription returns once the live workers follow its topic, or after 5 s for
+        a worker that does not answer (stopped: its events are forwarded once it
+        answers again, asked each second); ending one waits for no worker (this
+        bus stops calling ``fn`` at once). A subscription made, or ended, from a
+        subscriber's callback returns without waiting for any worker (the event threads
+        read their answers): the new topic's events come from each worker's next events
+        on."""
         if not isinstance(topic, str) or not topic:
             raise InvalidInput(f"subscribe: topic must be a non-empty str, not {topic!r:.80}")
         if not callable(fn):
@@ -1546,15 +1590,21 @@ class ProcessShards:
             raise RuntimeClosed("the shards are shut down")
         return self.bus.subscribe(topic, fn)
 
-    def _follow(self) -> None:
+    def _follow(self, *, wait: bool = True) -> None:
         """The subscriptions changed: the workers follow the topics wanted now (the
-        first time, each shard gets its event thread)."""
+        first time, each shard gets its event thread). ``wait``: until they acknowledged
+        them (``_ATTACH_S`` at most), outside the lock (a subscriber's callback may
+        change its subscriptions meanwhile) and not on a feed's thread (which reads
+        acknowledgements)."""
+        sent: list[tuple[_EventFeed, Connection, int]] = []
         with self._feeds_lock:
             if self._closed:
                 return
             for shard in self._shards:
                 if shard.feed is not None:
-                    shard.feed.update()
+                    update = shard.feed.update()
+                    if update is not None:
+                        sent.append((shard.feed, *update))
                     continue
                 if not self.bus._wanted:
                     continue
@@ -1562,6 +1612,11 @@ class ProcessShards:
                     shard.feed = _EventFeed(shard)
                     if shard.alive():
                         shard.feed.attach(shard.generation)
+        if not wait or getattr(_feed_thread, "on", False):
+            return
+        deadline = time.monotonic() + _ATTACH_S
+        for feed, conn, seq in sent:
+            feed.wait_acked(conn, seq, deadline)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Whether every shard had no turn running or queued within ``timeout``."""
@@ -1579,8 +1634,8 @@ class ProcessShards:
         """Per shard: its index, database, worker pid, whether the worker is alive, its
         restarts, the sessions its worker recovered when it last started, why it is not
         started again (``down``; None until it is given up), and how many bus events its
-        workers dropped for subscribers too slow (``events_dropped``, see
-        :meth:`subscribe`)."""
+        workers dropped, for subscribers too slow or as msgpack cannot carry them
+        (``events_dropped``, see :meth:`subscribe`)."""
         return [
             {
                 "index": s.index,
@@ -1597,12 +1652,20 @@ class ProcessShards:
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Shut every worker's runtime down (waiting up to ``timeout`` for turns) and end
-        the workers. Calls after it raise ``RuntimeClosed``."""
-        self._closed = True
-        for shard in getattr(self, "_shards", ()):
+        the workers. Calls after it raise ``RuntimeClosed``. The bus events the workers
+        sent before they ended are delivered to the subscribers before it returns
+        (waiting up to ``timeout`` more for them), and none after it."""
+        with self._feeds_lock:  # no feed is made after it (see _follow)
+            self._closed = True
+        shards = getattr(self, "_shards", ())
+        for shard in shards:
             if shard.feed is not None:
                 shard.feed.close()
             shard.stop(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for shard in shards:
+            if shard.feed is not None:
+                shard.feed.finish(deadline)
         shutil.rmtree(self._sockets, ignore_errors=True)
         self._let_go()
 

@@ -88,3 +88,25 @@ def slow_once_services(folder: str) -> Services:
         slow.unlink()
         time.sleep(60)
     return services()
+
+
+class _Opaque:
+    """An object of a class of its own: msgpack cannot carry it."""
+
+
+def odd_payload_services() -> Services:
+    """:func:`services`, with a hook publishing on the bus at each turn's opening: an
+    event with a set (carried as a list), one with an object msgpack cannot carry, then
+    ``custom:ok``."""
+    built = services()
+    bus = built.bus
+    opened = [0]
+
+    def republish(topic: str, payload: Any) -> None:
+        opened[0] += 1
+        bus.publish("custom:set", {"n": opened[0], "tags": {"a"}})
+        bus.publish("custom:opaque", {"n": opened[0], "value": _Opaque()})
+        bus.publish("custom:ok", {"n": opened[0]})
+
+    bus.subscribe("turn:opened", republish)
+    return built

@@ -204,6 +204,10 @@ def test_events_past_the_backlog_are_dropped_logged_and_counted(tmp_path: Path) 
 
         shards.subscribe("*", slow)
         try:
+            # The subscriber holds up its first event before the worker fills its backlog
+            # (a worker's sending thread slow to run could fill it before sending any).
+            shards.run("room", Input(id="first", content="hi"))
+            _wait_for(lambda: len(seen.events) == 1, "the first event")
             turns = 0
             while "dropping events until they catch up backlog=5" not in logged():
                 assert turns < 3_000, "no event was dropped"
@@ -261,3 +265,161 @@ def test_a_subscriber_subscribing_from_its_own_callback_does_not_wait_for_itself
     assert took[0] < 2.0, took  # it waited out the acknowledgement's 5 s before
     assert shards.run(first, Input(id="b", content="你好")).outcome == "replied"
     _wait_for(lambda: any(p.get("turnId") for _, p, _ in later.events), "the later subscriber")
+
+
+def test_a_callback_unsubscribing_while_another_thread_subscribes_waits_for_neither(
+    tmp_path: Path,
+) -> None:
+    """A subscriber that ends its own subscription from its callback (a wait for one
+    turn's end, say) while another thread subscribes: the other thread waits for the
+    worker's acknowledgement, which the callback's thread reads once the callback
+    returns; the callback must not wait for the other thread meanwhile. Both waited
+    5 s: the other thread held the subscriptions' lock while it waited."""
+    shards = ProcessShards(tmp_path / "s", shard_services.services, 1, runtime_options=OPTIONS)
+    try:
+        entered = threading.Event()
+        took: dict[str, float] = {}
+        box: dict[str, Any] = {}
+
+        def once(topic: str, payload: Any) -> None:
+            if "callback" in took or "unsubscribe" not in box:
+                return
+            entered.set()
+            time.sleep(0.5)  # the other thread subscribes meanwhile
+            t0 = time.monotonic()
+            box["unsubscribe"]()
+            took["callback"] = time.monotonic() - t0
+
+        box["unsubscribe"] = shards.subscribe("turn:opened", once)
+        assert shards.run("room", Input(id="", content="hi")).outcome == "replied"
+        assert entered.wait(30)
+        t0 = time.monotonic()
+        shards.subscribe("turn:ended", lambda topic, payload: None)
+        took["other"] = time.monotonic() - t0
+        _wait_for(lambda: "callback" in took, "the callback to unsubscribe")
+        assert took["callback"] < 1.0 and took["other"] < 2.0, took
+    finally:
+        shards.shutdown(timeout=10)
+
+
+def test_callbacks_on_two_shards_subscribing_at_once_do_not_wait_for_each_other(
+    shards: ProcessShards,
+) -> None:
+    """Each shard's callbacks run on its own thread, which reads its worker's
+    acknowledgements: a callback waiting for the other shard's while that one's
+    callback waits for its shard's held both for 5 s."""
+    a, b = _one_per_shard()
+    barrier = threading.Barrier(2, timeout=30)
+    took: list[float] = []
+    added: list[Any] = []
+
+    def on_opened(topic: str, payload: Any) -> None:
+        if len(added) >= 2:
+            return
+        barrier.wait()
+        t0 = time.monotonic()
+        added.append(shards.subscribe("turn:ended", lambda t, p: None))
+        took.append(time.monotonic() - t0)
+
+    shards.subscribe("turn:opened", on_opened)
+    shards.run(a, Input(id="", content="hi"))
+    shards.run(b, Input(id="", content="hi"))
+    _wait_for(lambda: len(took) == 2, "both callbacks to subscribe")
+    assert max(took) < 2.0, took
+
+
+def test_unsubscribe_does_not_wait_for_a_stopped_worker(shards: ProcessShards) -> None:
+    """Ending a subscription waits for no worker (the parent's bus stops calling it at
+    once); a new topic waits for a worker that does not answer (SIGSTOP) 5 s at most."""
+    a, _ = _one_per_shard()
+    seen = _Seen()
+    shards.subscribe("turn:ended", seen)
+    pid = shards.info()[0]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        unsubscribe = shards.subscribe("turn:opened", seen)
+        subscribing = time.monotonic() - t0
+        t0 = time.monotonic()
+        unsubscribe()
+        unsubscribing = time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert subscribing < 7.0 and unsubscribing < 1.0, (subscribing, unsubscribing)
+    shards.run(a, Input(id="", content="hi"))  # the worker follows again
+    _wait_for(lambda: len(seen.of(a, "turn:ended")) == 1, "the turn's end")
+
+
+def test_a_worker_that_did_not_answer_the_subscription_is_followed_once_it_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker stopped (SIGSTOP) when the first subscription is made does not answer
+    it: once it runs again, its events are forwarded. They never were: the shard's
+    events thread waited for the next worker the shard would start."""
+    from aalis_agent.scale import processes
+
+    monkeypatch.setattr(processes, "_HANDSHAKE_S", 1.0)  # the parent's wait, shortened
+    shards = ProcessShards(tmp_path / "s", shard_services.services, 2, runtime_options=OPTIONS)
+    try:
+        _, b = _one_per_shard()
+        pid = shards.info()[1]["pid"]
+        seen = _Seen()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            shards.subscribe("turn:ended", seen)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        shards.run(b, Input(id="", content="hi"))
+        _wait_for(lambda: len(seen.of(b)) == 1, "the stopped worker's events", timeout=15)
+        assert shards.info()[1]["pid"] == pid  # the same worker
+    finally:
+        shards.shutdown(timeout=10)
+
+
+def test_shutdown_delivers_the_events_sent_before_it_and_none_after(tmp_path: Path) -> None:
+    """A slow subscriber still has events of turns that ended when ``shutdown()`` is
+    called: they are delivered before it returns, and no callback runs after it. They
+    were delivered for seconds after shutdown() returned."""
+    shards = ProcessShards(tmp_path / "s", shard_services.services, 1, runtime_options=OPTIONS)
+    calls: list[tuple[float, str]] = []
+
+    def slow(topic: str, payload: Any) -> None:
+        time.sleep(0.05)
+        calls.append((time.monotonic(), topic))
+
+    shards.subscribe("*", slow)
+    for n in range(5):
+        shards.run("room", Input(id=f"in-{n}", content="hi"))
+    shards.shutdown(timeout=10)
+    returned = time.monotonic()
+    delivered = len(calls)
+    time.sleep(1.0)
+    assert len(calls) == delivered, f"{len(calls) - delivered} callbacks after shutdown"
+    assert all(at <= returned for at, _ in calls)
+    assert [t for _, t in calls].count("turn:ended") == 5
+
+
+def test_an_event_msgpack_cannot_carry_is_counted_and_the_next_ones_still_come(
+    tmp_path: Path,
+) -> None:
+    """A hook publishing a payload of its own (an object msgpack cannot carry): that
+    event is not sent, and ``info()`` counts it with the dropped ones; the worker's
+    later events still come. It was left out with no trace in the parent."""
+    shards = ProcessShards(
+        tmp_path / "s", shard_services.odd_payload_services, 1, runtime_options=OPTIONS
+    )
+    try:
+        seen: list[tuple[str, Any]] = []
+        shards.subscribe("*", lambda topic, payload: seen.append((topic, payload)))
+        for n in range(3):
+            shards.run("room", Input(id=f"in-{n}", content="hi"))
+        _wait_for(lambda: [t for t, _ in seen].count("turn:ended") == 3, "the turns' ends")
+        custom = [(t, p) for t, p in seen if t.startswith("custom:")]
+        assert custom == [
+            (topic, payload)
+            for n in (1, 2, 3)
+            for topic, payload in (("custom:set", {"n": n, "tags": ["a"]}), ("custom:ok", {"n": n}))
+        ]
+        assert shards.info()[0]["events_dropped"] == 3
+    finally:
+        shards.shutdown(timeout=10)
