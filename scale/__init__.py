@@ -16,14 +16,15 @@ __all__ = ["ForwardedBus", "with_input_id"]
 
 
 class _Follows(Protocol):
-    def _follow(self) -> None: ...
+    def _follow(self, *, wait: bool = True) -> None: ...
 
 
 class ForwardedBus(EventBus):
     """The bus of a client whose sessions run in other processes (worker processes, Ray
     shards): their events are published on it, and each change of its subscriptions
     calls its owner's ``_follow()`` (the owner held weakly), which tells the shards the
-    topics wanted now."""
+    topics wanted now: a subscription waits (a moment at most) until they follow it, an
+    unsubscription does not (this bus calls the function no more already)."""
 
     def __init__(self, owner: _Follows) -> None:
         super().__init__()
@@ -35,14 +36,14 @@ class ForwardedBus(EventBus):
 
         def forwarded_unsubscribe() -> None:
             unsubscribe()
-            self._follow()
+            self._follow(wait=False)
 
         return forwarded_unsubscribe
 
-    def _follow(self) -> None:
+    def _follow(self, *, wait: bool = True) -> None:
         owner = self._owner()
         if owner is not None:
-            owner._follow()
+            owner._follow(wait=wait)
 
 
 def with_input_id(inp: Input) -> Input:

@@ -104,7 +104,7 @@ from aalis_agent.actors.messages import InputOutcome
 from aalis_agent.events.codec import checked_input, checked_session_id, clean_text
 from aalis_agent.events.errors import InvalidInput, RunError, RuntimeClosed, UsageError
 from aalis_agent.events.schema import Input
-from aalis_agent.scale import with_input_id
+from aalis_agent.scale import ForwardedBus, with_input_id
 from aalis_agent.scale.ownership import shard_of
 from aalis_agent.scale.reshard import (
     MAX_SHARDS,
@@ -1204,31 +1204,6 @@ def _outcome(answer: list[Any]) -> InputOutcome:
     raise RunError(f"unexpected answer from a shard: {kind!r}")
 
 
-class _ForwardedBus(EventBus):
-    """The parent's bus: its shards' workers publish on it (see
-    :meth:`ProcessShards.subscribe`); its subscriptions tell the workers which topics
-    to send."""
-
-    def __init__(self, owner: ProcessShards) -> None:
-        super().__init__()
-        self._owner = weakref.ref(owner)
-
-    def subscribe(self, topic: str, fn: Callable[[str, Any], None]) -> Callable[[], None]:
-        unsubscribe = super().subscribe(topic, fn)
-        self._follow()
-
-        def forwarded_unsubscribe() -> None:
-            unsubscribe()
-            self._follow(wait=False)  # this bus calls it no more already
-
-        return forwarded_unsubscribe
-
-    def _follow(self, *, wait: bool = True) -> None:
-        owner = self._owner()
-        if owner is not None:
-            owner._follow(wait=wait)
-
-
 def _at_exit(ref: weakref.ref[ProcessShards]) -> None:
     shards = ref()
     if shards is not None and not shards._closed:
@@ -1398,7 +1373,7 @@ class ProcessShards:
         self.quick_s = float(quick_s)
         self.event_backlog = event_backlog
         self._closed = False
-        self.bus: EventBus = _ForwardedBus(self)
+        self.bus: EventBus = ForwardedBus(self)
         self._feeds_lock = threading.Lock()
         self._authkey = os.urandom(32)
         self._sockets = tempfile.mkdtemp(prefix="aalis-shards-")  # mode 0700

@@ -822,10 +822,10 @@ class ShardedRuntime:
         self._refuse_if_closed("subscribe")
         return self.bus.subscribe(topic, fn)
 
-    def _follow(self) -> None:
+    def _follow(self, *, wait: bool = True) -> None:
         """The subscriptions changed: tell the live shards the topics wanted now (the
-        first time, each shard gets its feed) and wait (a moment at most) until they
-        follow them."""
+        first time, each shard gets its feed) and wait (a moment at most; not with
+        ``wait`` false, for an unsubscription) until they follow them."""
         with self._follow_lock:
             if self._closed:
                 return
@@ -845,6 +845,8 @@ class ShardedRuntime:
                 dead = self._dead.get(index)
                 if dead is None or dead[0] is not actor:
                     refs.append(actor.follow.remote(version, topics))
+        if not wait:
+            return
         deadline = time.monotonic() + _FOLLOW_S
         for ref in refs:
             with contextlib.suppress(Exception):  # dead or restarting: its next call follows
