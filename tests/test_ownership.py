@@ -15,6 +15,7 @@ This file is also the worker: ``python tests/test_ownership.py URL SIDE TAG SEED
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -175,15 +176,19 @@ def test_a_runtime_paused_past_its_lease_does_not_act_for_the_session_after(
             closing.close()
 
 
-@pytest.mark.parametrize("kind", ["delete", "clear"])
-def test_a_lease_taken_over_mid_wind_down_the_first_caller_hears_what_happened(
-    pg_url: str,  # noqa: F811
-    kind: str,
-) -> None:
-    """A's deletion (or /clear) waits for a tool that ignores the stop when A's lease is
-    taken over: B's recovery finishes the wind-down begun in the log, once. A's caller is
-    told that: begun in the log, finished by the session's next start (which B may have
-    made already); not that the turn's inputs run when the session starts again."""
+@dataclasses.dataclass
+class _MidWindDown:
+    leases_a: PostgresLeases
+    handle: Any  # i1's, in the turn the wind-down stops
+    asked: Any  # the deletion's (or clear's) future
+    gate: threading.Event  # set: the stubborn tool returns
+
+
+@contextlib.contextmanager
+def _taken_over_mid_wind_down(url: str, kind: str) -> Iterator[_MidWindDown]:
+    """Runtime A's deletion (``kind`` "delete") or /clear waits for a tool that ignores
+    the stop; A's lease then expires (A "paused", no renewal) and runtime B takes the
+    session over, running i2. Everything is shut down and closed after the block."""
     gate, started = threading.Event(), threading.Event()
 
     def stubborn(args: Any, ctx: Any) -> str:
@@ -191,7 +196,7 @@ def test_a_lease_taken_over_mid_wind_down_the_first_caller_hears_what_happened(
         gate.wait(30)  # does not watch the stop
         return "迟了"
 
-    store_a, store_b = PostgresEventStore(pg_url), PostgresEventStore(pg_url)
+    store_a, store_b = PostgresEventStore(url), PostgresEventStore(url)
     leases_a = PostgresLeases(store_a, owner="runtime-a", ttl_s=TTL_S, renew_s=3600)
     leases_b = PostgresLeases(store_b, owner="runtime-b", ttl_s=TTL_S)
     tools = ToolRegistry([Tool("lookup", stubborn)])
@@ -207,9 +212,30 @@ def test_a_lease_taken_over_mid_wind_down_the_first_caller_hears_what_happened(
         assert started.wait(10)
         asked = a._begin_delete("s") if kind == "delete" else a._begin_clear("s")
         assert wait_until(lambda: bool(a.view("s").queue.winding_down), 10)
-        with psycopg.connect(pg_url, autocommit=True) as conn:  # A "paused" past its ttl
+        with psycopg.connect(url, autocommit=True) as conn:  # A "paused" past its ttl
             conn.execute("UPDATE aalis_leases SET expires_at = now() - interval '1 s'")
         assert b.submit("s", Input(id="i2", content="二")).result(timeout=30).outcome == "replied"
+        yield _MidWindDown(leases_a, handle, asked, gate)
+    finally:
+        gate.set()
+        for runtime in (a, b):
+            runtime.shutdown(timeout=10)
+        for closing in (leases_a, leases_b, store_a, store_b):
+            closing.close()
+        pykka.ActorRegistry.stop_all()
+
+
+@pytest.mark.parametrize("kind", ["delete", "clear"])
+def test_a_lease_taken_over_mid_wind_down_the_first_caller_hears_what_happened(
+    pg_url: str,  # noqa: F811
+    kind: str,
+) -> None:
+    """A's deletion (or /clear) waits for a tool that ignores the stop when A's lease is
+    taken over: B's recovery finishes the wind-down begun in the log, once. A's caller is
+    told that: begun in the log, finished by the session's next start (which B may have
+    made already); not that the turn's inputs run when the session starts again."""
+    with _taken_over_mid_wind_down(pg_url, kind) as t:
+        leases_a, handle, asked, gate = t.leases_a, t.handle, t.asked, t.gate
         assert leases_a.renew() == ["s"]
         with pytest.raises(RuntimeClosed) as info:
             asked.result(timeout=10)
@@ -227,13 +253,6 @@ def test_a_lease_taken_over_mid_wind_down_the_first_caller_hears_what_happened(
         assert f"while its {what} wound down: the {what}, begun in its log" in text, text
         assert "this input does not run" in text, text
         assert "runs when the session is next started" not in text, text
-    finally:
-        gate.set()
-        for runtime in (a, b):
-            runtime.shutdown(timeout=10)
-        for closing in (leases_a, leases_b, store_a, store_b):
-            closing.close()
-        pykka.ActorRegistry.stop_all()
     with PostgresEventStore(pg_url, read_only=True) as reader:
         events = reader.read("s")
     finished = [e for e in events if type(e).__name__ in ("SessionDeleted", "ContextCleared")]
@@ -258,32 +277,8 @@ def test_a_wind_down_whose_finishing_write_loses_to_a_new_owner_says_it_is_begun
     general "restarts from it at its next use"."""
     from aalis_agent.events.errors import SessionFailed
 
-    gate, started = threading.Event(), threading.Event()
-
-    def stubborn(args: Any, ctx: Any) -> str:
-        started.set()
-        gate.wait(30)  # does not watch the stop
-        return "迟了"
-
-    store_a, store_b = PostgresEventStore(pg_url), PostgresEventStore(pg_url)
-    leases_a = PostgresLeases(store_a, owner="runtime-a", ttl_s=TTL_S, renew_s=3600)
-    leases_b = PostgresLeases(store_b, owner="runtime-b", ttl_s=TTL_S)
-    tools = ToolRegistry([Tool("lookup", stubborn)])
-    a = Runtime(
-        store_a,
-        Services(llm=ScriptedModel(tool_then_reply("甲")), tools=tools),
-        janitor=False,
-        ownership=leases_a,
-    )
-    b = _runtime(store_b, leases_b, "乙")
-    try:
-        handle = a.submit("s", Input(id="i1", content="一"))
-        assert started.wait(10)
-        asked = a._begin_delete("s") if kind == "delete" else a._begin_clear("s")
-        assert wait_until(lambda: bool(a.view("s").queue.winding_down), 10)
-        with psycopg.connect(pg_url, autocommit=True) as conn:  # A "paused" past its ttl
-            conn.execute("UPDATE aalis_leases SET expires_at = now() - interval '1 s'")
-        assert b.submit("s", Input(id="i2", content="二")).result(timeout=30).outcome == "replied"
+    with _taken_over_mid_wind_down(pg_url, kind) as t:
+        handle, asked, gate = t.handle, t.asked, t.gate
         gate.set()  # A's turn settles: its record is refused, B wrote first
         with pytest.raises(SessionFailed) as info:
             asked.result(timeout=10)
@@ -297,13 +292,6 @@ def test_a_wind_down_whose_finishing_write_loses_to_a_new_owner_says_it_is_begun
         assert isinstance(info.value.__cause__, ConcurrencyConflict)
         with pytest.raises(SessionFailed):
             handle.result(timeout=10)
-    finally:
-        gate.set()
-        for runtime in (a, b):
-            runtime.shutdown(timeout=10)
-        for closing in (leases_a, leases_b, store_a, store_b):
-            closing.close()
-        pykka.ActorRegistry.stop_all()
     with PostgresEventStore(pg_url, read_only=True) as reader:
         events = reader.read("s")
     finished = [e for e in events if type(e).__name__ in ("SessionDeleted", "ContextCleared")]
