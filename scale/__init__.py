@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
+from aalis_agent.events.errors import RuntimeClosed
 from aalis_agent.events.schema import Input
 from aalis_agent.services.bus import EventBus
 
@@ -16,6 +17,8 @@ __all__ = ["ForwardedBus", "with_input_id"]
 
 
 class _Follows(Protocol):
+    _closed: bool
+
     def _follow(self, *, wait: bool = True) -> None: ...
 
 
@@ -31,6 +34,12 @@ class ForwardedBus(EventBus):
         self._owner = weakref.ref(owner)
 
     def subscribe(self, topic: str, fn: Callable[[str, Any], None]) -> Callable[[], None]:
+        """As :meth:`EventBus.subscribe`; :class:`RuntimeClosed` once the owner is shut
+        down (nothing would be published on it any more)."""
+        owner = self._owner()
+        if owner is None or owner._closed:
+            raise RuntimeClosed("subscribe: the shards are shut down")
+        del owner
         unsubscribe = super().subscribe(topic, fn)
         self._follow()
 

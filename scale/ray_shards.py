@@ -378,6 +378,9 @@ class _EventBuffer:
             data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
             log.warning("a bus event cannot be sent to the driver", topic=topic, error=repr(exc))
+            with self.cv:  # counted for the driver, as ProcessShards counts its own kind
+                self.dropped += 1
+                self.dropped_total += 1
             return
         with self.cv:
             if self.closed:
@@ -795,7 +798,8 @@ class ShardedRuntime:
 
         The payload is the runtime's, pickled in the shard as it is published (one that does
         not pickle, as a hook's lambda, is not sent: a warning in the shard's log names its
-        topic). ``fn`` runs on the shard's event thread in this process (one a shard,
+        topic, and ``info()`` counts it among ``events_dropped``). ``fn`` runs on the
+        shard's event thread in this process (one a shard,
         started by the first subscription), so the events of a shard (of a session) come in
         the order the shard published them; events of different shards in no given order. A
         shard subscribes only to the topics someone here subscribed to (nothing with no

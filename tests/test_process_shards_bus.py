@@ -242,6 +242,8 @@ def test_subscribe_refuses_what_it_cannot_call(tmp_path: Path) -> None:
         shards.shutdown(timeout=10)
     with pytest.raises(RuntimeClosed):
         shards.subscribe("*", print)
+    with pytest.raises(RuntimeClosed):  # its bus too: nothing would come any more
+        subscribe_typed(shards.bus, print)
 
 
 def test_a_subscriber_subscribing_from_its_own_callback_does_not_wait_for_itself(

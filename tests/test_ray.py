@@ -1165,3 +1165,44 @@ def test_shutdown_stops_every_shard_at_once_and_delivers_their_last_events(
     finally:
         if not closed:
             client.shutdown()
+
+
+def test_a_shards_event_that_does_not_pickle_is_counted_for_the_driver() -> None:
+    """A bus event a shard cannot pickle (a hook's lambda) is not sent: the next fetch
+    counts it among the events dropped (``info()["events_dropped"]``), and the events
+    after it still come. (The shard's buffer itself, over a real bus.)"""
+    from aalis_agent.scale.ray_shards import _EventBuffer
+    from aalis_agent.services.bus import EventBus
+
+    bus = EventBus()
+    buffer = _EventBuffer(bus, 0)
+    buffer.follow(1, ["hook:event"])
+    bus.publish("hook:event", lambda: None)
+    bus.publish("hook:event", {"n": 1})
+    _, items, dropped = buffer.fetch(buffer.incarnation, 0, 0)
+    assert dropped == 1 and buffer.dropped_total == 1
+    assert [(seq, topic) for seq, topic, _ in items] == [(1, "hook:event")]
+
+
+def test_the_clients_bus_refuses_a_subscription_after_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``subscribe_typed(client.bus, ...)`` after ``shutdown()`` raises RuntimeClosed, as
+    ``client.subscribe`` does (it was taken, and nothing ever came). (A stand-in for the
+    actors, as in the test of calls after shutdown.)"""
+    from aalis_agent.events.errors import RuntimeClosed
+    from aalis_agent.scale import ForwardedBus, ray_shards
+    from aalis_agent.services.bus_events import subscribe_typed
+
+    monkeypatch.setattr(ray_shards.ray, "get", lambda ref, timeout=None: ref)
+    monkeypatch.setattr(ray_shards.ray, "kill", lambda actor, no_restart=True: None)
+    client = object.__new__(ray_shards.ShardedRuntime)
+    client.shards = 0
+    client._dead, client._closed = {}, False
+    client.actors = []
+    client.bus = ForwardedBus(client)
+    client.shutdown()
+    with pytest.raises(RuntimeClosed):
+        subscribe_typed(client.bus, print)
+    with pytest.raises(RuntimeClosed):
+        client.subscribe("*", print)
