@@ -310,6 +310,7 @@ def reshard(
             held: list[str] = []
             try:
                 try:
+                    _enough_files(journal.old)
                     for i in range(journal.old):
                         held.append(acquire_writer(str(_shard_file(folder, i))))
                     sessions, events = _copy(folder, journal, progress)
@@ -333,6 +334,33 @@ def reshard(
         (folder / JOURNAL).unlink()
         _sync_folder(folder)
         return ReshardDone(journal.old, journal.to, sessions, events, folder / journal.kept)
+
+
+# Open files the copy needs: the old shard files are open together (a store holds its
+# database, WAL, shared memory and writer lock, and the copy holds each writer lock once
+# more), with one new file and a margin besides.
+_FILES_PER_OLD = 5
+_FILES_MORE = 32
+
+
+def _enough_files(old: int) -> None:
+    """Raise this process's limit of open files (its soft limit, up to the hard one) to
+    what a copy from ``old`` shard files needs, or refuse naming the limit."""
+    need = _FILES_PER_OLD * old + _FILES_MORE
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not a POSIX system
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise UsageError(
+            f"reshard: copying from {old} shard files needs about {need} open files, and "
+            f"this process may open {hard} at most (ulimit -Hn): raise that limit, or "
+            "reshard in steps (nothing was changed)"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def _abandon(directory: Path, journal: _Journal) -> None:

@@ -161,6 +161,44 @@ def test_many_shards_within_a_small_limit_of_open_files(
     assert _events(folder, 40) == template[1]
 
 
+def _made_with(folder: Path, shards: int) -> dict[str, list[object]]:
+    with ProcessShards(folder, shard_services.services, shards=shards) as ps:
+        for sid in SESSIONS:
+            assert ps.run(sid, Input(id=f"{sid}/0", content="hi")).outcome == "replied"
+    return _events(folder, shards)
+
+
+@pytest.mark.parametrize(("hard", "works"), [(4096, True), (64, False)])
+def test_many_old_shards_raise_the_open_file_limit_or_are_refused(
+    tmp_path: Path, hard: int, works: bool
+) -> None:
+    """40 old shard files are open together while they are copied (five files each):
+    under a soft limit of 64 the reshard raises it toward the hard limit; when the hard
+    limit is too low it is refused before anything changes, naming it."""
+    folder = tmp_path / "shards"
+    before = _made_with(folder, 40)
+    code = (
+        "import resource, sys\n"
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, (64, {hard}))\n"
+        "from aalis_agent.scale.reshard import reshard\n"
+        "print(reshard(sys.argv[1], 2).sessions)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=120
+    )
+    if works:
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip() == str(len(SESSIONS))
+        assert _events(folder, 2) == before
+    else:
+        assert done.returncode != 0
+        assert "needs about 232 open files" in done.stderr, done.stderr[-2000:]
+        assert "may open 64 at most (ulimit -Hn)" in done.stderr
+        assert not (folder / JOURNAL).exists()
+        assert json.loads((folder / MANIFEST).read_text())["shards"] == 40
+        assert _events(folder, 40) == before
+
+
 def test_the_old_files_stay_locked_until_moved_aside(
     template: tuple[Path, dict[str, list[object]]],
     tmp_path: Path,
